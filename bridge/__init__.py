@@ -1,0 +1,1 @@
+"""HF <-> Megatron checkpoint conversion for GLM-5.x."""

@@ -1,0 +1,66 @@
+"""Test harness: explicit CPU mode for megatron-core, a single-process gloo fixture, torchrun helper.
+
+The CPU shims come from the library's one documented switch (``megatron_glm5.cpu.enable_cpu_mode``) and are turned
+on here for the session, never at import of the library.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # megatron's jit_fuser is torch.compile: slow and useless on CPU
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+from megatron_glm5.cpu import disable_cpu_mode, enable_cpu_mode
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (run on the H200 machine)")
+    config.addinivalue_line("markers", "slow: takes more than ~30 s on 2 CPU cores")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device; CI is CPU-only (these run on the H200 machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def megatron_cpu_mode():
+    """megatron-core's few direct ``torch.cuda.current_device()`` calls answer "cpu" for the whole session."""
+    active = enable_cpu_mode()
+    yield active
+    disable_cpu_mode()
+
+
+@pytest.fixture(scope="session")
+def gloo_world():
+    """A single-process gloo world (rank 0 of 1) for the session."""
+    from megatron_glm5.parallel import ensure_process_group
+
+    ensure_process_group()
+    yield
+    # Left initialised until the interpreter exits: destroying and re-creating gloo groups in one process is flaky.
+
+
+@pytest.fixture
+def model_parallel(gloo_world):
+    """megatron-core parallel state at TP=PP=EP=1 (factory for other sizes in a 1-process world), torn down after."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_glm5.parallel import initialize_model_parallel
+
+    def init(**sizes):
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        initialize_model_parallel(**sizes)
+
+    init()
+    yield init
+    ps.destroy_model_parallel()

@@ -1,0 +1,49 @@
+"""Run a test body under ``torchrun --nproc-per-node N`` (gloo on CPU) and collect each rank's result.
+
+A body is a module-level function ``fn(rank: int, world_size: int, **kwargs) -> dict`` (JSON-serialisable). The
+entry point (``tests/_torchrun_entry.py``) initialises gloo, turns on the library's CPU mode, calls the function and
+writes ``rank{r}.json``; this helper fails the test with the ranks' stderr when any rank fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from contextlib import closing
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_torchrun(target: str, tmp_path: Path, *, nproc: int = 2, timeout: int = 600, **kwargs) -> list[dict]:
+    """``target`` is ``"tests.module:function"``. Returns the per-rank result dicts, rank order."""
+    out_dir = Path(tmp_path) / f"torchrun_{target.replace(':', '_').replace('.', '_')}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env.update(TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}")
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
+        str(REPO / "tests" / "_torchrun_entry.py"), target, str(out_dir), json.dumps(kwargs),
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"torchrun {target} failed (rc={proc.returncode})\n--- stdout ---\n{proc.stdout[-6000:]}\n"
+            f"--- stderr ---\n{proc.stderr[-12000:]}"
+        )
+    results = []
+    for r in range(nproc):
+        f = out_dir / f"rank{r}.json"
+        assert f.is_file(), f"rank {r} wrote no result ({f})\n{proc.stderr[-4000:]}"
+        results.append(json.loads(f.read_text()))
+    return results
