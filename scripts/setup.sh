@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Set up megatron-glm5 on a fresh machine: find Python 3.12, make .venv, install the project editable.
-#   bash scripts/setup.sh                 # core + dev extras (what the tests need)
-#   bash scripts/setup.sh --with-tilelang # also the TileLang kernels (they run only on a GPU)
+#   bash scripts/setup.sh               # core + dev + tilelang extras (TileLang imports and compiles on CPU)
+#   bash scripts/setup.sh --no-tilelang # without TileLang (its kernels only run on a GPU anyway)
 # Only the package registries need to be reachable. Re-running it is cheap: pip skips what is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-extras="dev"
+extras="dev,tilelang"
 for arg in "$@"; do
   case "$arg" in
-    --with-tilelang) extras="dev,tilelang" ;;
-    *) echo "setup.sh: unknown option '$arg' (known: --with-tilelang)" >&2; exit 2 ;;
+    --no-tilelang) extras="dev" ;;
+    *) echo "setup.sh: unknown option '$arg' (known: --no-tilelang)" >&2; exit 2 ;;
   esac
 done
 
