@@ -1,0 +1,241 @@
+"""GLM-5.x DSA attention for the ``megatron`` backend: megatron-core's AbsorbedMLA projections and DSA indexer, with
+the top-k passed explicitly between layers (IndexShare) instead of megatron-core's holder stashed on the config, the
+mask or ``packed_seq_params``.
+
+* :class:`GLMAbsorbedMLASelfAttention` is megatron-core's ``AbsorbedMLASelfAttention`` (same parameters, same
+  q/kv/RoPE math via ``get_query_key_value_tensors``) whose ``forward`` takes the layer's incoming top-k
+  (``dsa_topk``) and returns ``(output, bias, topk)``. The top-k is computed *before* the (optionally checkpointed)
+  core attention, so selective ``core_attn`` recompute replays the saved indices and never re-runs the indexer.
+* :class:`GLMSparseAttention` is the core attention: megatron-core's ``DSAIndexer`` on "full" layers (none on
+  "shared" layers, so they own no indexer parameters), causal per-sequence top-k padded to a fixed width with -1, and
+  sparse attention over the absorbed latent. With ``dsa_kernel_backend != "none"`` both steps go through
+  megatron-core's fused kernel hooks (TileLang / cuDNN); when a hook declines (or on CPU) the chunked pure-PyTorch
+  path of :mod:`megatron_glm5.dsa.reference` runs, whose peak memory is O(chunk x S) instead of megatron-core's
+  dense ``[b, heads, S, S]`` fallback.
+
+Context parallelism is not supported here (a clear error); the ``tilelang`` backend owns CP.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.experimental_attention_variant import dsa_kernels
+from megatron.core.transformer.experimental_attention_variant.absorbed_mla import AbsorbedMLASelfAttention
+from megatron.core.transformer.experimental_attention_variant.dsa import DSAttentionSubmodules
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import build_module
+
+from . import reference
+from .layout import TokenLayout
+
+IndexerType = str  # "full" | "shared"
+
+# Query rows per chunk of the torch top-k and sparse-attention paths; bounds their temporaries to
+# chunk x S fp32 (indexer) and chunk x topk x d (attention).
+TORCH_CHUNK = 1024
+FUSED_INDEXER_BLOCK = 8192  # megatron-core's query block for its TileLang indexer
+
+
+def select_topk(
+    config,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weights: torch.Tensor,
+    layout: TokenLayout,
+    topk: int,
+) -> torch.Tensor:
+    """Causal top-k over flattened rows: megatron-core's fused hook when configured and accepted, else the chunked
+    torch reference. Always returns int32 ``[T, topk]`` (fixed width, -1 tail padding)."""
+    idx = None
+    if dsa_kernels.use_fused_dsa_kernels(config) and q.is_cuda:
+        fused = dsa_kernels.run_fused_qk_topk(
+            config,
+            q.unsqueeze(1),
+            k.unsqueeze(1),
+            weights.unsqueeze(1),
+            topk,
+            layout.starts,
+            layout.ends,
+            block_size=FUSED_INDEXER_BLOCK,
+            use_relu=True,
+        )
+        if fused is not None:
+            idx = fused[0][0].to(torch.int32)  # [1, T, min(topk, T)] -> [T, k]
+    if idx is None:
+        idx = reference.indexer_topk(q, k, weights, layout.starts, layout.ends, topk, chunk=TORCH_CHUNK)
+    return reference.pad_topk(idx, topk)
+
+
+def sparse_attention(
+    config,
+    query: torch.Tensor,
+    kv: torch.Tensor,
+    topk: torch.Tensor,
+    softmax_scale: float,
+    d_v: int,
+) -> torch.Tensor:
+    """Absorbed sparse MLA over flattened rows: ``query [T, H, D]``, ``kv [T, D]``, ``topk [T, K]`` ->
+    ``[T, H, d_v]``. megatron-core's fused hook when configured and accepted, else the chunked torch path."""
+    if dsa_kernels.use_fused_dsa_kernels(config) and query.is_cuda:
+        out = dsa_kernels.run_fused_absorbed_sparse_attention(
+            config, query.unsqueeze(1), kv[:, None, None, :], topk.unsqueeze(0), softmax_scale, d_v
+        )
+        if out is not None:
+            return out[:, 0]
+    out, _ = reference.sparse_mla(query, kv, topk, softmax_scale, d_v, chunk=TORCH_CHUNK)
+    return out
+
+
+class GLMSparseAttention(MegatronModule):
+    """DSA core attention on the absorbed latent; see the module docstring. Constructor arguments follow
+    megatron-core's ``DSAttention`` so AbsorbedMLA builds it the same way; ``indexer_type`` comes from the spec."""
+
+    consumes_absorbed_v_up_projection = True
+    requires_dsa_inputs = True
+
+    def __init__(
+        self,
+        config,
+        submodules: DSAttentionSubmodules,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
+        cp_comm_type: str = "p2p",
+        pg_collection=None,
+        *,
+        indexer_type: IndexerType = "full",
+    ):
+        super().__init__(config=config)
+        if indexer_type not in ("full", "shared"):
+            raise ValueError(f"indexer_type: expected 'full' or 'shared', got {indexer_type!r}")
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"GLM-5.x DSA attention is causal; got attn_mask_type={attn_mask_type}")
+        if config.context_parallel_size > 1:
+            raise NotImplementedError(
+                "the 'megatron' GLM-5.x backend does not support context_parallel_size > 1; use CP=1"
+            )
+        if not config.dsa_indexer_scoring_relu:
+            raise ValueError("GLM-5.x indexer scores are ReLU'd: dsa_indexer_scoring_relu must be True")
+        if config.dsa_indexer_loss_coeff:
+            raise NotImplementedError(
+                "dsa_indexer_loss_coeff > 0 is not supported by megatron-glm5 yet (GLM RL trains with the indexer "
+                "frozen); set dsa_indexer_loss_coeff=0"
+            )
+        self.layer_number = layer_number
+        self.indexer_type = indexer_type
+        self.index_topk = config.dsa_indexer_topk
+        self.softmax_scale = softmax_scale
+        self.v_channels = v_channels
+        self.indexer = (
+            build_module(submodules.indexer, config=config, pg_collection=pg_collection)
+            if indexer_type == "full"
+            else None
+        )
+
+    @property
+    def computes_topk(self) -> bool:
+        return self.indexer is not None
+
+    @torch.no_grad()
+    def compute_topk(self, x: torch.Tensor, qr: torch.Tensor, packed_seq_params, layout: TokenLayout) -> torch.Tensor:
+        """Run the indexer (no gradient: GLM's LM loss never reaches it) and select the causal top-k.
+        ``x``/``qr`` may be sequence-parallel shards; megatron-core's indexer all-gathers them."""
+        if self.indexer is None:
+            raise RuntimeError(f"layer {self.layer_number} is an IndexShare 'shared' layer and has no indexer")
+        q, k, weights = self.indexer.forward_before_topk(x.detach(), qr.detach(), packed_seq_params)
+        if q.ndim == 3:  # THD without batch dim
+            q, k, weights = q.unsqueeze(1), k.unsqueeze(1), weights.unsqueeze(1)
+        return select_topk(
+            self.config, layout.flatten(q), layout.flatten(k), layout.flatten(weights), layout, self.index_topk
+        )
+
+    def forward(
+        self, query: torch.Tensor, kv: torch.Tensor, up_v_weight: torch.Tensor, topk: torch.Tensor
+    ) -> torch.Tensor:
+        """``query [T, H, D]``, ``kv [T, D]``, ``up_v_weight [H, v_head_dim, kv_lora_rank]``, ``topk [T, K]`` ->
+        ``[T, H * v_head_dim]`` (V up-projection applied)."""
+        latent = sparse_attention(self.config, query, kv, topk, self.softmax_scale, self.v_channels)  # [T, H, r]
+        out = torch.einsum("thc,hdc->thd", latent, up_v_weight.to(latent.dtype))
+        return out.reshape(out.shape[0], -1)
+
+
+class GLMAbsorbedMLASelfAttention(AbsorbedMLASelfAttention):
+    """megatron-core's AbsorbedMLA whose forward carries the DSA top-k explicitly (see module docstring)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.core_attention, GLMSparseAttention):
+            raise TypeError(
+                f"GLMAbsorbedMLASelfAttention needs GLMSparseAttention as core_attention, got {type(self.core_attention)}"
+            )
+
+    @property
+    def computes_topk(self) -> bool:
+        return self.core_attention.computes_topk
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        key_value_states=None,
+        inference_context=None,
+        rotary_pos_emb=None,
+        rotary_pos_cos=None,
+        rotary_pos_sin=None,
+        rotary_pos_cos_sin=None,
+        attention_bias=None,
+        packed_seq_params=None,
+        position_ids=None,
+        sequence_len_offset=None,
+        *,
+        inference_params=None,
+        dsa_topk: Optional[torch.Tensor] = None,
+    ):
+        """Returns ``(output, bias, topk)``; ``dsa_topk`` must be given on a shared layer and is reused as-is on a
+        full layer (replay: activation recompute, or indices provided by the caller)."""
+        if inference_context is not None or inference_params is not None:
+            raise NotImplementedError("GLM-5.x DSA attention supports training and forward only, not an inference cache")
+        if rotary_pos_emb is not None or attention_bias is not None:
+            raise ValueError("MLA applies its own RoPE; rotary_pos_emb and attention_bias must be None")
+
+        q_absorbed, kv_compressed, q_compressed = self.get_query_key_value_tensors(
+            hidden_states, key_value_states, packed_seq_params
+        )
+        _, v_up_weight = self._get_kv_up_weights()
+        thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        if thd:  # q [t, H, D], kv [t, 1, D]
+            layout = TokenLayout.build(q_absorbed.shape[0], 1, q_absorbed.device, packed_seq_params)
+            query, kv = q_absorbed, kv_compressed[:, 0]
+        else:  # q [s, b, H, D], kv [s, b, 1, D]
+            s, b = q_absorbed.shape[:2]
+            layout = TokenLayout.build(s, b, q_absorbed.device)
+            query, kv = layout.flatten(q_absorbed), layout.flatten(kv_compressed)[:, 0]
+
+        topk = dsa_topk
+        if topk is None:
+            topk = self.core_attention.compute_topk(hidden_states, q_compressed, packed_seq_params, layout)
+        elif topk.shape != (layout.num_rows, self.core_attention.index_topk):
+            raise ValueError(
+                f"layer {self.layer_number}: top-k indices must be [{layout.num_rows}, "
+                f"{self.core_attention.index_topk}] (flattened rows x index_topk), got {tuple(topk.shape)}"
+            )
+
+        if self.checkpoint_core_attention and self.training:
+            core_out = tensor_parallel.checkpoint(self.core_attention, False, query, kv, v_up_weight, topk)
+        else:
+            core_out = self.core_attention(query, kv, v_up_weight, topk)
+        core_out = layout.unflatten(core_out)  # [s, b, H * v_head_dim]
+
+        if self.recompute_up_proj:
+            self.qkv_up_checkpoint.discard_output_and_register_recompute(core_out)
+            self.qkv_up_checkpoint = None
+        output, bias = self.linear_proj(core_out)
+        return output, bias, topk

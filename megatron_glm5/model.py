@@ -1,0 +1,63 @@
+"""Build a megatron-core ``GPTModel`` for a GLM-5.x architecture (the model provider of our entry points)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .config import GLM5Architecture, RuntimePolicy, build_transformer_config, gpt_model_kwargs, load_hf_config, parse_hf_config
+from .spec import build_glm5_block_spec, build_glm5_mtp_spec
+
+
+def build_model(
+    arch: GLM5Architecture,
+    policy: RuntimePolicy | None = None,
+    *,
+    backend: str = "megatron",
+    config=None,
+    vp_stage: int | None = None,
+    pre_process: bool | None = None,
+    post_process: bool | None = None,
+    indexer_types: Sequence[str] | None = None,
+):
+    """A GPTModel for this rank's pipeline stage (megatron-core parallel state must be initialised).
+
+    ``config`` overrides the ``MLATransformerConfig`` built from ``arch`` and ``policy`` (Megatron-LM builds its own
+    from flags); ``indexer_types`` defaults to the architecture's IndexShare pattern.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    config = config if config is not None else build_transformer_config(arch, policy)
+    if pre_process is None:
+        pre_process = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+    if post_process is None:
+        post_process = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+    types = tuple(indexer_types) if indexer_types is not None else arch.indexer_types
+    block = build_glm5_block_spec(config, backend=backend, vp_stage=vp_stage, indexer_types=types)
+    mtp = build_glm5_mtp_spec(config, backend=backend)
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=block,
+        mtp_block_spec=mtp,
+        pre_process=pre_process,
+        post_process=post_process,
+        vp_stage=vp_stage,
+        **gpt_model_kwargs(arch),
+    )
+
+
+def build_model_from_hf_config(
+    hf_path: str | Path, policy: RuntimePolicy | None = None, *, backend: str = "megatron", **kwargs
+):
+    """``build_model`` for the architecture in ``hf_path``'s ``config.json`` (weights are not loaded)."""
+    return build_model(parse_hf_config(load_hf_config(hf_path)), policy, backend=backend, **kwargs)
+
+
+def default_cpu_policy(**overrides) -> RuntimePolicy:
+    """Policy for fp32 CPU runs (tests, the demo): deterministic CPU initialisation, torch paths everywhere."""
+    kw = dict(params_dtype=torch.float32, use_cpu_initialization=True, dsa_kernel_backend="none")
+    kw.update(overrides)
+    return RuntimePolicy(**kw)

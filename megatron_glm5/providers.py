@@ -1,0 +1,104 @@
+"""Module providers for the GLM-5.x block spec: Transformer Engine when installed, else a local (torch) one.
+
+megatron-core's ``LocalSpecProvider`` cannot build its own DSA spec (no ``linear()`` for the indexer's duplicated
+projections, and ``WrappedTorchNorm`` refuses sequence parallelism, which AbsorbedMLA requires under TP). The local
+provider here fills those gaps from public constructors, without patching megatron-core:
+
+* ``linear()`` -> megatron-core's modelopt ``Linear`` (a ``torch.nn.Linear`` accepting ``parallel_mode="duplicated"``).
+* ``down_projection()`` -> ``ColumnParallelLinear``: AbsorbedMLA accepts it for ``linear_q_down_proj`` /
+  ``linear_kv_down_proj`` and all-gathers the TP-sharded output itself (TE builds a duplicated ``TELinear``; the
+  global tensor is the same, so checkpoints interchange).
+* ``layer_norm()`` -> :class:`TorchNorm`: RMSNorm/LayerNorm computed in fp32 (HF's order: normalise in fp32, cast,
+  scale), whose parameters are tagged ``sequence_parallel`` so ``finalize_model_grads`` sums their gradients over TP
+  when their input is sequence-sharded (as ``TENorm`` does).
+* ``replicated_norm()`` -> the same norm without that tag, for the indexer ``k_norm``, which runs on the all-gathered
+  sequence on every TP rank.
+
+Neither provider fuses a norm into the next linear, so parameter names are identical with and without TE.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.extensions.transformer_engine import HAVE_TE
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.post_training.modelopt.layers import Linear as DuplicatedLinear
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+
+class TorchNorm(torch.nn.Module):
+    """RMSNorm or LayerNorm (per ``config.normalization``) computed in fp32, output in the input dtype."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, *, sequence_parallel: bool | None = None, **_):
+        super().__init__()
+        self.rms = config.normalization == "RMSNorm"
+        if config.normalization not in ("RMSNorm", "LayerNorm"):
+            raise ValueError(f"TorchNorm supports RMSNorm and LayerNorm, got normalization={config.normalization!r}")
+        self.eps = eps
+        dtype = config.params_dtype
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype))
+        self.bias = None if self.rms else torch.nn.Parameter(torch.zeros(hidden_size, dtype=dtype))
+        sp = config.sequence_parallel if sequence_parallel is None else sequence_parallel
+        for p in self.parameters():
+            p.sequence_parallel = sp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        if self.rms:
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+            return self.weight * h.to(dtype)
+        h = F.layer_norm(h, h.shape[-1:], self.weight.float(), self.bias.float(), self.eps)
+        return h.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{'RMSNorm' if self.rms else 'LayerNorm'}({self.weight.numel()}, eps={self.eps})"
+
+
+class ReplicatedTorchNorm(TorchNorm):
+    """A :class:`TorchNorm` over a full (TP-replicated) sequence: gradients are not summed over TP."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **kw):
+        super().__init__(config, hidden_size, eps, sequence_parallel=False)
+
+
+class GLMLocalSpecProvider(LocalSpecProvider):
+    """megatron-core's local provider plus what the GLM-5.x DSA spec needs (see module docstring)."""
+
+    def linear(self) -> type:
+        return DuplicatedLinear
+
+    def down_projection(self) -> type:
+        return ColumnParallelLinear
+
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False):
+        return TorchNorm
+
+    def replicated_norm(self):
+        return ReplicatedTorchNorm
+
+
+if HAVE_TE:
+    from megatron.core.extensions.transformer_engine import TELinear, TENorm
+    from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
+    class GLMTESpecProvider(TESpecProvider):
+        """Transformer Engine modules, with norms kept separate from the linears (stable parameter names)."""
+
+        def fuse_layernorm_and_linear(self) -> bool:
+            return False
+
+        def down_projection(self) -> type:
+            return TELinear
+
+        def replicated_norm(self):
+            return TENorm
+
+else:  # pragma: no cover - exercised only where TE is installed
+    GLMTESpecProvider = None  # type: ignore[assignment,misc]
+
+
+def default_provider():
+    """TE modules when Transformer Engine is importable, else the local provider."""
+    return GLMTESpecProvider() if GLMTESpecProvider is not None else GLMLocalSpecProvider()

@@ -1,0 +1,314 @@
+"""Block specs for GLM-5.x on megatron-core, with a small registry of DSA attention backends.
+
+``get_glm5_spec`` is callable three ways:
+
+* Megatron-LM ``pretrain_gpt.py --spec megatron_glm5.spec get_glm5_spec``: called as ``fn(config, vp_stage=...)``
+  with the model config Megatron-LM built from its flags (``get_glm5_tilelang_spec`` selects the fused backend the
+  same way). The IndexShare pattern then comes from ``--dsa-indexer-topk-freq`` / ``--dsa-indexer-skip-topk-offset``.
+* slime / miles: ``fn(args, config, vp_stage)``; the backend comes from ``args.dsa_attention_backend`` when present
+  and the IndexShare pattern from ``args.hf_checkpoint``'s ``config.json`` when present.
+* Python: ``get_glm5_spec(config, backend="megatron"|"tilelang", vp_stage=None, indexer_types=None)``.
+
+It returns a ``TransformerBlockSubmodules`` holding this pipeline stage's layers. Each layer is a
+:class:`~megatron_glm5.layer.GLMTransformerLayer` whose attention is the selected backend's; "shared" (IndexShare)
+layers get no indexer. A stage that would start on a shared layer is refused here, at build time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexer, DSAIndexerSubmodules, DSAttentionSubmodules
+from megatron.core.transformer.experimental_attention_variant.absorbed_mla import AbsorbedMLASelfAttentionSubmodules
+from megatron.core.transformer.multi_token_prediction import (
+    MultiTokenPredictionBlockSubmodules,
+    get_mtp_layer_spec_for_backend,
+)
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules, get_transformer_layer_offset
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+
+from .config import INDEXER_K_NORM_EPS, GLM5ConfigError, load_hf_config, resolve_indexer_types
+from .dsa.attention import GLMAbsorbedMLASelfAttention, GLMSparseAttention
+from .layer import GLMTransformerLayer
+from .providers import default_provider
+
+# --------------------------------------------------------------------------------------------------------------------
+# Backends
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionBackend:
+    """How one DSA backend builds a layer's self-attention spec."""
+
+    name: str
+    build: Callable[[Any, Any, str], ModuleSpec]  # (config, provider, indexer_type) -> self_attention spec
+    description: str
+
+
+def _indexer_spec(provider) -> ModuleSpec:
+    return ModuleSpec(
+        module=DSAIndexer,
+        submodules=DSAIndexerSubmodules(
+            linear_wq_b=provider.linear(),
+            linear_wk=provider.linear(),
+            k_norm=provider.replicated_norm(),
+            linear_weights_proj=provider.linear(),
+        ),
+    )
+
+
+def _mla_submodules(provider, core_attention: ModuleSpec) -> AbsorbedMLASelfAttentionSubmodules:
+    return AbsorbedMLASelfAttentionSubmodules(
+        linear_q_proj=provider.column_parallel_linear(),
+        linear_q_down_proj=provider.down_projection(),
+        linear_q_up_proj=provider.column_parallel_linear(),
+        linear_kv_down_proj=provider.down_projection(),
+        linear_kv_up_proj=provider.column_parallel_linear(),
+        core_attention=core_attention,
+        linear_proj=provider.row_parallel_linear(),
+        q_layernorm=provider.layer_norm(rms_norm=True, for_qk=True),
+        kv_layernorm=provider.layer_norm(rms_norm=True, for_qk=True),
+    )
+
+
+def _megatron_attention(config, provider, indexer_type: str) -> ModuleSpec:
+    core = ModuleSpec(
+        module=GLMSparseAttention,
+        params={"indexer_type": indexer_type},
+        submodules=DSAttentionSubmodules(indexer=_indexer_spec(provider) if indexer_type == "full" else None),
+    )
+    return ModuleSpec(
+        module=GLMAbsorbedMLASelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=_mla_submodules(provider, core),
+    )
+
+
+def _tilelang_attention(config, provider, indexer_type: str) -> ModuleSpec:
+    from .tilelang_attention import build_tilelang_attention_spec
+
+    return build_tilelang_attention_spec(config, provider, indexer_type, _indexer_spec, _mla_submodules)
+
+
+BACKENDS: dict[str, AttentionBackend] = {
+    "megatron": AttentionBackend(
+        "megatron", _megatron_attention, "megatron-core AbsorbedMLA + DSA indexer and its kernel hooks"
+    ),
+    "tilelang": AttentionBackend(
+        "tilelang", _tilelang_attention, "fused TileLangMLASelfAttention with megatron-glm5's TileLang kernels"
+    ),
+}
+
+
+def get_backend(name: str) -> AttentionBackend:
+    try:
+        return BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"unknown GLM-5.x attention backend {name!r}; valid backends: {sorted(BACKENDS)}") from None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# GLM numerics the config must carry (checked, since Megatron-LM builds the config from flags)
+# --------------------------------------------------------------------------------------------------------------------
+
+_REQUIRED = (
+    # (attribute, expected, Megatron-LM flag that sets it)
+    ("multi_latent_attention", True, "--multi-latent-attention"),
+    ("experimental_attention_variant", "dsa", "--experimental-attention-variant dsa"),
+    ("rope_type", "rope", "--rope-type rope (GLM-5.x has no YaRN)"),
+    ("apply_rope_fusion", False, "--no-rope-fusion"),
+    ("dsa_indexer_rope_interleaved", True, "--dsa-indexer-rope-interleaved"),
+    ("dsa_indexer_rotate_activation", False, "--no-dsa-indexer-rotate-activation"),
+    ("dsa_indexer_scoring_relu", True, "(default; do not pass --no-dsa-indexer-scoring-relu)"),
+    ("dsa_indexer_k_norm_epsilon", INDEXER_K_NORM_EPS, "--dsa-indexer-k-norm-epsilon 1e-6"),
+    ("dsa_indexer_k_norm_fp32", True, "--dsa-indexer-k-norm-fp32"),
+    ("qk_layernorm", True, "--qk-layernorm"),
+    ("add_bias_linear", False, "--disable-bias-linear"),
+)
+
+
+def check_glm5_numerics(config) -> None:
+    """Refuse a config that would silently run GLM-5.x with the wrong numerics; name the flag that fixes it."""
+    bad = []
+    for attr, expected, flag in _REQUIRED:
+        value = getattr(config, attr, None)
+        if value != expected:
+            bad.append(f"{attr}={value!r} (expected {expected!r}; {flag})")
+    if config.num_moe_experts and getattr(config, "moe_router_score_function", None) != "sigmoid":
+        bad.append("moe_router_score_function must be 'sigmoid' (--moe-router-score-function sigmoid)")
+    if bad:
+        raise GLM5ConfigError("config is not GLM-5.x-shaped: " + "; ".join(bad))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# IndexShare pattern and pipeline split
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def indexer_types_from_config(config) -> tuple[str, ...]:
+    """Per-layer pattern from megatron-core's ``dsa_indexer_topk_freq`` / ``dsa_indexer_skip_topk_offset``
+    (1-indexed layer L is full iff ``max(L - max(offset, 1), 0) % freq == 0``)."""
+    freq = getattr(config, "dsa_indexer_topk_freq", 1) or 1
+    off = max(getattr(config, "dsa_indexer_skip_topk_offset", 0) or 0, 1)
+    return tuple("shared" if max(layer - off, 0) % freq else "full" for layer in range(1, config.num_layers + 1))
+
+
+def _valid_split_suggestion(types: Sequence[str], stages: int) -> str:
+    """Stage sizes close to even whose every stage starts on a full layer (greedy on the full-layer positions)."""
+    n = len(types)
+    full = [i for i, t in enumerate(types) if t == "full"]
+    starts = [0]
+    for s in range(1, stages):
+        ideal = round(s * n / stages)
+        candidates = [i for i in full if i > starts[-1]]
+        if not candidates:
+            return ""
+        starts.append(min(candidates, key=lambda i: (abs(i - ideal), i)))
+    sizes = [b - a for a, b in zip(starts, starts[1:] + [n])]
+    if any(sz <= 0 for sz in sizes):
+        return ""
+    return f" A valid split: stage sizes {sizes} (e.g. --decoder-first-pipeline-num-layers {sizes[0]} " \
+           f"--decoder-last-pipeline-num-layers {sizes[-1]} when the middle stages are even)."
+
+
+def validate_stage_layers(types: Sequence[str], local_layer_ids: Sequence[int], config) -> None:
+    """Every pipeline stage / virtual chunk must start on a full layer: shared layers take their top-k from the
+    previous layer in the same stage, and nothing crosses a stage boundary."""
+    if not local_layer_ids:
+        return
+    first = local_layer_ids[0]
+    if types[first] == "full":
+        return
+    source = max(i for i in range(first) if types[i] == "full")
+    stages = config.pipeline_model_parallel_size * (config.virtual_pipeline_model_parallel_size or 1)
+    raise GLM5ConfigError(
+        f"pipeline split is invalid for IndexShare: a stage starts on decoder layer {first} (0-indexed), a 'shared' "
+        f"layer that reuses the top-k of layer {source}, which runs on an earlier stage. Every stage must start on "
+        f"a 'full' layer; full layers are {[i for i, t in enumerate(types) if t == 'full']}."
+        + _valid_split_suggestion(types, stages)
+    )
+
+
+def _local_layer_ids(config, vp_stage: int | None) -> list[int]:
+    from megatron.core import parallel_state as ps
+
+    pp_rank = ps.get_pipeline_model_parallel_rank() if ps.model_parallel_is_initialized() else 0
+    layout = getattr(config, "pipeline_model_parallel_layout", None)
+    if layout is not None:
+        from megatron.core.transformer.enums import LayerType
+
+        return list(layout.get_layer_id_list(layer_type=LayerType.decoder, vp_stage=vp_stage, pp_rank=pp_rank))
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return list(range(offset, offset + get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Layer and block specs
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _layer_spec(config, provider, backend: AttentionBackend, indexer_type: str, moe: bool) -> ModuleSpec:
+    if moe:
+        mlp = get_moe_module_spec_for_backend(
+            backend=provider, num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm
+        )
+    else:
+        mlp = get_mlp_module_spec_for_backend(backend=provider, num_experts=None)
+    return ModuleSpec(
+        module=GLMTransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=provider.layer_norm(rms_norm=True),
+            self_attention=backend.build(config, provider, indexer_type),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=provider.layer_norm(rms_norm=True),
+            mlp=mlp,
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def _moe_pattern(config) -> list[int]:
+    if not config.num_moe_experts:
+        return [0] * config.num_layers
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return [1 if i % freq == 0 else 0 for i in range(config.num_layers)]
+    return list(freq)
+
+
+def build_glm5_block_spec(
+    config,
+    *,
+    backend: str = "megatron",
+    vp_stage: int | None = None,
+    indexer_types: Sequence[str] | None = None,
+    provider=None,
+) -> TransformerBlockSubmodules:
+    """This stage's decoder block spec (see module docstring)."""
+    check_glm5_numerics(config)
+    chosen = get_backend(backend)
+    provider = provider or default_provider()
+    types = tuple(indexer_types) if indexer_types is not None else indexer_types_from_config(config)
+    if len(types) != config.num_layers:
+        raise GLM5ConfigError(f"indexer_types has {len(types)} entries but the model has {config.num_layers} layers")
+    if types[0] != "full":
+        raise GLM5ConfigError("indexer_types[0] must be 'full': layer 0 has no earlier layer to share top-k with")
+    local = _local_layer_ids(config, vp_stage)
+    validate_stage_layers(types, local, config)
+    moe = _moe_pattern(config)
+    layers = [_layer_spec(config, provider, chosen, types[i], bool(moe[i])) for i in local]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=provider.layer_norm(rms_norm=True))
+
+
+def build_glm5_mtp_spec(config, *, backend: str = "megatron", provider=None):
+    """MTP block spec: each MTP layer is a full MoE decoder layer with its own indexer (never shared)."""
+    if not config.mtp_num_layers:
+        return None
+    provider = provider or default_provider()
+    inner = _layer_spec(config, provider, get_backend(backend), "full", bool(config.num_moe_experts))
+    layer = get_mtp_layer_spec_for_backend(mtp_model_layer_spec=inner, backend=provider)
+    return MultiTokenPredictionBlockSubmodules(layer_specs=[layer] * config.mtp_num_layers)
+
+
+def _indexer_types_from_hf(path: str | Path | None, num_layers: int) -> tuple[str, ...] | None:
+    if not path:
+        return None
+    try:
+        raw = load_hf_config(path)
+    except FileNotFoundError:
+        return None
+    return resolve_indexer_types(raw, num_layers)
+
+
+def get_glm5_spec(*args: Any, backend: str | None = None, vp_stage: int | None = None,
+                  indexer_types: Sequence[str] | None = None, **kwargs: Any) -> TransformerBlockSubmodules:
+    """GLM-5.x decoder block spec; see the module docstring for the three calling conventions."""
+    if len(args) >= 2 and isinstance(args[0], argparse.Namespace):  # slime / miles: (args, config, vp_stage)
+        ns, config = args[0], args[1]
+        if len(args) > 2:
+            vp_stage = args[2]
+        backend = backend or getattr(ns, "dsa_attention_backend", None) or "megatron"
+        if indexer_types is None:
+            indexer_types = _indexer_types_from_hf(getattr(ns, "hf_checkpoint", None), config.num_layers)
+    elif len(args) == 1:
+        config = args[0]
+    else:
+        raise TypeError("get_glm5_spec(config, *, backend=..., vp_stage=...) or get_glm5_spec(args, config, vp_stage)")
+    return build_glm5_block_spec(
+        config, backend=backend or "megatron", vp_stage=vp_stage, indexer_types=indexer_types, **kwargs
+    )
+
+
+def get_glm5_tilelang_spec(config, vp_stage: int | None = None) -> TransformerBlockSubmodules:
+    """``--spec megatron_glm5.spec get_glm5_tilelang_spec``: the fused TileLang backend."""
+    return build_glm5_block_spec(config, backend="tilelang", vp_stage=vp_stage)
