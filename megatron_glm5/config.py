@@ -579,6 +579,7 @@ def runtime_kwargs(policy: RuntimePolicy) -> dict[str, Any]:
         num_layers_in_first_pipeline_stage=policy.num_layers_in_first_pipeline_stage,
         num_layers_in_last_pipeline_stage=policy.num_layers_in_last_pipeline_stage,
         params_dtype=policy.params_dtype,
+        pipeline_dtype=policy.params_dtype,  # dtype of tensors sent between pipeline stages
         bf16=policy.params_dtype == torch.bfloat16,
         fp16=policy.params_dtype == torch.float16,
         dsa_kernel_backend=policy.dsa_kernel_backend,

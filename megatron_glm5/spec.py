@@ -199,10 +199,11 @@ def validate_stage_layers(types: Sequence[str], local_layer_ids: Sequence[int], 
     )
 
 
-def _local_layer_ids(config, vp_stage: int | None) -> list[int]:
+def _local_layer_ids(config, vp_stage: int | None, pp_rank: int | None = None) -> list[int]:
     from megatron.core import parallel_state as ps
 
-    pp_rank = ps.get_pipeline_model_parallel_rank() if ps.model_parallel_is_initialized() else 0
+    if pp_rank is None:
+        pp_rank = ps.get_pipeline_model_parallel_rank() if ps.model_parallel_is_initialized() else 0
     layout = getattr(config, "pipeline_model_parallel_layout", None)
     if layout is not None:
         from megatron.core.transformer.enums import LayerType
@@ -253,8 +254,9 @@ def build_glm5_block_spec(
     vp_stage: int | None = None,
     indexer_types: Sequence[str] | None = None,
     provider=None,
+    pp_rank: int | None = None,
 ) -> TransformerBlockSubmodules:
-    """This stage's decoder block spec (see module docstring)."""
+    """This stage's decoder block spec (see module docstring). ``pp_rank`` defaults to megatron-core's."""
     check_glm5_numerics(config)
     chosen = get_backend(backend)
     provider = provider or default_provider()
@@ -263,7 +265,7 @@ def build_glm5_block_spec(
         raise GLM5ConfigError(f"indexer_types has {len(types)} entries but the model has {config.num_layers} layers")
     if types[0] != "full":
         raise GLM5ConfigError("indexer_types[0] must be 'full': layer 0 has no earlier layer to share top-k with")
-    local = _local_layer_ids(config, vp_stage)
+    local = _local_layer_ids(config, vp_stage, pp_rank)
     validate_stage_layers(types, local, config)
     moe = _moe_pattern(config)
     layers = [_layer_spec(config, provider, chosen, types[i], bool(moe[i])) for i in local]

@@ -335,6 +335,6 @@ def load_hf_reference_model(hf_dir: str | Path, *, dtype: torch.dtype = torch.fl
     """transformers' ``GlmMoeDsaForCausalLM`` from a checkpoint written here (MTP tensors are ignored by HF)."""
     from transformers import GlmMoeDsaForCausalLM
 
-    model = GlmMoeDsaForCausalLM.from_pretrained(str(hf_dir), dtype=dtype)
+    model = GlmMoeDsaForCausalLM.from_pretrained(str(hf_dir), dtype=dtype, experts_implementation="eager")
     model.eval()
     return model

@@ -1,0 +1,81 @@
+"""Helpers shared by the TileLang DSA kernels: lazy TileLang import, small integer math, argument checks.
+
+Nothing here imports TileLang at module load, so ``import megatron_glm5.kernels`` works on machines without it.
+"""
+
+from __future__ import annotations
+
+import functools
+from types import ModuleType
+
+import torch
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@functools.cache
+def tilelang_modules() -> tuple[ModuleType, ModuleType]:
+    """``(tilelang, tilelang.language)``, imported on first use; a clear error when TileLang is missing."""
+    try:
+        import tilelang
+        import tilelang.language as T
+    except (ImportError, OSError) as err:  # OSError: a broken CUDA/TVM shared library
+        raise ImportError(
+            "megatron_glm5.kernels needs TileLang (pip install 'megatron-glm5[tilelang]', pinned tilelang==0.1.15); "
+            "use megatron_glm5.dsa.reference for the pure-PyTorch path"
+        ) from err
+    return tilelang, T
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(x: int) -> int:
+    return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+def check_tensor(
+    name: str,
+    t: torch.Tensor,
+    *,
+    dtype: torch.dtype,
+    ndim: int,
+    device: torch.device | None = None,
+) -> None:
+    """Raise ``TypeError``/``ValueError`` naming the argument, the expected and the found value."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+    if t.ndim != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device} (like the first argument), got {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (call .contiguous() first); got strides {t.stride()}")
+
+
+def row_valid_len(indices: torch.Tensor, *, chunk: int = 16384) -> torch.Tensor:
+    """``int32 [T]``: one past the last slot holding a valid (>= 0) index in each row, 0 for an all -1 row.
+
+    The kernels loop only over ``ceil(valid_len / block)`` blocks of a row, so tail padding (-1, the layout
+    produced by the indexer) costs nothing; -1 slots before the last valid one are masked inside the block.
+    Chunked so the int32 temporary stays at ``chunk x K``.
+    """
+    rows, width = indices.shape
+    out = torch.empty(rows, dtype=torch.int32, device=indices.device)
+    if width == 0:
+        return out.zero_()
+    pos = torch.arange(1, width + 1, dtype=torch.int32, device=indices.device)
+    for r0 in range(0, rows, chunk):
+        r1 = min(rows, r0 + chunk)
+        out[r0:r1] = torch.where(indices[r0:r1] >= 0, pos, 0).amax(dim=-1)
+    return out
+
+
+def multiprocessor_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count

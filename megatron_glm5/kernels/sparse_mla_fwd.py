@@ -1,0 +1,427 @@
+"""Sparse absorbed-MLA forward (DSA attention) in TileLang, flattened-token layout.
+
+``out[t, h] = softmax_j(scale * q[t, h] . kv[idx[t, j]]) @ kv[idx[t, j], :d_v]`` over the valid (>= 0) slots of
+``indices[t]``, plus the natural-log LSE the backward needs. Test oracle: ``megatron_glm5.dsa.reference.sparse_mla``.
+
+Two kernels, one contract:
+
+* ``ws`` (default): warp-specialised, one CTA per (token, 64-head block). A producer warpgroup gathers the selected
+  KV rows with ``cp.async`` into two shared-memory stages; consumer warpgroup 0 computes ``Q K^T`` over all ``d_qk``
+  channels, the online softmax and ``P V`` for the left half of ``d_v``; consumer warpgroup 1 does ``P V`` for the
+  right half. Provenance: the schedule is FlashMLA's sparse prefill (SM90) as re-expressed in tile-ai/tilelang
+  ``examples/deepseek_v32/sparse_mla_fwd_pipelined.py``. Differences: -1 slots never touch memory (the gather is
+  guarded and the stage row zero-filled, pitfall P1; upstream masks by position and gathers anyway); a per-row
+  block count skips tail padding; any head count (padded inside, loads and stores bounded, P6); a token count that
+  need not divide anything; LSE is natural-log and written (upstream allocates it but never stores it);
+  one-directional mbarriers between the two consumer warpgroups.
+* ``simple``: one pipelined loop (TileLang's automatic software pipelining), the fallback when the warp-specialised
+  kernel does not apply, and a cross-check for it in tests.
+
+Masking: a slot is valid iff ``0 <= idx < T_kv``. A row without a valid slot gives ``out = 0`` and ``lse = +inf``.
+
+No ``from __future__ import annotations`` here: TileLang evaluates the ``T.Tensor`` annotations of the nested
+prim_funcs, which refer to closure variables.
+"""
+
+
+import functools
+from typing import Literal
+
+import torch
+
+from megatron_glm5.kernels._common import LOG2E, cdiv, check_tensor, next_power_of_2, row_valid_len, tilelang_modules
+
+Variant = Literal["auto", "ws", "simple"]
+
+
+def head_block(heads: int) -> tuple[int, int]:
+    """``(block_h, n_blocks)``: heads per CTA (16, 32 or 64; the GEMM M dimension) and CTAs per token."""
+    if heads <= 64:
+        block = max(16, next_power_of_2(heads))
+        return block, 1
+    return 64, cdiv(heads, 64)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# TileLang factories (static shapes and tile parameters are arguments; token counts are dynamic)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _jit_fwd_ws():
+    tilelang, T = tilelang_modules()
+
+    @tilelang.jit(
+        out_idx=[-2, -1],
+        pass_configs={
+            tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
+            tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
+        },
+    )
+    def sparse_mla_fwd_ws(heads: int, d_qk: int, d_v: int, topk: int, softmax_scale: float, block_i: int = 64):
+        block_h, n_hblk = head_block(heads)
+        dh = d_v // 2
+        d_tail = d_qk - d_v
+        if dh % 64 or d_tail % 64 or block_i % 16:
+            raise ValueError(f"ws kernel needs d_v/2 and d_qk-d_v multiples of 64, block_i % 16 == 0; got {d_v}, {d_qk}, {block_i}")
+        scale_log2 = softmax_scale * LOG2E
+        bi = block_i
+        t_len = T.dynamic("t_len")
+        t_kv = T.dynamic("t_kv")
+        bf16, f32, i32 = T.bfloat16, T.float32, T.int32
+        wgmma = block_h >= 64  # below 64 rows TileLang emits mma.sync; the async-wait form needs wgmma
+
+        @T.prim_func
+        def main(
+            Q: T.Tensor([t_len, heads, d_qk], bf16),
+            KV: T.Tensor([t_kv, d_qk], bf16),
+            Idx: T.Tensor([t_len, topk], i32),
+            VLen: T.Tensor([t_len], i32),
+            Out: T.Tensor([t_len, heads, d_v], bf16),
+            Lse: T.Tensor([t_len, heads], f32),
+        ):
+            with T.Kernel(t_len, n_hblk, threads=384) as (t, hb):
+                q_l = T.alloc_shared([block_h, dh], bf16)
+                q_r = T.alloc_shared([block_h, dh], bf16)
+                q_t = T.alloc_shared([block_h, d_tail], bf16)
+                kv0_l = T.alloc_shared([bi, dh], bf16)
+                kv0_r = T.alloc_shared([bi, dh], bf16)
+                kt0 = T.alloc_shared([bi, d_tail], bf16)
+                kv1_l = T.alloc_shared([bi, dh], bf16)
+                kv1_r = T.alloc_shared([bi, dh], bf16)
+                kt1 = T.alloc_shared([bi, d_tail], bf16)
+                ok0 = T.alloc_shared([bi], "bool")
+                ok1 = T.alloc_shared([bi], "bool")
+                p_s = T.alloc_shared([block_h, bi], bf16)
+                alpha_s = T.alloc_shared([block_h], f32)
+                l_s = T.alloc_shared([block_h], f32)
+
+                acc_s = T.alloc_fragment([block_h, bi], f32)
+                acc_ol = T.alloc_fragment([block_h, dh], f32)
+                acc_or = T.alloc_fragment([block_h, dh], f32)
+                m_i = T.alloc_fragment([block_h], f32)
+                m_prev = T.alloc_fragment([block_h], f32)
+                alpha = T.alloc_fragment([block_h], f32)
+                l_i = T.alloc_fragment([block_h], f32)
+                l_blk = T.alloc_fragment([block_h], f32)
+                idx_r = T.alloc_var(i32)
+
+                bar_q = T.alloc_barrier(384)
+                bar_ready = T.alloc_barrier([128, 128])  # producer -> consumers, per stage (cp.async noinc arrivals)
+                bar_free = T.alloc_barrier([256, 256])  # both consumer warpgroups -> producer, per stage
+                bar_p_ready = T.alloc_barrier(128)  # warpgroup 0 -> 1: P and alpha of this block are in smem
+                bar_p_free = T.alloc_barrier(128)  # warpgroup 1 -> 0: P and alpha may be overwritten
+                bar_fin = T.alloc_barrier(128)  # warpgroup 0 -> 1: final row sums are in smem
+
+                h0 = hb * block_h
+                tx = T.get_thread_binding()
+                n_pair = T.ceildiv(VLen[t], 2 * bi)
+
+                # Padded heads load as zeros and are never stored (P6).
+                for h, d in T.Parallel(block_h, dh):
+                    q_l[h, d] = T.if_then_else(h0 + h < heads, Q[t, h0 + h, d], 0)
+                    q_r[h, d] = T.if_then_else(h0 + h < heads, Q[t, h0 + h, dh + d], 0)
+                for h, d in T.Parallel(block_h, d_tail):
+                    q_t[h, d] = T.if_then_else(h0 + h < heads, Q[t, h0 + h, d_v + d], 0)
+                T.barrier_arrive(bar_q)
+
+                @T.macro
+                def scores(kv_l, kv_r, kt, ok):
+                    for h, j in T.Parallel(block_h, bi):
+                        acc_s[h, j] = T.if_then_else(ok[j], 0, -T.infinity(f32))
+                    if wgmma:
+                        T.gemm(q_l, kv_l, acc_s, transpose_B=True, wg_wait=-1)
+                        T.gemm(q_r, kv_r, acc_s, transpose_B=True, wg_wait=-1)
+                        T.gemm(q_t, kt, acc_s, transpose_B=True, wg_wait=-1)
+                        T.wait_wgmma(0)
+                    else:
+                        T.gemm(q_l, kv_l, acc_s, transpose_B=True)
+                        T.gemm(q_r, kv_r, acc_s, transpose_B=True)
+                        T.gemm(q_t, kt, acc_s, transpose_B=True)
+
+                @T.macro
+                def softmax_and_pv_left(kv_l):
+                    T.copy(m_i, m_prev)
+                    T.reduce_max(acc_s, m_i, dim=1, clear=False)
+                    for h in T.Parallel(block_h):
+                        alpha[h] = T.exp2((m_prev[h] - m_i[h]) * scale_log2)
+                    for h, j in T.Parallel(block_h, bi):
+                        acc_s[h, j] = T.exp2(acc_s[h, j] * scale_log2 - m_i[h] * scale_log2)
+                    T.reduce_sum(acc_s, l_blk, dim=1)
+                    for h in T.Parallel(block_h):
+                        l_i[h] = l_i[h] * alpha[h] + l_blk[h]
+                    for h, d in T.Parallel(block_h, dh):
+                        acc_ol[h, d] *= alpha[h]
+                    T.copy(alpha, alpha_s)
+                    T.copy(acc_s, p_s)
+                    T.fence_proxy_async()  # generic smem writes of P, read next by the other warpgroup's MMA
+                    T.barrier_arrive(bar_p_ready)
+                    T.gemm(p_s, kv_l, acc_ol)
+
+                @T.macro
+                def produce(kv_l, kv_r, kt, ok, blk):
+                    p = tx - 256
+                    lane = p % 8
+                    for r in T.serial(bi // 16):
+                        row = r * 16 + p // 8
+                        slot = blk * bi + row
+                        idx_r = T.if_then_else(slot < topk, Idx[t, T.min(slot, topk - 1)], -1)
+                        valid = (idx_r >= 0) and (idx_r < t_kv)
+                        ok[row] = valid
+                        if valid:
+                            with T.attr("default", "async_scope", 1):
+                                for c in T.serial(dh // 64):
+                                    for v in T.vectorized(8):
+                                        kv_l[row, c * 64 + lane * 8 + v] = KV[idx_r, c * 64 + lane * 8 + v]
+                                        kv_r[row, c * 64 + lane * 8 + v] = KV[idx_r, dh + c * 64 + lane * 8 + v]
+                            with T.attr("default", "async_scope", 1):
+                                for c in T.serial(d_tail // 64):
+                                    for v in T.vectorized(8):
+                                        kt[row, c * 64 + lane * 8 + v] = KV[idx_r, d_v + c * 64 + lane * 8 + v]
+                        else:
+                            # Zero rows keep stale or uninitialised shared memory (possibly NaN) out of the MMA.
+                            for c in T.serial(dh // 64):
+                                for v in T.vectorized(8):
+                                    kv_l[row, c * 64 + lane * 8 + v] = T.cast(0, bf16)
+                                    kv_r[row, c * 64 + lane * 8 + v] = T.cast(0, bf16)
+                            for c in T.serial(d_tail // 64):
+                                for v in T.vectorized(8):
+                                    kt[row, c * 64 + lane * 8 + v] = T.cast(0, bf16)
+                    T.fence_proxy_async()
+
+                if tx < 128:
+                    # Consumer 0: scores, online softmax, P V (left half of d_v).
+                    T.set_max_nreg(240, 1)
+                    T.fill(acc_ol, 0)
+                    T.fill(l_i, 0)
+                    T.fill(m_i, -(2.0**30))  # finite start: a fully masked block gives exp2(-inf) = 0, never NaN
+                    T.barrier_wait(bar_q, 0)
+                    for jp in T.serial(n_pair):
+                        T.barrier_wait(bar_ready[0], jp & 1)
+                        T.fence_proxy_async()
+                        scores(kv0_l, kv0_r, kt0, ok0)
+                        if jp > 0:
+                            T.barrier_wait(bar_p_free, (2 * jp - 1) & 1)
+                        softmax_and_pv_left(kv0_l)
+                        T.barrier_arrive(bar_free[0])
+
+                        T.barrier_wait(bar_ready[1], jp & 1)
+                        T.fence_proxy_async()
+                        scores(kv1_l, kv1_r, kt1, ok1)
+                        T.barrier_wait(bar_p_free, (2 * jp) & 1)
+                        softmax_and_pv_left(kv1_l)
+                        T.barrier_arrive(bar_free[1])
+                    T.copy(l_i, l_s)
+                    T.barrier_arrive(bar_fin)
+                    for h, d in T.Parallel(block_h, dh):
+                        if h0 + h < heads:
+                            Out[t, h0 + h, d] = T.cast(T.if_then_else(l_i[h] > 0, acc_ol[h, d] / l_i[h], 0), bf16)
+                    for h in T.Parallel(block_h):
+                        if h0 + h < heads:
+                            Lse[t, h0 + h] = T.if_then_else(
+                                l_i[h] > 0, T.log(l_i[h]) + m_i[h] * softmax_scale, T.infinity(f32)
+                            )
+                elif tx < 256:
+                    # Consumer 1: P V (right half of d_v), rescaled by the alpha consumer 0 published.
+                    T.set_max_nreg(168, 1)
+                    T.fill(acc_or, 0)
+                    for jp in T.serial(n_pair):
+                        for half in T.unroll(2):
+                            T.barrier_wait(bar_p_ready, half & 1)
+                            for h, d in T.Parallel(block_h, dh):
+                                acc_or[h, d] *= alpha_s[h]
+                            if half == 0:
+                                T.gemm(p_s, kv0_r, acc_or)
+                            else:
+                                T.gemm(p_s, kv1_r, acc_or)
+                            T.barrier_arrive(bar_p_free)
+                            T.barrier_arrive(bar_free[half])
+                    T.barrier_wait(bar_fin, 0)
+                    for h, d in T.Parallel(block_h, dh):
+                        if h0 + h < heads:
+                            Out[t, h0 + h, dh + d] = T.cast(
+                                T.if_then_else(l_s[h] > 0, acc_or[h, d] / l_s[h], 0), bf16
+                            )
+                else:
+                    # Producer: guarded cp.async gather of the selected KV rows, two stages deep.
+                    T.set_max_nreg(80, 0)
+                    for jp in T.serial(n_pair):
+                        T.barrier_wait(bar_free[0], (jp & 1) ^ 1)
+                        produce(kv0_l, kv0_r, kt0, ok0, 2 * jp)
+                        T.cp_async_barrier_noinc(bar_ready[0])
+                        T.barrier_wait(bar_free[1], (jp & 1) ^ 1)
+                        produce(kv1_l, kv1_r, kt1, ok1, 2 * jp + 1)
+                        T.cp_async_barrier_noinc(bar_ready[1])
+
+        return main
+
+    return sparse_mla_fwd_ws
+
+
+@functools.cache
+def _jit_fwd_simple():
+    tilelang, T = tilelang_modules()
+
+    @tilelang.jit(
+        out_idx=[-2, -1],
+        pass_configs={
+            tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
+            tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
+        },
+    )
+    def sparse_mla_fwd_simple(
+        heads: int,
+        d_qk: int,
+        d_v: int,
+        topk: int,
+        softmax_scale: float,
+        block_i: int = 64,
+        num_stages: int = 2,
+        threads: int = 256,
+    ):
+        block_h, n_hblk = head_block(heads)
+        d_tail = d_qk - d_v
+        scale_log2 = softmax_scale * LOG2E
+        bi = block_i
+        t_len = T.dynamic("t_len")
+        t_kv = T.dynamic("t_kv")
+        bf16, f32, i32 = T.bfloat16, T.float32, T.int32
+
+        @T.prim_func
+        def main(
+            Q: T.Tensor([t_len, heads, d_qk], bf16),
+            KV: T.Tensor([t_kv, d_qk], bf16),
+            Idx: T.Tensor([t_len, topk], i32),
+            VLen: T.Tensor([t_len], i32),
+            Out: T.Tensor([t_len, heads, d_v], bf16),
+            Lse: T.Tensor([t_len, heads], f32),
+        ):
+            with T.Kernel(t_len, n_hblk, threads=threads) as (t, hb):
+                q_s = T.alloc_shared([block_h, d_v], bf16)
+                qt_s = T.alloc_shared([block_h, d_tail], bf16)
+                kv_s = T.alloc_shared([bi, d_v], bf16)
+                kt_s = T.alloc_shared([bi, d_tail], bf16)
+                p_s = T.alloc_shared([block_h, bi], bf16)
+                idx_f = T.alloc_fragment([bi], i32)
+                acc_s = T.alloc_fragment([block_h, bi], f32)
+                acc_o = T.alloc_fragment([block_h, d_v], f32)
+                m_i = T.alloc_fragment([block_h], f32)
+                m_prev = T.alloc_fragment([block_h], f32)
+                alpha = T.alloc_fragment([block_h], f32)
+                l_i = T.alloc_fragment([block_h], f32)
+                l_blk = T.alloc_fragment([block_h], f32)
+
+                h0 = hb * block_h
+                for h, d in T.Parallel(block_h, d_v):
+                    q_s[h, d] = T.if_then_else(h0 + h < heads, Q[t, h0 + h, d], 0)
+                for h, d in T.Parallel(block_h, d_tail):
+                    qt_s[h, d] = T.if_then_else(h0 + h < heads, Q[t, h0 + h, d_v + d], 0)
+                T.fill(acc_o, 0)
+                T.fill(l_i, 0)
+                T.fill(m_i, -(2.0**30))
+
+                for i in T.Pipelined(T.ceildiv(VLen[t], bi), num_stages=num_stages):
+                    for j in T.Parallel(bi):
+                        slot = i * bi + j
+                        raw = T.if_then_else(slot < topk, Idx[t, T.min(slot, topk - 1)], -1)
+                        idx_f[j] = T.if_then_else((raw >= 0) and (raw < t_kv), raw, -1)
+                    for j, d in T.Parallel(bi, d_v):
+                        kv_s[j, d] = T.if_then_else(idx_f[j] >= 0, KV[T.max(idx_f[j], 0), d], 0)
+                    for j, d in T.Parallel(bi, d_tail):
+                        kt_s[j, d] = T.if_then_else(idx_f[j] >= 0, KV[T.max(idx_f[j], 0), d_v + d], 0)
+                    for h, j in T.Parallel(block_h, bi):
+                        acc_s[h, j] = T.if_then_else(idx_f[j] >= 0, 0, -T.infinity(f32))
+                    T.gemm(q_s, kv_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                    T.gemm(qt_s, kt_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                    T.copy(m_i, m_prev)
+                    T.reduce_max(acc_s, m_i, dim=1, clear=False)
+                    for h in T.Parallel(block_h):
+                        alpha[h] = T.exp2((m_prev[h] - m_i[h]) * scale_log2)
+                    for h, j in T.Parallel(block_h, bi):
+                        acc_s[h, j] = T.exp2(acc_s[h, j] * scale_log2 - m_i[h] * scale_log2)
+                    T.reduce_sum(acc_s, l_blk, dim=1)
+                    for h in T.Parallel(block_h):
+                        l_i[h] = l_i[h] * alpha[h] + l_blk[h]
+                    for h, d in T.Parallel(block_h, d_v):
+                        acc_o[h, d] *= alpha[h]
+                    T.copy(acc_s, p_s)
+                    T.gemm(p_s, kv_s, acc_o, policy=T.GemmWarpPolicy.FullRow)
+
+                for h, d in T.Parallel(block_h, d_v):
+                    if h0 + h < heads:
+                        Out[t, h0 + h, d] = T.cast(T.if_then_else(l_i[h] > 0, acc_o[h, d] / l_i[h], 0), bf16)
+                for h in T.Parallel(block_h):
+                    if h0 + h < heads:
+                        Lse[t, h0 + h] = T.if_then_else(
+                            l_i[h] > 0, T.log(l_i[h]) + m_i[h] * softmax_scale, T.infinity(f32)
+                        )
+
+        return main
+
+    return sparse_mla_fwd_simple
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Checked interface
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def check_sparse_mla_args(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, d_v: int) -> None:
+    """Validate dtypes, ranks, contiguity and shapes of the sparse-MLA inputs (shared by forward and backward)."""
+    check_tensor("q", q, dtype=torch.bfloat16, ndim=3)
+    check_tensor("kv", kv, dtype=torch.bfloat16, ndim=2, device=q.device)
+    check_tensor("indices", indices, dtype=torch.int32, ndim=2, device=q.device)
+    t_len, heads, d_qk = q.shape
+    if kv.shape[1] != d_qk:
+        raise ValueError(f"kv must be [T_kv, {d_qk}] like q's last dim, got {tuple(kv.shape)}")
+    if indices.shape[0] != t_len:
+        raise ValueError(f"indices must be [T={t_len}, K], got {tuple(indices.shape)}")
+    if not 1 <= heads <= 128:
+        raise ValueError(f"heads per rank must be in [1, 128], got {heads}")
+    if not 0 < d_v < d_qk:
+        raise ValueError(f"d_v must be in (0, d_qk={d_qk}), got {d_v}")
+    if d_v % 128 or (d_qk - d_v) % 64:
+        raise ValueError(
+            f"kernels support d_v % 128 == 0 and (d_qk - d_v) % 64 == 0 (GLM-5: 512 + 64), got d_v={d_v}, d_qk={d_qk}"
+        )
+    if indices.shape[1] == 0:
+        raise ValueError("indices must have at least one slot (K >= 1)")
+
+
+def pick_fwd_variant(heads: int, d_qk: int, d_v: int, variant: Variant = "auto") -> str:
+    """The warp-specialised kernel needs d_v/2 and the rope tail in multiples of 64; everything else runs simple."""
+    if variant != "auto":
+        return variant
+    return "ws" if (d_v // 2) % 64 == 0 and (d_qk - d_v) % 64 == 0 else "simple"
+
+
+def sparse_mla_fwd_interface(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    d_v: int = 512,
+    *,
+    valid_len: torch.Tensor | None = None,
+    variant: Variant = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward kernel call: ``(out [T, H, d_v] bf16, lse [T, H] fp32 natural log)``.
+
+    ``valid_len`` (``row_valid_len(indices)``) may be passed in when the caller already has it.
+    """
+    check_sparse_mla_args(q, kv, indices, d_v)
+    t_len, heads, d_qk = q.shape
+    if t_len == 0:
+        return q.new_zeros(0, heads, d_v), q.new_zeros(0, heads, dtype=torch.float32)
+    if valid_len is None:
+        valid_len = row_valid_len(indices)
+    topk = indices.shape[1]
+    kind = pick_fwd_variant(heads, d_qk, d_v, variant)
+    if kind == "ws":
+        kernel = _jit_fwd_ws()(heads, d_qk, d_v, topk, float(softmax_scale))
+    elif kind == "simple":
+        kernel = _jit_fwd_simple()(heads, d_qk, d_v, topk, float(softmax_scale))
+    else:
+        raise ValueError(f"variant must be 'auto', 'ws' or 'simple', got {variant!r}")
+    out, lse = kernel(q, kv, indices, valid_len)
+    return out, lse
