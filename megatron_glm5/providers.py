@@ -5,9 +5,10 @@ projections, and ``WrappedTorchNorm`` refuses sequence parallelism, which Absorb
 provider here fills those gaps from public constructors, without patching megatron-core:
 
 * ``linear()`` -> megatron-core's modelopt ``Linear`` (a ``torch.nn.Linear`` accepting ``parallel_mode="duplicated"``).
-* ``down_projection()`` -> ``ColumnParallelLinear``: AbsorbedMLA accepts it for ``linear_q_down_proj`` /
-  ``linear_kv_down_proj`` and all-gathers the TP-sharded output itself (TE builds a duplicated ``TELinear``; the
-  global tensor is the same, so checkpoints interchange).
+* ``down_projection()`` -> the same duplicated linear (replicated over TP, like TE's duplicated ``TELinear``). Without
+  TE megatron-core's AbsorbedMLA only accepts ``ColumnParallelLinear`` there, whose TP + SP path gets the
+  ``kv_down`` gradient wrong; :class:`~megatron_glm5.dsa.attention.GLMAbsorbedMLASelfAttention` explains and builds
+  it.
 * ``layer_norm()`` -> :class:`TorchNorm`: RMSNorm/LayerNorm computed in fp32 (HF's order: normalise in fp32, cast,
   scale), whose parameters are tagged ``sequence_parallel`` so ``finalize_model_grads`` sums their gradients over TP
   when their input is sequence-sharded (as ``TENorm`` does).
@@ -23,8 +24,26 @@ import torch
 import torch.nn.functional as F
 from megatron.core.extensions.transformer_engine import HAVE_TE
 from megatron.core.models.backends import LocalSpecProvider
-from megatron.core.post_training.modelopt.layers import Linear as DuplicatedLinear
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+from megatron.core.post_training.modelopt.layers import Linear as _ModeloptLinear
+from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+
+class DuplicatedLinear(_ModeloptLinear):
+    """megatron-core's modelopt ``Linear`` (a ``torch.nn.Linear`` taking ``parallel_mode="duplicated"``) whose
+    checkpoint entries mark the TP ranks as replicas of one tensor. The parent leaves the TP group unset, so every
+    TP rank claims to be the main replica and ``dist_checkpointing.save`` rejects the access pattern at TP > 1."""
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        from megatron.core import parallel_state as ps
+
+        dp_cp = (metadata or {}).get("dp_cp_group") or ps.get_data_parallel_group(with_context_parallel=True)
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(prefix="", keep_vars=True),
+            prefix,
+            sharded_offsets=sharded_offsets,
+            tp_group=ps.get_tensor_model_parallel_group(),
+            dp_cp_group=dp_cp,
+        )
 
 
 class TorchNorm(torch.nn.Module):
@@ -70,7 +89,7 @@ class GLMLocalSpecProvider(LocalSpecProvider):
         return DuplicatedLinear
 
     def down_projection(self) -> type:
-        return ColumnParallelLinear
+        return DuplicatedLinear
 
     def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False):
         return TorchNorm

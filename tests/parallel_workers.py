@@ -1,0 +1,155 @@
+"""torchrun bodies for the TP / EP / PP parity tests (``tests/test_parallel.py``).
+
+Weights and gradients cross parallel layouts through megatron-core's own ``dist_checkpointing`` (its resharding
+logic, gated-MLP factories included), so these tests compare against single-process runs without a hand-written
+re-assembly that could share a bug with the code under test.
+
+megatron-core's pipeline schedules allocate on ``device="cuda"`` literally, so on CPU the micro-batch schedule is
+written out here: forward micro-batch by micro-batch through the stages (point-to-point sends of the hidden states),
+then backward in the same order, then the gradient reductions Megatron's DDP + ``finalize_model_grads`` would do:
+sequence-parallel norms summed over TP, dense grads averaged over DP, expert grads scaled by 1/DP, and the word
+embedding (used on the first stage and by MTP on the last) summed over its two pipeline stages.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+SEQ = 48
+
+
+def make_batches(vocab: int, n: int = 2, batch: int = 2, seed: int = 7) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (batch, SEQ), generator=gen) for _ in range(n)]
+
+
+def tensor_sharded_state_dict(model, values: dict[str, torch.Tensor]):
+    """``model.sharded_state_dict()`` with every parameter replaced by ``values[name]`` (same local shape); buffers
+    and non-tensor entries are dropped. Saves e.g. gradients in the model's checkpoint layout."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+
+    by_ptr = {p.data_ptr(): values[n] for n, p in model.named_parameters()}
+    assert len(by_ptr) == len(values), "parameters must not share storage"
+    sharded = model.sharded_state_dict()
+
+    def swap(x):
+        if isinstance(x, (ShardedTensor, ShardedTensorFactory)):
+            if x.data.data_ptr() not in by_ptr:
+                return None  # a buffer (e.g. the router's expert_bias)
+            x.data = by_ptr[x.data.data_ptr()]
+            return x
+        if isinstance(x, ShardedObject):
+            return None
+        return x
+
+    dict_list_map_inplace(swap, sharded)
+    return _drop_none(sharded)
+
+
+def _drop_none(d):
+    if isinstance(d, dict):
+        return {k: _drop_none(v) for k, v in d.items() if v is not None}
+    return d
+
+
+def load_weights(model, ckpt_dir: str) -> None:
+    from megatron.core import dist_checkpointing
+
+    state = dist_checkpointing.load(model.sharded_state_dict(), ckpt_dir)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    assert not missing and not unexpected, (missing, unexpected)
+
+
+def train_step_grads(model, batches, *, vocab: int) -> tuple[float | None, dict[str, torch.Tensor]]:
+    """Forward/backward all micro-batches through this rank's pipeline stage; returns (mean LM loss on the last
+    stage else None, finalised gradients by parameter name)."""
+    from megatron.core import parallel_state as ps
+
+    pp = ps.get_pipeline_model_parallel_world_size()
+    first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+    pp_group = ps.get_pipeline_model_parallel_group()
+    prev_rank, next_rank = ps.get_pipeline_model_parallel_prev_rank(), ps.get_pipeline_model_parallel_next_rank()
+    model.train()
+    model.zero_grad(set_to_none=True)
+    losses, saved = [], []
+    for ids in batches:
+        pos = torch.arange(SEQ)[None].expand(ids.shape[0], SEQ)
+        inp = None
+        if not first:
+            inp = torch.empty(SEQ, ids.shape[0], model.config.hidden_size, dtype=torch.float32)
+            dist.recv(inp, src=prev_rank, group=pp_group)
+            inp.requires_grad_(True)
+            model.set_input_tensor(inp)
+        out = model(ids, pos, attention_mask=None, labels=ids if last else None)
+        if last:
+            loss = out.float().mean() / len(batches)
+            losses.append(loss)
+            saved.append((inp, loss))
+        else:
+            dist.send(out.detach().contiguous(), dst=next_rank, group=pp_group)
+            saved.append((inp, out))
+    for inp, out in saved:  # backward in forward order
+        if last:
+            out.backward()
+        else:
+            grad = torch.empty_like(out)
+            dist.recv(grad, src=next_rank, group=pp_group)
+            out.backward(grad)
+        if not first:
+            dist.send(inp.grad.contiguous(), dst=prev_rank, group=pp_group)
+    _finalize_grads(model, pp)
+    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+    loss = float(sum(l.item() for l in losses)) if last else None
+    return loss, grads
+
+
+def _finalize_grads(model, pp: int) -> None:
+    from megatron.core import parallel_state as ps
+
+    tp_group = ps.get_tensor_model_parallel_group()
+    dp_group = ps.get_data_parallel_group()
+    dp = ps.get_data_parallel_world_size()
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        if getattr(p, "average_gradients_across_tp_domain", False):
+            dist.all_reduce(p.grad, group=tp_group)
+            p.grad /= ps.get_tensor_model_parallel_world_size()
+        elif model.config.sequence_parallel and getattr(p, "sequence_parallel", False):
+            dist.all_reduce(p.grad, group=tp_group)
+        if getattr(p, "allreduce", True):  # dense: mean over DP
+            if dp > 1:
+                dist.all_reduce(p.grad, group=dp_group)
+                p.grad /= dp
+        else:  # expert: tokens of every DP rank reach it; Megatron scales by 1/DP
+            edp_group = ps.get_expert_data_parallel_group()
+            if edp_group.size() > 1:
+                dist.all_reduce(p.grad, group=edp_group)
+            p.grad /= dp
+    if pp > 1:  # word embedding lives on the first stage and (for MTP) on the last
+        emb = getattr(getattr(model, "embedding", None), "word_embeddings", None)
+        if emb is not None and emb.weight.grad is not None:
+            dist.all_reduce(emb.weight.grad, group=ps.get_embedding_group())
+
+
+def parallel_case(rank: int, world: int, *, raw: dict, weights: str, grads_out: str, tp: int, pp: int, ep: int,
+                  vocab: int) -> dict:
+    """Load the reference weights at (TP, PP, EP), run the micro-batches, save gradients as a dist checkpoint."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_glm5.config import parse_hf_config
+    from megatron_glm5.model import build_model, default_cpu_policy
+    from megatron_glm5.parallel import initialize_model_parallel
+
+    initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                              expert_model_parallel_size=ep)
+    policy = default_cpu_policy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                expert_model_parallel_size=ep)
+    model = build_model(parse_hf_config(raw), policy)
+    load_weights(model, weights)
+    loss, grads = train_step_grads(model, make_batches(vocab), vocab=vocab)
+    dist_checkpointing.save(tensor_sharded_state_dict(model, grads), grads_out)
+    return {"loss": loss, "layers": len(model.decoder.layers)}
