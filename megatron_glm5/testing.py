@@ -109,6 +109,33 @@ def tiny_glm52_config(**overrides: Any) -> dict[str, Any]:
     return cfg
 
 
+def small_glm52_config(**overrides: Any) -> dict[str, Any]:
+    """A GPU-sized GLM-5.2 toy with the real MLA latent geometry (kv_lora_rank 512 + rope 64 = 576, so fused
+    sparse-MLA kernels apply) and ``index_topk`` 256 (a multiple of 64): 4 layers [full, shared, full, shared],
+    hidden 1024, 16 heads, 8 experts top-2, MTP 1, vocab 4096. Used by the examples and GPU checks."""
+    cfg = tiny_glm52_config(
+        vocab_size=4096,
+        hidden_size=1024,
+        intermediate_size=2048,
+        moe_intermediate_size=256,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        q_lora_rank=256,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        qk_head_dim=192,
+        v_head_dim=128,
+        head_dim=192,
+        index_n_heads=8,
+        index_head_dim=128,
+        index_topk=256,
+        dtype="bfloat16",
+    )
+    cfg.update(overrides)
+    return cfg
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Tensor names and random values
 # --------------------------------------------------------------------------------------------------------------------

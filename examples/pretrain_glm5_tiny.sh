@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Train a small GLM-5.2-shaped model (IndexShare + MTP + MoE, real MLA latent dims) for 20 steps on mock data,
+# on one GPU, with Megatron-LM's training loop (megatron.training.pretrain) and the GLM-5.x block spec.
+#   bash examples/pretrain_glm5_tiny.sh [megatron|tilelang]
+# Needs CUDA; on CPU run `megatron-glm5 demo` instead.
+set -euo pipefail
+BACKEND=${1:-megatron}
+WORK=${WORK:-$(mktemp -d)}
+python - "$WORK" <<'PY'
+import json, sys
+from megatron_glm5.testing import small_glm52_config
+open(f"{sys.argv[1]}/config.json", "w").write(json.dumps(small_glm52_config(), indent=2))
+PY
+# dsa_kernel_backend=tilelang runs megatron-core's own TileLang DSA kernels on the 'megatron' backend.
+KERNELS=$([ "$BACKEND" = megatron ] && echo "--dsa-kernel-backend tilelang" || echo "")
+torchrun --nproc-per-node 1 -m megatron_glm5.pretrain \
+  --hf-config "$WORK" --glm5-backend "$BACKEND" $KERNELS \
+  --mock-data --tokenizer-type NullTokenizer \
+  --seq-length 1024 --micro-batch-size 2 --global-batch-size 8 \
+  --train-iters 20 --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 2 \
+  --weight-decay 0.01 --clip-grad 1.0 --bf16 \
+  --log-interval 1 --eval-iters 0 --eval-interval 1000 \
+  --no-rope-fusion --moe-token-dispatcher-type allgather \
+  --save "$WORK/ckpt" --save-interval 20

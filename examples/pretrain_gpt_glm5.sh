@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# GLM-5.x through a Megatron-LM checkout's own pretrain_gpt.py, with our block spec:
+#   MEGATRON_LM=/path/to/Megatron-LM bash examples/pretrain_gpt_glm5.sh
+# Megatron-LM builds the TransformerConfig from its flags, so every architecture flag of the model is spelled out
+# (here: GLM-5.2 at full size; shrink --num-layers etc. for a smoke test). get_glm5_spec checks the GLM-specific
+# numerics flags and names any that are missing. The IndexShare pattern comes from --dsa-indexer-topk-freq /
+# --dsa-indexer-skip-topk-offset. Use `get_glm5_tilelang_spec` for the fused backend.
+# MTP: Megatron-LM r0.19's GPT builder builds MTP from its own (non-DSA) layer specs and asserts on DSA, so add
+# --mtp-num-layers only with `python -m megatron_glm5.pretrain`, which builds the MTP block itself.
+set -euo pipefail
+: "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout}"
+torchrun --nproc-per-node "${NPROC:-8}" "$MEGATRON_LM/pretrain_gpt.py" \
+  --spec megatron_glm5.spec get_glm5_spec \
+  --num-layers 78 --hidden-size 6144 --ffn-hidden-size 12288 --num-attention-heads 64 \
+  --multi-latent-attention --q-lora-rank 2048 --kv-lora-rank 512 --qk-head-dim 192 --qk-pos-emb-head-dim 64 \
+  --v-head-dim 256 --qk-layernorm --normalization RMSNorm --norm-epsilon 1e-5 --swiglu --disable-bias-linear \
+  --untie-embeddings-and-output-weights --position-embedding-type rope --rope-type rope --rotary-base 8000000 \
+  --no-rope-fusion --max-position-embeddings 1048576 --make-vocab-size-divisible-by 1280 \
+  --experimental-attention-variant dsa --dsa-indexer-n-heads 32 --dsa-indexer-head-dim 128 --dsa-indexer-topk 2048 \
+  --dsa-indexer-topk-freq 4 --dsa-indexer-skip-topk-offset 3 --dsa-indexer-rope-interleaved \
+  --no-dsa-indexer-rotate-activation --dsa-indexer-k-norm-epsilon 1e-6 --dsa-indexer-k-norm-fp32 \
+  --num-experts 256 --moe-router-topk 8 --moe-ffn-hidden-size 2048 --moe-shared-expert-intermediate-size 2048 \
+  --moe-layer-freq "([0]*3+[1]*75)" --moe-router-score-function sigmoid --moe-router-enable-expert-bias \
+  --moe-router-topk-scaling-factor 2.5 --moe-router-dtype fp32 --moe-router-pre-softmax \
+  --hidden-dropout 0 --attention-dropout 0 \
+  --tensor-model-parallel-size 4 --sequence-parallel --pipeline-model-parallel-size 2 \
+  --decoder-first-pipeline-num-layers 38 --expert-model-parallel-size 8 \
+  --mock-data --tokenizer-type NullTokenizer --vocab-size 154880 \
+  --seq-length 4096 --micro-batch-size 1 --global-batch-size 64 --train-iters 100 --lr 1e-5 --bf16

@@ -1,0 +1,202 @@
+"""``python -m megatron_glm5.pretrain``: Megatron-LM's training loop (``megatron.training.pretrain``) on GLM-5.x.
+
+Every Megatron-LM flag works as with ``pretrain_gpt.py`` (parallelism, batch sizes, optimizer, checkpointing,
+``--mock-data`` or ``--data-path``, recompute, ...). The architecture comes from ``--hf-config`` (a GLM-5.x
+``config.json`` or the checkpoint directory holding it) through :mod:`megatron_glm5.config`: its values are written
+into Megatron-LM's arguments before validation, so its bookkeeping (layer split, FLOP counts, vocab) agrees with the
+model. Passing an architecture flag that contradicts the HF config is an error. ``--glm5-backend`` picks the DSA
+attention backend (``megatron`` or ``tilelang``).
+
+Megatron-LM's training loop needs CUDA (it allocates on ``device="cuda"``); on CPU use ``megatron-glm5 demo``.
+"""
+
+from __future__ import annotations
+
+import sys
+from functools import partial
+from typing import Any
+
+import torch
+
+from .config import GLM5Architecture, architecture_kwargs, gpt_model_kwargs, load_hf_config, parse_hf_config
+from .spec import BACKENDS
+
+# megatron-core config field -> Megatron-LM argument name, where they differ.
+_ARG_NAMES = {"num_moe_experts": "num_experts"}
+# Architecture facts that Megatron-LM expresses through other flags.
+_DERIVED_ARGS = ("gated_linear_unit", "activation_func")
+
+
+def add_glm5_args(parser):
+    group = parser.add_argument_group("megatron-glm5")
+    group.add_argument("--hf-config", required=True,
+                       help="GLM-5.x config.json (or the HF checkpoint directory holding it); defines the architecture")
+    group.add_argument("--glm5-backend", choices=sorted(BACKENDS), default="megatron",
+                       help="DSA attention backend: 'megatron' (megatron-core modules and kernels) or 'tilelang' "
+                            "(fused TileLangMLASelfAttention)")
+    return parser
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def architecture_args(arch: GLM5Architecture) -> dict[str, Any]:
+    """Megatron-LM argument values that describe ``arch``."""
+    values = {_ARG_NAMES.get(k, k): v for k, v in architecture_kwargs(arch).items() if k not in _DERIVED_ARGS}
+    model = gpt_model_kwargs(arch)
+    values.update(
+        swiglu=True,
+        untie_embeddings_and_output_weights=not model["share_embeddings_and_output_weights"],
+        position_embedding_type=model["position_embedding_type"],
+        max_position_embeddings=model["max_sequence_length"],
+        vocab_size=model["vocab_size"],
+        make_vocab_size_divisible_by=1,  # the embedding must keep the checkpoint's vocab size
+    )
+    return values
+
+
+def apply_architecture(args, arch: GLM5Architecture, argv: list[str]) -> list[str]:
+    """Write ``arch`` into Megatron-LM's parsed ``args``; refuse explicit flags that disagree. Returns the names of
+    the arguments that were changed (for the start-up log)."""
+    changed, conflicts = [], []
+    for name, value in architecture_args(arch).items():
+        if not hasattr(args, name):
+            raise RuntimeError(f"Megatron-LM has no argument '{name}' (megatron-core version mismatch?)")
+        current = getattr(args, name)
+        if current == value:
+            continue
+        if _flag(name) in argv:
+            conflicts.append(f"{_flag(name)} {current!r} (the HF config says {value!r})")
+        setattr(args, name, value)
+        changed.append(name)
+    if conflicts:
+        raise SystemExit("megatron-glm5: flags contradict --hf-config: " + "; ".join(conflicts)
+                         + ". Drop them: the architecture comes from the HF config.")
+    return changed
+
+
+def disable_unavailable_fusions(args) -> list[str]:
+    """Turn off what Megatron-LM enables by default but needs Transformer Engine or apex CUDA extensions (neither is
+    required by megatron-glm5). Returns the names of the settings changed."""
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    changed = []
+    if not HAVE_TE and args.transformer_impl == "transformer_engine":
+        args.transformer_impl = "local"
+        changed.append("transformer_impl=local")
+    try:
+        import fused_weight_gradient_mlp_cuda  # noqa: F401  (apex)
+    except ImportError:
+        if args.gradient_accumulation_fusion:
+            args.gradient_accumulation_fusion = False
+            changed.append("gradient_accumulation_fusion=False")
+    return changed
+
+
+def model_provider(arch: GLM5Architecture, backend: str, pre_process=True, post_process=True, vp_stage=None,
+                   config=None, pg_collection=None):
+    """Megatron-LM model provider: megatron-core GPTModel with the GLM-5.x block spec."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+    from megatron.training import get_args
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    from .model import build_model
+
+    if config is None:
+        config = core_transformer_config_from_args(get_args(), MLATransformerConfig)
+    return build_model(arch, config=config, backend=backend, vp_stage=vp_stage, pre_process=pre_process,
+                       post_process=post_process)
+
+
+def _get_batch(data_iterator, vp_stage=None):
+    from megatron.training.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank, is_first_or_last_pipeline_stage
+
+    if not is_first_or_last_pipeline_stage(vp_stage):
+        return None, None, None, None, None
+    batch = get_batch_on_this_cp_rank(get_batch_on_this_tp_rank(data_iterator))
+    return batch["tokens"], batch["labels"], batch["loss_mask"], batch["attention_mask"], batch["position_ids"]
+
+
+def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().clone().detach().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+
+
+def forward_step(data_iterator, model, return_schedule_plan: bool = False):
+    """One micro-batch: tokens -> per-token LM loss (MTP loss is attached inside the model)."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    vp_stage = get_attr_wrapped_model(model, "vp_stage")
+    tokens, labels, loss_mask, attention_mask, position_ids = _get_batch(data_iterator, vp_stage)
+    output = model(tokens, position_ids, attention_mask, labels=labels, loss_mask=loss_mask)
+    return output, partial(_loss_func, loss_mask)
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None):
+    """megatron-core GPT datasets: ``--mock-data`` (random tokens) or ``--data-path`` blends."""
+    from megatron.core import parallel_state
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.training import get_args, get_tokenizer
+    from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
+
+    args = get_args()
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=args.split,
+        path_to_cache=args.data_cache_path,
+        tokenizer=get_tokenizer(),
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=False,  # DSA attention is causal by construction and ignores masks
+    )
+    dataset_type = MockGPTDataset if args.mock_data else GPTDataset
+
+    def built_on_rank():
+        return is_first_or_last_pipeline_stage(vp_stage) and parallel_state.get_tensor_model_parallel_rank() == 0
+
+    return BlendedMegatronDatasetBuilder(dataset_type, train_val_test_num_samples, built_on_rank, config).build()
+
+
+def main(argv: list[str] | None = None) -> None:
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.global_vars import set_global_variables
+
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    argv = sys.argv[1:]
+    if not torch.cuda.is_available():
+        raise SystemExit("megatron-glm5 pretrain runs Megatron-LM's training loop, which needs CUDA; "
+                         "on CPU try `megatron-glm5 demo`")
+    args = parse_args(extra_args_provider=add_glm5_args)
+    arch = parse_hf_config(load_hf_config(args.hf_config))
+    if args.tokenizer_type is None and args.mock_data:
+        args.tokenizer_type = "NullTokenizer"
+    apply_architecture(args, arch, argv)
+    disable_unavailable_fusions(args)
+    validate_args(args, {})
+    set_global_variables(args)
+    train_valid_test_datasets_provider.is_distributed = True
+    pretrain(
+        pretrain_cfg_container_from_args(args, model_cfg=None),
+        train_valid_test_datasets_provider,
+        ModelType.encoder_or_decoder,
+        forward_step,
+        model_provider=partial(model_provider, arch, args.glm5_backend),
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""`python -m megatron_glm5.pretrain` up to the model: Megatron-LM arguments take the architecture from --hf-config,
+contradicting flags are refused, and the model provider builds the GLM-5.x GPTModel. (The training loop itself needs
+CUDA; it runs on the GPU machine.)"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from megatron_glm5.config import load_hf_config, parse_hf_config
+from megatron_glm5.pretrain import add_glm5_args, apply_architecture, disable_unavailable_fusions, model_provider
+from megatron_glm5.testing import tiny_glm52_config
+
+
+def _parse(monkeypatch, argv):
+    from megatron.training.arguments import parse_args
+
+    monkeypatch.setattr(sys, "argv", ["pretrain", *argv])
+    return parse_args(extra_args_provider=add_glm5_args)
+
+
+@pytest.fixture
+def hf_dir(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(tiny_glm52_config()))
+    return tmp_path
+
+
+BASE = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--seq-length", "64", "--micro-batch-size", "1",
+        "--global-batch-size", "2", "--train-iters", "20", "--lr", "1e-3"]
+
+
+def test_architecture_comes_from_hf_config(monkeypatch, hf_dir, model_parallel):
+    from megatron.training.arguments import validate_args
+    from megatron.training.global_vars import set_global_variables, unset_global_variables
+
+    argv = ["--hf-config", str(hf_dir), *BASE]
+    args = _parse(monkeypatch, argv)
+    arch = parse_hf_config(load_hf_config(hf_dir))
+    changed = apply_architecture(args, arch, argv)
+    assert {"num_layers", "hidden_size", "q_lora_rank", "dsa_indexer_rope_interleaved", "num_experts"} <= set(changed)
+    assert (args.num_layers, args.num_experts, args.rotary_base, args.vocab_size) == (4, 8, 8e6, 512)
+    assert args.dsa_indexer_topk_freq == 2 and args.dsa_indexer_rotate_activation is False
+    disable_unavailable_fusions(args)
+    validate_args(args, {})
+    set_global_variables(args)
+    try:
+        model = model_provider(arch, "megatron")
+        assert model.config.dsa_indexer_k_norm_fp32 and model.config.moe_router_dtype == "fp32"
+        assert model.config.hidden_dropout == 0.0 and model.config.rope_type == "rope"
+        assert model.vocab_size == 512 and len(model.decoder.layers) == 4 and model.mtp_process
+    finally:
+        unset_global_variables()
+
+
+def test_contradicting_flag_is_refused(monkeypatch, hf_dir):
+    argv = ["--hf-config", str(hf_dir), "--num-layers", "6", *BASE]
+    args = _parse(monkeypatch, argv)
+    with pytest.raises(SystemExit, match=r"--num-layers 6 \(the HF config says 4\)"):
+        apply_architecture(args, parse_hf_config(load_hf_config(hf_dir)), argv)
+
+
+def test_pretrain_refuses_cpu(monkeypatch, hf_dir):
+    import torch
+
+    from megatron_glm5 import pretrain
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU refusal")
+    with pytest.raises(SystemExit, match="needs CUDA"):
+        pretrain.main(["--hf-config", str(hf_dir), *BASE])
