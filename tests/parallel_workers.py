@@ -136,7 +136,7 @@ def _finalize_grads(model, pp: int) -> None:
 
 
 def parallel_case(rank: int, world: int, *, raw: dict, weights: str, grads_out: str, tp: int, pp: int, ep: int,
-                  vocab: int) -> dict:
+                  vocab: int, backend: str = "megatron") -> dict:
     """Load the reference weights at (TP, PP, EP), run the micro-batches, save gradients as a dist checkpoint."""
     from megatron.core import dist_checkpointing
 
@@ -148,8 +148,56 @@ def parallel_case(rank: int, world: int, *, raw: dict, weights: str, grads_out: 
                               expert_model_parallel_size=ep)
     policy = default_cpu_policy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                 expert_model_parallel_size=ep)
-    model = build_model(parse_hf_config(raw), policy)
+    model = build_model(parse_hf_config(raw), policy, backend=backend)
     load_weights(model, weights)
     loss, grads = train_step_grads(model, make_batches(vocab), vocab=vocab)
     dist_checkpointing.save(tensor_sharded_state_dict(model, grads), grads_out)
     return {"loss": loss, "layers": len(model.decoder.layers)}
+
+
+def reference_run(raw: dict, weights_dir: str):
+    """Single-process reference (``megatron`` backend): saves the weights as a dist checkpoint; returns (loss,
+    grads). Initialises and tears down a 1-rank model-parallel state."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    from megatron_glm5.config import parse_hf_config
+    from megatron_glm5.model import build_model, default_cpu_policy
+    from megatron_glm5.parallel import initialize_model_parallel
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    initialize_model_parallel()
+    try:
+        torch.manual_seed(0)
+        model = build_model(parse_hf_config(raw), default_cpu_policy())
+        dist_checkpointing.save(model.sharded_state_dict(), weights_dir)
+        return train_step_grads(model, make_batches(raw["vocab_size"]), vocab=raw["vocab_size"])
+    finally:
+        ps.destroy_model_parallel()
+
+
+def load_sharded_grads(raw: dict, grads_dir: str) -> dict[str, torch.Tensor]:
+    """Re-assemble a (TP/EP/PP-sharded) gradient checkpoint into single-process tensors by parameter name."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    from megatron_glm5.config import parse_hf_config
+    from megatron_glm5.model import build_model, default_cpu_policy
+    from megatron_glm5.parallel import initialize_model_parallel
+
+    initialize_model_parallel()
+    try:
+        model = build_model(parse_hf_config(raw), default_cpu_policy())
+        params = dict(model.named_parameters())
+        sharded = tensor_sharded_state_dict(model, {n: torch.empty_like(p) for n, p in params.items()})
+        state = dist_checkpointing.load(sharded, grads_dir)
+        return {n: state[n] for n in params}
+    finally:
+        ps.destroy_model_parallel()
+
+
+def grad_errors(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[str, float]:
+    """max |diff| / max |ref| per parameter."""
+    assert set(grads) == set(ref), set(grads) ^ set(ref)
+    return {n: ((grads[n] - r).abs().max() / r.abs().max().clamp_min(1e-12)).item() for n, r in ref.items()}

@@ -170,41 +170,52 @@ class GLMSparseAttention(MegatronModule):
 
 
 def _mcore_accepts_down_projection(cls) -> bool:
-    """AbsorbedMLA whitelists its q/kv down-projection classes (TELinear -> duplicated; Linear / TE or local
-    ColumnParallelLinear -> TP-sharded), by identity."""
+    """megatron-core's MLA classes whitelist their q/kv down-projection classes (TELinear -> duplicated; Linear /
+    TE or local ColumnParallelLinear -> TP-sharded), by identity."""
     from megatron.core.transformer.experimental_attention_variant import absorbed_mla as _am
 
     return cls is not None and cls in (_am.TELinear, _am.Linear, _am.TEColumnParallelLinear, ColumnParallelLinear)
 
 
+def with_mcore_down_projections(submodules):
+    """``(submodules for megatron-core's constructor, duplicated class to rebuild with or None)``.
+
+    Without Transformer Engine megatron-core only accepts ``ColumnParallelLinear`` for ``linear_q_down_proj`` /
+    ``linear_kv_down_proj``, and under TP + SP that path gives a wrong ``kv_down`` gradient: the rope part
+    ``k_pos_emb`` is taken from the TP-gathered output at full sequence length, each rank's heads contribute only
+    part of its gradient, and the gather's backward (a split) never sums them (our TP=2 parity test measured 1e-2
+    relative error). So a replicated (duplicated) class that the whitelist does not know is swapped for
+    ``ColumnParallelLinear`` during the parent constructor and rebuilt afterwards (:func:`rebuild_down_projections`),
+    which then takes the same path as TE's duplicated ``TELinear``: SP-local output, ``k_pos_emb`` all-gathered with
+    a reduce-scatter backward, weight gradients summed over TP through their ``sequence_parallel`` tag.
+    """
+    down = submodules.linear_q_down_proj
+    if _mcore_accepts_down_projection(down):
+        return submodules, None
+    return (
+        dataclasses.replace(submodules, linear_q_down_proj=ColumnParallelLinear, linear_kv_down_proj=ColumnParallelLinear),
+        down,
+    )
+
+
+def rebuild_down_projections(module, down) -> None:
+    """Replace ``module``'s q/kv down-projections with duplicated ``down`` linears (see above)."""
+    if down is None:
+        return
+    cfg = module.config
+    common = dict(config=cfg, init_method=cfg.init_method, bias=False, skip_bias_add=False, parallel_mode="duplicated")
+    module.linear_q_down_proj = build_module(down, cfg.hidden_size, cfg.q_lora_rank, **common)
+    module.linear_kv_down_proj = build_module(down, cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_pos_emb_head_dim, **common)
+
+
 class GLMAbsorbedMLASelfAttention(AbsorbedMLASelfAttention):
     """megatron-core's AbsorbedMLA whose forward carries the DSA top-k explicitly (see module docstring).
-
-    Down-projections: without Transformer Engine megatron-core only accepts ``ColumnParallelLinear`` for
-    ``linear_q_down_proj`` / ``linear_kv_down_proj``, and under TP + SP that path gives a wrong ``kv_down`` gradient:
-    the rope part ``k_pos_emb`` is taken from the TP-gathered output at full sequence length, each rank's heads
-    contribute only part of its gradient, and the gather's backward (a split) never sums them (our TP=2 parity test
-    measured 1e-2 relative error). So when the spec asks for a replicated (duplicated) down-projection class that
-    megatron-core's whitelist does not know, the modules are built with it after the parent constructor, which then
-    takes the same path as TE's duplicated ``TELinear``: SP-local output, ``k_pos_emb`` all-gathered with a
-    reduce-scatter backward, weight gradients summed over TP through their ``sequence_parallel`` tag.
-    """
+    Down-projections are replicated over TP (see :func:`with_mcore_down_projections`)."""
 
     def __init__(self, config, submodules, *args, **kwargs):
-        down = submodules.linear_q_down_proj
-        rebuild = not _mcore_accepts_down_projection(down)
-        if rebuild:
-            submodules = dataclasses.replace(
-                submodules, linear_q_down_proj=ColumnParallelLinear, linear_kv_down_proj=ColumnParallelLinear
-            )
+        submodules, down = with_mcore_down_projections(submodules)
         super().__init__(config, submodules, *args, **kwargs)
-        if rebuild:
-            common = dict(config=self.config, init_method=self.config.init_method, bias=False, skip_bias_add=False,
-                          parallel_mode="duplicated")
-            self.linear_q_down_proj = build_module(down, self.config.hidden_size, self.config.q_lora_rank, **common)
-            self.linear_kv_down_proj = build_module(
-                down, self.config.hidden_size, self.config.kv_lora_rank + self.config.qk_pos_emb_head_dim, **common
-            )
+        rebuild_down_projections(self, down)
         if not isinstance(self.core_attention, GLMSparseAttention):
             raise TypeError(
                 f"GLMAbsorbedMLASelfAttention needs GLMSparseAttention as core_attention, got {type(self.core_attention)}"

@@ -28,6 +28,12 @@ class TokenLayout:
     def num_rows(self) -> int:
         return self.seqlen * self.batch
 
+    @property
+    def positions(self) -> torch.Tensor:
+        """RoPE position of every row: its offset in its sequence (packed sequences restart at 0)."""
+        rows = torch.arange(self.num_rows, device=self.starts.device, dtype=torch.int64)
+        return rows - self.starts.to(torch.int64)
+
     @classmethod
     def build(cls, seqlen: int, batch: int, device: torch.device, packed_seq_params=None) -> "TokenLayout":
         if packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", None) == "thd":

@@ -1,0 +1,219 @@
+"""The ``tilelang`` backend: ``TileLangMLASelfAttention``, fused absorbed-latent DSA on our TileLang kernels.
+
+Per layer (single-device math below; parallelism enters only through the marked collectives):
+
+1. ``q_c = q_layernorm(q_down(x))``, ``[c | k_pe] = kv_down(x)``, ``c = kv_layernorm(c)`` on this rank's rows (the
+   down-projections are replicated over TP, like TE's duplicated ``TELinear``).
+2. ``q = q_up(q_c)`` for this rank's heads (column-parallel; under SP it all-gathers the rows itself); ``c`` and
+   ``k_pe`` are all-gathered along the sequence under SP (reduce-scatter in backward).
+3. RoPE, interleaved pairs, in fp32 with one cast (as sglang/vLLM apply it), on ``q_pe`` and ``k_pe``.
+4. Absorption with ``W_kc``/``W_vc`` taken from ``linear_kv_up_proj.weight`` on every call (:meth:`kv_up_weights`;
+   never a cached copy, so a LoRA delta folded in there reaches both with gradients): ``q = [q_nope . W_kc | q_pe]``
+   and ``kv = [c | k_pe]`` (d = kv_lora_rank + rope = 576 for GLM-5), softmax scale from megatron-core's MLA.
+5. Top-k: a shared layer uses the incoming one; a full layer runs the indexer with GLM numerics (normalised q latent,
+   fp32 LayerNorm k_norm eps 1e-6, fp32 head weights, ReLU, no Hadamard). Under SP the indexer's compact outputs
+   (q_i, k_i, w: 4096 + 128 + 32 values per token for GLM-5) are all-gathered instead of the hidden states and q
+   latent (8192 per token), with autograd-aware collectives.
+6. Sparse MLA over the top-k (:func:`megatron_glm5.kernels.sparse_mla`), de-absorption with ``W_vc``, ``linear_proj``.
+
+On CPU, or for shapes our kernels do not cover, steps 5-6 run :mod:`megatron_glm5.dsa.reference` (the kernels'
+oracle), so CI tests this module's logic against the ``megatron`` backend. Training and forward only; context
+parallelism and YaRN RoPE are refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.experimental_attention_variant.dsa import DSAttentionSubmodules
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+
+from .dsa import reference
+from .dsa.attention import rebuild_down_projections, with_mcore_down_projections
+from .dsa.layout import TokenLayout
+from .dsa.rope import apply_interleaved_rope, rope_cos_sin
+
+TORCH_CHUNK = 1024
+
+
+def _tilelang_available() -> bool:
+    return importlib.util.find_spec("tilelang") is not None
+
+
+def _kernels_apply(t: torch.Tensor) -> bool:
+    return t.is_cuda and _tilelang_available()
+
+
+class TileLangSparseAttention(MegatronModule):
+    """Owns a full layer's indexer (megatron-core ``DSAIndexer`` parameters, so checkpoints interchange with the
+    ``megatron`` backend) and runs top-k selection and sparse MLA on our kernels. Constructor arguments follow
+    megatron-core's core-attention convention; ``indexer_type`` comes from the spec."""
+
+    def __init__(self, config, submodules: DSAttentionSubmodules, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
+                 k_channels: Optional[int] = None, v_channels: Optional[int] = None, cp_comm_type: str = "p2p",
+                 pg_collection=None, *, indexer_type: str = "full"):
+        super().__init__(config=config)
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError(f"GLM-5.x DSA attention is causal; got attn_mask_type={attn_mask_type}")
+        if config.dsa_indexer_loss_coeff:
+            raise NotImplementedError("the tilelang backend trains with the indexer frozen: set dsa_indexer_loss_coeff=0")
+        self.layer_number = layer_number
+        self.index_topk = config.dsa_indexer_topk
+        self.index_heads = config.dsa_indexer_n_heads
+        self.index_dim = config.dsa_indexer_head_dim
+        self.rope_dim = config.qk_pos_emb_head_dim
+        self.pg_collection = pg_collection
+        self.indexer = (
+            build_module(submodules.indexer, config=config, pg_collection=pg_collection)
+            if indexer_type == "full"
+            else None
+        )
+
+    @property
+    def computes_topk(self) -> bool:
+        return self.indexer is not None
+
+    @torch.no_grad()
+    def compute_topk(self, x: torch.Tensor, q_c: torch.Tensor, layout: TokenLayout, cos: torch.Tensor,
+                     sin: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
+        """Indexer on this rank's rows (``x [s_l, b, h]``, normalised ``q_c [s_l, b, q_lora]``), compact outputs
+        gathered over SP, then causal top-k: int32 ``[T, index_topk]`` global rows, -1 tail padding."""
+        idx = self.indexer
+        s_l, b = x.shape[:2]
+        q, _ = idx.linear_wq_b(q_c)
+        q = q.view(s_l, b, self.index_heads, self.index_dim)
+        k, _ = idx.linear_wk(x)
+        k = idx.k_norm(k.float())  # fp32 LayerNorm, eps 1e-6
+        scale = self.index_heads**-0.5 * self.index_dim**-0.5
+        w = F.linear(x.float(), idx.linear_weights_proj.weight.float()) * scale  # fp32 head weights
+        if sequence_parallel:
+            group = self.pg_collection.tp
+            q, k, w = (gather_from_sequence_parallel_region(t, group=group) for t in (q, k, w))
+        q, k, w = layout.flatten(q), layout.flatten(k), layout.flatten(w)  # [T, Hi, Di], [T, Di], [T, Hi]
+        r = self.rope_dim
+        q = torch.cat([apply_interleaved_rope(q[..., :r], cos, sin), q[..., r:]], dim=-1)
+        k = torch.cat([apply_interleaved_rope(k[..., :r], cos, sin), k[..., r:]], dim=-1).to(q.dtype)
+        if _kernels_apply(q):
+            from . import kernels
+
+            topk = kernels.indexer_topk(q.contiguous(), k.contiguous(), w.contiguous(), layout.starts, layout.ends,
+                                        self.index_topk)
+        else:
+            topk = reference.indexer_topk(q, k, w, layout.starts, layout.ends, self.index_topk, chunk=TORCH_CHUNK)
+        return reference.pad_topk(topk, self.index_topk)
+
+    def forward(self, query: torch.Tensor, kv: torch.Tensor, topk: torch.Tensor, softmax_scale: float,
+                d_v: int) -> torch.Tensor:
+        """``query [T, H, D]``, ``kv [T, D]``, ``topk [T, K]`` -> latent output ``[T, H, d_v]``."""
+        if _kernels_apply(query) and query.shape[-1] == 576 and d_v == 512:
+            from . import kernels
+
+            return kernels.sparse_mla(query.contiguous(), kv.contiguous(), topk, softmax_scale, d_v,
+                                      deterministic=self.config.deterministic_mode)
+        out, _ = reference.sparse_mla(query, kv, topk, softmax_scale, d_v, chunk=TORCH_CHUNK)
+        return out
+
+
+class TileLangMLASelfAttention(MLASelfAttention):
+    """Fused absorbed-latent DSA attention (module docstring). Same parameters and names as the ``megatron`` backend;
+    ``forward`` returns ``(output, bias, topk)`` with ``topk`` the int32 ``[T, index_topk]`` rows it attended to."""
+
+    def __init__(self, config, submodules: MLASelfAttentionSubmodules, *args, **kwargs):
+        if config.context_parallel_size > 1:
+            raise NotImplementedError("the tilelang backend does not support context_parallel_size > 1 yet; use CP=1")
+        if config.rope_type != "rope":
+            raise NotImplementedError(f"the tilelang backend applies plain RoPE (GLM-5.x); got rope_type={config.rope_type!r}")
+        submodules, down = with_mcore_down_projections(submodules)
+        super().__init__(config, submodules, *args, **kwargs)
+        rebuild_down_projections(self, down)
+        if not isinstance(self.core_attention, TileLangSparseAttention):
+            raise TypeError(f"TileLangMLASelfAttention needs TileLangSparseAttention, got {type(self.core_attention)}")
+
+    @property
+    def computes_topk(self) -> bool:
+        return self.core_attention.computes_topk
+
+    def kv_up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(W_kc [H, qk_head_dim, kv_lora_rank], W_vc [H, v_head_dim, kv_lora_rank])`` viewed from
+        ``linear_kv_up_proj.weight`` (per-head rows ``[k_nope | v]``), recomputed on every call."""
+        cfg = self.config
+        w = self.linear_kv_up_proj.weight.view(-1, cfg.qk_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        return w[:, : cfg.qk_head_dim], w[:, cfg.qk_head_dim :]
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                key_value_states=None, inference_context=None, rotary_pos_emb=None, rotary_pos_cos=None,
+                rotary_pos_sin=None, rotary_pos_cos_sin=None, attention_bias=None, packed_seq_params=None,
+                position_ids=None, sequence_len_offset=None, *, inference_params=None,
+                dsa_topk: Optional[torch.Tensor] = None):
+        if inference_context is not None or inference_params is not None:
+            raise NotImplementedError("TileLangMLASelfAttention supports training and forward only, not an inference cache")
+        cfg = self.config
+        sp = cfg.sequence_parallel and cfg.tensor_model_parallel_size > 1
+        x = hidden_states  # [s_l, b, h] (THD: [t_l, 1, h])
+        q_c = self.q_layernorm(self.linear_q_down_proj(x)[0])
+        kv, _ = self.linear_kv_down_proj(x)
+        c, k_pe = torch.split(kv, [cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim], dim=-1)
+        c = self.kv_layernorm(c)
+        q, _ = self.linear_q_up_proj(q_c)  # [s, b, H_l * (qk + rope)]
+        if sp:
+            c = gather_from_sequence_parallel_region(c, group=self.pg_collection.tp)
+            k_pe = gather_from_sequence_parallel_region(k_pe, group=self.pg_collection.tp)
+        s, b = q.shape[:2]
+        layout = TokenLayout.build(s, b, q.device, packed_seq_params)
+        heads = q.shape[-1] // self.q_head_dim
+        q = layout.flatten(q).view(layout.num_rows, heads, self.q_head_dim)
+        q_nope, q_pe = torch.split(q, [cfg.qk_head_dim, cfg.qk_pos_emb_head_dim], dim=-1)
+        cos, sin = rope_cos_sin(layout.positions, cfg.qk_pos_emb_head_dim, cfg.rotary_base)
+        q_pe = apply_interleaved_rope(q_pe, cos, sin)
+        k_pe = apply_interleaved_rope(layout.flatten(k_pe), cos, sin)
+        w_kc, w_vc = self.kv_up_weights()
+        query = torch.cat([torch.einsum("thd,hdc->thc", q_nope, w_kc), q_pe], dim=-1)  # [T, H, 576]
+        kv_full = torch.cat([layout.flatten(c), k_pe], dim=-1)  # [T, 576]
+
+        topk = dsa_topk
+        if topk is None:
+            topk = self.core_attention.compute_topk(x, q_c, layout, cos, sin, sp)
+        elif topk.shape != (layout.num_rows, self.core_attention.index_topk):
+            raise ValueError(f"layer {self.layer_number}: top-k indices must be [{layout.num_rows}, "
+                             f"{self.core_attention.index_topk}], got {tuple(topk.shape)}")
+
+        core = (lambda q_, kv_, t_: self.core_attention(q_, kv_, t_, self.softmax_scale, cfg.kv_lora_rank))
+        if self.checkpoint_core_attention and self.training:
+            latent = tensor_parallel.checkpoint(core, False, query, kv_full, topk)
+        else:
+            latent = core(query, kv_full, topk)  # [T, H, kv_lora_rank]
+        out = torch.einsum("thc,hdc->thd", latent, w_vc.to(latent.dtype)).reshape(layout.num_rows, -1)
+        output, bias = self.linear_proj(layout.unflatten(out))
+        return output, bias, topk
+
+
+def build_tilelang_attention_spec(config, provider, indexer_type: str, indexer_spec, mla_submodules) -> ModuleSpec:
+    """Self-attention spec of the tilelang backend (called through :data:`megatron_glm5.spec.BACKENDS`)."""
+    core = ModuleSpec(
+        module=TileLangSparseAttention,
+        params={"indexer_type": indexer_type},
+        submodules=DSAttentionSubmodules(indexer=indexer_spec(provider) if indexer_type == "full" else None),
+    )
+    absorbed = mla_submodules(provider, core)
+    submodules = MLASelfAttentionSubmodules(
+        linear_proj=absorbed.linear_proj,
+        q_layernorm=absorbed.q_layernorm,
+        kv_layernorm=absorbed.kv_layernorm,
+        linear_q_proj=absorbed.linear_q_proj,
+        linear_q_down_proj=absorbed.linear_q_down_proj,
+        linear_q_up_proj=absorbed.linear_q_up_proj,
+        linear_kv_down_proj=absorbed.linear_kv_down_proj,
+        linear_kv_up_proj=absorbed.linear_kv_up_proj,
+        core_attention=core,
+    )
+    return ModuleSpec(module=TileLangMLASelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+                      submodules=submodules)
