@@ -1,1 +1,45 @@
-"""HF <-> Megatron checkpoint conversion for GLM-5.x."""
+"""HF <-> Megatron checkpoint bridge for GLM-5.x (``glm_moe_dsa``).
+
+Streaming checkpoint conversion (bounded memory, any TP/PP/EP)::
+
+    from bridge import convert_hf_to_megatron, convert_megatron_to_hf, roundtrip, verify
+    convert_hf_to_megatron(hf_path="GLM-5.2", megatron_path="glm52_mcore", tp=1, pp=1, ep=1)
+    convert_megatron_to_hf(megatron_path="glm52_mcore", hf_path="GLM-5.2-export")
+
+In memory, with a built megatron-core model (this rank's shards)::
+
+    load_hf_weights(model, "GLM-5.2")          # what megatron_glm5.from_hf_pretrained uses
+    export_hf(model, "GLM-5.2-trained")        # gathers over TP/PP/EP through a temporary torch_dist checkpoint
+
+All drivers share one mapping table (:mod:`bridge.mapping`). Importing this package imports nothing heavy.
+"""
+
+from .errors import BridgeError
+
+__all__ = [
+    "BridgeError",
+    "compare_hf_checkpoints",
+    "convert_hf_to_megatron",
+    "convert_megatron_to_hf",
+    "export_hf",
+    "load_hf_weights",
+    "load_megatron_checkpoint",
+    "roundtrip",
+    "verify",
+]
+
+
+def __getattr__(name):
+    if name in ("convert_hf_to_megatron", "convert_megatron_to_hf", "roundtrip", "compare_hf_checkpoints"):
+        from . import convert
+
+        return getattr(convert, name)
+    if name in ("export_hf", "load_hf_weights", "load_megatron_checkpoint"):
+        from . import inmemory
+
+        return getattr(inmemory, name)
+    if name == "verify":
+        from .parity import verify
+
+        return verify
+    raise AttributeError(f"module 'bridge' has no attribute {name!r}")

@@ -1,0 +1,160 @@
+"""The same table, driven in memory: fill a built megatron-core model from HF safetensors, export a model to HF.
+
+* :func:`load_hf_weights` walks this rank's ``model.sharded_state_dict()`` (every box, replicas included: each
+  rank needs its data) and copies each box from the HF tensors through :class:`bridge.convert.Materializer`.
+* :func:`export_hf` writes this rank's main-replica boxes into a temporary ``torch_dist`` checkpoint (all ranks
+  together; that is the TP/PP/EP gather) and rank 0 streams it to HF with
+  :func:`bridge.convert.convert_megatron_to_hf`. Memory stays bounded and the result is the same as converting
+  a checkpoint saved by Megatron-LM.
+* :func:`load_megatron_checkpoint` builds the model a bridge-written checkpoint describes and loads it with
+  megatron-core's own ``dist_checkpointing.load``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from megatron_glm5.config import load_hf_config, mcore_kwargs, parse_hf_config
+
+from .convert import (
+    Materializer,
+    _box,
+    convert_megatron_to_hf,
+    open_hf_source,
+    parse_dtype,
+    sharded_boxes,
+)
+from .errors import BridgeError
+from .launch import barrier, broadcast_object, world
+from .mapping import expand
+from .compat import needs_indexer_rope_swap
+from .megatron_io import (
+    BRIDGE_KEY,
+    COMMON_STATE_KEY,
+    FORMAT_VERSION,
+    DistCheckpoint,
+    common_state,
+    iteration_dir,
+    load_into_model,
+    megatron_args,
+    resolve_checkpoint_dir,
+    write_dist_checkpoint,
+    write_tracker,
+)
+from .progress import Progress
+
+HF_CONFIG_ATTR = "glm5_hf_config"  # raw config.json kept on models built by from_hf_pretrained, for export_hf
+
+
+@torch.no_grad()
+def load_hf_weights(model, hf_path: str | Path, *, progress: bool | None = False) -> dict:
+    """Copy an HF checkpoint into ``model`` (this rank's shards). Every model tensor must be filled and every HF
+    tensor accounted for, else :class:`~bridge.errors.BridgeError`."""
+    src = open_hf_source(hf_path)
+    mat = Materializer(src)
+    plan = sharded_boxes(model, src.expansion, mat.target_dtype, main_replicas_only=False, keep_data=True)
+    plan.chunks.sort(key=lambda c: (*mat.source_order(plan.pieces[(c.key, c.offsets)].logical), c.key, c.offsets))
+    bar = Progress(total=len(plan.chunks), total_bytes=sum(c.nbytes for c in plan.chunks), desc="load",
+                   enabled=progress)
+    for c in plan.chunks:
+        piece = plan.pieces[(c.key, c.offsets)]
+        dest = plan.tensors[(c.key, c.offsets)]
+        value = _box(mat.get(piece.logical), piece.offsets, piece.sizes)
+        dest.copy_(value.reshape(dest.shape))
+        bar.update(c.nbytes)
+    bar.close()
+    src.reader.close()
+    setattr(model, HF_CONFIG_ATTR, src.raw)
+    return {"tensors": len(plan.chunks), "bytes": bar.bytes, "expert_layout": src.expansion.expert_layout}
+
+
+def export_hf(
+    model,
+    hf_path: str | Path,
+    *,
+    hf_config: Mapping | str | Path | None = None,
+    expert_layout: str = "per_expert",
+    dtype: str | torch.dtype | None = None,
+    overwrite: bool = False,
+    progress: bool | None = False,
+    work_dir: str | Path | None = None,
+) -> dict | None:
+    """Write ``model`` (collectively, from all ranks) as an HF checkpoint. ``hf_config`` is the model's HF
+    ``config.json`` (a dict or path); it defaults to the one recorded by ``from_hf_pretrained``. ``dtype`` defaults
+    to the config's ``dtype`` (the router bias stays fp32). Returns rank 0's report (None on other ranks)."""
+    raw = hf_config if hf_config is not None else getattr(model, HF_CONFIG_ATTR, None)
+    if raw is None:
+        raise BridgeError("export_hf needs the model's HF config.json: pass hf_config=... (a dict or a path); "
+                          "models from megatron_glm5.from_hf_pretrained carry it")
+    if not isinstance(raw, Mapping):
+        raw = load_hf_config(raw)
+    raw = dict(raw)
+    arch = parse_hf_config(raw)
+    out_dtype = parse_dtype(dtype) or _config_dtype(raw)
+    expansion = expand(arch, expert_layout=expert_layout, indexer_rope_swap=needs_indexer_rope_swap())
+
+    def dtype_of(m):
+        return torch.float32 if m.fp32 else (out_dtype or torch.float32)
+
+    plan = sharded_boxes(model, expansion, dtype_of, keep_data=True)
+    rank, _ = world()
+    base = Path(work_dir) if work_dir is not None else Path(hf_path).absolute().parent
+    tmp = Path(broadcast_object(str(base / f".{Path(hf_path).name}.export-{uuid.uuid4().hex[:8]}") if rank == 0 else None))
+    if rank == 0:
+        meta = {"format_version": FORMAT_VERSION, "hf_config": raw, "expert_layout": expert_layout,
+                "source_fp8": False, "hf_source": "in-memory model"}
+        args = megatron_args(mcore_kwargs(arch), tp=1, pp=1, ep=1)
+        plan.objects[COMMON_STATE_KEY] = common_state(args=args, iteration=0, bridge_meta=meta)
+
+    def resolve(chunk):
+        t = plan.tensors[(chunk.key, chunk.offsets)]
+        return t.detach().reshape(chunk.sizes).to(chunk.dtype)
+
+    report = None
+    try:
+        write_dist_checkpoint(iteration_dir(tmp, 0), plan.chunks, plan.objects, resolve, sync_files=False)
+        if rank == 0:
+            write_tracker(tmp, 0)
+            report = convert_megatron_to_hf(megatron_path=tmp, hf_path=hf_path, hf_config=raw,
+                                            expert_layout=expert_layout, overwrite=overwrite, progress=progress)
+        barrier()
+    finally:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return report
+
+
+def _config_dtype(raw: Mapping[str, Any]) -> torch.dtype | None:
+    name = raw.get("dtype") or raw.get("torch_dtype")
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}.get(name)
+
+
+def load_megatron_checkpoint(megatron_path: str | Path, *, policy=None, backend: str = "megatron",
+                             hf_config: Mapping | str | Path | None = None):
+    """Build the GPTModel a checkpoint describes (this rank's stage; parallel state must be initialised) and load
+    it with megatron-core's ``dist_checkpointing.load``. The architecture comes from the HF config.json the bridge
+    stored in the checkpoint, or ``hf_config``."""
+    from megatron_glm5.model import build_model, default_cpu_policy
+
+    ckpt_dir = resolve_checkpoint_dir(megatron_path)
+    if hf_config is None:
+        raw = DistCheckpoint(ckpt_dir).common_state().get(BRIDGE_KEY, {}).get("hf_config")
+        if raw is None:
+            raise BridgeError(f"{ckpt_dir}: no HF config recorded in the checkpoint; pass hf_config=")
+    elif isinstance(hf_config, Mapping):
+        raw = dict(hf_config)
+    else:
+        raw = load_hf_config(hf_config)
+    arch = parse_hf_config(raw)
+    model = build_model(arch, policy or default_cpu_policy(), backend=backend)
+    load_into_model(model, ckpt_dir)
+    setattr(model, HF_CONFIG_ATTR, raw)
+    return model
+
+
+__all__ = ["export_hf", "load_hf_weights", "load_megatron_checkpoint", "HF_CONFIG_ATTR"]

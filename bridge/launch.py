@@ -1,0 +1,188 @@
+"""Running a conversion over several ranks: megatron-core parallel state, local process launch, pipeline split.
+
+A conversion at TP/PP/EP > 1 runs one rank per model shard, as megatron-core itself would save: each rank builds
+its shard's skeleton on the meta device and writes exactly the boxes its sharded state dict declares. Under
+``torchrun`` the ranks already exist; from a plain process :func:`run_local_ranks` spawns them (gloo on CPU,
+NCCL with GPUs) and turns a failing rank's :class:`~bridge.errors.BridgeError` back into the same error here.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from contextlib import closing, contextmanager
+from typing import Any, Callable, Iterator
+
+from . import errors
+from .errors import BridgeError
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) of the default process group, or (0, 1) without one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def launched_world_size() -> int:
+    """World size of an existing process group, or of a launcher environment (torchrun) about to create one."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def broadcast_object(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank."""
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_ok(ok: bool, message: str = "") -> None:
+    """Raise on every rank if any rank is not ok (keeps ranks from hanging in a later collective)."""
+    import torch.distributed as dist
+
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    msgs = [None] * dist.get_world_size()
+    dist.all_gather_object(msgs, None if ok else message)
+    bad = [(r, m) for r, m in enumerate(msgs) if m is not None]
+    if bad:
+        raise BridgeError(bad[0][1] if len(bad) == 1 else "; ".join(f"rank {r}: {m}" for r, m in bad))
+
+
+def pipeline_split(indexer_types: tuple[str, ...], pp: int) -> dict[str, int]:
+    """RuntimePolicy fields for a ``pp``-stage split in which every stage starts on an IndexShare "full" layer.
+    Uniform when that works; for two stages otherwise the full layer closest to the middle."""
+    n = len(indexer_types)
+    if pp == 1:
+        return {}
+    if n % pp == 0 and all(indexer_types[s * n // pp] == "full" for s in range(pp)):
+        return {}
+    if pp == 2:
+        candidates = [i for i in range(1, n) if indexer_types[i] == "full"]
+        if candidates:
+            first = min(candidates, key=lambda i: (abs(i - n / 2), i))
+            return {"num_layers_in_first_pipeline_stage": first, "num_layers_in_last_pipeline_stage": n - first}
+    raise BridgeError(
+        f"cannot split {n} layers with IndexShare pattern {list(indexer_types)} into {pp} pipeline stages that each "
+        "start on a 'full' layer; convert with a different --pp (the checkpoint is reshardable, so the conversion "
+        "layout does not have to match the training layout)"
+    )
+
+
+@contextmanager
+def model_parallel(tp: int, pp: int, ep: int) -> Iterator[None]:
+    """megatron-core parallel state with these sizes for the duration; reuses a matching existing state."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_glm5.parallel import initialize_model_parallel
+
+    created = not ps.model_parallel_is_initialized()
+    try:
+        initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                  expert_model_parallel_size=ep)
+    except RuntimeError as e:
+        raise BridgeError(str(e)) from None
+    try:
+        yield
+    finally:
+        if created:
+            ps.destroy_model_parallel()
+
+
+def _free_port() -> int:
+    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_entry(fn: Callable[..., Any], rank: int, nprocs: int, port: int, kwargs: dict, queue) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nprocs),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch.distributed as dist
+
+    from megatron_glm5.config import GLM5ConfigError
+    from megatron_glm5.cpu import enable_cpu_mode
+    from megatron_glm5.parallel import ensure_process_group
+
+    try:
+        enable_cpu_mode()
+        ensure_process_group()
+        result = fn(**kwargs)
+        queue.put((rank, "ok", result))
+    except (BridgeError, GLM5ConfigError) as e:
+        queue.put((rank, "bridge", (type(e).__name__, str(e))))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def run_local_ranks(fn: Callable[..., Any], nprocs: int, **kwargs: Any) -> list[Any]:
+    """Run ``fn(**kwargs)`` on ``nprocs`` local ranks (a fresh process group); return rank-ordered results."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_entry, args=(fn, r, nprocs, port, kwargs, queue), daemon=False)
+             for r in range(nprocs)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    failure: tuple[str, str] | None = None
+    try:
+        while len(results) < nprocs and failure is None:
+            while not queue.empty():
+                rank, status, payload = queue.get()
+                if status == "ok":
+                    results[rank] = payload
+                else:
+                    failure = (status, payload)
+                    break
+            if failure is None and len(results) < nprocs:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead and queue.empty():
+                    failure = ("error", f"rank process {procs.index(dead[0])} died with exit code {dead[0].exitcode}")
+                time.sleep(0.05)
+    finally:
+        if failure is not None:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+        for p in procs:
+            p.join()
+    if failure is not None:
+        status, payload = failure
+        if status == "bridge":
+            name, message = payload
+            if name == "GLM5ConfigError":
+                from megatron_glm5.config import GLM5ConfigError
+
+                raise GLM5ConfigError(message)
+            cls = getattr(errors, name, BridgeError)
+            raise (cls if isinstance(cls, type) and issubclass(cls, BridgeError) else BridgeError)(message)
+        raise RuntimeError(f"a conversion rank failed:\n{payload}")
+    return [results[r] for r in range(nprocs)]

@@ -1,0 +1,425 @@
+"""megatron-core ``torch_dist`` checkpoints written and read one tensor box at a time.
+
+Format (what megatron-core 0.19.2's ``dist_checkpointing.save`` writes, checked by saving a model with it):
+a PyTorch DCP directory - ``.metadata`` (tensor keys, global shapes, chunk boxes), ``__{rank}_{n}.distcp`` data
+files with one ``torch.save`` record per chunk, ``metadata.json`` (``{"sharded_backend": "torch_dist", ...}``) -
+where a ``ShardedObject`` is a ``torch.save([obj])`` byte record under ``{key}/shard_{offset}_{shape}`` and the
+non-tensor common state (args, iteration, ...) is the object ``common_state/shard_0_1``. Megatron-LM's ``--load``
+expects it at ``<dir>/iter_XXXXXXX/`` next to ``latest_checkpointed_iteration.txt``.
+
+Why not ``dist_checkpointing.save``: it needs every tensor materialised at once (and CUDA). Here a custom
+``SavePlanner`` declares the boxes (the same ones megatron-core's sharded state dict declares on this rank) and a
+``StorageWriter`` asks for each box's data only when it writes it, in plan order, so memory stays at one logical
+tensor (torch's own ``FileSystemWriter`` keeps a reference to every tensor of a file until the file is closed).
+Reading goes through torch's ``FileSystemReader`` with a cached ``.metadata`` and a planner that fills one
+requested box, so any stored chunking (any TP/PP/EP of the writer) can be read back as any box.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+from torch.futures import Future
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo  # the writer must produce the reader's records
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.storage import WriteResult
+
+from .errors import CheckpointFormatError
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+HF_ASSETS_DIR = "hf_assets"  # non-weight HF files (config.json, tokenizer, ...) that export writes back
+BRIDGE_KEY = "glm5_bridge"  # our entry in the common state
+COMMON_STATE_KEY = "common_state/shard_0_1"
+CHECKPOINT_VERSION = 3.0
+FORMAT_VERSION = 1
+
+
+def iteration_dir(root: Path, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One box of a global checkpoint tensor written by this rank."""
+
+    key: str
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.sizes:
+            n *= s
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+def object_bytes(obj: Any) -> io.BytesIO:
+    """A ShardedObject record as megatron-core writes it."""
+    buf = io.BytesIO()
+    torch.save([obj], buf)
+    return buf
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class _BoxPlanner(DefaultSavePlanner):
+    """Declares the given chunks and objects; resolves a chunk's data through ``resolve`` when it is written."""
+
+    def __init__(self, chunks: Sequence[Chunk], objects: Mapping[str, Any], resolve: Callable[[Chunk], torch.Tensor],
+                 on_written: Callable[[Chunk], None] | None = None):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._chunks = {(c.key, tuple(c.offsets)): c for c in chunks}
+        if len(self._chunks) != len(chunks):
+            raise AssertionError("duplicate chunk box in the write plan")
+        self._order = list(chunks)
+        self._objects = dict(objects)
+        self._resolve = resolve
+        self._on_written = on_written
+
+    def set_up_planner(self, state_dict=None, storage_meta=None, is_coordinator: bool = False) -> None:
+        self.state_dict = {}
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        items = [WriteItem(index=MetadataIndex(k), type=WriteItemType.BYTE_IO) for k in self._objects]
+        for c in self._order:
+            items.append(WriteItem(
+                index=MetadataIndex(c.key, torch.Size(c.offsets)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes)),
+                    properties=TensorProperties(dtype=c.dtype),
+                    size=torch.Size(c.global_shape),
+                ),
+            ))
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem):
+        if write_item.type == WriteItemType.BYTE_IO:
+            return object_bytes(self._objects[write_item.index.fqn])
+        chunk = self._chunks[(write_item.index.fqn, tuple(write_item.index.offset))]
+        t = self._resolve(chunk)
+        if tuple(t.shape) != tuple(chunk.sizes) or t.dtype != chunk.dtype:
+            raise AssertionError(f"{chunk.key} box {chunk.offsets}: planned {chunk.dtype}{list(chunk.sizes)}, "
+                                 f"resolved {t.dtype}{list(t.shape)}")
+        t = t.detach().contiguous()
+        if t.untyped_storage().nbytes() != t.numel() * t.element_size():  # torch.save writes the whole storage
+            t = t.clone()
+        return t
+
+    def written(self, write_item: WriteItem) -> None:
+        if self._on_written is not None and write_item.type != WriteItemType.BYTE_IO:
+            self._on_written(self._chunks[(write_item.index.fqn, tuple(write_item.index.offset))])
+
+
+class _StreamingWriter(FileSystemWriter):
+    """``FileSystemWriter`` that writes items in plan order and drops each tensor right after writing it."""
+
+    def __init__(self, path: Path, *, max_file_bytes: int, sync_files: bool):
+        super().__init__(str(path), single_file_per_rank=True, sync_files=sync_files, thread_count=1, overwrite=False)
+        self.max_file_bytes = max_file_bytes
+
+    def write_data(self, plan: SavePlan, planner: _BoxPlanner) -> Future:
+        prefix = plan.storage_data.prefix
+        results: list[WriteResult] = []
+        file_no = 0
+        stream = None
+        name = ""
+
+        def close(s):
+            if s is None:
+                return
+            s.flush()
+            if self.sync_files:
+                os.fsync(s.fileno())
+            s.close()
+
+        items = [i for i in plan.items if i.type == WriteItemType.BYTE_IO]
+        items += [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
+        try:
+            for item in items:
+                if stream is None or stream.tell() >= self.max_file_bytes:
+                    close(stream)
+                    name = f"{prefix}{file_no}.distcp"
+                    file_no += 1
+                    stream = open(Path(self.path) / name, "wb", buffering=8 << 20)
+                data = planner.resolve_data(item)
+                offset = stream.tell()
+                if item.type == WriteItemType.BYTE_IO:
+                    stream.write(data.getbuffer())
+                else:
+                    torch.save(data, stream)
+                length = stream.tell() - offset
+                del data
+                results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                           storage_data=_StorageInfo(name, offset, length)))
+                planner.written(item)
+        finally:
+            close(stream)
+        fut: Future = Future()
+        fut.set_result(results)
+        return fut
+
+
+def write_dist_checkpoint(
+    ckpt_dir: Path,
+    chunks: Sequence[Chunk],
+    objects: Mapping[str, Any],
+    resolve: Callable[[Chunk], torch.Tensor],
+    *,
+    on_written: Callable[[Chunk], None] | None = None,
+    max_file_bytes: int = 8 << 30,
+    sync_files: bool = True,
+) -> None:
+    """Collective over the default process group (or a single process without one): each rank writes its chunks
+    and objects; rank 0 writes ``.metadata`` and ``metadata.json``."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+
+    ckpt_dir = Path(ckpt_dir)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    planner = _BoxPlanner(chunks, objects, resolve, on_written)
+    writer = _StreamingWriter(ckpt_dir, max_file_bytes=max_file_bytes, sync_files=sync_files)
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.filterwarnings("ignore", module=r"torch\.distributed\.checkpoint")
+        dcp.save({}, storage_writer=writer, planner=planner, no_dist=not distributed)
+    if not distributed or dist.get_rank() == 0:
+        save_config(CheckpointingConfig("torch_dist", 1), str(ckpt_dir))
+    if distributed:
+        dist.barrier()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Reading
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class _IntoBox(LoadPlanner):
+    """Copies the read items of one requested box into ``dest`` (or keeps the bytes of an object)."""
+
+    def __init__(self, dest: torch.Tensor | None = None):
+        self.dest = dest
+        self.value: io.BytesIO | None = None
+
+    def set_up_planner(self, state_dict=None, metadata=None, is_coordinator=False) -> None:
+        pass
+
+    def create_local_plan(self) -> LoadPlan:  # pragma: no cover - plans are built by DistCheckpoint
+        raise NotImplementedError
+
+    def create_global_plan(self, global_plan):  # pragma: no cover
+        return global_plan
+
+    def finish_plan(self, central_plan):  # pragma: no cover
+        return central_plan
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        self.value = value
+
+    def resolve_tensor(self, read_item) -> torch.Tensor:
+        t = self.dest
+        for dim, (off, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            t = t.narrow(dim, off, length)
+        return t
+
+    def commit_tensor(self, read_item, tensor) -> None:
+        pass
+
+
+class DistCheckpoint:
+    """Read access to one ``torch_dist`` checkpoint directory (an ``iter_XXXXXXX`` directory)."""
+
+    def __init__(self, ckpt_dir: str | Path):
+        self.path = Path(ckpt_dir)
+        cfg = self.path / "metadata.json"
+        if not cfg.is_file():
+            raise CheckpointFormatError(
+                f"{self.path}: not a megatron-core distributed checkpoint (no metadata.json; an interrupted or "
+                "incomplete write leaves none)"
+            )
+        try:
+            backend = json.loads(cfg.read_text()).get("sharded_backend")
+        except (json.JSONDecodeError, AttributeError) as e:
+            raise CheckpointFormatError(f"{cfg}: corrupt ({e!r})") from None
+        if backend != "torch_dist":
+            raise CheckpointFormatError(f"{cfg}: sharded_backend is {backend!r}; expected 'torch_dist'")
+        self._reader = FileSystemReader(str(self.path))
+        try:
+            self.metadata = self._reader.read_metadata()
+        except FileNotFoundError:
+            raise CheckpointFormatError(f"{self.path}: missing .metadata (incomplete checkpoint)") from None
+        except (pickle.UnpicklingError, EOFError, AttributeError) as e:
+            raise CheckpointFormatError(f"{self.path}/.metadata: corrupt ({e!r})") from None
+        self._reader.set_up_storage_reader(self.metadata, True)
+        md = self.metadata.state_dict_metadata
+        self.tensors: dict[str, TensorStorageMetadata] = {
+            k: v for k, v in md.items() if isinstance(v, TensorStorageMetadata)
+        }
+        self.objects: list[str] = [k for k, v in md.items() if isinstance(v, BytesStorageMetadata)]
+        missing = sorted({i.relative_path for i in self.metadata.storage_data.values()
+                          if not (self.path / i.relative_path).is_file()})
+        if missing:
+            raise CheckpointFormatError(f"{self.path}: data files listed in .metadata are missing: {missing}")
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.tensors[key].size)
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self.tensors[key].properties.dtype
+
+    def read(self, key: str, offsets: Sequence[int] | None = None, sizes: Sequence[int] | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        """The box ``[offsets, offsets + sizes)`` of tensor ``key`` (the whole tensor by default)."""
+        md = self.tensors[key]
+        if offsets is None:
+            offsets, sizes = (0,) * len(md.size), tuple(md.size)
+        dest = out if out is not None else torch.empty(tuple(sizes), dtype=md.properties.dtype)
+        box = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+        items = create_read_items_for_chunk_list(key, md, [box])
+        self._run(items, _IntoBox(dest))
+        return dest
+
+    def read_object(self, unique_key: str) -> Any:
+        read = ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(unique_key), dest_offsets=torch.Size(()),
+                        storage_index=MetadataIndex(unique_key), storage_offsets=torch.Size(()), lengths=torch.Size(()))
+        planner = _IntoBox()
+        self._run([read], planner)
+        planner.value.seek(0)
+        return torch.load(planner.value, weights_only=True)[0]
+
+    def _run(self, items, planner: _IntoBox) -> None:
+        try:
+            self._reader.read_data(LoadPlan(items), planner).wait()
+        except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:
+            files = sorted({self.metadata.storage_data[i.storage_index].relative_path for i in items})
+            raise CheckpointFormatError(f"{self.path}: cannot read {items[0].storage_index.fqn} from {files} "
+                                        f"(truncated or corrupt data file: {e})") from None
+
+    def common_state(self) -> dict:
+        """megatron-core's common state (the 0.19 in-checkpoint object, or a legacy ``common.pt``)."""
+        import megatron.core  # noqa: F401  (registers megatron-core's safe globals, e.g. argparse.Namespace)
+
+        if COMMON_STATE_KEY in self.objects:
+            return self.read_object(COMMON_STATE_KEY)
+        legacy = self.path / "common.pt"
+        if legacy.is_file():
+            return torch.load(legacy, map_location="cpu", weights_only=True)
+        return {}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Megatron-LM directory layout
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def resolve_checkpoint_dir(path: str | Path) -> Path:
+    """``path`` may be a Megatron-LM save directory (with ``latest_checkpointed_iteration.txt``) or one
+    ``iter_XXXXXXX`` / ``release`` directory."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointFormatError(f"{path}: megatron checkpoint not found")
+    tracker = path / TRACKER_FILE
+    if tracker.is_file():
+        text = tracker.read_text().strip()
+        if text == "release":
+            return path / "release"
+        try:
+            return iteration_dir(path, int(text))
+        except ValueError:
+            raise CheckpointFormatError(f"{tracker}: expected an iteration number or 'release', found {text!r}") from None
+    if (path / "metadata.json").is_file() or (path / ".metadata").is_file():
+        return path
+    raise CheckpointFormatError(
+        f"{path}: not a Megatron checkpoint (no {TRACKER_FILE} and no metadata.json); an interrupted conversion "
+        "leaves no tracker file"
+    )
+
+
+def megatron_args(arch_kwargs: Mapping[str, Any], *, tp: int, pp: int, ep: int) -> Any:
+    """An ``argparse.Namespace`` for Megatron-LM's ``load_checkpoint`` (and ``--use-checkpoint-args``): the
+    parallel sizes the checkpoint was written with, ``no_save_optim``/``no_save_rng`` so that ``--load`` skips
+    optimizer and RNG state without ``--finetune``, and the architecture under Megatron-LM's flag names."""
+    from argparse import Namespace
+
+    simple = {k: v for k, v in arch_kwargs.items()
+              if isinstance(v, (bool, int, float, str, type(None))) or (isinstance(v, list) and all(
+                  isinstance(x, (int, float, str)) for x in v))}
+    rename = {"num_moe_experts": "num_experts"}
+    args = {rename.get(k, k): v for k, v in simple.items()}
+    args.update(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+        virtual_pipeline_model_parallel_size=None, ckpt_format="torch_dist", no_save_optim=True, no_save_rng=True,
+        use_dist_ckpt=True,
+    )
+    return Namespace(**args)
+
+
+def common_state(*, args: Any, iteration: int, bridge_meta: Mapping[str, Any]) -> dict:
+    return {
+        "args": args,
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": iteration,
+        "num_floating_point_operations_so_far": 0,
+        "content_metadata": {
+            "singleton_local_shards": False,
+            "chained_optim_avoid_prefix": True,
+            "distrib_optim_sharding_type": "dp_reshardable",
+        },
+        BRIDGE_KEY: dict(bridge_meta),
+    }
+
+
+def write_tracker(root: Path, iteration: int) -> None:
+    (Path(root) / TRACKER_FILE).write_text(f"{iteration}\n")
+
+
+def load_into_model(model, ckpt_dir: str | Path, *, strict: bool = True) -> None:
+    """Load a ``torch_dist`` checkpoint into a built megatron-core model with megatron-core's own
+    ``dist_checkpointing.load`` (any TP/PP/EP; collective over the model's process groups)."""
+    from megatron.core import dist_checkpointing
+
+    ckpt_dir = resolve_checkpoint_dir(ckpt_dir)
+    DistCheckpoint(ckpt_dir)  # clear errors for a missing / incomplete directory before megatron-core's asserts
+    with warnings.catch_warnings():  # torch DCP deprecation chatter from megatron-core's load path
+        warnings.filterwarnings("ignore", module=r"torch\.distributed\.checkpoint")
+        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt_dir))
+    missing, unexpected = model.load_state_dict(loaded["model"], strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if strict and (missing or unexpected):
+        raise CheckpointFormatError(f"{ckpt_dir}: loading left parameters unset: {missing}; unexpected: {unexpected}")

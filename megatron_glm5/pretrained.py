@@ -1,0 +1,56 @@
+"""``from_hf_pretrained``: a megatron-core GPTModel with GLM-5.x weights from an HF checkpoint directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def from_hf_pretrained(
+    hf_path: str | Path,
+    *,
+    backend: str = "megatron",
+    params_dtype: torch.dtype = torch.float32,
+    policy=None,
+    progress: bool | None = False,
+):
+    """Build the model described by ``hf_path/config.json`` for this rank and load the HF weights into it.
+
+    If megatron-core's parallel state is not initialised, a single-process one is created (TP=PP=EP=1; gloo on
+    CPU, NCCL with a GPU); otherwise the model is built for the existing layout and this rank loads only its
+    shards. On a machine without CUDA the library's CPU mode (:func:`megatron_glm5.cpu.enable_cpu_mode`) is
+    turned on. ``policy`` (a :class:`~megatron_glm5.config.RuntimePolicy`) overrides the default one; its parallel
+    sizes must match the parallel state. Returns the ``GPTModel`` in eval mode; ``model(input_ids, position_ids)``
+    gives logits ``[b, s, vocab]``. The HF config is kept as ``model.glm5_hf_config`` for ``bridge.export_hf``.
+    """
+    from megatron.core import parallel_state as ps
+
+    from bridge.inmemory import load_hf_weights
+
+    from .config import RuntimePolicy, load_hf_config, parse_hf_config
+    from .cpu import enable_cpu_mode
+    from .model import build_model
+    from .parallel import initialize_model_parallel
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        enable_cpu_mode()
+    arch = parse_hf_config(load_hf_config(hf_path))
+    if not ps.model_parallel_is_initialized():
+        initialize_model_parallel()
+    if policy is None:
+        policy = RuntimePolicy(
+            tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+            pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+            expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+            params_dtype=params_dtype,
+            use_cpu_initialization=not cuda,
+            perform_initialization=False,  # every weight is overwritten from the checkpoint
+        )
+    model = build_model(arch, policy, backend=backend)
+    if cuda:
+        model = model.cuda()
+    load_hf_weights(model, hf_path, progress=progress)
+    model.eval()
+    return model
