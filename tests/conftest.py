@@ -17,18 +17,13 @@ import torch
 from megatron_glm5.cpu import disable_cpu_mode, enable_cpu_mode
 
 
+# tests/gpu needs a CUDA device (it runs on the GPU machine: `pytest tests/gpu`); CI is CPU-only and does not collect it.
+collect_ignore_glob = [] if torch.cuda.is_available() else ["gpu/*"]
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (run on the H200 machine)")
     config.addinivalue_line("markers", "slow: takes more than ~30 s on 2 CPU cores")
-
-
-def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA device; CI is CPU-only (these run on the H200 machine)")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
 
 
 @pytest.fixture(scope="session", autouse=True)
