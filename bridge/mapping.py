@@ -74,6 +74,7 @@ class Rule:
     when: Callable[[LayerKind], bool] = _always
     experts: ExpertLayout | None = None  # expert rows exist once per expert, in one layout only
     fp32: bool = False  # keep in fp32 whatever the requested dtype (router bias)
+    indexer_rope: bool = False  # rows are indexer heads laid out [rope | nope] (swapped for old megatron-core)
 
 
 # Shapes (PyTorch [out, in]); notation as in shared/notes/glm5_model.md §2.
@@ -116,15 +117,16 @@ LAYER_RULES: tuple[Rule, ...] = (
          (lambda a: (a.num_attention_heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank),)),
     Rule(("self_attn.o_proj.weight",), "self_attention.linear_proj.weight",
          (lambda a: (a.hidden_size, a.num_attention_heads * a.v_head_dim),)),
-    # DSA indexer: "full" layers only (IndexShare "shared" layers own none). The transform is resolved by expand().
+    # DSA indexer: "full" layers only (IndexShare "shared" layers own none). The rope-row transform of wq_b / wk /
+    # k_norm is resolved by expand() from bridge.compat; weights_proj (one row per head) never needs it.
     Rule(("self_attn.indexer.wq_b.weight",), "self_attention.core_attention.indexer.linear_wq_b.weight",
-         (lambda a: (a.index_n_heads * a.index_head_dim, a.q_lora_rank),), when=_full),
+         (lambda a: (a.index_n_heads * a.index_head_dim, a.q_lora_rank),), when=_full, indexer_rope=True),
     Rule(("self_attn.indexer.wk.weight",), "self_attention.core_attention.indexer.linear_wk.weight",
-         (lambda a: (a.index_head_dim, a.hidden_size),), when=_full),
+         (lambda a: (a.index_head_dim, a.hidden_size),), when=_full, indexer_rope=True),
     Rule(("self_attn.indexer.k_norm.weight",), "self_attention.core_attention.indexer.k_norm.weight",
-         (lambda a: (a.index_head_dim,),), when=_full),
+         (lambda a: (a.index_head_dim,),), when=_full, indexer_rope=True),
     Rule(("self_attn.indexer.k_norm.bias",), "self_attention.core_attention.indexer.k_norm.bias",
-         (lambda a: (a.index_head_dim,),), when=_full),
+         (lambda a: (a.index_head_dim,),), when=_full, indexer_rope=True),
     Rule(("self_attn.indexer.weights_proj.weight",), "self_attention.core_attention.indexer.linear_weights_proj.weight",
          (lambda a: (a.index_n_heads, a.hidden_size),), when=_full),
     # Dense MLP
@@ -264,7 +266,7 @@ def expand(
         return HFRef(name, shape, row, stack, scale)
 
     def add(rule: Rule, hf_prefix: str, mc_prefix: str) -> None:
-        transform = indexer_t if ".indexer." in rule.mcore else rule.transform
+        transform = indexer_t if rule.indexer_rope else rule.transform
         shapes = [fn(arch) for fn in rule.shapes]
         if rule.experts is None:
             refs = tuple(ref(hf_prefix + n, s) for n, s in zip(rule.hf, shapes))

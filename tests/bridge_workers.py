@@ -1,0 +1,142 @@
+"""Helpers for the bridge tests: fixture checkpoints, torchrun bodies (``fn(rank, world_size, **kwargs) -> dict``)
+and a spawn target that stalls a conversion so a test can kill it with SIGKILL."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+FIXTURES = {
+    # name: (config factory name, expert layout, fp8)
+    "glm5": ("tiny_glm5_config", "per_expert", False),
+    "glm5_fused": ("tiny_glm5_config", "fused", False),
+    "glm52": ("tiny_glm52_config", "per_expert", False),
+    "glm52_fused": ("tiny_glm52_config", "fused", False),
+    "glm52_fp8": ("tiny_glm52_config", "per_expert", True),
+}
+
+
+def make_fixture(root: Path, name: str, **overrides) -> Path:
+    """Write fixture ``name`` under ``root/name`` (once) and return its directory."""
+    from megatron_glm5 import testing
+
+    out = Path(root) / name
+    if (out / "model.safetensors.index.json").is_file():
+        return out
+    factory, layout, fp8 = FIXTURES[name]
+    cfg = getattr(testing, factory)(**overrides)
+    testing.write_hf_checkpoint(out, cfg, seed=0, expert_layout=layout, fp8=fp8, max_shard_bytes=1 << 20)
+    (out / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}) + "\n")
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# torchrun bodies
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def import_cases(rank: int, world_size: int, *, cases: list[dict]) -> dict:
+    """Run several imports in one 2-process world (each case: hf, out, tp, pp, ep)."""
+    from bridge import convert_hf_to_megatron
+
+    for c in cases:
+        convert_hf_to_megatron(hf_path=c["hf"], megatron_path=c["out"], tp=c["tp"], pp=c["pp"], ep=c["ep"],
+                               progress=False)
+    return {"rank": rank, "done": len(cases)}
+
+
+def _full_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """Logits [b, s, vocab] on every rank (gathers the vocab-parallel output over TP)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+    with torch.no_grad():
+        logits = model(ids, pos, None)
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp > 1:
+        parts = [torch.empty_like(logits) for _ in range(tp)]
+        dist.all_gather(parts, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
+        logits = torch.cat(parts, dim=-1)
+    return logits
+
+
+def load_and_run(rank: int, world_size: int, *, ckpts: list[str], tp: int, ep: int, out: str, seq_len: int,
+                 seed: int, hf_path: str | None = None, export_to: str | None = None) -> dict:
+    """At (TP, EP): load each Megatron checkpoint with megatron-core's dist_checkpointing.load and save the full
+    logits; optionally also build from HF with from_hf_pretrained, and export the last model with export_hf."""
+    import bridge
+    from megatron_glm5.model import default_cpu_policy
+    from megatron_glm5.parallel import initialize_model_parallel
+    from megatron_glm5.pretrained import from_hf_pretrained
+
+    initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    policy = default_cpu_policy(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    results = {}
+    model = None
+    for i, ckpt in enumerate(ckpts):
+        model = bridge.load_megatron_checkpoint(ckpt, policy=policy)
+        model.eval()
+        vocab = model.glm5_hf_config["vocab_size"]
+        ids = torch.randint(0, vocab, (1, seq_len), generator=torch.Generator().manual_seed(seed))
+        results[f"ckpt{i}"] = _full_logits(model, ids)
+    if hf_path is not None:
+        hf_model = from_hf_pretrained(hf_path, policy=policy)
+        vocab = hf_model.glm5_hf_config["vocab_size"]
+        ids = torch.randint(0, vocab, (1, seq_len), generator=torch.Generator().manual_seed(seed))
+        results["from_hf"] = _full_logits(hf_model, ids)
+    if export_to is not None:
+        bridge.export_hf(model, export_to)
+    if rank == 0:
+        torch.save(results, out)
+    return {"rank": rank}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# A conversion that stalls, for the kill -9 test (spawn target)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def stalled_conversion(kind: str, src: str, dst: str, marker: str, after_reads: int) -> None:
+    """Run an import (or export) whose reads stop after ``after_reads`` tensors: touch ``marker`` and sleep until
+    killed."""
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # the parent's 1-process world
+        os.environ.pop(var, None)
+    from megatron_glm5.cpu import enable_cpu_mode
+
+    enable_cpu_mode()
+    from bridge import hf_io, megatron_io
+    from bridge.convert import convert_hf_to_megatron, convert_megatron_to_hf
+
+    count = {"n": 0}
+
+    def stall():
+        count["n"] += 1
+        if count["n"] > after_reads:
+            Path(marker).touch()
+            while True:
+                time.sleep(1)
+
+    if kind == "import":
+        original = hf_io.HFCheckpointReader.read
+
+        def read(self, name, row=None):
+            stall()
+            return original(self, name, row)
+
+        hf_io.HFCheckpointReader.read = read
+        convert_hf_to_megatron(hf_path=src, megatron_path=dst, progress=False)
+    else:
+        original = megatron_io.DistCheckpoint.read
+
+        def read_box(self, *args, **kwargs):
+            stall()
+            return original(self, *args, **kwargs)
+
+        megatron_io.DistCheckpoint.read = read_box
+        convert_megatron_to_hf(megatron_path=src, hf_path=dst, progress=False)

@@ -1,0 +1,182 @@
+"""Bad input: a clear message (file / tensor / shape / expected vs found), exit status 2 and nothing left behind.
+Interrupted runs (SIGKILL) leave nothing at the output path and nothing that looks like a complete checkpoint."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from bridge.errors import CheckpointFormatError
+from bridge.megatron_io import resolve_checkpoint_dir
+from megatron_glm5 import cli, testing
+from tests.bridge_workers import make_fixture
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    root = tmp_path_factory.mktemp("base")
+    return {name: make_fixture(root, name) for name in ("glm5", "glm52")}
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _rewrite(src: Path, dst: Path, *, drop=(), add=None, config=None) -> Path:
+    """A copy of ``src`` with tensors dropped / added / replaced (and optionally another config)."""
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    sd = {}
+    for f in sorted(set(index["weight_map"].values())):
+        sd.update(load_file(src / f))
+    for n in drop:
+        del sd[n]
+    sd.update(add or {})
+    raw = config or json.loads((src / "config.json").read_text())
+    testing.write_hf_checkpoint(dst, raw, state_dict=sd, max_shard_bytes=1 << 20)
+    return dst
+
+
+def _run(capsys, *argv) -> tuple[int, str]:
+    code = cli.main(list(argv))
+    return code, capsys.readouterr().err
+
+
+def _leftovers(parent: Path, name: str) -> list[str]:
+    return [p.name for p in parent.iterdir() if p.name == name or p.name.startswith(f".{name}.")]
+
+
+def _assert_import_fails(capsys, hf: Path, tmp_path: Path, *patterns: str) -> None:
+    code, err = _run(capsys, "convert", "import", "--hf-path", str(hf), "--megatron-path", str(tmp_path / "out"),
+                     "--no-progress")
+    assert code == 2, err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    for p in patterns:
+        assert p in err, (p, err)
+    assert _leftovers(tmp_path, "out") == []
+
+
+def test_missing_tensor(base, tmp_path, capsys):
+    hf = _rewrite(base["glm5"], tmp_path / "hf", drop=["model.layers.2.mlp.gate.weight"])
+    _assert_import_fails(capsys, hf, tmp_path, "1 missing: model.layers.2.mlp.gate.weight", str(hf))
+
+
+def test_extra_tensor(base, tmp_path, capsys):
+    hf = _rewrite(base["glm5"], tmp_path / "hf", add={"model.layers.0.mlp.extra_proj.weight": torch.zeros(2, 2)})
+    _assert_import_fails(capsys, hf, tmp_path, "1 unexpected", "model.layers.0.mlp.extra_proj.weight")
+
+
+def test_shape_mismatch(base, tmp_path, capsys):
+    name = "model.layers.0.self_attn.q_b_proj.weight"
+    hf = _rewrite(base["glm5"], tmp_path / "hf", add={name: torch.zeros(190, 64)})
+    _assert_import_fails(capsys, hf, tmp_path, f"{name}: expected [192, 64], found [190, 64]")
+
+
+def test_indexer_on_a_shared_layer(base, tmp_path, capsys):
+    add = {f"model.layers.1.self_attn.indexer.{n}": torch.zeros(32, 128) for n in ("wk.weight",)}
+    hf = _rewrite(base["glm52"], tmp_path / "hf", add=add)
+    _assert_import_fails(capsys, hf, tmp_path, "layer(s) [1] are 'shared'", "model.layers.1.self_attn.indexer.wk.weight")
+
+
+def test_indexer_missing_on_a_full_layer(base, tmp_path, capsys):
+    hf = _rewrite(base["glm52"], tmp_path / "hf", drop=["model.layers.2.self_attn.indexer.wk.weight"])
+    _assert_import_fails(capsys, hf, tmp_path, "layer(s) [2] are 'full'", "model.layers.2.self_attn.indexer.wk.weight")
+
+
+def test_truncated_shard(base, tmp_path, capsys):
+    hf = _copy(base["glm5"], tmp_path / "hf")
+    shard = sorted(hf.glob("*.safetensors"))[-1]
+    os.truncate(shard, shard.stat().st_size - 100)
+    _assert_import_fails(capsys, hf, tmp_path, str(shard), "truncated")
+
+
+def test_corrupt_header(base, tmp_path, capsys):
+    hf = _copy(base["glm5"], tmp_path / "hf")
+    shard = sorted(hf.glob("*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[8:16] = b"\xff" * 8  # header bytes that are not JSON
+    shard.write_bytes(bytes(data))
+    _assert_import_fails(capsys, hf, tmp_path, str(shard), "corrupt safetensors header")
+
+
+def test_missing_index(base, tmp_path, capsys):
+    hf = _copy(base["glm5"], tmp_path / "hf")
+    (hf / "model.safetensors.index.json").unlink()
+    _assert_import_fails(capsys, hf, tmp_path, "missing model.safetensors.index.json", "found shards")
+
+
+def test_unsupported_model_type(base, tmp_path, capsys):
+    hf = _copy(base["glm5"], tmp_path / "hf")
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg["model_type"] = "deepseek_v3"
+    (hf / "config.json").write_text(json.dumps(cfg))
+    _assert_import_fails(capsys, hf, tmp_path, "model_type", "glm_moe_dsa", "deepseek_v3")
+
+
+def test_existing_output_needs_overwrite(base, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("x")
+    code, err = _run(capsys, "convert", "import", "--hf-path", str(base["glm5"]), "--megatron-path", str(out))
+    assert code == 2 and "already exists; pass --overwrite" in err and (out / "old.txt").is_file()
+    code, err = _run(capsys, "convert", "import", "--hf-path", str(base["glm5"]), "--megatron-path", str(out),
+                     "--overwrite", "--no-progress")
+    assert code == 0, err
+    assert not (out / "old.txt").exists() and (out / "latest_checkpointed_iteration.txt").is_file()
+    assert _leftovers(tmp_path, "out") == ["out"]
+
+
+def test_export_rejects_incomplete_or_corrupt_megatron_checkpoints(base, tmp_path, capsys):
+    mc = tmp_path / "mc"
+    assert cli.main(["convert", "import", "--hf-path", str(base["glm5"]), "--megatron-path", str(mc),
+                     "--no-progress"]) == 0
+    broken = _copy(mc, tmp_path / "no_tracker")
+    (broken / "latest_checkpointed_iteration.txt").unlink()
+    code, err = _run(capsys, "convert", "export", "--megatron-path", str(broken), "--hf-path", str(tmp_path / "o1"))
+    assert code == 2 and "not a Megatron checkpoint" in err and _leftovers(tmp_path, "o1") == []
+    corrupt = _copy(mc, tmp_path / "truncated")
+    data = next((corrupt / "iter_0000000").glob("*.distcp"))
+    os.truncate(data, data.stat().st_size // 2)
+    code, err = _run(capsys, "convert", "export", "--megatron-path", str(corrupt), "--hf-path", str(tmp_path / "o2"))
+    assert code == 2 and "truncated or corrupt data file" in err and _leftovers(tmp_path, "o2") == []
+
+
+@pytest.mark.parametrize("kind", ["import", "export"])
+def test_kill_9_leaves_no_complete_looking_checkpoint(base, tmp_path, kind):
+    from tests.bridge_workers import stalled_conversion
+
+    if kind == "import":
+        src = base["glm52"]
+    else:
+        src = tmp_path / "mc"
+        assert cli.main(["convert", "import", "--hf-path", str(base["glm52"]), "--megatron-path", str(src),
+                         "--no-progress"]) == 0
+    out, marker = tmp_path / "out", tmp_path / "stalled"
+    proc = mp.get_context("spawn").Process(target=stalled_conversion, args=(kind, str(src), str(out), str(marker), 20))
+    proc.start()
+    deadline = time.monotonic() + 120
+    while not marker.exists():
+        assert proc.is_alive() and time.monotonic() < deadline, "the conversion did not reach the stall point"
+        time.sleep(0.1)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join()
+    assert proc.exitcode == -signal.SIGKILL
+    assert not out.exists()
+    partial = [p for p in tmp_path.iterdir() if p.name.startswith(".out.partial-")]
+    assert len(partial) == 1  # the hidden work directory, with data written up to the kill
+    if kind == "import":
+        assert not (partial[0] / "latest_checkpointed_iteration.txt").exists()
+        with pytest.raises(CheckpointFormatError):
+            resolve_checkpoint_dir(partial[0])
+    else:
+        assert not (partial[0] / "model.safetensors.index.json").exists()
+        assert not (partial[0] / "config.json").exists()
