@@ -58,7 +58,7 @@ def _jit_fwd_ws():
             tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
         },
     )
-    def sparse_mla_fwd_ws(heads: int, d_qk: int, d_v: int, topk: int, softmax_scale: float, block_i: int = 64):
+    def sparse_mla_fwd_ws(heads: int, d_qk: int, d_v: int, softmax_scale: float, block_i: int = 64):
         block_h, n_hblk = head_block(heads)
         dh = d_v // 2
         d_tail = d_qk - d_v
@@ -68,8 +68,97 @@ def _jit_fwd_ws():
         bi = block_i
         t_len = T.dynamic("t_len")
         t_kv = T.dynamic("t_kv")
+        topk = T.dynamic("topk")  # index width: one kernel serves every K
         bf16, f32, i32 = T.bfloat16, T.float32, T.int32
         wgmma = block_h >= 64  # below 64 rows TileLang emits mma.sync; the async-wait form needs wgmma
+
+        # Macros live at factory scope (TileLang does not see functions defined inside the prim_func body).
+        @T.macro
+        def scores(Idx, t, t_kv, blk, q_l, q_r, q_t, kv_l, kv_r, kt, acc_s, bar_ready, stage, parity):
+            # Validity is re-read from the (L1-resident) index row rather than flags the producer wrote, so no
+            # ordering of generic shared-memory stores across warpgroups is needed; -1 slots get -inf.
+            for h, j in T.Parallel(block_h, bi):
+                slot = blk * bi + j
+                idx = T.if_then_else(slot < topk, Idx[t, T.min(slot, topk - 1)], -1)
+                acc_s[h, j] = T.if_then_else((idx >= 0) and (idx < t_kv), 0, -T.infinity(f32))
+            T.barrier_wait(bar_ready[stage], parity)  # the mask above overlaps the wait for the gathered rows
+            T.fence_proxy_async()  # cp.async (generic proxy) data, read next by the tensor cores (async proxy)
+            if wgmma:
+                T.wgmma_gemm(q_l, kv_l, acc_s, transpose_B=True)
+                T.wgmma_gemm(q_r, kv_r, acc_s, transpose_B=True)
+                T.wgmma_gemm(q_t, kt, acc_s, transpose_B=True)
+                T.wait_wgmma(0)
+            else:
+                T.gemm(q_l, kv_l, acc_s, transpose_B=True)
+                T.gemm(q_r, kv_r, acc_s, transpose_B=True)
+                T.gemm(q_t, kt, acc_s, transpose_B=True)
+
+        @T.macro
+        def softmax_and_pv_left(kv_l, acc_s, acc_ol, m_i, m_prev, alpha, l_i, l_blk, alpha_s, p_s, bar_p_ready):
+            T.copy(m_i, m_prev)
+            T.reduce_max(acc_s, m_i, dim=1, clear=False)
+            for h in T.Parallel(block_h):
+                alpha[h] = T.exp2((m_prev[h] - m_i[h]) * scale_log2)
+            for h, j in T.Parallel(block_h, bi):
+                acc_s[h, j] = T.exp2(acc_s[h, j] * scale_log2 - m_i[h] * scale_log2)
+            T.reduce_sum(acc_s, l_blk, dim=1)
+            for h in T.Parallel(block_h):
+                l_i[h] = l_i[h] * alpha[h] + l_blk[h]
+            for h, d in T.Parallel(block_h, dh):
+                acc_ol[h, d] *= alpha[h]
+            T.copy(alpha, alpha_s)
+            T.copy(acc_s, p_s)
+            T.fence_proxy_async()  # generic smem writes of P, read next by the other warpgroup's MMA
+            T.barrier_arrive(bar_p_ready)
+            T.gemm(p_s, kv_l, acc_ol)
+
+        @T.macro
+        def pv_right(kv_r, p_s, alpha_s, acc_or):
+            for h, d in T.Parallel(block_h, dh):
+                acc_or[h, d] *= alpha_s[h]
+            T.gemm(p_s, kv_r, acc_or)
+
+        @T.macro
+        def load_q(Q, t, h0, tx, buf, col0, width):
+            n_vec = block_h * (width // 8)
+            for it in T.unroll(cdiv(n_vec, 384)):
+                ch = it * 384 + tx
+                if ch < n_vec:
+                    h = ch // (width // 8)
+                    c = (ch % (width // 8)) * 8
+                    for v in T.vectorized(8):
+                        buf[h, c + v] = T.if_then_else(h0 + h < heads, Q[t, h0 + h, col0 + c + v], 0)
+
+        @T.macro
+        def produce(KV, Idx, t, t_kv, p, kv_l, kv_r, kt, blk):
+            # 8 lanes per KV row, 16 B (8 bf16) per cp.async; an invalid slot becomes a zero-fill cp.async
+            # (source size 0, nothing read), so stale or uninitialised shared memory never reaches the MMA (P1).
+            lane = p % 8
+            for r in T.unroll(bi // 16):
+                row = r * 16 + p // 8
+                slot = blk * bi + row
+                idx = T.if_then_else(slot < topk, Idx[t, T.min(slot, topk - 1)], -1)
+                valid = (idx >= 0) and (idx < t_kv)
+                src = T.if_then_else(valid, idx, 0)
+                for c in T.unroll(dh // 64):
+                    col = c * 64 + lane * 8
+                    T.ptx_cp_async(
+                        T.access_ptr(kv_l[row, col], "w", 8), T.access_ptr(KV[src, col], "r", 8), 8, predicate=valid
+                    )
+                    T.ptx_cp_async(
+                        T.access_ptr(kv_r[row, col], "w", 8),
+                        T.access_ptr(KV[src, dh + col], "r", 8),
+                        8,
+                        predicate=valid,
+                    )
+                for c in T.unroll(d_tail // 64):
+                    col = c * 64 + lane * 8
+                    T.ptx_cp_async(
+                        T.access_ptr(kt[row, col], "w", 8),
+                        T.access_ptr(KV[src, d_v + col], "r", 8),
+                        8,
+                        predicate=valid,
+                    )
 
         @T.prim_func
         def main(
@@ -90,8 +179,6 @@ def _jit_fwd_ws():
                 kv1_l = T.alloc_shared([bi, dh], bf16)
                 kv1_r = T.alloc_shared([bi, dh], bf16)
                 kt1 = T.alloc_shared([bi, d_tail], bf16)
-                ok0 = T.alloc_shared([bi], "bool")
-                ok1 = T.alloc_shared([bi], "bool")
                 p_s = T.alloc_shared([block_h, bi], bf16)
                 alpha_s = T.alloc_shared([block_h], f32)
                 l_s = T.alloc_shared([block_h], f32)
@@ -104,7 +191,6 @@ def _jit_fwd_ws():
                 alpha = T.alloc_fragment([block_h], f32)
                 l_i = T.alloc_fragment([block_h], f32)
                 l_blk = T.alloc_fragment([block_h], f32)
-                idx_r = T.alloc_var(i32)
 
                 bar_q = T.alloc_barrier(384)
                 bar_ready = T.alloc_barrier([128, 128])  # producer -> consumers, per stage (cp.async noinc arrivals)
@@ -117,77 +203,12 @@ def _jit_fwd_ws():
                 tx = T.get_thread_binding()
                 n_pair = T.ceildiv(VLen[t], 2 * bi)
 
-                # Padded heads load as zeros and are never stored (P6).
-                for h, d in T.Parallel(block_h, dh):
-                    q_l[h, d] = T.if_then_else(h0 + h < heads, Q[t, h0 + h, d], 0)
-                    q_r[h, d] = T.if_then_else(h0 + h < heads, Q[t, h0 + h, dh + d], 0)
-                for h, d in T.Parallel(block_h, d_tail):
-                    q_t[h, d] = T.if_then_else(h0 + h < heads, Q[t, h0 + h, d_v + d], 0)
+                # 16 B vector loads spread over all 384 threads; padded heads load as zeros, never stored (P6).
+                load_q(Q, t, h0, tx, q_l, 0, dh)
+                load_q(Q, t, h0, tx, q_r, dh, dh)
+                load_q(Q, t, h0, tx, q_t, d_v, d_tail)
+                T.fence_proxy_async()
                 T.barrier_arrive(bar_q)
-
-                @T.macro
-                def scores(kv_l, kv_r, kt, ok):
-                    for h, j in T.Parallel(block_h, bi):
-                        acc_s[h, j] = T.if_then_else(ok[j], 0, -T.infinity(f32))
-                    if wgmma:
-                        T.gemm(q_l, kv_l, acc_s, transpose_B=True, wg_wait=-1)
-                        T.gemm(q_r, kv_r, acc_s, transpose_B=True, wg_wait=-1)
-                        T.gemm(q_t, kt, acc_s, transpose_B=True, wg_wait=-1)
-                        T.wait_wgmma(0)
-                    else:
-                        T.gemm(q_l, kv_l, acc_s, transpose_B=True)
-                        T.gemm(q_r, kv_r, acc_s, transpose_B=True)
-                        T.gemm(q_t, kt, acc_s, transpose_B=True)
-
-                @T.macro
-                def softmax_and_pv_left(kv_l):
-                    T.copy(m_i, m_prev)
-                    T.reduce_max(acc_s, m_i, dim=1, clear=False)
-                    for h in T.Parallel(block_h):
-                        alpha[h] = T.exp2((m_prev[h] - m_i[h]) * scale_log2)
-                    for h, j in T.Parallel(block_h, bi):
-                        acc_s[h, j] = T.exp2(acc_s[h, j] * scale_log2 - m_i[h] * scale_log2)
-                    T.reduce_sum(acc_s, l_blk, dim=1)
-                    for h in T.Parallel(block_h):
-                        l_i[h] = l_i[h] * alpha[h] + l_blk[h]
-                    for h, d in T.Parallel(block_h, dh):
-                        acc_ol[h, d] *= alpha[h]
-                    T.copy(alpha, alpha_s)
-                    T.copy(acc_s, p_s)
-                    T.fence_proxy_async()  # generic smem writes of P, read next by the other warpgroup's MMA
-                    T.barrier_arrive(bar_p_ready)
-                    T.gemm(p_s, kv_l, acc_ol)
-
-                @T.macro
-                def produce(kv_l, kv_r, kt, ok, blk):
-                    p = tx - 256
-                    lane = p % 8
-                    for r in T.serial(bi // 16):
-                        row = r * 16 + p // 8
-                        slot = blk * bi + row
-                        idx_r = T.if_then_else(slot < topk, Idx[t, T.min(slot, topk - 1)], -1)
-                        valid = (idx_r >= 0) and (idx_r < t_kv)
-                        ok[row] = valid
-                        if valid:
-                            with T.attr("default", "async_scope", 1):
-                                for c in T.serial(dh // 64):
-                                    for v in T.vectorized(8):
-                                        kv_l[row, c * 64 + lane * 8 + v] = KV[idx_r, c * 64 + lane * 8 + v]
-                                        kv_r[row, c * 64 + lane * 8 + v] = KV[idx_r, dh + c * 64 + lane * 8 + v]
-                            with T.attr("default", "async_scope", 1):
-                                for c in T.serial(d_tail // 64):
-                                    for v in T.vectorized(8):
-                                        kt[row, c * 64 + lane * 8 + v] = KV[idx_r, d_v + c * 64 + lane * 8 + v]
-                        else:
-                            # Zero rows keep stale or uninitialised shared memory (possibly NaN) out of the MMA.
-                            for c in T.serial(dh // 64):
-                                for v in T.vectorized(8):
-                                    kv_l[row, c * 64 + lane * 8 + v] = T.cast(0, bf16)
-                                    kv_r[row, c * 64 + lane * 8 + v] = T.cast(0, bf16)
-                            for c in T.serial(d_tail // 64):
-                                for v in T.vectorized(8):
-                                    kt[row, c * 64 + lane * 8 + v] = T.cast(0, bf16)
-                    T.fence_proxy_async()
 
                 if tx < 128:
                     # Consumer 0: scores, online softmax, P V (left half of d_v).
@@ -197,19 +218,15 @@ def _jit_fwd_ws():
                     T.fill(m_i, -(2.0**30))  # finite start: a fully masked block gives exp2(-inf) = 0, never NaN
                     T.barrier_wait(bar_q, 0)
                     for jp in T.serial(n_pair):
-                        T.barrier_wait(bar_ready[0], jp & 1)
-                        T.fence_proxy_async()
-                        scores(kv0_l, kv0_r, kt0, ok0)
+                        scores(Idx, t, t_kv, 2 * jp, q_l, q_r, q_t, kv0_l, kv0_r, kt0, acc_s, bar_ready, 0, jp & 1)
                         if jp > 0:
-                            T.barrier_wait(bar_p_free, (2 * jp - 1) & 1)
-                        softmax_and_pv_left(kv0_l)
+                            T.barrier_wait(bar_p_free, 1)  # completion 2*jp - 1: consumer 1 is done with P
+                        softmax_and_pv_left(kv0_l, acc_s, acc_ol, m_i, m_prev, alpha, l_i, l_blk, alpha_s, p_s, bar_p_ready)
                         T.barrier_arrive(bar_free[0])
 
-                        T.barrier_wait(bar_ready[1], jp & 1)
-                        T.fence_proxy_async()
-                        scores(kv1_l, kv1_r, kt1, ok1)
-                        T.barrier_wait(bar_p_free, (2 * jp) & 1)
-                        softmax_and_pv_left(kv1_l)
+                        scores(Idx, t, t_kv, 2 * jp + 1, q_l, q_r, q_t, kv1_l, kv1_r, kt1, acc_s, bar_ready, 1, jp & 1)
+                        T.barrier_wait(bar_p_free, 0)  # completion 2*jp
+                        softmax_and_pv_left(kv1_l, acc_s, acc_ol, m_i, m_prev, alpha, l_i, l_blk, alpha_s, p_s, bar_p_ready)
                         T.barrier_arrive(bar_free[1])
                     T.copy(l_i, l_s)
                     T.barrier_arrive(bar_fin)
@@ -226,16 +243,16 @@ def _jit_fwd_ws():
                     T.set_max_nreg(168, 1)
                     T.fill(acc_or, 0)
                     for jp in T.serial(n_pair):
-                        for half in T.unroll(2):
-                            T.barrier_wait(bar_p_ready, half & 1)
-                            for h, d in T.Parallel(block_h, dh):
-                                acc_or[h, d] *= alpha_s[h]
-                            if half == 0:
-                                T.gemm(p_s, kv0_r, acc_or)
-                            else:
-                                T.gemm(p_s, kv1_r, acc_or)
-                            T.barrier_arrive(bar_p_free)
-                            T.barrier_arrive(bar_free[half])
+                        T.barrier_wait(bar_p_ready, 0)  # completion 2*jp
+                        T.fence_proxy_async()
+                        pv_right(kv0_r, p_s, alpha_s, acc_or)
+                        T.barrier_arrive(bar_p_free)
+                        T.barrier_arrive(bar_free[0])
+                        T.barrier_wait(bar_p_ready, 1)  # completion 2*jp + 1
+                        T.fence_proxy_async()
+                        pv_right(kv1_r, p_s, alpha_s, acc_or)
+                        T.barrier_arrive(bar_p_free)
+                        T.barrier_arrive(bar_free[1])
                     T.barrier_wait(bar_fin, 0)
                     for h, d in T.Parallel(block_h, dh):
                         if h0 + h < heads:
@@ -247,10 +264,10 @@ def _jit_fwd_ws():
                     T.set_max_nreg(80, 0)
                     for jp in T.serial(n_pair):
                         T.barrier_wait(bar_free[0], (jp & 1) ^ 1)
-                        produce(kv0_l, kv0_r, kt0, ok0, 2 * jp)
+                        produce(KV, Idx, t, t_kv, tx - 256, kv0_l, kv0_r, kt0, 2 * jp)
                         T.cp_async_barrier_noinc(bar_ready[0])
                         T.barrier_wait(bar_free[1], (jp & 1) ^ 1)
-                        produce(kv1_l, kv1_r, kt1, ok1, 2 * jp + 1)
+                        produce(KV, Idx, t, t_kv, tx - 256, kv1_l, kv1_r, kt1, 2 * jp + 1)
                         T.cp_async_barrier_noinc(bar_ready[1])
 
         return main
@@ -273,7 +290,6 @@ def _jit_fwd_simple():
         heads: int,
         d_qk: int,
         d_v: int,
-        topk: int,
         softmax_scale: float,
         block_i: int = 64,
         num_stages: int = 2,
@@ -285,6 +301,7 @@ def _jit_fwd_simple():
         bi = block_i
         t_len = T.dynamic("t_len")
         t_kv = T.dynamic("t_kv")
+        topk = T.dynamic("topk")  # index width: one kernel serves every K
         bf16, f32, i32 = T.bfloat16, T.float32, T.int32
 
         @T.prim_func
@@ -302,7 +319,6 @@ def _jit_fwd_simple():
                 kv_s = T.alloc_shared([bi, d_v], bf16)
                 kt_s = T.alloc_shared([bi, d_tail], bf16)
                 p_s = T.alloc_shared([block_h, bi], bf16)
-                idx_f = T.alloc_fragment([bi], i32)
                 acc_s = T.alloc_fragment([block_h, bi], f32)
                 acc_o = T.alloc_fragment([block_h, d_v], f32)
                 m_i = T.alloc_fragment([block_h], f32)
@@ -321,16 +337,17 @@ def _jit_fwd_simple():
                 T.fill(m_i, -(2.0**30))
 
                 for i in T.Pipelined(T.ceildiv(VLen[t], bi), num_stages=num_stages):
-                    for j in T.Parallel(bi):
-                        slot = i * bi + j
-                        raw = T.if_then_else(slot < topk, Idx[t, T.min(slot, topk - 1)], -1)
-                        idx_f[j] = T.if_then_else((raw >= 0) and (raw < t_kv), raw, -1)
+                    # Indices are re-read from global (L1-resident) in each loop so every loop partitions over
+                    # all threads; a guarded load of a -1 slot never reaches memory (P1).
                     for j, d in T.Parallel(bi, d_v):
-                        kv_s[j, d] = T.if_then_else(idx_f[j] >= 0, KV[T.max(idx_f[j], 0), d], 0)
+                        raw = T.if_then_else(i * bi + j < topk, Idx[t, T.min(i * bi + j, topk - 1)], -1)
+                        kv_s[j, d] = T.if_then_else((raw >= 0) and (raw < t_kv), KV[T.max(raw, 0), d], 0)
                     for j, d in T.Parallel(bi, d_tail):
-                        kt_s[j, d] = T.if_then_else(idx_f[j] >= 0, KV[T.max(idx_f[j], 0), d_v + d], 0)
+                        raw = T.if_then_else(i * bi + j < topk, Idx[t, T.min(i * bi + j, topk - 1)], -1)
+                        kt_s[j, d] = T.if_then_else((raw >= 0) and (raw < t_kv), KV[T.max(raw, 0), d_v + d], 0)
                     for h, j in T.Parallel(block_h, bi):
-                        acc_s[h, j] = T.if_then_else(idx_f[j] >= 0, 0, -T.infinity(f32))
+                        raw = T.if_then_else(i * bi + j < topk, Idx[t, T.min(i * bi + j, topk - 1)], -1)
+                        acc_s[h, j] = T.if_then_else((raw >= 0) and (raw < t_kv), 0, -T.infinity(f32))
                     T.gemm(q_s, kv_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                     T.gemm(qt_s, kt_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                     T.copy(m_i, m_prev)
@@ -415,12 +432,11 @@ def sparse_mla_fwd_interface(
         return q.new_zeros(0, heads, d_v), q.new_zeros(0, heads, dtype=torch.float32)
     if valid_len is None:
         valid_len = row_valid_len(indices)
-    topk = indices.shape[1]
     kind = pick_fwd_variant(heads, d_qk, d_v, variant)
     if kind == "ws":
-        kernel = _jit_fwd_ws()(heads, d_qk, d_v, topk, float(softmax_scale))
+        kernel = _jit_fwd_ws()(heads, d_qk, d_v, float(softmax_scale))
     elif kind == "simple":
-        kernel = _jit_fwd_simple()(heads, d_qk, d_v, topk, float(softmax_scale))
+        kernel = _jit_fwd_simple()(heads, d_qk, d_v, float(softmax_scale))
     else:
         raise ValueError(f"variant must be 'auto', 'ws' or 'simple', got {variant!r}")
     out, lse = kernel(q, kv, indices, valid_len)

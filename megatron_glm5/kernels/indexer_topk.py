@@ -1,0 +1,382 @@
+"""Lightning indexer + exact, deterministic top-k in TileLang, streamed over query chunks.
+
+``score[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s])`` (fp32) for ``starts[t] <= s < ends[t]``; the output is the
+``topk`` best keys per row, sorted by score (descending), equal scores ordered by the lower key index, -1 tail when a
+row has fewer candidates. Test oracle: ``megatron_glm5.dsa.reference.indexer_topk`` (same ordering rule).
+
+Two kernels per query chunk of ``C`` rows; the only large temporary is the chunk's fp32 logits ``[C, T_kv]`` (no
+``[T, T]`` tensor; ``C`` keeps it near ``LOGITS_CHUNK_BYTES``):
+
+1. ``indexer_logits``: one CTA per ``128 // Hi`` queries. Each key tile ``[block_n, Di]`` meets all the CTA's
+   (query, head) rows in one GEMM (keys as the M dimension), then ReLU, the per-head weights and the head sum run on
+   the accumulator. Only key tiles inside the union of the CTA's row ranges are computed (causal rows skip the
+   future); entries outside a row's own range are never read.
+2. ``topk_select``: one CTA per row, exact radix select over a 64-bit key ``(order-preserving score bits, ~index)``
+   so every key is distinct and ties resolve to the lower index with no special case. 8-bit digits, a
+   warp-aggregated shared-memory histogram (``match.any``) in the first round, early exit once the remaining bucket
+   is taken whole (usually after 2-3 of the 4 score digits; index digits only run when equal scores straddle the
+   boundary). The selected keys are
+   collected with ballot-compacted writes and bitonic-sorted in shared memory. -0.0 is folded into +0.0 so that
+   equal scores compare equal, as in the reference's ``torch.sort``.
+
+Provenance: the logits kernel's shape (keys as M, ``block_q = 128 // heads``, reshape + head reduction on the
+fragment) follows megatron-core 0.19.2 ``ops/tilelang_indexer_fwd.py`` / tile-ai/tilelang
+``examples/deepseek_v32/fp8_lighting_indexer.py``, but writes the tile with one coalesced parallel store instead of a
+serial per-element loop, and bf16 instead of fp8. The radix select follows the idea of tile-ai/tilelang
+``examples/deepseek_v32/topk_selector.py`` (8-bit histogram rounds) but is exact (no 4096-entry candidate buffer to
+overflow, pitfall P9), deterministic (index bits in the key, no atomics deciding membership or order), sorted, and
+pads with -1 instead of 0 (P2).
+
+No ``from __future__ import annotations`` here: TileLang evaluates the nested prim_funcs' annotations.
+"""
+
+import functools
+
+import torch
+
+from megatron_glm5.kernels._common import check_tensor, next_power_of_2, tilelang_modules
+
+LOGITS_CHUNK_BYTES = 1 << 30
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# TileLang factories
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _jit_logits():
+    tilelang, T = tilelang_modules()
+
+    @tilelang.jit
+    def indexer_logits(heads: int, dim: int, block_n: int = 128, num_stages: int = 2, threads: int = 256):
+        """fp32 ``Logits[r, s]`` for chunk rows ``r`` (token ``RowOffset + r``) and keys in the CTA's row ranges."""
+        block_q = max(1, 128 // heads)
+        n_cols = block_q * heads
+        if n_cols % 16 or dim % 16:
+            raise ValueError(f"indexer kernel needs (128 // heads) * heads and dim multiples of 16; got {heads}, {dim}")
+        t_len = T.dynamic("t_len")
+        t_kv = T.dynamic("t_kv")
+        n_rows = T.dynamic("n_rows")
+        bf16, f32, i32 = T.bfloat16, T.float32, T.int32
+
+        @T.prim_func
+        def main(
+            Q: T.Tensor([t_len, heads, dim], bf16),
+            K: T.Tensor([t_kv, dim], bf16),
+            W: T.Tensor([t_len, heads], f32),
+            Starts: T.Tensor([t_len], i32),
+            Ends: T.Tensor([t_len], i32),
+            RowOffset: T.Tensor([1], i32),
+            Logits: T.Tensor([n_rows, t_kv], f32),
+        ):
+            with T.Kernel(T.ceildiv(n_rows, block_q), threads=threads) as bx:
+                q_s = T.alloc_shared([n_cols, dim], bf16)
+                k_s = T.alloc_shared([block_n, dim], bf16)
+                s_f = T.alloc_fragment([block_n, n_cols], f32)
+                s_r = T.reshape(s_f, [block_n, block_q, heads])
+                w_f = T.alloc_fragment([block_q, heads], f32)
+                l_s = T.alloc_shared([block_n, block_q], f32)
+                lo = T.alloc_var(i32)
+                hi = T.alloc_var(i32)
+
+                r_base = bx * block_q
+                t_base = RowOffset[0] + r_base
+                lo = t_kv
+                hi = 0
+                for i in T.serial(block_q):
+                    if r_base + i < n_rows:
+                        s = T.max(T.min(Starts[t_base + i], t_kv), 0)
+                        e = T.max(T.min(Ends[t_base + i], t_kv), 0)
+                        if e > s:
+                            lo = T.min(lo, s)
+                            hi = T.max(hi, e)
+                for i, h, d in T.Parallel(block_q, heads, dim):
+                    q_s[i * heads + h, d] = T.if_then_else(
+                        r_base + i < n_rows, Q[T.min(t_base + i, t_len - 1), h, d], 0
+                    )
+                for i, h in T.Parallel(block_q, heads):
+                    w_f[i, h] = T.if_then_else(r_base + i < n_rows, W[T.min(t_base + i, t_len - 1), h], 0)
+
+                for kb in T.Pipelined(T.ceildiv(T.max(hi - lo, 0), block_n), num_stages=num_stages):
+                    k0 = lo + kb * block_n
+                    T.copy(K[k0 : k0 + block_n, :], k_s)
+                    T.gemm(k_s, q_s, s_f, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
+                    for n, i, h in T.Parallel(block_n, block_q, heads):
+                        s_r[n, i, h] = T.max(s_r[n, i, h], 0) * w_f[i, h]
+                    T.reduce_sum(s_r, l_s, dim=-1, clear=True)
+                    for i, n in T.Parallel(block_q, block_n):
+                        if r_base + i < n_rows and k0 + n < hi:
+                            Logits[r_base + i, k0 + n] = l_s[n, i]
+
+        return main
+
+    return indexer_logits
+
+
+@functools.cache
+def _jit_select():
+    tilelang, T = tilelang_modules()
+
+    @tilelang.jit
+    def topk_select(topk: int, threads: int = 512):
+        """Exact top-``topk`` of ``Logits[r, starts[t]:ends[t]]`` per row, sorted, ties to the lower index."""
+        sort_n = next_power_of_2(max(topk, 2))
+        if threads % 32 or threads < 256:
+            raise ValueError(f"topk_select needs threads >= 256 and a multiple of 32, got {threads}")
+        t_len = T.dynamic("t_len")
+        t_kv = T.dynamic("t_kv")
+        n_rows = T.dynamic("n_rows")
+        f32, i32, u32 = T.float32, T.int32, T.uint32
+        n_sort_pairs = sort_n // 2
+        # A Python list expands at trace time (compile-time round numbers); range() would become a TIR loop.
+        rounds = list(range(8))
+        log_sort = sort_n.bit_length() - 1
+
+        @T.prim_func
+        def main(
+            Logits: T.Tensor([n_rows, t_kv], f32),
+            Starts: T.Tensor([t_len], i32),
+            Ends: T.Tensor([t_len], i32),
+            RowOffset: T.Tensor([1], i32),
+            Out: T.Tensor([t_len, topk], i32),
+        ):
+            with T.Kernel(n_rows, threads=threads) as bx:
+                hist = T.alloc_shared([256], i32)
+                # st: 0 prefix_hi, 1 prefix_lo, 2 remaining need, 3 done, 5 digit, 6 above, 7 bucket,
+                #     8 threshold_hi, 9 threshold_lo
+                st = T.alloc_shared([16], u32)
+                key_h = T.alloc_shared([sort_n], u32)
+                key_l = T.alloc_shared([sort_n], u32)
+                cnt_s = T.alloc_shared([1], i32)
+                above = T.alloc_var(i32)
+                base = T.alloc_var(i32)
+                uk = T.alloc_var(u32)
+                kh = T.alloc_var(u32)
+                kl = T.alloc_var(u32)
+                dg = T.alloc_var(i32)
+                peers = T.alloc_var(u32)
+                ballot = T.alloc_var(u32)
+                pos = T.alloc_var(i32)
+
+                tx = T.get_thread_binding()
+                lane = tx % 32
+                t = RowOffset[0] + bx
+                s0 = T.max(T.min(Starts[t], t_kv), 0)
+                e0 = T.max(T.min(Ends[t], t_kv), s0)
+                n = e0 - s0
+                n_it = T.ceildiv(n, threads)
+
+                if tx == 0:
+                    st[0] = T.uint32(0)
+                    st[1] = T.uint32(0)
+                    st[2] = T.cast(topk, u32)
+                    st[3] = T.if_then_else(n <= topk, T.uint32(1), T.uint32(0))
+                    cnt_s[0] = 0
+                    st[8] = T.uint32(0)
+                    st[9] = T.uint32(0)
+                T.sync_threads()
+
+                for r in rounds:
+                    if st[3] == T.uint32(0):
+                        if tx < 256:
+                            hist[tx] = 0
+                        T.sync_threads()
+                        ph = st[0]
+                        pl = st[1]
+                        for it in T.serial(n_it):
+                            j = s0 + it * threads + tx
+                            # Order-preserving uint32 of the fp32 score (larger float -> larger key), -0.0 folded into +0.0; the
+                            # low word ~index makes every key distinct and prefers the lower index (written as statements so the
+                            # generated code does not repeat subexpressions).
+                            uk = T.reinterpret(Logits[bx, T.min(j, t_kv - 1)], u32)
+                            if (uk & T.uint32(0x7FFFFFFF)) == T.uint32(0):
+                                uk = T.uint32(0)
+                            if (uk & T.uint32(0x80000000)) != T.uint32(0):
+                                kh = ~uk
+                            else:
+                                kh = uk | T.uint32(0x80000000)
+                            kl = T.uint32(0xFFFFFFFF) - T.cast(j, u32)
+                            dg = 256
+                            if j < e0:
+                                if r == 0:
+                                    dg = T.cast(kh >> T.uint32(24), i32)
+                                elif r < 4:
+                                    if (kh >> T.uint32(32 - 8 * r)) == ph:
+                                        dg = T.cast((kh >> T.uint32(24 - 8 * r)) & T.uint32(0xFF), i32)
+                                elif r == 4:
+                                    if kh == ph:
+                                        dg = T.cast(kl >> T.uint32(24), i32)
+                                else:
+                                    if kh == ph and (kl >> T.uint32(64 - 8 * r)) == pl:
+                                        dg = T.cast((kl >> T.uint32(24 - 8 * (r - 4))) & T.uint32(0xFF), i32)
+                            if r == 0:
+                                # Every element lands in the first histogram, often in a few bins (scores share
+                                # their exponent): aggregate per warp, one shared atomic per distinct digit.
+                                peers = T.match_any_sync(dg)
+                                if dg < 256 and lane == T.__ffs(T.cast(peers, i32)) - 1:
+                                    T.atomic_add(hist[dg], T.cast(T.popcount(peers), i32))
+                            elif dg < 256:
+                                # Later rounds only see the few elements that still match the prefix.
+                                T.atomic_add(hist[dg], 1)
+                        T.sync_threads()
+                        if tx < 256:
+                            above = 0
+                            for i in T.serial(255 - tx):
+                                above = above + hist[tx + 1 + i]
+                            need = T.cast(st[2], i32)
+                            if above < need and above + hist[tx] >= need:
+                                st[5] = T.cast(tx, u32)
+                                st[6] = T.cast(above, u32)
+                                st[7] = T.cast(hist[tx], u32)
+                        T.sync_threads()
+                        if tx == 0:
+                            b = st[5]
+                            need_new = st[2] - st[6]
+                            st[2] = need_new
+                            if r < 4:
+                                st[0] = (st[0] << T.uint32(8)) | b
+                            else:
+                                st[1] = (st[1] << T.uint32(8)) | b
+                            # Threshold = prefix padded with zeros: select keys >= it.
+                            if r < 3:
+                                st[8] = st[0] << T.uint32(24 - 8 * r)
+                                st[9] = T.uint32(0)
+                            elif r == 3:
+                                st[8] = st[0]
+                                st[9] = T.uint32(0)
+                            elif r < 7:
+                                st[8] = st[0]
+                                st[9] = st[1] << T.uint32(24 - 8 * (r - 4))
+                            else:
+                                st[8] = st[0]
+                                st[9] = st[1]
+                            if st[7] == need_new:
+                                st[3] = T.uint32(1)
+                        T.sync_threads()
+
+                # Collect the selected keys (exactly min(n, topk) of them), compacted per warp with a ballot.
+                th = st[8]
+                tl_ = st[9]
+                for it in T.serial(n_it):
+                    j = s0 + it * threads + tx
+                    # Same key as in the rounds above.
+                    uk = T.reinterpret(Logits[bx, T.min(j, t_kv - 1)], u32)
+                    if (uk & T.uint32(0x7FFFFFFF)) == T.uint32(0):
+                        uk = T.uint32(0)
+                    if (uk & T.uint32(0x80000000)) != T.uint32(0):
+                        kh = ~uk
+                    else:
+                        kh = uk | T.uint32(0x80000000)
+                    kl = T.uint32(0xFFFFFFFF) - T.cast(j, u32)
+                    sel = (j < e0) and ((kh > th) or (kh == th and kl >= tl_))
+                    ballot = T.cast(T.ballot_sync(sel), u32)
+                    if lane == 0:
+                        base = T.atomic_add(cnt_s[0], T.cast(T.popcount(ballot), i32), return_prev=True)
+                    base = T.shfl_sync(base, 0)
+                    pos = base + T.cast(T.popcount(ballot & ((T.uint32(1) << T.cast(lane, u32)) - T.uint32(1))), i32)
+                    if sel and pos < sort_n:
+                        key_h[pos] = kh
+                        key_l[pos] = kl
+                T.sync_threads()
+                count = T.min(cnt_s[0], sort_n)
+                for it in T.serial(T.ceildiv(sort_n, threads)):
+                    p = it * threads + tx
+                    if p < sort_n and p >= count:
+                        key_h[p] = T.uint32(0)
+                        key_l[p] = T.uint32(0)
+                T.sync_threads()
+
+                # Bitonic sort, descending by (key_h, key_l); unused slots hold (0, 0) and sink to the end.
+                for ls in T.serial(log_sort):
+                    for ss in T.serial(ls + 1):
+                        size = 2 << ls
+                        stride = size >> (ss + 1)
+                        for it in T.unroll(T.ceildiv(n_sort_pairs, threads)):
+                            i = it * threads + tx
+                            if i < n_sort_pairs:
+                                a = (i // stride) * (2 * stride) + (i % stride)
+                                b = a + stride
+                                ah = key_h[a]
+                                al = key_l[a]
+                                bh = key_h[b]
+                                bl = key_l[b]
+                                a_less = (ah < bh) or (ah == bh and al < bl)
+                                # Blocks with (a & size) == 0 sort descending, the others ascending.
+                                swap = T.if_then_else((a & size) == 0, a_less, not a_less)
+                                if swap:
+                                    key_h[a] = bh
+                                    key_l[a] = bl
+                                    key_h[b] = ah
+                                    key_l[b] = al
+                        T.sync_threads()
+
+                for it in T.serial(T.ceildiv(topk, threads)):
+                    p = it * threads + tx
+                    if p < topk:
+                        Out[t, p] = T.if_then_else(
+                            p < count, T.cast(T.uint32(0xFFFFFFFF) - key_l[p], i32), -1
+                        )
+
+        return main
+
+    return topk_select
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Checked interface
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def logits_chunk_rows(t_kv: int, block_q: int) -> int:
+    """Query rows per chunk so the fp32 logits buffer ``[rows, T_kv]`` stays near ``LOGITS_CHUNK_BYTES``."""
+    rows = max(block_q, LOGITS_CHUNK_BYTES // max(1, 4 * t_kv))
+    return max(block_q, rows // block_q * block_q)
+
+
+def indexer_topk_interface(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    weights: torch.Tensor,
+    starts: torch.Tensor,
+    ends: torch.Tensor,
+    topk: int,
+    *,
+    chunk_rows: int | None = None,
+) -> torch.Tensor:
+    """Checked entry point; see the module docstring for the contract. Returns int32 ``[T, topk]``."""
+    check_tensor("q", q, dtype=torch.bfloat16, ndim=3)
+    check_tensor("k", k, dtype=torch.bfloat16, ndim=2, device=q.device)
+    check_tensor("weights", weights, dtype=torch.float32, ndim=2, device=q.device)
+    check_tensor("starts", starts, dtype=torch.int32, ndim=1, device=q.device)
+    check_tensor("ends", ends, dtype=torch.int32, ndim=1, device=q.device)
+    t_len, heads, dim = q.shape
+    t_kv = k.shape[0]
+    if k.shape[1] != dim:
+        raise ValueError(f"k must be [T_kv, {dim}] like q's last dim, got {tuple(k.shape)}")
+    if tuple(weights.shape) != (t_len, heads):
+        raise ValueError(f"weights must be [T={t_len}, Hi={heads}], got {tuple(weights.shape)}")
+    if starts.shape[0] != t_len or ends.shape[0] != t_len:
+        raise ValueError(f"starts/ends must be [T={t_len}], got {tuple(starts.shape)} / {tuple(ends.shape)}")
+    if not isinstance(topk, int) or topk < 1:
+        raise ValueError(f"topk must be a positive int, got {topk!r}")
+    block_q = max(1, 128 // heads)
+    if (block_q * heads) % 16 or dim % 16:
+        raise ValueError(f"indexer heads and dim must make (128 // heads) * heads and dim multiples of 16, got {heads}, {dim}")
+    out = torch.empty(t_len, topk, dtype=torch.int32, device=q.device)
+    if t_len == 0:
+        return out
+    if t_kv == 0:
+        return out.fill_(-1)
+
+    logits_kernel = _jit_logits()(heads, dim)
+    select_kernel = _jit_select()(topk)
+    rows = chunk_rows or logits_chunk_rows(t_kv, block_q)
+    buf = torch.empty(min(rows, t_len), t_kv, dtype=torch.float32, device=q.device)
+    for c0 in range(0, t_len, rows):
+        c1 = min(t_len, c0 + rows)
+        row0 = torch.full((1,), c0, dtype=torch.int32, device=q.device)
+        chunk = buf[: c1 - c0]
+        logits_kernel(q, k, weights, starts, ends, row0, chunk)
+        select_kernel(chunk, starts, ends, row0, out)
+    return out

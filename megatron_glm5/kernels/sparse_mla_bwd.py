@@ -1,0 +1,512 @@
+"""Sparse absorbed-MLA backward in TileLang, and the autograd function tying it to the forward.
+
+Given the forward's saved ``out`` and natural-log ``lse`` (the forward is never re-run), computes
+
+    P = exp(scale * Q K^T - lse),  dP = dO V^T,  dS = P * (dP - Delta) * scale,  Delta = rowsum(O * dO) - dlse
+    dQ = dS K,  dKV[idx] += dS^T Q (all d_qk channels) + P^T dO (first d_v channels)
+
+Test oracle: autograd through ``megatron_glm5.dsa.reference.sparse_mla``.
+
+Kernel: one CTA per (token, head block of 16/32/64). The selected KV rows are gathered with ``cp.async`` into two
+shared-memory stages (the next block loads while this one computes); -1 slots are zero-filled without a memory read
+(pitfall P1), and blocks past a row's last valid slot are skipped. ``dKV`` is written two ways:
+
+* ``deterministic=False``: fp32 ``atomicAdd`` into a ``[T_kv, d_qk]`` buffer straight from the MMA fragments, then one
+  cast to bf16. Fast, but the fp32 summation order (and so the low bits) varies run to run (pitfall P5).
+* ``deterministic=True``: each (token, slot) writes its 576-wide fp32 contribution to a partial buffer (no atomics);
+  a second kernel sums, per key, the contributions in a fixed (token, slot) order taken from a stable sort of the
+  indices. Bitwise reproducible. Cost: the partial buffer is ``4 * K * d_qk`` bytes per token (4.7 MB at K=2048),
+  so tokens are processed in chunks that keep it near 2 GiB, plus one write and one read of it (~155 GB at 16K
+  tokens), a sort per chunk and a launch per chunk; see ``scripts/bench/RESULTS_kernels.md`` for the measured cost.
+
+Provenance: the per-block math follows tile-ai/tilelang ``examples/deepseek_v32/sparse_mla_bwd.py`` (256 threads and
+64-head blocks at 64 heads). Differences: saved natural-log LSE instead of a forward re-run, a fused ``dlse`` term, the
+``cp.async`` two-stage gather with guarded -1 slots, d_v split in halves so the dKV accumulator stays at 32 registers,
+atomics issued from registers (no shared staging buffer), head padding with bounded loads/stores, the deterministic
+partial-sum path.
+
+No ``from __future__ import annotations`` here: TileLang evaluates the nested prim_funcs' annotations.
+"""
+
+import functools
+
+import torch
+
+from megatron_glm5.kernels._common import (
+    LOG2E,
+    cdiv,
+    multiprocessor_count,
+    row_valid_len,
+    tilelang_modules,
+)
+from megatron_glm5.kernels.sparse_mla_fwd import (
+    Variant,
+    check_sparse_mla_args,
+    head_block,
+    sparse_mla_fwd_interface,
+)
+
+DETERMINISTIC_PARTIAL_BYTES = 2 << 30  # budget for the per-chunk partial dKV buffer
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# TileLang factories
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _jit_delta():
+    tilelang, T = tilelang_modules()
+
+    @tilelang.jit(out_idx=[-1])
+    def sparse_mla_delta(heads: int, d_v: int, block_t: int = 32, block_d: int = 128, threads: int = 128):
+        """``Delta[t, h] = sum_d O * dO - dlse`` in fp32 (the softmax-gradient row term)."""
+        t_len = T.dynamic("t_len")
+        bf16, f32 = T.bfloat16, T.float32
+
+        @T.prim_func
+        def main(
+            O: T.Tensor([t_len, heads, d_v], bf16),
+            dO: T.Tensor([t_len, heads, d_v], bf16),
+            dLse: T.Tensor([t_len, heads], f32),
+            Delta: T.Tensor([t_len, heads], f32),
+        ):
+            with T.Kernel(T.ceildiv(t_len, block_t), heads, threads=threads) as (bx, h):
+                prod = T.alloc_fragment([block_t, block_d], f32)
+                acc = T.alloc_fragment([block_t], f32)
+                t0 = bx * block_t
+                T.fill(acc, 0)
+                for dc in T.serial(d_v // block_d):
+                    for i, d in T.Parallel(block_t, block_d):
+                        prod[i, d] = T.if_then_else(
+                            t0 + i < t_len,
+                            T.cast(O[t0 + i, h, dc * block_d + d], f32) * T.cast(dO[t0 + i, h, dc * block_d + d], f32),
+                            0,
+                        )
+                    T.reduce_sum(prod, acc, dim=1, clear=False)
+                for i in T.Parallel(block_t):
+                    if t0 + i < t_len:
+                        Delta[t0 + i, h] = acc[i] - dLse[t0 + i, h]
+
+        return main
+
+    return sparse_mla_delta
+
+
+@functools.cache
+def _jit_bwd():
+    tilelang, T = tilelang_modules()
+
+    @tilelang.jit(
+        pass_configs={
+            tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
+            tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
+        },
+    )
+    def sparse_mla_bwd(
+        heads: int,
+        d_qk: int,
+        d_v: int,
+        softmax_scale: float,
+        deterministic: bool = False,
+        block_s: int = 32,
+        threads: int = 0,
+    ):
+        """Main backward kernel. ``deterministic`` switches the dKV epilogue from atomics to partial-buffer stores.
+
+        Grid ``(n_rows, head blocks)``; row ``bx`` is token ``row0 + bx`` (the deterministic path runs in chunks).
+        """
+        block_h, n_hblk = head_block(heads)
+        if threads == 0:
+            threads = 256 if block_h >= 32 else 128
+        dh = d_v // 2
+        d_tail = d_qk - d_v
+        bs = block_s
+        rows_per_pass = threads // 8
+        if dh % 64 or d_tail % 64 or bs % rows_per_pass:
+            raise ValueError(f"bwd kernel needs d_v/2, d_qk-d_v multiples of 64 and block_s % (threads/8) == 0")
+        scale_log2 = softmax_scale * LOG2E
+        t_len = T.dynamic("t_len")
+        t_kv = T.dynamic("t_kv")
+        n_rows = T.dynamic("n_rows")
+        topk = T.dynamic("topk")  # index width: one kernel serves every K
+        bf16, f32, i32 = T.bfloat16, T.float32, T.int32
+        dkv_shape = [n_rows, n_hblk, topk, d_qk] if deterministic else [t_kv, d_qk]
+        grid_rows = n_rows if deterministic else t_len  # the deterministic path runs a chunk of rows per launch
+
+        @T.macro
+        def load_rows(src, t, h0, tx, buf, col0, width):
+            n_vec = block_h * (width // 8)
+            for it in T.unroll(cdiv(n_vec, threads)):
+                ch = it * threads + tx
+                if ch < n_vec:
+                    h = ch // (width // 8)
+                    c = (ch % (width // 8)) * 8
+                    for v in T.vectorized(8):
+                        buf[h, c + v] = T.if_then_else(h0 + h < heads, src[t, h0 + h, col0 + c + v], 0)
+
+        @T.macro
+        def gather(KV, Idx, t, t_kv, tx, kv_l, kv_r, kt, idx_s, blk):
+            lane = tx % 8
+            for r in T.unroll(bs // rows_per_pass):
+                row = r * rows_per_pass + tx // 8
+                slot = blk * bs + row
+                idx = T.if_then_else(slot < topk, Idx[t, T.min(slot, topk - 1)], -1)
+                valid = (idx >= 0) and (idx < t_kv)
+                src = T.if_then_else(valid, idx, 0)
+                if lane == 0:
+                    idx_s[row] = T.if_then_else(valid, idx, -1)
+                for c in T.unroll(dh // 64):
+                    col = c * 64 + lane * 8
+                    T.ptx_cp_async(
+                        T.access_ptr(kv_l[row, col], "w", 8), T.access_ptr(KV[src, col], "r", 8), 8, predicate=valid
+                    )
+                    T.ptx_cp_async(
+                        T.access_ptr(kv_r[row, col], "w", 8),
+                        T.access_ptr(KV[src, dh + col], "r", 8),
+                        8,
+                        predicate=valid,
+                    )
+                for c in T.unroll(d_tail // 64):
+                    col = c * 64 + lane * 8
+                    T.ptx_cp_async(
+                        T.access_ptr(kt[row, col], "w", 8),
+                        T.access_ptr(KV[src, d_v + col], "r", 8),
+                        8,
+                        predicate=valid,
+                    )
+            T.ptx_commit_group()
+
+        @T.macro
+        def scatter(dKV, acc, idx_s, bx, hb, blk, col0, width):
+            if deterministic:
+                for j, d in T.Parallel(bs, width):
+                    if blk * bs + j < topk:
+                        dKV[bx, hb, blk * bs + j, col0 + d] = acc[j, d]
+            else:
+                for j, d in T.Parallel(bs, width):
+                    if idx_s[j] >= 0:
+                        T.atomic_add(dKV[idx_s[j], col0 + d], acc[j, d])
+
+        @T.macro
+        def block_step(
+            kv_l, kv_r, kt, idx_s, blk, bx, hb, dKV,
+            q_l, q_r, q_t, do_l, do_r, p_s, ds_s, lse_s, delta_s,
+            acc_p, acc_dp, acc_dq_l, acc_dq_r, acc_dq_t, acc_dkv, acc_dkv_t,
+        ):  # fmt: skip
+            for h, j in T.Parallel(block_h, bs):
+                acc_p[h, j] = T.if_then_else(idx_s[j] >= 0, 0, -T.infinity(f32))
+            T.gemm(q_l, kv_l, acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+            T.gemm(q_r, kv_r, acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+            T.gemm(q_t, kt, acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+            for h, j in T.Parallel(block_h, bs):
+                acc_p[h, j] = T.exp2(acc_p[h, j] * scale_log2 - lse_s[h])
+            T.copy(acc_p, p_s)
+            T.gemm(do_l, kv_l, acc_dp, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
+            T.gemm(do_r, kv_r, acc_dp, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+            for h, j in T.Parallel(block_h, bs):
+                acc_dp[h, j] = acc_p[h, j] * (acc_dp[h, j] - delta_s[h]) * softmax_scale
+            T.copy(acc_dp, ds_s)
+            T.gemm(ds_s, kv_l, acc_dq_l, policy=T.GemmWarpPolicy.FullCol)
+            T.gemm(ds_s, kv_r, acc_dq_r, policy=T.GemmWarpPolicy.FullCol)
+            T.gemm(ds_s, kt, acc_dq_t, policy=T.GemmWarpPolicy.FullCol)
+            # dKV = dS^T Q + P^T dO, one d_v half at a time (keeps the fp32 accumulator at [block_s, d_v / 2]).
+            T.gemm(ds_s, q_l, acc_dkv, transpose_A=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
+            T.gemm(p_s, do_l, acc_dkv, transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
+            scatter(dKV, acc_dkv, idx_s, bx, hb, blk, 0, dh)
+            T.gemm(ds_s, q_r, acc_dkv, transpose_A=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
+            T.gemm(p_s, do_r, acc_dkv, transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
+            scatter(dKV, acc_dkv, idx_s, bx, hb, blk, dh, dh)
+            T.gemm(ds_s, q_t, acc_dkv_t, transpose_A=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
+            scatter(dKV, acc_dkv_t, idx_s, bx, hb, blk, d_v, d_tail)
+
+        @T.prim_func
+        def main(
+            Q: T.Tensor([t_len, heads, d_qk], bf16),
+            KV: T.Tensor([t_kv, d_qk], bf16),
+            dO: T.Tensor([t_len, heads, d_v], bf16),
+            Idx: T.Tensor([t_len, topk], i32),
+            VLen: T.Tensor([t_len], i32),
+            Lse: T.Tensor([t_len, heads], f32),
+            Delta: T.Tensor([t_len, heads], f32),
+            RowOffset: T.Tensor([1], i32),
+            dQ: T.Tensor([t_len, heads, d_qk], bf16),
+            dKV: T.Tensor(dkv_shape, f32),
+        ):
+            with T.Kernel(grid_rows, n_hblk, threads=threads) as (bx, hb):
+                q_l = T.alloc_shared([block_h, dh], bf16)
+                q_r = T.alloc_shared([block_h, dh], bf16)
+                q_t = T.alloc_shared([block_h, d_tail], bf16)
+                do_l = T.alloc_shared([block_h, dh], bf16)
+                do_r = T.alloc_shared([block_h, dh], bf16)
+                kv0_l = T.alloc_shared([bs, dh], bf16)
+                kv0_r = T.alloc_shared([bs, dh], bf16)
+                kt0 = T.alloc_shared([bs, d_tail], bf16)
+                kv1_l = T.alloc_shared([bs, dh], bf16)
+                kv1_r = T.alloc_shared([bs, dh], bf16)
+                kt1 = T.alloc_shared([bs, d_tail], bf16)
+                idx0 = T.alloc_shared([bs], i32)
+                idx1 = T.alloc_shared([bs], i32)
+                p_s = T.alloc_shared([block_h, bs], bf16)
+                ds_s = T.alloc_shared([block_h, bs], bf16)
+                lse_s = T.alloc_shared([block_h], f32)
+                delta_s = T.alloc_shared([block_h], f32)
+
+                acc_p = T.alloc_fragment([block_h, bs], f32)
+                acc_dp = T.alloc_fragment([block_h, bs], f32)
+                acc_dq_l = T.alloc_fragment([block_h, dh], f32)
+                acc_dq_r = T.alloc_fragment([block_h, dh], f32)
+                acc_dq_t = T.alloc_fragment([block_h, d_tail], f32)
+                acc_dkv = T.alloc_fragment([bs, dh], f32)
+                acc_dkv_t = T.alloc_fragment([bs, d_tail], f32)
+
+                tx = T.get_thread_binding()
+                t = RowOffset[0] + bx
+                h0 = hb * block_h
+                n_blk = T.ceildiv(VLen[t], bs)
+
+                load_rows(Q, t, h0, tx, q_l, 0, dh)
+                load_rows(Q, t, h0, tx, q_r, dh, dh)
+                load_rows(Q, t, h0, tx, q_t, d_v, d_tail)
+                load_rows(dO, t, h0, tx, do_l, 0, dh)
+                load_rows(dO, t, h0, tx, do_r, dh, dh)
+                for h in T.Parallel(block_h):
+                    # Padded heads: lse = +inf gives P = 0, so they contribute nothing.
+                    lse_s[h] = T.if_then_else(h0 + h < heads, Lse[t, T.min(h0 + h, heads - 1)] * LOG2E, T.infinity(f32))
+                    delta_s[h] = T.if_then_else(h0 + h < heads, Delta[t, T.min(h0 + h, heads - 1)], 0)
+                T.clear(acc_dq_l)
+                T.clear(acc_dq_r)
+                T.clear(acc_dq_t)
+                if n_blk > 0:
+                    gather(KV, Idx, t, t_kv, tx, kv0_l, kv0_r, kt0, idx0, 0)
+                for ip in T.serial(T.ceildiv(n_blk, 2)):
+                    if 2 * ip + 1 < n_blk:
+                        gather(KV, Idx, t, t_kv, tx, kv1_l, kv1_r, kt1, idx1, 2 * ip + 1)
+                        T.ptx_wait_group(1)
+                    else:
+                        T.ptx_wait_group(0)
+                    T.sync_threads()
+                    T.fence_proxy_async()
+                    block_step(
+                        kv0_l, kv0_r, kt0, idx0, 2 * ip, bx, hb, dKV,
+                        q_l, q_r, q_t, do_l, do_r, p_s, ds_s, lse_s, delta_s,
+                        acc_p, acc_dp, acc_dq_l, acc_dq_r, acc_dq_t, acc_dkv, acc_dkv_t,
+                    )  # fmt: skip
+                    T.sync_threads()
+                    if 2 * ip + 1 < n_blk:
+                        if 2 * ip + 2 < n_blk:
+                            gather(KV, Idx, t, t_kv, tx, kv0_l, kv0_r, kt0, idx0, 2 * ip + 2)
+                            T.ptx_wait_group(1)
+                        else:
+                            T.ptx_wait_group(0)
+                        T.sync_threads()
+                        T.fence_proxy_async()
+                        block_step(
+                            kv1_l, kv1_r, kt1, idx1, 2 * ip + 1, bx, hb, dKV,
+                            q_l, q_r, q_t, do_l, do_r, p_s, ds_s, lse_s, delta_s,
+                            acc_p, acc_dp, acc_dq_l, acc_dq_r, acc_dq_t, acc_dkv, acc_dkv_t,
+                        )  # fmt: skip
+                        T.sync_threads()
+
+                for h, d in T.Parallel(block_h, dh):
+                    if h0 + h < heads:
+                        dQ[t, h0 + h, d] = T.cast(acc_dq_l[h, d], bf16)
+                        dQ[t, h0 + h, dh + d] = T.cast(acc_dq_r[h, d], bf16)
+                for h, d in T.Parallel(block_h, d_tail):
+                    if h0 + h < heads:
+                        dQ[t, h0 + h, d_v + d] = T.cast(acc_dq_t[h, d], bf16)
+
+        return main
+
+    return sparse_mla_bwd
+
+
+@functools.cache
+def _jit_dkv_reduce():
+    tilelang, T = tilelang_modules()
+
+    @tilelang.jit
+    def sparse_mla_dkv_reduce(d_qk: int, n_hblk: int, threads: int = 192):
+        """Deterministic dKV: ``Acc[s] += sum of Partial[pair] over the pairs of key s``, in ``Perm`` order."""
+        t_kv = T.dynamic("t_kv")
+        n_rows = T.dynamic("n_rows")
+        n_pairs = T.dynamic("n_pairs")
+        topk = T.dynamic("topk")
+        f32, i32 = T.float32, T.int32
+        per_thread = cdiv(d_qk, threads)
+
+        @T.prim_func
+        def main(
+            Partial: T.Tensor([n_rows, n_hblk, topk, d_qk], f32),
+            Perm: T.Tensor([n_pairs], i32),
+            Offsets: T.Tensor([t_kv + 1], i32),
+            Acc: T.Tensor([t_kv, d_qk], f32),
+        ):
+            with T.Kernel(t_kv, threads=threads) as s:
+                tx = T.get_thread_binding()
+                acc = T.alloc_local([per_thread], f32)
+                p0 = Offsets[s]
+                p1 = Offsets[s + 1]
+                if p1 > p0:
+                    for k in T.unroll(per_thread):
+                        c = k * threads + tx
+                        acc[k] = T.if_then_else(c < d_qk, Acc[s, T.min(c, d_qk - 1)], 0)
+                    for p in T.serial(p1 - p0):
+                        pair = Perm[p0 + p]
+                        r = pair // topk
+                        j = pair % topk
+                        for hb in T.unroll(n_hblk):
+                            for k in T.unroll(per_thread):
+                                c = k * threads + tx
+                                if c < d_qk:
+                                    acc[k] = acc[k] + Partial[r, hb, j, c]
+                    for k in T.unroll(per_thread):
+                        c = k * threads + tx
+                        if c < d_qk:
+                            Acc[s, c] = acc[k]
+
+        return main
+
+    return sparse_mla_dkv_reduce
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Checked interface
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def deterministic_chunk_rows(topk: int, heads: int, d_qk: int, device: torch.device) -> int:
+    """Tokens per deterministic chunk: the partial buffer stays near ``DETERMINISTIC_PARTIAL_BYTES``, and a chunk
+    is a whole number of waves of one CTA per SM when it is larger than one wave."""
+    _, n_hblk = head_block(heads)
+    rows = max(1, DETERMINISTIC_PARTIAL_BYTES // (n_hblk * topk * d_qk * 4))
+    sms = multiprocessor_count(device)
+    return rows // sms * sms if rows > sms else rows
+
+
+def sparse_mla_bwd_interface(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_out: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    d_v: int = 512,
+    *,
+    grad_lse: torch.Tensor | None = None,
+    valid_len: torch.Tensor | None = None,
+    deterministic: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backward kernel calls: ``(dq [T, H, d_qk] bf16, dkv [T_kv, d_qk] bf16)`` from the saved ``out`` and ``lse``.
+
+    ``grad_lse`` (fp32 ``[T, H]``) adds the gradient flowing into the returned LSE (``dS += P * grad_lse``).
+    """
+    check_sparse_mla_args(q, kv, indices, d_v)
+    t_len, heads, d_qk = q.shape
+    t_kv = kv.shape[0]
+    for name, t, shape, dtype in (
+        ("out", out, (t_len, heads, d_v), torch.bfloat16),
+        ("grad_out", grad_out, (t_len, heads, d_v), torch.bfloat16),
+        ("lse", lse, (t_len, heads), torch.float32),
+    ):
+        if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {shape}, got {t.dtype} {tuple(t.shape)}")
+    if t_len == 0:
+        return torch.zeros_like(q), torch.zeros_like(kv)
+    if valid_len is None:
+        valid_len = row_valid_len(indices)
+    if grad_lse is None:
+        grad_lse = torch.zeros_like(lse)
+    else:
+        grad_lse = grad_lse.to(torch.float32).contiguous()
+    topk = indices.shape[1]
+    scale = float(softmax_scale)
+
+    delta = _jit_delta()(heads, d_v)(out, grad_out, grad_lse)
+    dq = torch.empty_like(q)
+    kernel = _jit_bwd()(heads, d_qk, d_v, scale, deterministic)
+    if not deterministic:
+        dkv_acc = torch.zeros(t_kv, d_qk, dtype=torch.float32, device=q.device)
+        row0 = torch.zeros(1, dtype=torch.int32, device=q.device)
+        kernel(q, kv, grad_out, indices, valid_len, lse, delta, row0, dq, dkv_acc)
+        return dq, dkv_acc.to(kv.dtype)
+
+    # Deterministic: chunked partial contributions, then a fixed-order per-key sum (see module docstring).
+    _, n_hblk = head_block(heads)
+    chunk = deterministic_chunk_rows(topk, heads, d_qk, q.device)
+    partial = torch.empty(min(chunk, t_len), n_hblk, topk, d_qk, dtype=torch.float32, device=q.device)
+    dkv_acc = torch.zeros(t_kv, d_qk, dtype=torch.float32, device=q.device)
+    reduce = _jit_dkv_reduce()(d_qk, n_hblk)
+    key_range = torch.arange(t_kv + 1, dtype=torch.int64, device=q.device)
+    for c0 in range(0, t_len, chunk):
+        c1 = min(t_len, c0 + chunk)
+        row0 = torch.full((1,), c0, dtype=torch.int32, device=q.device)
+        kernel(q, kv, grad_out, indices, valid_len, lse, delta, row0, dq, partial[: c1 - c0])
+        keys = indices[c0:c1].reshape(-1).to(torch.int64)
+        keys = torch.where((keys >= 0) & (keys < t_kv), keys, t_kv)  # invalid slots sort past every key
+        sorted_keys, order = torch.sort(keys, stable=True)  # stable: a key's pairs stay in (token, slot) order
+        offsets = torch.searchsorted(sorted_keys, key_range, out_int32=True)
+        reduce(partial[: c1 - c0], order.to(torch.int32), offsets, dkv_acc)
+    return dq, dkv_acc.to(kv.dtype)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Autograd
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class SparseMLAFunction(torch.autograd.Function):
+    """``(out, lse) = sparse_mla(q, kv, indices)`` with gradients for ``q`` and ``kv`` (and through ``lse``).
+
+    Contract (oracle: ``megatron_glm5.dsa.reference.sparse_mla``):
+        q ``[T, H, D]`` bf16 contiguous, H in [1, 128] (padded to 16/32/64-head blocks inside, never read or written
+        out of range); kv ``[T_kv, D]`` bf16, the first ``d_v`` channels are the values; indices int32 ``[T, K]``
+        global rows of kv, -1 (or anything outside ``[0, T_kv)``) = unused, never read. Any T, any K.
+        Returns out ``[T, H, d_v]`` bf16 and natural-log lse ``[T, H]`` fp32 (+inf and out 0 for a row without a
+        valid index). Forward saves ``out`` and ``lse``; the backward never re-runs the forward.
+        ``deterministic=True`` gives bitwise run-to-run identical dq/dkv (no float atomics; slower, see
+        ``sparse_mla_bwd``).
+    """
+
+    @staticmethod
+    def forward(ctx, q, kv, indices, softmax_scale, d_v, deterministic, variant):  # noqa: D102
+        valid_len = row_valid_len(indices)
+        out, lse = sparse_mla_fwd_interface(q, kv, indices, softmax_scale, d_v, valid_len=valid_len, variant=variant)
+        ctx.save_for_backward(q, kv, indices, valid_len, out, lse)
+        ctx.softmax_scale = softmax_scale
+        ctx.d_v = d_v
+        ctx.deterministic = deterministic
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):  # noqa: D102
+        q, kv, indices, valid_len, out, lse = ctx.saved_tensors
+        dq, dkv = sparse_mla_bwd_interface(
+            q,
+            kv,
+            out,
+            lse,
+            grad_out.to(torch.bfloat16).contiguous(),
+            indices,
+            ctx.softmax_scale,
+            ctx.d_v,
+            grad_lse=grad_lse,
+            valid_len=valid_len,
+            deterministic=ctx.deterministic,
+        )
+        return dq, dkv, None, None, None, None, None
+
+
+def sparse_mla_autograd(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    d_v: int = 512,
+    *,
+    deterministic: bool = False,
+    variant: Variant = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Differentiable ``(out, lse)``; see ``SparseMLAFunction`` for the contract."""
+    return SparseMLAFunction.apply(q, kv, indices, float(softmax_scale), int(d_v), bool(deterministic), variant)

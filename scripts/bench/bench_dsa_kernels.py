@@ -1,0 +1,419 @@
+"""Benchmark our TileLang DSA kernels against megatron-core 0.19.2's on one GPU, side by side in one process.
+
+(a) sparse MLA fwd / bwd / fwd+bwd at S in {4K, 16K, 32K}, 16 and 64 heads, top-k 2048, causal random indices
+    (each query: min(t+1, 2048) distinct earlier rows, -1 tail), scale 1/16. TFLOP/s over valid (query, key) pairs:
+    fwd 2*pairs*H*(576+512), bwd 2*pairs*H*(3*576+2*512). megatron-core's backward re-runs its forward, so its
+    "bwd" is (fwd+bwd) - fwd; ours is the backward alone (it reuses the saved out/LSE).
+(b) indexer + top-k at S in {8K, 32K, 64K}, 32 heads x 128, top-k 2048, causal: ms and peak memory, against
+    ``fused_qk_topk_lighting(..., block_size=8192)``.
+
+Also cross-checks our outputs against megatron-core's at every benchmarked shape (output cosine, top-k overlap).
+Timing: ``triton.testing.do_bench`` median after one untimed call (JIT compile) and >= 3 warm-up calls.
+
+    source .gpu/install.sh && python scripts/bench/bench_dsa_kernels.py --out results.md
+    python scripts/bench/bench_dsa_kernels.py --precompile-only --workers 16   # fill TileLang's disk cache in parallel
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import datetime
+import importlib
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+
+SCALE = 1.0 / 16
+D_QK, D_V, TOPK = 576, 512, 2048
+
+# Every kernel the GPU tests and this benchmark build: (module, getter, args). Building them in parallel worker
+# processes fills TileLang's disk cache, so the single-process test and benchmark runs only load them.
+OUR_KERNELS = (
+    [("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_ws", (h, D_QK, D_V, SCALE)) for h in (8, 16, 64, 128)]
+    + [("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_simple", (h, D_QK, D_V, SCALE)) for h in (16, 64)]
+    + [("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (h, D_QK, D_V, SCALE, det)) for h in (16, 64) for det in (False, True)]
+    + [("megatron_glm5.kernels.sparse_mla_bwd", "_jit_delta", (h, D_V)) for h in (16, 64)]
+    + [("megatron_glm5.kernels.sparse_mla_bwd", "_jit_dkv_reduce", (D_QK, 1))]
+    + [("megatron_glm5.kernels.indexer_topk", "_jit_logits", (32, 128))]
+    + [("megatron_glm5.kernels.indexer_topk", "_jit_select", (k,)) for k in (256, 512, 2048)]
+)
+_MC = "megatron.core.transformer.experimental_attention_variant.ops."
+MCORE_KERNELS = (
+    [(_MC + "tilelang_sparse_mla_fwd", "_get_sparse_mla_fwd_kernel", (h, 512, 64, TOPK, 1, SCALE, 64, 2, 256)) for h in (16, 64)]
+    + [(_MC + "tilelang_sparse_mla_bwd", "_get_bwd_kernel", (h, 512, 64, TOPK, 1, SCALE, 32)) for h in (16, 64)]
+    + [(_MC + "tilelang_sparse_mla_bwd", "_get_preprocess_kernel", (h, 512)) for h in (16, 64)]
+    + [(_MC + "tilelang_sparse_mla_bwd", "_get_postprocess_kernel", (512, 64, 1))]
+    + [(_MC + "tilelang_indexer_fwd", "_get_indexer_fwd_kernel", (32, 128))]
+    + [(_MC + "tilelang_indexer_fwd", "_get_clean_logits_kernel", ())]
+)
+
+
+def _build(case: tuple) -> tuple[str, float, str]:
+    module, getter, args = case
+    t0 = time.time()
+    try:
+        fn = getattr(importlib.import_module(module), getter)
+        fn(*args) if module.startswith("megatron.core") else fn()(*args)
+        return f"{getter}{args}", time.time() - t0, ""
+    except Exception:  # report and go on: one broken kernel must not hide the others
+        return f"{getter}{args}", time.time() - t0, traceback.format_exc(limit=3)
+
+
+def precompile(workers: int, include_mcore: bool = True) -> bool:
+    cases = list(OUR_KERNELS) + (list(MCORE_KERNELS) if include_mcore else [])
+    ok = True
+    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
+        for name, secs, err in pool.map(_build, cases):
+            print(f"[precompile] {name}: {secs:.1f} s {'OK' if not err else 'FAILED'}", flush=True)
+            if err:
+                ok = False
+                print(err, flush=True)
+    return ok
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Inputs
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def causal_random_indices(seq: int, topk: int, device: torch.device, chunk: int = 1024, seed: int = 0) -> torch.Tensor:
+    """int32 [S, topk]: row t holds min(t+1, topk) distinct random rows of [0, t] (random order), then -1."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    out = torch.full((seq, topk), -1, dtype=torch.int32, device=device)
+    for r0 in range(0, seq, chunk):
+        r1 = min(seq, r0 + chunk)
+        score = torch.rand(r1 - r0, r1, device=device, generator=g)
+        cols = torch.arange(r1, device=device)
+        rows = torch.arange(r0, r1, device=device)
+        score.masked_fill_(cols[None] > rows[:, None], -1.0)
+        width = min(topk, r1)
+        vals, idx = score.topk(width, dim=-1)
+        out[r0:r1, :width] = torch.where(vals >= 0, idx, -1).int()
+    return out
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().flatten(), b.double().flatten()
+    return float((a @ b) / (a.norm() * b.norm()).clamp_min(1e-300))
+
+
+def timed(fn, min_warmup: int = 3) -> float:
+    """Median ms; one untimed call first (compiles), warm-up >= ``min_warmup`` calls."""
+    import triton.testing
+
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    est = (time.perf_counter() - t0) * 1e3
+    return triton.testing.do_bench(fn, warmup=max(25, min_warmup * est), rep=max(100, 5 * est), return_mode="median")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# (a) sparse MLA
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def bench_sparse(seq: int, heads: int, mcore: bool, det: bool, variant: str = "auto") -> dict:
+    from megatron_glm5.kernels.sparse_mla_bwd import sparse_mla_autograd
+
+    def sparse_mla_with_lse(q, kv, idx, scale, *, deterministic=False):
+        return sparse_mla_autograd(q, kv, idx, scale, D_V, deterministic=deterministic, variant=variant)
+
+    dev = torch.device("cuda")
+    torch.manual_seed(seq + heads)
+    q = torch.randn(seq, heads, D_QK, device=dev, dtype=torch.bfloat16).requires_grad_()
+    kv = torch.randn(seq, D_QK, device=dev, dtype=torch.bfloat16).requires_grad_()
+    idx = causal_random_indices(seq, TOPK, dev)
+    g = torch.randn(seq, heads, D_V, device=dev, dtype=torch.bfloat16)
+    pairs = int((idx >= 0).sum())
+    f_fwd = 2 * pairs * heads * (D_QK + D_V)
+    f_bwd = 2 * pairs * heads * (3 * D_QK + 2 * D_V)
+    row = {"S": seq, "H": heads, "pairs": pairs}
+
+    def ours_fwd():
+        with torch.no_grad():
+            return sparse_mla_with_lse(q, kv, idx, SCALE)
+
+    out, lse = sparse_mla_with_lse(q, kv, idx, SCALE)
+
+    def ours_bwd():
+        torch.autograd.grad(out, (q, kv), g, retain_graph=True)
+
+    def ours_fb():
+        o, _ = sparse_mla_with_lse(q, kv, idx, SCALE)
+        torch.autograd.grad(o, (q, kv), g)
+
+    row["ours_fwd_ms"] = timed(ours_fwd)
+    row["ours_bwd_ms"] = timed(ours_bwd)
+    row["ours_fb_ms"] = timed(ours_fb)
+    if det:
+        out_d, _ = sparse_mla_with_lse(q, kv, idx, SCALE, deterministic=True)
+        row["ours_bwd_det_ms"] = timed(lambda: torch.autograd.grad(out_d, (q, kv), g, retain_graph=True))
+        del out_d
+    row["ours_fwd_tflops"] = f_fwd / row["ours_fwd_ms"] / 1e9
+    row["ours_bwd_tflops"] = f_bwd / row["ours_bwd_ms"] / 1e9
+    if mcore:
+        try:
+            from megatron.core.transformer.experimental_attention_variant.ops.sparse_mla import SparseMLA
+
+            kv3, idx3 = kv[:, None], idx[:, None]
+
+            def mc_fwd():
+                with torch.no_grad():
+                    return SparseMLA.apply(q, kv3, idx3, SCALE)
+
+            def mc_fb():
+                o, _ = SparseMLA.apply(q, kv3, idx3, SCALE)
+                torch.autograd.grad(o, (q, kv), g)
+
+            with torch.no_grad():
+                mc_out, mc_lse = SparseMLA.apply(q.detach(), kv3.detach(), idx3, SCALE)
+            row["out_cos_vs_mcore"] = cosine(out.detach(), mc_out)
+            del mc_out, mc_lse
+            row["mc_fwd_ms"] = timed(mc_fwd)
+            row["mc_fb_ms"] = timed(mc_fb)
+            row["mc_bwd_ms"] = row["mc_fb_ms"] - row["mc_fwd_ms"]
+            row["mc_fwd_tflops"] = f_fwd / row["mc_fwd_ms"] / 1e9
+            row["mc_bwd_tflops"] = f_bwd / row["mc_bwd_ms"] / 1e9
+        except Exception as err:  # keep benchmarking our side
+            row["mcore_error"] = repr(err)[:200]
+    return row
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# (b) indexer + top-k
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _peak(fn) -> tuple[object, float]:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    res = fn()
+    torch.cuda.synchronize()
+    return res, (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+@torch.no_grad()
+def topk_overlap(a: torch.Tensor, b: torch.Tensor, seq: int, chunk: int = 1024) -> float:
+    """Mean over rows of |a ∩ b| / |b valid| (index sets, -1 ignored)."""
+    hit = tot = 0
+    for r0 in range(0, a.shape[0], chunk):
+        r1 = min(a.shape[0], r0 + chunk)
+        mask = torch.zeros(r1 - r0, seq + 1, dtype=torch.bool, device=a.device)
+        mask.scatter_(1, torch.where(a[r0:r1] >= 0, a[r0:r1], seq).long(), True)
+        mask[:, seq] = False
+        bb = b[r0:r1]
+        hit += int((mask.gather(1, torch.where(bb >= 0, bb, seq).long()) & (bb >= 0)).sum())
+        tot += int((bb >= 0).sum())
+    return hit / max(tot, 1)
+
+
+def bench_indexer(seq: int, mcore: bool) -> dict:
+    from megatron_glm5.kernels import indexer_topk
+
+    dev = torch.device("cuda")
+    torch.manual_seed(seq)
+    q = torch.randn(seq, 32, 128, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(seq, 128, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(seq, 32, device=dev) * (32**-0.5 * 128**-0.5)
+    starts = torch.zeros(seq, dtype=torch.int32, device=dev)
+    ends = torch.arange(1, seq + 1, dtype=torch.int32, device=dev)
+    row = {"S": seq}
+    ours = lambda: indexer_topk(q, k, w, starts, ends, TOPK)  # noqa: E731
+    ours()
+    out, row["ours_peak_gib"] = _peak(ours)
+    row["ours_ms"] = timed(ours)
+    again = ours()
+    row["ours_deterministic"] = bool(torch.equal(out, again))
+    del again
+    if mcore:
+        try:
+            from megatron.core.transformer.experimental_attention_variant.ops.tilelang_dsa import fused_qk_topk_lighting
+
+            q4, k3, w3 = q[:, None], k[:, None], w[:, None]
+            mc = lambda: fused_qk_topk_lighting(q4, k3, w3, TOPK, starts, ends, 8192)  # noqa: E731
+            mc()
+            mc_out, row["mc_peak_gib"] = _peak(mc)
+            row["mc_ms"] = timed(mc)
+            row["overlap_vs_mcore"] = topk_overlap(out, mc_out[0], seq)
+        except Exception as err:
+            row["mcore_error"] = repr(err)[:200]
+    return row
+
+
+def smoke(variant: str) -> int:
+    """Every kernel once at a tiny shape against the torch oracle; exit code 0 only if all agree."""
+    from megatron_glm5.dsa import reference as ref
+    from megatron_glm5.kernels import indexer_topk
+    from megatron_glm5.kernels.sparse_mla_bwd import sparse_mla_autograd
+    from megatron_glm5.kernels.sparse_mla_fwd import sparse_mla_fwd_interface
+
+    dev = torch.device("cuda")
+    ok = True
+    for heads in (64, 16):
+        q = torch.randn(300, heads, D_QK, device=dev, dtype=torch.bfloat16)
+        kv = torch.randn(300, D_QK, device=dev, dtype=torch.bfloat16)
+        idx = causal_random_indices(300, 256, dev)
+        o_ref, l_ref = ref.sparse_mla(q.float(), kv.float(), idx, SCALE, D_V)
+        for v in ("simple", variant if variant != "auto" else "ws"):
+            t0 = time.time()
+            o, l = sparse_mla_fwd_interface(q, kv, idx, SCALE, D_V, variant=v)
+            torch.cuda.synchronize()
+            c = cosine(o, o_ref)
+            print(f"[smoke] fwd {v} H={heads}: cos={c:.6f} lse_err={(l - l_ref).abs().max().item():.2e} ({time.time() - t0:.1f} s)", flush=True)
+            ok &= c > 0.9999
+        qq, kk = q.clone().requires_grad_(), kv.clone().requires_grad_()
+        g = torch.randn(300, heads, D_V, device=dev, dtype=torch.bfloat16)
+        sparse_mla_autograd(qq, kk, idx, SCALE, D_V, variant=variant)[0].backward(g)
+        qf, kf = q.float().requires_grad_(), kv.float().requires_grad_()
+        ref.sparse_mla(qf, kf, idx, SCALE, D_V)[0].backward(g.float())
+        c1, c2 = cosine(qq.grad, qf.grad), cosine(kk.grad, kf.grad)
+        print(f"[smoke] bwd H={heads}: dq cos={c1:.6f} dkv cos={c2:.6f}", flush=True)
+        ok &= c1 > 0.999 and c2 > 0.999
+    q = torch.randn(700, 32, 128, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(700, 128, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(700, 32, device=dev) / 64
+    st, en = ref.causal_bounds(ref.uniform_cu_seqlens(1, 700, device=dev))
+    got, exp = indexer_topk(q, k, w, st, en, 256), ref.indexer_topk(q, k, w, st, en, 256)
+    same = float((got.sort(-1).values == exp.sort(-1).values).all(-1).float().mean())
+    print(f"[smoke] indexer: rows with identical top-k sets {same:.4f}", flush=True)
+    ok &= same > 0.98
+    print("[smoke] OK" if ok else "[smoke] FAILED", flush=True)
+    return 0 if ok else 1
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Report
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _f(x, fmt="{:.1f}"):
+    return "-" if x is None else fmt.format(x)
+
+
+def report(sparse_rows: list[dict], idx_rows: list[dict], notes: list[str]) -> str:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = "?"
+    import tilelang
+
+    lines = [
+        "# DSA kernel benchmark: megatron_glm5.kernels vs megatron-core 0.19.2 (TileLang)",
+        "",
+        f"- date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S')}; git commit: {commit or '?'} (+ working tree)",
+        f"- GPU: {torch.cuda.get_device_name(0)}; torch {torch.__version__}; tilelang {tilelang.__version__}",
+        "- bf16, d_qk 576 / d_v 512, top-k 2048, causal random indices, scale 1/16; `triton.testing.do_bench` median",
+        "- TFLOP/s over valid pairs: fwd 2*pairs*H*(576+512), bwd 2*pairs*H*(3*576+2*512); mcore bwd = (fwd+bwd) - fwd",
+        "  (it re-runs its forward), ours = backward alone (saved out/LSE). Ratio = ours speed / megatron-core speed.",
+        "",
+        "## (a) sparse MLA",
+        "",
+        "| S | H | fwd ms (ours / mcore) | fwd TFLOP/s (ours / mcore) | fwd x | bwd ms (ours / mcore) "
+        "| bwd TFLOP/s (ours / mcore) | bwd x | fwd+bwd ms (ours / mcore) | fwd+bwd x | out cos vs mcore |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sparse_rows:
+        if "error" in r:
+            lines.append(f"| {r['S']} | {r['H']} | FAILED: {r['error']} |||||||||")
+            continue
+        mf, mb, mfb = r.get("mc_fwd_ms"), r.get("mc_bwd_ms"), r.get("mc_fb_ms")
+        lines.append(
+            f"| {r['S']} | {r['H']} | {_f(r['ours_fwd_ms'], '{:.2f}')} / {_f(mf, '{:.2f}')} "
+            f"| {_f(r['ours_fwd_tflops'])} / {_f(r.get('mc_fwd_tflops'))} | {_f(mf and mf / r['ours_fwd_ms'], '{:.2f}')} "
+            f"| {_f(r['ours_bwd_ms'], '{:.2f}')} / {_f(mb, '{:.2f}')} | {_f(r['ours_bwd_tflops'])} / {_f(r.get('mc_bwd_tflops'))} "
+            f"| {_f(mb and mb / r['ours_bwd_ms'], '{:.2f}')} | {_f(r['ours_fb_ms'], '{:.2f}')} / {_f(mfb, '{:.2f}')} "
+            f"| {_f(mfb and mfb / r['ours_fb_ms'], '{:.2f}')} | {_f(r.get('out_cos_vs_mcore'), '{:.6f}')} |"
+        )
+    dets = [r for r in sparse_rows if "ours_bwd_det_ms" in r]
+    if dets:
+        lines += ["", "Deterministic backward (no float atomics, fixed-order dKV reduction):", ""]
+        for r in dets:
+            lines.append(
+                f"- S={r['S']} H={r['H']}: {r['ours_bwd_det_ms']:.2f} ms vs {r['ours_bwd_ms']:.2f} ms atomic "
+                f"({r['ours_bwd_det_ms'] / r['ours_bwd_ms']:.2f}x)"
+            )
+    lines += [
+        "",
+        "## (b) indexer + top-k (32 heads x 128, top-k 2048, causal)",
+        "",
+        "| S | ours ms | mcore ms | speed-up | ours peak GiB | mcore peak GiB | top-k overlap vs mcore | deterministic |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in idx_rows:
+        if "error" in r:
+            lines.append(f"| {r['S']} | FAILED: {r['error']} |||||||")
+            continue
+        mc = r.get("mc_ms")
+        lines.append(
+            f"| {r['S']} | {r['ours_ms']:.2f} | {_f(mc, '{:.2f}')} | {_f(mc and mc / r['ours_ms'], '{:.2f}')} "
+            f"| {r['ours_peak_gib']:.2f} | {_f(r.get('mc_peak_gib'), '{:.2f}')} | {_f(r.get('overlap_vs_mcore'), '{:.5f}')} "
+            f"| {r['ours_deterministic']} |"
+        )
+    if notes:
+        lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None, help="write the markdown table here (also printed)")
+    ap.add_argument("--precompile-only", action="store_true")
+    ap.add_argument("--workers", type=int, default=0, help="precompile in this many processes first (0: skip)")
+    ap.add_argument("--no-mcore", action="store_true")
+    ap.add_argument("--seqs", default="4096,16384,32768")
+    ap.add_argument("--heads", default="16,64")
+    ap.add_argument("--indexer-seqs", default="8192,32768,65536")
+    ap.add_argument("--fwd-variant", default="auto", choices=["auto", "ws", "simple"])
+    ap.add_argument("--smoke", action="store_true", help="tiny run of every kernel, compared to the torch oracle")
+    args = ap.parse_args(argv)
+    mcore = not args.no_mcore
+    if args.workers or args.precompile_only:
+        ok = precompile(args.workers or os.cpu_count() or 4, include_mcore=mcore)
+        if args.precompile_only:
+            return 0 if ok else 1
+    torch.backends.cuda.matmul.allow_tf32 = False
+    if args.smoke:
+        return smoke(args.fwd_variant)
+    sparse_rows, idx_rows, notes = [], [], []
+    for seq in [int(s) for s in args.seqs.split(",") if s]:
+        for heads in [int(h) for h in args.heads.split(",") if h]:
+            try:
+                r = bench_sparse(seq, heads, mcore, det=(seq == 16384 and heads == 64), variant=args.fwd_variant)
+            except Exception as err:
+                traceback.print_exc()
+                r = {"S": seq, "H": heads, "error": repr(err)[:160]}
+            print(r, flush=True)
+            sparse_rows.append(r)
+            torch.cuda.empty_cache()
+    for seq in [int(s) for s in args.indexer_seqs.split(",") if s]:
+        try:
+            r = bench_indexer(seq, mcore)
+        except Exception as err:
+            traceback.print_exc()
+            r = {"S": seq, "error": repr(err)[:160]}
+        print(r, flush=True)
+        idx_rows.append(r)
+        torch.cuda.empty_cache()
+    if args.fwd_variant != "auto":
+        notes.append(f"forward kernel variant forced to '{args.fwd_variant}'")
+    text = report(sparse_rows, idx_rows, notes)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

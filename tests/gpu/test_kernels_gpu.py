@@ -1,0 +1,342 @@
+"""TileLang DSA kernels against the fp32 torch oracle (``megatron_glm5.dsa.reference``) on a CUDA device.
+
+Run on the H200 machine: ``pytest tests/gpu -q``. Every test is marked ``gpu`` (skipped without CUDA). Each test
+prints its measured numbers (cosines, max errors, overlaps) so a ``-s`` run doubles as a report.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+from megatron_glm5.dsa import reference as ref
+from megatron_glm5.kernels import indexer_topk, sparse_mla
+
+pytestmark = pytest.mark.gpu
+
+SCALE = 1.0 / 16  # GLM-5 softmax scale
+D_QK, D_V = 576, 512
+fwd_mod = importlib.import_module("megatron_glm5.kernels.sparse_mla_fwd")
+bwd_mod = importlib.import_module("megatron_glm5.kernels.sparse_mla_bwd")
+# Test-only switch: which forward kernel the autograd path uses ("auto" = the library default, "ws").
+FWD_VARIANT = os.environ.get("MEGATRON_GLM5_TEST_FWD_VARIANT", "auto")
+
+
+def sparse_mla_with_lse(q, kv, idx, scale, d_v=D_V, *, deterministic=False):
+    return bwd_mod.sparse_mla_autograd(q, kv, idx, scale, d_v, deterministic=deterministic, variant=FWD_VARIANT)
+
+
+def smla(q, kv, idx, scale, d_v=D_V, *, deterministic=False):
+    return sparse_mla_with_lse(q, kv, idx, scale, d_v, deterministic=deterministic)[0]
+
+
+@pytest.fixture(autouse=True)
+def _exact_fp32():
+    """The oracle runs fp32 einsums: keep TF32 off so it is a real fp32 reference."""
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().flatten(), b.double().flatten()
+    return float((a @ b) / (a.norm() * b.norm()).clamp_min(1e-300))
+
+
+def causal_random_indices(t_len: int, topk: int, device, *, generator=None, starts=None) -> torch.Tensor:
+    """Each row t: min(t + 1 - start, topk) distinct random rows of [start, t], -1 tail (the bench's layout)."""
+    rows = torch.arange(t_len, device=device)
+    lo = torch.zeros_like(rows) if starts is None else starts.long()
+    score = torch.rand(t_len, t_len, device=device, generator=generator)
+    cols = torch.arange(t_len, device=device)
+    valid = (cols[None] <= rows[:, None]) & (cols[None] >= lo[:, None])
+    score = score.masked_fill(~valid, -1.0)
+    width = min(topk, t_len)
+    vals, idx = score.topk(width, dim=-1)
+    idx = torch.where(vals >= 0, idx, torch.full_like(idx, -1)).int()
+    return ref.pad_topk(idx, topk).contiguous()
+
+
+def make_inputs(t_len: int, heads: int, topk: int, *, t_kv: int | None = None, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    t_kv = t_len if t_kv is None else t_kv
+    q = torch.randn(t_len, heads, D_QK, device="cuda", dtype=torch.bfloat16, generator=g)
+    kv = torch.randn(t_kv, D_QK, device="cuda", dtype=torch.bfloat16, generator=g)
+    idx = causal_random_indices(t_len, topk, "cuda", generator=g)
+    return q, kv, idx
+
+
+def reference_fwd_bwd(q, kv, idx, grad_out=None, chunk=256):
+    """fp32 oracle outputs (and grads when ``grad_out`` is given)."""
+    qf = q.detach().float().requires_grad_(grad_out is not None)
+    kvf = kv.detach().float().requires_grad_(grad_out is not None)
+    out, lse = ref.sparse_mla(qf, kvf, idx, SCALE, D_V, chunk=chunk)
+    if grad_out is None:
+        return out.detach(), lse.detach(), None, None
+    out.backward(grad_out.float())
+    return out.detach(), lse.detach(), qf.grad, kvf.grad
+
+
+def check_lse(lse, lse_ref):
+    finite = torch.isfinite(lse_ref)
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse_ref)), "+inf LSE exactly on rows without a valid index"
+    err = (lse[finite] - lse_ref[finite]).abs().max().item() if finite.any() else 0.0
+    return err
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Sparse MLA forward
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["ws", "simple"])
+@pytest.mark.parametrize("heads", [8, 16, 64, 128])
+def test_fwd_matches_reference(heads, variant):
+    if variant == "simple" and heads in (8, 128):
+        pytest.skip("the simple kernel is cross-checked at 16 and 64 heads")
+    t_len, topk = 1000, 512  # T not a multiple of 64, rows 0..510 have fewer than topk candidates
+    q, kv, idx = make_inputs(t_len, heads, topk, seed=heads)
+    idx[7] = -1  # an all -1 row
+    out, lse = fwd_mod.sparse_mla_fwd_interface(q, kv, idx, SCALE, D_V, variant=variant)
+    out_ref, lse_ref, _, _ = reference_fwd_bwd(q, kv, idx)
+    cos = cosine(out, out_ref)
+    lse_err = check_lse(lse, lse_ref)
+    print(f"fwd {variant} H={heads}: cos={cos:.7f} lse_max_abs_err={lse_err:.2e} out_max_abs_err="
+          f"{(out.float() - out_ref).abs().max().item():.2e}")
+    assert torch.isfinite(out).all()
+    assert cos >= 0.9999
+    assert lse_err < 2e-3
+    assert (out[7] == 0).all() and torch.isinf(lse[7]).all()
+
+
+def test_fwd_glm_shape_topk_2048():
+    q, kv, idx = make_inputs(4096, 64, 2048, seed=1)
+    out, lse = sparse_mla_with_lse(q, kv, idx, SCALE)
+    out_ref, lse_ref, _, _ = reference_fwd_bwd(q, kv, idx)
+    cos, lse_err = cosine(out, out_ref), check_lse(lse, lse_ref)
+    print(f"fwd H=64 T=4096 K=2048: cos={cos:.7f} lse_err={lse_err:.2e}")
+    assert cos >= 0.9999 and lse_err < 2e-3
+
+
+def test_short_sequence_and_unpadded_topk():
+    """T < topk (every row shorter than K), and a K that is no multiple of any block (P2)."""
+    for t_len, topk in ((100, 2048), (300, 300)):
+        q, kv, idx = make_inputs(t_len, 16, topk, seed=t_len)
+        out, lse = sparse_mla_with_lse(q, kv, idx, SCALE)
+        out_ref, lse_ref, _, _ = reference_fwd_bwd(q, kv, idx)
+        cos, lse_err = cosine(out, out_ref), check_lse(lse, lse_ref)
+        print(f"short T={t_len} K={topk}: cos={cos:.7f} lse_err={lse_err:.2e}")
+        assert cos >= 0.9999 and lse_err < 2e-3
+
+
+def test_nan_in_unreferenced_kv_rows_does_not_leak():
+    q, kv, idx = make_inputs(700, 16, 256, t_kv=710, seed=3)
+    referenced = torch.zeros(710, dtype=torch.bool, device="cuda")
+    referenced[idx[idx >= 0].long()] = True
+    kv_clean = kv.clone()
+    kv[~referenced] = float("nan")  # rows 700.. (never indexed) and any row no query picked
+    kv_clean[~referenced] = 0
+    q.requires_grad_()
+    kv.requires_grad_()
+    out, lse = sparse_mla_with_lse(q, kv, idx, SCALE)
+    out.float().sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(q.grad).all() and torch.isfinite(kv.grad[referenced]).all()
+    assert (kv.grad[~referenced] == 0).all(), "unreferenced rows get exactly zero gradient"
+    out_ref, _, _, _ = reference_fwd_bwd(q.detach(), kv_clean, idx)
+    print(f"nan rows: planted={int((~referenced).sum())} cos={cosine(out, out_ref):.7f}")
+    assert cosine(out, out_ref) >= 0.9999
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Sparse MLA backward
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("heads", [16, 64])
+def test_bwd_matches_reference(heads, deterministic):
+    t_len, topk = 1500, 512
+    q, kv, idx = make_inputs(t_len, heads, topk, seed=10 + heads)
+    idx[3] = -1
+    g = torch.Generator(device="cuda").manual_seed(5)
+    grad_out = torch.randn(t_len, heads, D_V, device="cuda", dtype=torch.bfloat16, generator=g)
+    q.requires_grad_()
+    kv.requires_grad_()
+    out = smla(q, kv, idx, SCALE, deterministic=deterministic)
+    out.backward(grad_out)
+    _, _, dq_ref, dkv_ref = reference_fwd_bwd(q, kv, idx, grad_out)
+    cq, ckv = cosine(q.grad, dq_ref), cosine(kv.grad, dkv_ref)
+    print(f"bwd H={heads} det={deterministic}: dq cos={cq:.6f} dkv cos={ckv:.6f}")
+    assert torch.isfinite(q.grad).all() and torch.isfinite(kv.grad).all()
+    assert cq >= 0.999 and ckv >= 0.999
+    assert (q.grad[3] == 0).all()
+
+
+def test_bwd_glm_shape_and_lse_gradient():
+    """T=2048, K=2048, 64 heads; gradient through the returned LSE as well as the output."""
+    t_len, heads, topk = 2048, 64, 2048
+    q, kv, idx = make_inputs(t_len, heads, topk, seed=21)
+    g = torch.Generator(device="cuda").manual_seed(6)
+    grad_out = torch.randn(t_len, heads, D_V, device="cuda", dtype=torch.bfloat16, generator=g)
+    grad_lse = torch.randn(t_len, heads, device="cuda", generator=g)
+    q.requires_grad_()
+    kv.requires_grad_()
+    out, lse = sparse_mla_with_lse(q, kv, idx, SCALE)
+    torch.autograd.backward((out, lse), (grad_out, grad_lse))
+    qf, kvf = q.detach().float().requires_grad_(), kv.detach().float().requires_grad_()
+    o_ref, l_ref = ref.sparse_mla(qf, kvf, idx, SCALE, D_V, chunk=256)
+    torch.autograd.backward((o_ref, l_ref), (grad_out.float(), grad_lse))
+    cq, ckv = cosine(q.grad, qf.grad), cosine(kv.grad, kvf.grad)
+    print(f"bwd GLM T=2048 H=64 K=2048 (+dlse): dq cos={cq:.6f} dkv cos={ckv:.6f}")
+    assert cq >= 0.999 and ckv >= 0.999
+
+
+@pytest.mark.parametrize("heads", [16, 64])
+def test_deterministic_backward_is_bitwise_reproducible(heads):
+    t_len, topk = 1200, 512
+    q, kv, idx = make_inputs(t_len, heads, topk, seed=30)
+    grad_out = torch.randn(t_len, heads, D_V, device="cuda", dtype=torch.bfloat16)
+    grads = []
+    for _ in range(2):
+        qq, kk = q.clone().requires_grad_(), kv.clone().requires_grad_()
+        smla(qq, kk, idx, SCALE, deterministic=True).backward(grad_out)
+        grads.append((qq.grad, kk.grad))
+    same = torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+    # The atomic path is allowed to differ in the low bits; report whether it did.
+    qa = [q.clone().requires_grad_() for _ in range(2)]
+    ka = [kv.clone().requires_grad_() for _ in range(2)]
+    for qq, kk in zip(qa, ka):
+        smla(qq, kk, idx, SCALE).backward(grad_out)
+    print(f"determinism H={heads}: deterministic bitwise equal={same}; atomic dkv equal={torch.equal(ka[0].grad, ka[1].grad)}")
+    assert same
+
+
+def test_thd_packed_sequences_end_to_end():
+    """Indices from the reference indexer with per-sequence causal bounds, then sparse MLA fwd + bwd."""
+    cu = torch.tensor([0, 300, 1100, 1130, 1900], dtype=torch.int32, device="cuda")
+    t_len, heads, topk, hi, di = 1900, 16, 256, 32, 128
+    g = torch.Generator(device="cuda").manual_seed(40)
+    iq = torch.randn(t_len, hi, di, device="cuda", dtype=torch.bfloat16, generator=g)
+    ik = torch.randn(t_len, di, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(t_len, hi, device="cuda", generator=g) * hi**-0.5 * di**-0.5
+    starts, ends = ref.causal_bounds(cu)
+    idx = ref.indexer_topk(iq.float(), ik.float(), w, starts, ends, topk)
+    q = torch.randn(t_len, heads, D_QK, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    kv = torch.randn(t_len, D_QK, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    grad_out = torch.randn(t_len, heads, D_V, device="cuda", dtype=torch.bfloat16, generator=g)
+    out, lse = sparse_mla_with_lse(q, kv, idx, SCALE)
+    out.backward(grad_out)
+    out_ref, lse_ref, dq_ref, dkv_ref = reference_fwd_bwd(q, kv, idx, grad_out)
+    c = (cosine(out, out_ref), cosine(q.grad, dq_ref), cosine(kv.grad, dkv_ref))
+    print(f"THD packed: out cos={c[0]:.7f} dq cos={c[1]:.6f} dkv cos={c[2]:.6f} lse_err={check_lse(lse, lse_ref):.2e}")
+    assert c[0] >= 0.9999 and c[1] >= 0.999 and c[2] >= 0.999
+
+
+def test_interface_rejects_bad_inputs_on_device():
+    q, kv, idx = make_inputs(64, 16, 64)
+    with pytest.raises(TypeError):
+        sparse_mla(q.float(), kv, idx, SCALE)
+    with pytest.raises(ValueError):
+        sparse_mla(q, kv[:, :512].contiguous(), idx, SCALE)
+    with pytest.raises(TypeError):
+        sparse_mla(q, kv, idx.long(), SCALE)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Indexer + top-k
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _indexer_inputs(t_len, hi=32, di=128, seed=0, t_kv=None):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(t_len, hi, di, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(t_len if t_kv is None else t_kv, di, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(t_len, hi, device="cuda", generator=g) * hi**-0.5 * di**-0.5
+    return q, k, w
+
+
+def compare_topk(out, q, k, w, starts, ends, topk, *, tie_tol=1e-5):
+    """Set equality per row except rows whose top-k boundary is an (fp32-rounding) near-tie; descending order.
+
+    Returns ``(rows checked, rows whose index set differs)``.
+    """
+    expect = ref.indexer_topk(q, k, w, starts, ends, topk)
+    assert out.shape == expect.shape and out.dtype == torch.int32
+    cand = (ends - starts).clamp(min=0).long()
+    n_valid = cand.clamp(max=topk)
+    assert torch.equal((out >= 0).sum(-1), n_valid), "exactly min(topk, candidates) valid slots"
+    assert torch.equal(out >= 0, expect >= 0), "-1 only as tail padding"
+    checked = mismatched = 0
+    cols = torch.arange(k.shape[0], device=q.device)
+    for c0 in range(0, out.shape[0], 512):
+        c1 = min(out.shape[0], c0 + 512)
+        s = ref.indexer_scores(q[c0:c1].float(), k.float(), w[c0:c1])  # [c, T_kv] fp32
+        valid = (cols[None] >= starts[c0:c1, None]) & (cols[None] < ends[c0:c1, None])
+        s = s.masked_fill(~valid, float("-inf"))
+        srt = s.sort(dim=-1, descending=True).values
+        n = n_valid[c0:c1]
+        kth = srt.gather(1, (n - 1).clamp(min=0)[:, None])[:, 0]
+        nxt = srt.gather(1, n.clamp(max=srt.shape[1] - 1)[:, None])[:, 0]
+        boundary_tie = (n < cand[c0:c1]) & ((kth - nxt).abs() <= tie_tol * kth.abs().clamp(min=1.0))
+        rows = (n > 0) & ~boundary_tie
+        got = out[c0:c1].sort(dim=-1).values
+        exp = expect[c0:c1].sort(dim=-1).values
+        differs = (got != exp).any(dim=-1)
+        checked += int(rows.sum())
+        mismatched += int((differs & rows).sum())
+        picked = s.gather(1, out[c0:c1].clamp(min=0).long())
+        slot_ok = out[c0:c1] >= 0
+        desc = (picked[:, :-1] >= picked[:, 1:] - 1e-5 * picked[:, :-1].abs().clamp(min=1)) | ~slot_ok[:, 1:]
+        assert desc.all(), "descending scores"
+    return checked, mismatched
+
+
+@pytest.mark.parametrize("t_len,topk", [(4096, 2048), (3000, 512)])
+def test_indexer_topk_causal_matches_reference(t_len, topk):
+    q, k, w = _indexer_inputs(t_len, seed=t_len)
+    starts, ends = ref.causal_bounds(ref.uniform_cu_seqlens(1, t_len, device="cuda"))
+    out = indexer_topk(q, k, w, starts, ends, topk)
+    checked, mismatched = compare_topk(out, q, k, w, starts, ends, topk)
+    again = indexer_topk(q, k, w, starts, ends, topk)
+    print(f"indexer T={t_len} K={topk}: rows checked={checked} set mismatches={mismatched} deterministic={torch.equal(out, again)}")
+    assert mismatched == 0 and torch.equal(out, again)
+
+
+def test_indexer_topk_packed_and_small_chunks():
+    cu = torch.tensor([0, 500, 520, 2100, 2500], dtype=torch.int32, device="cuda")
+    q, k, w = _indexer_inputs(2500, seed=7)
+    starts, ends = ref.causal_bounds(cu)
+    idx_mod = importlib.import_module("megatron_glm5.kernels.indexer_topk")
+    out = idx_mod.indexer_topk_interface(q, k, w, starts, ends, 512, chunk_rows=300)  # several chunks, ragged tail
+    checked, mismatched = compare_topk(out, q, k, w, starts, ends, 512)
+    in_seq = (out < 0) | ((out >= starts[:, None]) & (out < ends[:, None]))
+    print(f"indexer packed: rows checked={checked} mismatches={mismatched}")
+    assert in_seq.all() and mismatched == 0
+
+
+def test_indexer_topk_exact_ties_pick_lowest_index():
+    """Every score equal (identical keys; also exact ReLU zeros): the first topk keys of each range, in order (P9)."""
+    t_len, topk = 3000, 512
+    q, _, w = _indexer_inputs(t_len, seed=8)
+    k = torch.randn(1, 128, device="cuda", dtype=torch.bfloat16).expand(t_len, 128).contiguous()
+    starts, ends = ref.causal_bounds(ref.uniform_cu_seqlens(1, t_len, device="cuda"))
+    out = indexer_topk(q, k, w, starts, ends, topk)
+    expect = ref.indexer_topk(q, k, w, starts, ends, topk)
+    print(f"indexer all-ties: equal to reference={torch.equal(out, expect)}")
+    assert torch.equal(out, expect)
+    zeros = indexer_topk(q, torch.zeros_like(k), w, starts, ends, topk)  # all scores exactly 0 (relu)
+    assert torch.equal(zeros, ref.indexer_topk(q, torch.zeros_like(k), w, starts, ends, topk))
+
+
+def test_indexer_topk_short_rows_pad_with_minus_one():
+    q, k, w = _indexer_inputs(100, seed=9)
+    starts, ends = ref.causal_bounds(ref.uniform_cu_seqlens(1, 100, device="cuda"))
+    out = indexer_topk(q, k, w, starts, ends, 2048)
+    assert out.shape == (100, 2048) and (out[:, 100:] == -1).all()
+    checked, mismatched = compare_topk(out, q, k, w, starts, ends, 2048)
+    assert mismatched == 0

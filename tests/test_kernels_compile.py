@@ -1,0 +1,146 @@
+"""The TileLang DSA kernels compile for SM90 (sm_90a) on a CPU-only machine, and their interfaces reject bad input.
+
+Compilation needs TileLang and nvcc but no GPU: each factory is built at one small shape (other head dims, the
+mma.sync path below 64 heads) and at the GLM-5 shape, two compiles at a time in spawned workers (~60 s on 2 cores).
+Numerics are checked on the GPU (``tests/gpu/test_kernels_gpu.py``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import importlib
+import multiprocessing as mp
+import os
+import shutil
+
+import pytest
+import torch
+
+from megatron_glm5.kernels import _common
+from megatron_glm5.kernels.sparse_mla_bwd import deterministic_chunk_rows, sparse_mla_bwd_interface
+from megatron_glm5.kernels.sparse_mla_fwd import head_block, sparse_mla_fwd_interface
+
+indexer_mod = importlib.import_module("megatron_glm5.kernels.indexer_topk")  # the package exports a same-named function
+
+SM90 = '{"kind": "cuda", "arch": "sm_90a"}'
+
+# (module, jit getter, args): "small" = other head/latent dims and head counts below 64 (mma.sync path).
+COMPILE_CASES = {
+    "fwd_ws_small": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_ws", (8, 192, 128, 0.125)),
+    "fwd_ws_glm": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_ws", (64, 576, 512, 1 / 16)),
+    "fwd_simple_small": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_simple", (16, 192, 128, 0.125)),
+    "bwd_small_deterministic": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (8, 192, 128, 0.125, True)),
+    "bwd_glm": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (64, 576, 512, 1 / 16, False)),
+    "delta_glm": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_delta", (64, 512)),
+    "dkv_reduce_glm": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_dkv_reduce", (576, 1)),
+    "indexer_logits_small": ("megatron_glm5.kernels.indexer_topk", "_jit_logits", (8, 64)),
+    "indexer_logits_glm": ("megatron_glm5.kernels.indexer_topk", "_jit_logits", (32, 128)),
+    "topk_select_small": ("megatron_glm5.kernels.indexer_topk", "_jit_select", (64,)),
+    "topk_select_glm": ("megatron_glm5.kernels.indexer_topk", "_jit_select", (2048,)),
+}
+
+
+def _compile_one(case: str) -> tuple[str, int, str]:
+    """Worker: build one kernel for sm_90a; returns (case, CUDA source length, the kernel entry's name)."""
+    os.environ["TILELANG_DEFAULT_TARGET"] = SM90
+    module, getter, args = COMPILE_CASES[case]
+    kernel = getattr(importlib.import_module(module), getter)()(*args)
+    src = kernel.get_kernel_source()
+    return case, len(src), "__global__" if "__global__" in src else ""
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    pytest.importorskip("tilelang")
+    if shutil.which("nvcc") is None and not os.path.exists("/usr/local/cuda/bin/nvcc"):
+        pytest.skip("nvcc not found: TileLang needs it to build kernels")
+    ctx = mp.get_context("spawn")  # TileLang/TVM state does not survive fork reliably
+    with cf.ProcessPoolExecutor(max_workers=2, mp_context=ctx) as pool:
+        results = {}
+        for fut in cf.as_completed([pool.submit(_compile_one, c) for c in COMPILE_CASES]):
+            try:
+                case, n, entry = fut.result()
+                results[case] = (n, entry)
+            except Exception as err:  # keep the others; the per-case test reports it
+                results.setdefault("_errors", []).append(repr(err))
+    return results
+
+
+@pytest.mark.parametrize("case", sorted(COMPILE_CASES))
+def test_kernel_compiles_for_sm90(compiled, case):
+    assert case in compiled, f"{case} did not compile: {compiled.get('_errors')}"
+    n, entry = compiled[case]
+    assert n > 0 and entry == "__global__"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Interface validation (CPU tensors: checks run before any TileLang call)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _sparse_inputs(t=8, h=16, d=576, k=64):
+    q = torch.zeros(t, h, d, dtype=torch.bfloat16)
+    kv = torch.zeros(t, d, dtype=torch.bfloat16)
+    idx = torch.full((t, k), -1, dtype=torch.int32)
+    return q, kv, idx
+
+
+@pytest.mark.parametrize(
+    "mutate,err",
+    [
+        (lambda q, kv, idx: (q.float(), kv, idx), TypeError),
+        (lambda q, kv, idx: (q, kv.half(), idx), TypeError),
+        (lambda q, kv, idx: (q, kv, idx.long()), TypeError),
+        (lambda q, kv, idx: (q, kv[:, :512].contiguous(), idx), ValueError),
+        (lambda q, kv, idx: (q, kv, idx[:4].contiguous()), ValueError),
+        (lambda q, kv, idx: (q.transpose(0, 1), kv, idx), ValueError),
+        (lambda q, kv, idx: (torch.zeros(8, 129, 576, dtype=torch.bfloat16), kv, idx), ValueError),
+        (lambda q, kv, idx: (q, kv, idx[:, :0].contiguous()), ValueError),
+    ],
+)
+def test_sparse_mla_interface_rejects(mutate, err):
+    q, kv, idx = mutate(*_sparse_inputs())
+    with pytest.raises(err):
+        sparse_mla_fwd_interface(q, kv, idx, 1 / 16, 512)
+
+
+def test_sparse_mla_interface_rejects_unsupported_dims_and_bwd_shapes():
+    q, kv, idx = _sparse_inputs(d=520)
+    with pytest.raises(ValueError, match="d_v"):
+        sparse_mla_fwd_interface(q, kv, idx, 1 / 16, 500)
+    q, kv, idx = _sparse_inputs()
+    out = torch.zeros(8, 16, 512, dtype=torch.bfloat16)
+    lse = torch.zeros(8, 16)
+    with pytest.raises(ValueError, match="grad_out"):
+        sparse_mla_bwd_interface(q, kv, out, lse, out[:4].contiguous(), idx, 1 / 16)
+    with pytest.raises(ValueError, match="lse"):
+        sparse_mla_bwd_interface(q, kv, out, lse.double(), out, idx, 1 / 16)
+
+
+def test_indexer_interface_rejects():
+    q = torch.zeros(8, 32, 128, dtype=torch.bfloat16)
+    k = torch.zeros(8, 128, dtype=torch.bfloat16)
+    w = torch.zeros(8, 32)
+    se = torch.zeros(8, dtype=torch.int32)
+    f = indexer_mod.indexer_topk_interface
+    with pytest.raises(TypeError):
+        f(q, k, w.double(), se, se, 4)
+    with pytest.raises(ValueError):
+        f(q, k, w[:, :16].contiguous(), se, se, 4)
+    with pytest.raises(ValueError):
+        f(q, k[:, :64].contiguous(), w, se, se, 4)
+    with pytest.raises(TypeError):
+        f(q, k, w, se.long(), se, 4)
+    with pytest.raises(ValueError):
+        f(q, k, w, se, se, 0)
+
+
+def test_tiling_helpers():
+    assert [head_block(h) for h in (1, 8, 16, 17, 32, 48, 64, 96, 128)] == [
+        (16, 1), (16, 1), (16, 1), (32, 1), (32, 1), (64, 1), (64, 1), (64, 2), (64, 2)
+    ]
+    idx = torch.tensor([[3, 1, -1, -1], [-1, -1, -1, -1], [-1, 2, -1, 5]], dtype=torch.int32)
+    assert _common.row_valid_len(idx, chunk=2).tolist() == [2, 0, 4]
+    rows = deterministic_chunk_rows(2048, 64, 576, torch.device("cpu"))
+    assert rows % 132 == 0 and rows * 2048 * 576 * 4 <= 2 << 30
+    assert indexer_mod.logits_chunk_rows(65536, 4) * 65536 * 4 <= indexer_mod.LOGITS_CHUNK_BYTES
