@@ -331,6 +331,7 @@ def _jit_dkv_reduce():
         t_kv = T.dynamic("t_kv")
         n_rows = T.dynamic("n_rows")
         n_pairs = T.dynamic("n_pairs")
+        n_off = T.dynamic("n_off")  # t_kv + 1 (own symbol: shapes bind from plain variables)
         topk = T.dynamic("topk")
         f32, i32 = T.float32, T.int32
         per_thread = cdiv(d_qk, threads)
@@ -339,7 +340,7 @@ def _jit_dkv_reduce():
         def main(
             Partial: T.Tensor([n_rows, n_hblk, topk, d_qk], f32),
             Perm: T.Tensor([n_pairs], i32),
-            Offsets: T.Tensor([t_kv + 1], i32),
+            Offsets: T.Tensor([n_off], i32),
             Acc: T.Tensor([t_kv, d_qk], f32),
         ):
             with T.Kernel(t_kv, threads=threads) as s:

@@ -122,7 +122,7 @@ def timed(fn, min_warmup: int = 3) -> float:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def bench_sparse(seq: int, heads: int, mcore: bool, det: bool, variant: str = "auto") -> dict:
+def bench_sparse(seq: int, heads: int, mcore: bool, det: bool, variant: str = "auto", bwd: bool = True) -> dict:
     from megatron_glm5.kernels.sparse_mla_bwd import sparse_mla_autograd
 
     def sparse_mla_with_lse(q, kv, idx, scale, *, deterministic=False):
@@ -153,14 +153,15 @@ def bench_sparse(seq: int, heads: int, mcore: bool, det: bool, variant: str = "a
         torch.autograd.grad(o, (q, kv), g)
 
     row["ours_fwd_ms"] = timed(ours_fwd)
-    row["ours_bwd_ms"] = timed(ours_bwd)
-    row["ours_fb_ms"] = timed(ours_fb)
-    if det:
+    row["ours_fwd_tflops"] = f_fwd / row["ours_fwd_ms"] / 1e9
+    if bwd:
+        row["ours_bwd_ms"] = timed(ours_bwd)
+        row["ours_fb_ms"] = timed(ours_fb)
+        row["ours_bwd_tflops"] = f_bwd / row["ours_bwd_ms"] / 1e9
+    if det and bwd:
         out_d, _ = sparse_mla_with_lse(q, kv, idx, SCALE, deterministic=True)
         row["ours_bwd_det_ms"] = timed(lambda: torch.autograd.grad(out_d, (q, kv), g, retain_graph=True))
         del out_d
-    row["ours_fwd_tflops"] = f_fwd / row["ours_fwd_ms"] / 1e9
-    row["ours_bwd_tflops"] = f_bwd / row["ours_bwd_ms"] / 1e9
     if mcore:
         try:
             from megatron.core.transformer.experimental_attention_variant.ops.sparse_mla import SparseMLA
@@ -180,10 +181,11 @@ def bench_sparse(seq: int, heads: int, mcore: bool, det: bool, variant: str = "a
             row["out_cos_vs_mcore"] = cosine(out.detach(), mc_out)
             del mc_out, mc_lse
             row["mc_fwd_ms"] = timed(mc_fwd)
-            row["mc_fb_ms"] = timed(mc_fb)
-            row["mc_bwd_ms"] = row["mc_fb_ms"] - row["mc_fwd_ms"]
             row["mc_fwd_tflops"] = f_fwd / row["mc_fwd_ms"] / 1e9
-            row["mc_bwd_tflops"] = f_bwd / row["mc_bwd_ms"] / 1e9
+            if bwd:
+                row["mc_fb_ms"] = timed(mc_fb)
+                row["mc_bwd_ms"] = row["mc_fb_ms"] - row["mc_fwd_ms"]
+                row["mc_bwd_tflops"] = f_bwd / row["mc_bwd_ms"] / 1e9
         except Exception as err:  # keep benchmarking our side
             row["mcore_error"] = repr(err)[:200]
     return row
@@ -312,7 +314,7 @@ def report(sparse_rows: list[dict], idx_rows: list[dict], notes: list[str]) -> s
         "# DSA kernel benchmark: megatron_glm5.kernels vs megatron-core 0.19.2 (TileLang)",
         "",
         f"- date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S')}; git commit: {commit or '?'} (+ working tree)",
-        f"- GPU: {torch.cuda.get_device_name(0)}; torch {torch.__version__}; tilelang {tilelang.__version__}",
+        f"- GPU: {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none'}; torch {torch.__version__}; tilelang {tilelang.__version__}",
         "- bf16, d_qk 576 / d_v 512, top-k 2048, causal random indices, scale 1/16; `triton.testing.do_bench` median",
         "- TFLOP/s over valid pairs: fwd 2*pairs*H*(576+512), bwd 2*pairs*H*(3*576+2*512); mcore bwd = (fwd+bwd) - fwd",
         "  (it re-runs its forward), ours = backward alone (saved out/LSE). Ratio = ours speed / megatron-core speed.",
@@ -331,9 +333,10 @@ def report(sparse_rows: list[dict], idx_rows: list[dict], notes: list[str]) -> s
         lines.append(
             f"| {r['S']} | {r['H']} | {_f(r['ours_fwd_ms'], '{:.2f}')} / {_f(mf, '{:.2f}')} "
             f"| {_f(r['ours_fwd_tflops'])} / {_f(r.get('mc_fwd_tflops'))} | {_f(mf and mf / r['ours_fwd_ms'], '{:.2f}')} "
-            f"| {_f(r['ours_bwd_ms'], '{:.2f}')} / {_f(mb, '{:.2f}')} | {_f(r['ours_bwd_tflops'])} / {_f(r.get('mc_bwd_tflops'))} "
-            f"| {_f(mb and mb / r['ours_bwd_ms'], '{:.2f}')} | {_f(r['ours_fb_ms'], '{:.2f}')} / {_f(mfb, '{:.2f}')} "
-            f"| {_f(mfb and mfb / r['ours_fb_ms'], '{:.2f}')} | {_f(r.get('out_cos_vs_mcore'), '{:.6f}')} |"
+            f"| {_f(r.get('ours_bwd_ms'), '{:.2f}')} / {_f(mb, '{:.2f}')} | {_f(r.get('ours_bwd_tflops'))} / {_f(r.get('mc_bwd_tflops'))} "
+            f"| {_f(mb and r.get('ours_bwd_ms') and mb / r['ours_bwd_ms'], '{:.2f}')} "
+            f"| {_f(r.get('ours_fb_ms'), '{:.2f}')} / {_f(mfb, '{:.2f}')} "
+            f"| {_f(mfb and r.get('ours_fb_ms') and mfb / r['ours_fb_ms'], '{:.2f}')} | {_f(r.get('out_cos_vs_mcore'), '{:.6f}')} |"
         )
     dets = [r for r in sparse_rows if "ours_bwd_det_ms" in r]
     if dets:
@@ -376,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--indexer-seqs", default="8192,32768,65536")
     ap.add_argument("--fwd-variant", default="auto", choices=["auto", "ws", "simple"])
     ap.add_argument("--smoke", action="store_true", help="tiny run of every kernel, compared to the torch oracle")
+    ap.add_argument("--fwd-only", action="store_true", help="sparse MLA: time the forward only")
     args = ap.parse_args(argv)
     mcore = not args.no_mcore
     if args.workers or args.precompile_only:
@@ -389,7 +393,9 @@ def main(argv: list[str] | None = None) -> int:
     for seq in [int(s) for s in args.seqs.split(",") if s]:
         for heads in [int(h) for h in args.heads.split(",") if h]:
             try:
-                r = bench_sparse(seq, heads, mcore, det=(seq == 16384 and heads == 64), variant=args.fwd_variant)
+                r = bench_sparse(
+                    seq, heads, mcore, det=(seq == 16384 and heads == 64), variant=args.fwd_variant, bwd=not args.fwd_only
+                )
             except Exception as err:
                 traceback.print_exc()
                 r = {"S": seq, "H": heads, "error": repr(err)[:160]}
