@@ -154,6 +154,19 @@ def bench_sparse(seq: int, heads: int, mcore: bool, det: bool, variant: str = "a
 
     row["ours_fwd_ms"] = timed(ours_fwd)
     row["ours_fwd_tflops"] = f_fwd / row["ours_fwd_ms"] / 1e9
+    # Kernel-only forward of both variants (valid_len precomputed), to see the wrapper overhead and which kernel wins.
+    from megatron_glm5.kernels._common import row_valid_len
+    from megatron_glm5.kernels.sparse_mla_fwd import sparse_mla_fwd_interface
+
+    vlen = row_valid_len(idx)
+    for v in ("ws", "simple"):
+        if variant in ("auto", v):
+            try:
+                row[f"fwd_{v}_kernel_ms"] = timed(
+                    lambda v=v: sparse_mla_fwd_interface(q.detach(), kv.detach(), idx, SCALE, D_V, valid_len=vlen, variant=v)
+                )
+            except Exception as err:
+                row[f"fwd_{v}_error"] = repr(err)[:120]
     if bwd:
         row["ours_bwd_ms"] = timed(ours_bwd)
         row["ours_fb_ms"] = timed(ours_fb)
@@ -238,6 +251,17 @@ def bench_indexer(seq: int, mcore: bool) -> dict:
     again = ours()
     row["ours_deterministic"] = bool(torch.equal(out, again))
     del again
+    try:  # split: the logits GEMM kernel vs the top-k select kernel (select timed on the last chunk's logits)
+        im = importlib.import_module("megatron_glm5.kernels.indexer_topk")
+        lk, sk = im._jit_logits()(32, 128), im._jit_select()(TOPK)
+        rows = im.logits_chunk_rows(seq, 4)
+        buf = torch.empty(min(rows, seq), seq, dtype=torch.float32, device=dev)
+        res = torch.empty(seq, TOPK, dtype=torch.int32, device=dev)
+        offs = [(c0, min(seq, c0 + rows), torch.full((1,), c0, dtype=torch.int32, device=dev)) for c0 in range(0, seq, rows)]
+        row["logits_ms"] = timed(lambda: [lk(q, k, w, starts, ends, o, buf[: c1 - c0]) for c0, c1, o in offs])
+        row["select_ms"] = timed(lambda: [sk(buf[: c1 - c0], starts, ends, o, res) for c0, c1, o in offs])
+    except Exception as err:
+        row["split_error"] = repr(err)[:120]
     if mcore:
         try:
             from megatron.core.transformer.experimental_attention_variant.ops.tilelang_dsa import fused_qk_topk_lighting
@@ -338,6 +362,17 @@ def report(sparse_rows: list[dict], idx_rows: list[dict], notes: list[str]) -> s
             f"| {_f(r.get('ours_fb_ms'), '{:.2f}')} / {_f(mfb, '{:.2f}')} "
             f"| {_f(mfb and r.get('ours_fb_ms') and mfb / r['ours_fb_ms'], '{:.2f}')} | {_f(r.get('out_cos_vs_mcore'), '{:.6f}')} |"
         )
+    lines += ["", "Forward kernels alone (valid-length precomputed), TFLOP/s over valid pairs:", ""]
+    for r in sparse_rows:
+        if "error" in r:
+            continue
+        f_fwd = 2 * r["pairs"] * r["H"] * (D_QK + D_V)
+        parts = [
+            f"{v} {r[k]:.2f} ms = {f_fwd / r[k] / 1e9:.0f} TFLOP/s"
+            for v, k in (("ws", "fwd_ws_kernel_ms"), ("simple", "fwd_simple_kernel_ms"))
+            if k in r
+        ]
+        lines.append(f"- S={r['S']} H={r['H']}: " + "; ".join(parts))
     dets = [r for r in sparse_rows if "ours_bwd_det_ms" in r]
     if dets:
         lines += ["", "Deterministic backward (no float atomics, fixed-order dKV reduction):", ""]
@@ -363,6 +398,15 @@ def report(sparse_rows: list[dict], idx_rows: list[dict], notes: list[str]) -> s
             f"| {r['ours_peak_gib']:.2f} | {_f(r.get('mc_peak_gib'), '{:.2f}')} | {_f(r.get('overlap_vs_mcore'), '{:.5f}')} "
             f"| {r['ours_deterministic']} |"
         )
+    splits = [r for r in idx_rows if "logits_ms" in r]
+    if splits:
+        lines += ["", "Indexer split (logits kernel / top-k select kernel, select timed on the last chunk's logits):", ""]
+        for r in splits:
+            f = 2 * r["S"] * (r["S"] + 1) / 2 * 32 * 128
+            lines.append(
+                f"- S={r['S']}: logits {r['logits_ms']:.2f} ms ({f / r['logits_ms'] / 1e9:.0f} TFLOP/s on causal pairs), "
+                f"select {r['select_ms']:.2f} ms"
+            )
     if notes:
         lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
