@@ -109,13 +109,33 @@ def model_provider(arch: GLM5Architecture, backend: str, pre_process=True, post_
                        post_process=post_process)
 
 
+_BATCH_KEYS = (("tokens", torch.int64), ("labels", torch.int64), ("loss_mask", torch.float32),
+               ("position_ids", torch.int64))
+
+
 def _get_batch(data_iterator, vp_stage=None):
-    from megatron.training.utils import get_batch_on_this_cp_rank, get_batch_on_this_tp_rank, is_first_or_last_pipeline_stage
+    """TP rank 0 reads the micro-batch and broadcasts it over its TP group (first and last pipeline stages only:
+    the middle ones get activations). DSA attention is causal by construction, so no attention mask is built."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.training import get_args
+    from megatron.training.utils import is_first_or_last_pipeline_stage
 
     if not is_first_or_last_pipeline_stage(vp_stage):
         return None, None, None, None, None
-    batch = get_batch_on_this_cp_rank(get_batch_on_this_tp_rank(data_iterator))
-    return batch["tokens"], batch["labels"], batch["loss_mask"], batch["attention_mask"], batch["position_ids"]
+    args = get_args()
+    device = torch.cuda.current_device()
+    if ps.get_tensor_model_parallel_rank() == 0:
+        data = next(data_iterator)
+        tensors = [data[k].to(device=device, dtype=dt, non_blocking=True) for k, dt in _BATCH_KEYS]
+    else:
+        shape = (args.micro_batch_size, args.seq_length)
+        tensors = [torch.empty(shape, dtype=dt, device=device) for _, dt in _BATCH_KEYS]
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        for t in tensors:
+            dist.broadcast(t, src=ps.get_tensor_model_parallel_src_rank(), group=ps.get_tensor_model_parallel_group())
+    tokens, labels, loss_mask, position_ids = tensors
+    return tokens, labels, loss_mask, None, position_ids
 
 
 def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):

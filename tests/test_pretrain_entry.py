@@ -70,3 +70,56 @@ def test_pretrain_refuses_cpu(monkeypatch, hf_dir):
         pytest.skip("checks the CPU refusal")
     with pytest.raises(SystemExit, match="needs CUDA"):
         pretrain.main(["--hf-config", str(hf_dir), *BASE])
+
+
+def test_get_batch_reads_mock_batches(monkeypatch, hf_dir, model_parallel):
+    """The forward step's batch reader on a 1-rank TP group: the dataset's dict becomes (tokens, labels, loss_mask,
+    None, position_ids) with the training dtypes."""
+    import torch
+    from megatron.training.arguments import validate_args
+    from megatron.training.global_vars import set_global_variables, unset_global_variables
+
+    from megatron_glm5.pretrain import _get_batch
+
+    argv = ["--hf-config", str(hf_dir), *BASE]
+    args = _parse(monkeypatch, argv)
+    apply_architecture(args, parse_hf_config(load_hf_config(hf_dir)), argv)
+    disable_unavailable_fusions(args)
+    validate_args(args, {})
+    set_global_variables(args)
+    try:
+        item = {"tokens": torch.arange(64)[None], "labels": torch.arange(1, 65)[None],
+                "loss_mask": torch.ones(1, 64, dtype=torch.int32), "position_ids": torch.arange(64)[None],
+                "attention_mask": None}
+        tokens, labels, loss_mask, mask, pos = _get_batch(iter([item]))
+        assert mask is None and tokens.dtype == torch.int64 and loss_mask.dtype == torch.float32
+        assert torch.equal(labels, item["labels"]) and torch.equal(pos, item["position_ids"])
+    finally:
+        unset_global_variables()
+
+
+def test_config_container_and_mock_datasets(monkeypatch, hf_dir, model_parallel):
+    """What `main` hands to megatron.training.pretrain builds on CPU: the config container and the mock datasets,
+    whose samples carry the keys the batch reader uses."""
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.arguments import validate_args
+    from megatron.training.global_vars import set_global_variables, unset_global_variables
+
+    from megatron_glm5.pretrain import _BATCH_KEYS, train_valid_test_datasets_provider
+
+    argv = ["--hf-config", str(hf_dir), *BASE]
+    args = _parse(monkeypatch, argv)
+    apply_architecture(args, parse_hf_config(load_hf_config(hf_dir)), argv)
+    disable_unavailable_fusions(args)
+    validate_args(args, {})
+    set_global_variables(args)
+    try:
+        cfg = pretrain_cfg_container_from_args(args, model_cfg=None)
+        assert cfg.train.train_iters == 20
+        train, _, _ = train_valid_test_datasets_provider([8, 0, 0])
+        sample = train[0]
+        for key, _ in _BATCH_KEYS:
+            assert sample[key].shape[-1] == 64, key
+        assert int(sample["tokens"].max()) < 512
+    finally:
+        unset_global_variables()
