@@ -145,6 +145,28 @@ class Materializer:
         self._cached = (name, t)
         return t
 
+    def box(self, name: str, offsets, sizes) -> torch.Tensor:
+        """The box ``[offsets, offsets + sizes)`` of logical tensor ``name`` in its target dtype. When the box lies in
+        one HF tensor (a TP slice, or the gate / up half that megatron-core's swiglu factory stores as its own
+        chunk) only that tensor is read, with no concatenation or copy."""
+        m = self.src.expansion.by_mcore[name]
+        where = m.transform.locate(tuple(offsets), tuple(sizes), [r.shape for r in m.hf])
+        if where is None:
+            return _box(self.get(name), offsets, sizes)
+        i, part_offsets = where
+        ref, dtype = m.hf[i], self.target_dtype(m)
+        whole_rows = all(o == 0 and n == d for o, n, d in zip(part_offsets[1:], sizes[1:], ref.shape[1:]))
+        if ref.scale is None and whole_rows and sizes[0] != ref.shape[0]:  # a row range (TP slice): read only it
+            return self.src.reader.read(ref.name, ref.row, rows=(part_offsets[0], part_offsets[0] + sizes[0])).to(dtype)
+        key = f"{name}#{i}"
+        if self._cached is not None and self._cached[0] == key:
+            t = self._cached[1]
+        else:
+            self._cached = None
+            t = self._read(ref, dtype).to(dtype)
+            self._cached = (key, t)
+        return _box(t, part_offsets, sizes)
+
     def _read(self, ref, dtype: torch.dtype) -> torch.Tensor:
         t = self.src.reader.read(ref.name, ref.row)
         if ref.scale is not None:
@@ -278,6 +300,7 @@ def convert_hf_to_megatron(
     ``tp``/``pp``/``ep`` choose how the *conversion* is sharded over ranks (``tp*pp*ep`` ranks: under ``torchrun``
     the launched ones, otherwise spawned locally); the result does not depend on them. ``dtype`` None keeps each
     tensor's source dtype (FP8 sources become bf16); the router's ``e_score_correction_bias`` stays fp32.
+    ``sync_files`` fsyncs the data before the rename that publishes the checkpoint (crash safety).
     """
     for name, v in (("tp", tp), ("pp", pp), ("ep", ep)):
         if int(v) < 1:
@@ -363,8 +386,7 @@ def _import_rank(*, hf_path: str, out: str, tp: int, pp: int, ep: int, dtype: st
 
     def resolve(chunk: Chunk) -> torch.Tensor:
         piece = plan.pieces[(chunk.key, chunk.offsets)]
-        value = _box(mat.get(piece.logical), piece.offsets, piece.sizes)
-        return value.reshape(chunk.sizes).to(chunk.dtype)
+        return mat.box(piece.logical, piece.offsets, piece.sizes).reshape(chunk.sizes).to(chunk.dtype)
 
     write_dist_checkpoint(ckpt_dir, plan.chunks, plan.objects, resolve,
                           on_written=lambda c: bar.update(c.nbytes), sync_files=sync_files)
@@ -416,6 +438,13 @@ def _logical_sources(ckpt: DistCheckpoint) -> dict[str, tuple[str, int | None, t
     return out
 
 
+def _read_logical(ckpt: DistCheckpoint, key: str, row: int | None, offsets, sizes) -> torch.Tensor:
+    """A box of a logical tensor: of key ``key`` itself, or of row ``row`` of a stacked (expert) key."""
+    if row is None:
+        return ckpt.read(key, tuple(offsets), tuple(sizes))
+    return ckpt.read(key, (row, *offsets), (1, *sizes)).reshape(tuple(sizes))
+
+
 def convert_megatron_to_hf(
     *,
     megatron_path: str | Path,
@@ -426,6 +455,7 @@ def convert_megatron_to_hf(
     max_shard_bytes: int = 5 << 30,
     overwrite: bool = False,
     progress: bool | None = None,
+    sync_files: bool = True,
 ) -> dict:
     """megatron-core ``torch_dist`` checkpoint -> HF sharded safetensors + index + config.json (+ the source's
     generation config and tokenizer files). ``hf_config`` is needed only for checkpoints not written by this
@@ -479,19 +509,21 @@ def convert_megatron_to_hf(
                 for p in planned.values())
     bar = Progress(total=len(maps), total_bytes=total, desc="export", enabled=progress)
     with atomic_output_dir(final, overwrite=overwrite) as tmp:
-        writer = hf_io.HFShardWriter(tmp, [planned[n] for n in order], max_shard_bytes=max_shard_bytes)
+        writer = hf_io.HFShardWriter(tmp, [planned[n] for n in order], max_shard_bytes=max_shard_bytes,
+                                     sync=sync_files)
         try:
             for m in maps:
                 key, row, shape = sources[m.mcore]
-                if row is None:
-                    t = ckpt.read(key)
-                else:
-                    t = ckpt.read(key, (row,) + (0,) * len(shape), (1, *shape)).reshape(shape)
-                t = t.to(dtype_of(m))
-                for ref, part in zip(m.hf, m.transform.to_hf(t)):
+                out_dtype_m = dtype_of(m)
+                boxes = m.transform.hf_boxes(shape)
+                if boxes is None:  # the transform mixes values: read the whole tensor, transform it
+                    parts = m.transform.to_hf(_read_logical(ckpt, key, row, (0,) * len(shape), shape).to(out_dtype_m))
+                else:  # each HF tensor is one box (for a checkpoint written at TP=1 one stored chunk): no copies
+                    parts = [_read_logical(ckpt, key, row, off, size).to(out_dtype_m) for off, size in boxes]
+                for ref, part in zip(m.hf, parts):
                     writer.write(ref.name, part, row=ref.row)
-                bar.update(t.numel() * t.element_size())
-                del t
+                bar.update(sum(p.numel() * p.element_size() for p in parts))
+                del parts
             writer.finish()
         except BaseException:
             writer.abort()

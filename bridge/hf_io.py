@@ -173,8 +173,9 @@ class HFCheckpointReader:
     def total_bytes(self) -> int:
         return sum(i.nbytes for i in self.tensors.values())
 
-    def read(self, name: str, row: int | None = None) -> torch.Tensor:
-        """The tensor, or row ``row`` of its first dimension (contiguous bytes; nothing else is read)."""
+    def read(self, name: str, row: int | None = None, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor; or row ``row`` of its first dimension; and/or the range ``rows = (start, stop)`` of the first
+        remaining dimension. These are contiguous bytes: nothing else is read."""
         info = self.tensors[name]
         shape, start, nbytes = info.shape, info.start, info.nbytes
         if row is not None:
@@ -183,6 +184,14 @@ class HFCheckpointReader:
             nbytes //= shape[0]
             start += row * nbytes
             shape = shape[1:]
+        if rows is not None:
+            lo, hi = rows
+            if not 0 <= lo <= hi <= shape[0]:
+                raise IndexError(f"{name}: rows {rows} out of range for shape {list(shape)}")
+            per_row = nbytes // shape[0] if shape[0] else 0
+            start += lo * per_row
+            nbytes = (hi - lo) * per_row
+            shape = (hi - lo, *shape[1:])
         buf = torch.empty(nbytes, dtype=torch.uint8)
         fd = self._fds.get(info.file)
         if fd is None:
@@ -219,8 +228,9 @@ class HFShardWriter:
     """Writes planned tensors into ``model-XXXXX-of-YYYYY.safetensors`` shards of at most ``max_shard_bytes`` (a
     tensor larger than that gets a shard of its own) plus the index. Tensors or rows arrive in any order."""
 
-    def __init__(self, out_dir: Path, plan: Sequence[PlannedTensor], *, max_shard_bytes: int):
+    def __init__(self, out_dir: Path, plan: Sequence[PlannedTensor], *, max_shard_bytes: int, sync: bool = True):
         self.out_dir = Path(out_dir)
+        self.sync = sync
         shards: list[list[PlannedTensor]] = [[]]
         size = 0
         for t in plan:
@@ -281,6 +291,8 @@ class HFShardWriter:
         if incomplete:
             raise AssertionError(f"tensors not fully written: {format_names(incomplete)}")
         for fd in self._fds:
+            if self.sync:  # data on disk before the index that makes the checkpoint look complete
+                os.fsync(fd)
             os.close(fd)
         self._fds.clear()
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(self.weight_map.items()))}

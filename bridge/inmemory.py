@@ -23,7 +23,6 @@ from megatron_glm5.config import load_hf_config, mcore_kwargs, parse_hf_config
 
 from .convert import (
     Materializer,
-    _box,
     convert_megatron_to_hf,
     open_hf_source,
     parse_dtype,
@@ -64,8 +63,7 @@ def load_hf_weights(model, hf_path: str | Path, *, progress: bool | None = False
     for c in plan.chunks:
         piece = plan.pieces[(c.key, c.offsets)]
         dest = plan.tensors[(c.key, c.offsets)]
-        value = _box(mat.get(piece.logical), piece.offsets, piece.sizes)
-        dest.copy_(value.reshape(dest.shape))
+        dest.copy_(mat.box(piece.logical, piece.offsets, piece.sizes).reshape(dest.shape))
         bar.update(c.nbytes)
     bar.close()
     src.reader.close()

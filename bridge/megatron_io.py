@@ -17,11 +17,13 @@ requested box, so any stored chunking (any TP/PP/EP of the writer) can be read b
 
 from __future__ import annotations
 
+import bisect
 import io
 import json
 import os
 import pickle
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -195,6 +197,23 @@ class _StreamingWriter(FileSystemWriter):
         return fut
 
 
+@contextmanager
+def _no_crc32():
+    """``torch.save`` computes a CRC-32 of every record by default, at 1-2 GB/s: about a third of the conversion's
+    time on fast storage. Nothing reads it back (``torch.load`` does not check it), so our records skip it."""
+    try:
+        from torch.utils.serialization import config
+    except ImportError:  # pragma: no cover - torch without the serialization config
+        yield
+        return
+    previous = config.save.compute_crc32
+    config.save.compute_crc32 = False
+    try:
+        yield
+    finally:
+        config.save.compute_crc32 = previous
+
+
 def write_dist_checkpoint(
     ckpt_dir: Path,
     chunks: Sequence[Chunk],
@@ -216,7 +235,7 @@ def write_dist_checkpoint(
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     planner = _BoxPlanner(chunks, objects, resolve, on_written)
     writer = _StreamingWriter(ckpt_dir, max_file_bytes=max_file_bytes, sync_files=sync_files)
-    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+    with warnings.catch_warnings(), _no_crc32():  # "assuming the intent is to save in a single process": it is
         warnings.filterwarnings("ignore", module=r"torch\.distributed\.checkpoint")
         dcp.save({}, storage_writer=writer, planner=planner, no_dist=not distributed)
     if not distributed or dist.get_rank() == 0:
@@ -262,6 +281,36 @@ class _IntoBox(LoadPlanner):
         pass
 
 
+class _FileSlice(io.RawIOBase):
+    """Bytes ``[offset, offset + length)`` of an open file as a seekable stream (one ``torch.save`` record)."""
+
+    def __init__(self, f, offset: int, length: int):
+        self._f, self._start, self._len, self._pos = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
+        self._pos = max(0, min(self._len, base + pos))
+        return self._pos
+
+    def readinto(self, buf) -> int:
+        n = min(len(buf), self._len - self._pos)
+        if n <= 0:
+            return 0
+        self._f.seek(self._start + self._pos)
+        got = self._f.readinto(memoryview(buf)[:n])
+        self._pos += got
+        return got
+
+
 class DistCheckpoint:
     """Read access to one ``torch_dist`` checkpoint directory (an ``iter_XXXXXXX`` directory)."""
 
@@ -292,6 +341,7 @@ class DistCheckpoint:
             k: v for k, v in md.items() if isinstance(v, TensorStorageMetadata)
         }
         self.objects: list[str] = [k for k, v in md.items() if isinstance(v, BytesStorageMetadata)]
+        self._chunk_index: dict[str, tuple[list[int], list[ChunkStorageMetadata], int]] = {}
         missing = sorted({i.relative_path for i in self.metadata.storage_data.values()
                           if not (self.path / i.relative_path).is_file()})
         if missing:
@@ -309,11 +359,49 @@ class DistCheckpoint:
         md = self.tensors[key]
         if offsets is None:
             offsets, sizes = (0,) * len(md.size), tuple(md.size)
+        candidates = self._candidates(key, offsets, sizes)
+        if out is None:  # a box that is exactly one stored chunk: load the record itself, no copy
+            for c in candidates.chunks:
+                if tuple(c.offsets) == tuple(offsets) and tuple(c.sizes) == tuple(sizes):
+                    t = self._load_record(key, c)
+                    if t is not None:
+                        return t
         dest = out if out is not None else torch.empty(tuple(sizes), dtype=md.properties.dtype)
         box = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
-        items = create_read_items_for_chunk_list(key, md, [box])
+        items = create_read_items_for_chunk_list(key, candidates, [box])
         self._run(items, _IntoBox(dest))
         return dest
+
+    def _load_record(self, key: str, chunk: ChunkStorageMetadata) -> torch.Tensor | None:
+        info = self.metadata.storage_data.get(MetadataIndex(key, chunk.offsets))
+        if info is None or info.transform_descriptors:
+            return None
+        try:
+            with open(self.path / info.relative_path, "rb") as f:
+                t = torch.load(_FileSlice(f, info.offset, info.length), map_location="cpu", weights_only=True)
+        except (RuntimeError, EOFError, OSError, pickle.UnpicklingError) as e:
+            raise CheckpointFormatError(f"{self.path}: cannot read {key} from {info.relative_path} (truncated or "
+                                        f"corrupt data file: {e})") from None
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(chunk.sizes) or t.storage_offset() != 0:
+            return None
+        return t
+
+    def _candidates(self, key: str, offsets, sizes) -> TensorStorageMetadata:
+        """``key``'s metadata restricted to the stored chunks that overlap the box along dim 0 (a stacked expert
+        tensor has one chunk or more per expert; scanning them all for every expert read is quadratic)."""
+        md = self.tensors[key]
+        if len(md.chunks) < 8 or not md.size:
+            return md
+        index = self._chunk_index.get(key)
+        if index is None:
+            chunks = sorted(md.chunks, key=lambda c: c.offsets[0])
+            index = self._chunk_index[key] = ([c.offsets[0] for c in chunks], chunks,
+                                              max(c.sizes[0] for c in chunks))
+        starts, chunks, longest = index
+        lo = bisect.bisect_left(starts, offsets[0] - longest + 1)
+        hi = bisect.bisect_left(starts, offsets[0] + sizes[0])
+        picked = [c for c in chunks[lo:hi] if c.offsets[0] + c.sizes[0] > offsets[0]]
+        return TensorStorageMetadata(properties=md.properties, size=md.size, chunks=picked)
 
     def read_object(self, unique_key: str) -> Any:
         read = ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(unique_key), dest_offsets=torch.Size(()),

@@ -44,6 +44,16 @@ class Transform:
     def hf_shapes(self, mcore_shape: Shape) -> list[Shape]:
         raise NotImplementedError
 
+    def hf_boxes(self, mcore_shape: Shape) -> list[tuple[Shape, Shape]] | None:
+        """If each HF tensor is a box ``(offsets, sizes)`` of the megatron tensor, those boxes (export then reads
+        each directly, usually one stored chunk, with no copy); None if the transform mixes values."""
+        return None
+
+    def locate(self, offsets: Shape, sizes: Shape, hf_shapes: Sequence[Shape]) -> tuple[int, Shape] | None:
+        """If the megatron box ``[offsets, offsets + sizes)`` is a box of one HF tensor, ``(which, its offsets)``:
+        the converter then reads just that tensor and skips building the whole megatron tensor. None otherwise."""
+        return None
+
     def __repr__(self) -> str:
         return self.name
 
@@ -64,6 +74,12 @@ class _Copy(Transform):
 
     def hf_shapes(self, mcore_shape):
         return [tuple(mcore_shape)]
+
+    def locate(self, offsets, sizes, hf_shapes):
+        return 0, tuple(offsets)
+
+    def hf_boxes(self, mcore_shape):
+        return [((0,) * len(mcore_shape), tuple(mcore_shape))]
 
 
 class _Gated(Transform):
@@ -91,6 +107,19 @@ class _Gated(Transform):
             raise ValueError(f"gated linear_fc1 must have an even number of rows, got shape {mcore_shape}")
         half = (mcore_shape[0] // 2, *mcore_shape[1:])
         return [half, half]
+
+    def hf_boxes(self, mcore_shape):
+        (gate, _), rest = self.hf_shapes(mcore_shape), (0,) * (len(mcore_shape) - 1)
+        return [((0, *rest), gate), ((gate[0], *rest), gate)]
+
+    def locate(self, offsets, sizes, hf_shapes):
+        rows = hf_shapes[0][0]
+        start, stop = offsets[0], offsets[0] + sizes[0]
+        if stop <= rows:
+            return 0, tuple(offsets)
+        if start >= rows:
+            return 1, (start - rows, *offsets[1:])
+        return None  # the box spans gate and up
 
 
 COPY: Transform = _Copy()
