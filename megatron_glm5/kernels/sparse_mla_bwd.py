@@ -58,7 +58,7 @@ DETERMINISTIC_PARTIAL_BYTES = 2 << 30  # budget for the per-chunk partial dKV bu
 def _jit_delta():
     tilelang, T = tilelang_modules()
 
-    @tilelang.jit(out_idx=[-1])
+    @tilelang.jit(out_idx=[3])  # non-negative: see _common.OUT_IDX_NOTE
     def sparse_mla_delta(heads: int, d_v: int, block_t: int = 32, block_d: int = 128, threads: int = 128):
         """``Delta[t, h] = sum_d O * dO - dlse`` in fp32 (the softmax-gradient row term)."""
         t_len = T.dynamic("t_len")
