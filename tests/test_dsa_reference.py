@@ -89,10 +89,17 @@ def test_sparse_mla_empty_rows_and_minus_one_never_read():
     idx[1, 0] = 0
     kv_poisoned = kv.clone()
     kv_poisoned[-1] = float("nan")  # row -1 wraps to the last row if a -1 were ever read
+    kv_poisoned[2:4] = float("nan")  # unreferenced rows
     out, lse = sparse_mla(q, kv_poisoned, idx, 1.0, DV)
     assert torch.isfinite(out).all()
     assert (out[0] == 0).all() and torch.isposinf(lse[0]).all()
     torch.testing.assert_close(out[1], kv[0, :DV].expand(H, DV))
+    poisoned0 = kv.clone()
+    poisoned0[0] = float("nan")  # row 0 is where -1 slots are clamped to before masking
+    idx2 = torch.full((T, 4), -1, dtype=torch.int32)
+    idx2[:, 0] = 1
+    out2, _ = sparse_mla(q, poisoned0, idx2, 1.0, DV)
+    assert torch.isfinite(out2).all(), "a -1 slot must not carry kv row 0 into the output"
 
 
 def test_pad_topk():

@@ -126,7 +126,8 @@ def sparse_mla(
         c1 = min(t_total, c0 + chunk)
         idx = indices[c0:c1].long()
         valid = idx >= 0
-        gathered = kv[idx.clamp_min(0)].to(acc)  # [c, K, D]
+        # -1 slots gather row 0 (cheap), then are zeroed so nothing of it (not even a NaN) reaches the output.
+        gathered = kv[idx.clamp_min(0)].to(acc).masked_fill(~valid[..., None], 0.0)  # [c, K, D]
         logits = torch.einsum("chd,ckd->chk", q[c0:c1].to(acc), gathered) * softmax_scale
         logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
         lse = torch.logsumexp(logits, dim=-1)  # [c, H]; -inf on empty rows
