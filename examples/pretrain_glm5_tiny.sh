@@ -6,14 +6,14 @@
 set -euo pipefail
 BACKEND=${1:-megatron}
 WORK=${WORK:-$(mktemp -d)}
-python - "$WORK" <<'PY'
+python3 - "$WORK" <<'PY'
 import json, sys
 from megatron_glm5.testing import small_glm52_config
 open(f"{sys.argv[1]}/config.json", "w").write(json.dumps(small_glm52_config(), indent=2))
 PY
 # dsa_kernel_backend=tilelang runs megatron-core's own TileLang DSA kernels on the 'megatron' backend.
 KERNELS=$([ "$BACKEND" = megatron ] && echo "--dsa-kernel-backend tilelang" || echo "")
-torchrun --nproc-per-node 1 -m megatron_glm5.pretrain \
+python3 -m torch.distributed.run --nproc-per-node 1 -m megatron_glm5.pretrain \
   --hf-config "$WORK" --glm5-backend "$BACKEND" $KERNELS \
   --mock-data --tokenizer-type NullTokenizer \
   --seq-length 1024 --micro-batch-size 2 --global-batch-size 8 \

@@ -111,7 +111,8 @@ def tiny_glm52_config(**overrides: Any) -> dict[str, Any]:
 
 def small_glm52_config(**overrides: Any) -> dict[str, Any]:
     """A GPU-sized GLM-5.2 toy with the real MLA latent geometry (kv_lora_rank 512 + rope 64 = 576, so fused
-    sparse-MLA kernels apply) and ``index_topk`` 256 (a multiple of 64): 4 layers [full, shared, full, shared],
+    sparse-MLA kernels apply; qk 192 + 64 so the softmax scale is GLM-5's 1/16) and ``index_topk`` 256 (a multiple
+    of 64): 4 layers [full, shared, full, shared],
     hidden 1024, 16 heads, 8 experts top-2, MTP 1, vocab 4096. Used by the examples and GPU checks."""
     cfg = tiny_glm52_config(
         vocab_size=4096,
@@ -122,9 +123,9 @@ def small_glm52_config(**overrides: Any) -> dict[str, Any]:
         num_key_value_heads=16,
         q_lora_rank=256,
         kv_lora_rank=512,
-        qk_nope_head_dim=128,
+        qk_nope_head_dim=192,
         qk_rope_head_dim=64,
-        qk_head_dim=192,
+        qk_head_dim=256,
         v_head_dim=128,
         head_dim=192,
         index_n_heads=8,

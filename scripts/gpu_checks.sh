@@ -1,25 +1,31 @@
 #!/usr/bin/env bash
-# Everything that needs the GPU, in one batch (the H200 machine: no network, bundle in .gpu/):
-#   source .gpu/install.sh && bash scripts/gpu_checks.sh [OUT_DIR]
-# Runs tests/gpu (kernels vs the torch oracle, both backends), the kernel benchmark, the one-layer benchmark and the
-# 20-step pretrain example for both backends. Each step has its own log and time limit; a failing step does not
-# stop the others. Logs land in OUT_DIR (default: $OUT or ./gpu_out).
+# The GPU work, batched (the H200 machine: no network, bundle in .gpu/):
+#   source .gpu/install.sh && bash scripts/gpu_checks.sh OUT_DIR STEP...
+# Steps: precompile (fill TileLang's disk cache in parallel), kernels (tests/gpu/test_kernels_gpu.py), backends
+# (tests/gpu/test_backends_gpu.py), bench_kernels, bench_layer, pretrain_megatron, pretrain_tilelang.
+# Each step has its own log and time limit; a failing step does not stop the others.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT_DIR=${1:-${OUT:-gpu_out}}
+OUT_DIR=$1; shift
 mkdir -p "$OUT_DIR"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TORCHDYNAMO_DISABLE=1
-step() {  # step NAME SECONDS CMD...
+run() {  # run NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
   local t0=$SECONDS
   timeout "$secs" "$@" > "$OUT_DIR/$name.log" 2>&1
   local rc=$?
-  echo "[gpu_checks] $name: rc=$rc in $((SECONDS - t0)) s"
-  tail -n 25 "$OUT_DIR/$name.log"
+  echo "===== [gpu_checks] $name: rc=$rc in $((SECONDS - t0)) s"
+  tail -n "${TAIL:-30}" "$OUT_DIR/$name.log"
 }
-nvidia-smi --query-gpu=name,clocks.sm,power.draw --format=csv > "$OUT_DIR/gpu.txt" 2>&1
-step tests_gpu 420 python -m pytest tests/gpu -q -s -p no:cacheprovider
-[ -f scripts/bench/bench_dsa_kernels.py ] && step bench_kernels 420 python scripts/bench/bench_dsa_kernels.py --out "$OUT_DIR/kernels.md"
-step bench_layer 300 python scripts/bench/bench_glm5_layer.py --out "$OUT_DIR/layer.md"
-step pretrain_megatron 300 bash examples/pretrain_glm5_tiny.sh megatron
-step pretrain_tilelang 300 bash examples/pretrain_glm5_tiny.sh tilelang
+for step in "$@"; do
+  case "$step" in
+    precompile) run precompile 120 python3 scripts/bench/bench_dsa_kernels.py --precompile-only --workers 16 ;;
+    kernels) run kernels 240 python3 -m pytest tests/gpu/test_kernels_gpu.py -q -s -p no:cacheprovider ;;
+    backends) run backends 240 python3 -m pytest tests/gpu/test_backends_gpu.py -q -s -p no:cacheprovider ;;
+    bench_kernels) run bench_kernels 300 python3 scripts/bench/bench_dsa_kernels.py --out "$OUT_DIR/kernels.md" ${BENCH_ARGS:-} ;;
+    bench_layer) run bench_layer 180 python3 scripts/bench/bench_glm5_layer.py --out "$OUT_DIR/layer.md" ;;
+    pretrain_megatron) run pretrain_megatron 150 bash examples/pretrain_glm5_tiny.sh megatron ;;
+    pretrain_tilelang) run pretrain_tilelang 150 bash examples/pretrain_glm5_tiny.sh tilelang ;;
+    *) echo "unknown step $step" ;;
+  esac
+done

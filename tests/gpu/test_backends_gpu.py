@@ -9,8 +9,6 @@ bf16, sequence longer than index_topk (run on the H200 machine: ``pytest tests/g
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -35,9 +33,15 @@ def models():
     policy = RuntimePolicy(params_dtype=torch.bfloat16, dsa_kernel_backend="tilelang", use_cpu_initialization=True)
     torch.manual_seed(0)
     mega = build_model(arch, policy).cuda()
-    tile = build_model(arch, policy, backend="tilelang").cuda()
-    tile.load_state_dict(mega.state_dict())
-    yield arch, mega, tile
+    state = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in mega.state_dict().items()}
+
+    def fresh(backend: str):
+        model = build_model(arch, policy, backend=backend).cuda()
+        model.load_state_dict(state)
+        return model
+
+    tile = fresh("tilelang")
+    yield arch, mega, tile, fresh
     ps.destroy_model_parallel()
 
 
@@ -50,7 +54,7 @@ def _batch(arch, seed, batch=2):
 def test_megatron_backend_runs_megatron_core_tilelang_kernels(models, monkeypatch):
     from megatron.core.transformer.experimental_attention_variant import dsa_kernels
 
-    arch, mega, _ = models
+    arch, mega, _, _ = models
     calls = {"topk": 0, "sparse": 0}
     orig_topk, orig_sparse = dsa_kernels.run_fused_qk_topk, dsa_kernels.run_fused_absorbed_sparse_attention
 
@@ -82,7 +86,7 @@ def test_megatron_backend_runs_megatron_core_tilelang_kernels(models, monkeypatc
 
 
 def test_backends_agree_in_bf16(models):
-    arch, mega, tile = models
+    arch, mega, tile, _ = models
     ids, pos = _batch(arch, 2)
     mega.eval()
     tile.eval()
@@ -96,11 +100,11 @@ def test_backends_agree_in_bf16(models):
 
 
 def test_backends_train_alike(models):
-    arch, mega, tile = models
+    arch, _, _, fresh = models
     curves = {}
     batches = [_batch(arch, 100 + i) for i in range(2)]
-    for name, model in (("megatron", mega), ("tilelang", tile)):
-        model = copy.deepcopy(model).train()
+    for name in ("megatron", "tilelang"):
+        model = fresh(name).train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
         losses = []
         for step in range(20):
