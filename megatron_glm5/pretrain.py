@@ -187,6 +187,29 @@ def train_valid_test_datasets_provider(train_val_test_num_samples, vp_stage=None
     return BlendedMegatronDatasetBuilder(dataset_type, train_val_test_num_samples, built_on_rank, config).build()
 
 
+def use_prebuilt_dataset_helpers() -> bool:
+    """megatron.training runs ``make`` in ``megatron/core/datasets`` at start-up and exits when it fails, but the
+    megatron-core wheel ships the compiled ``helpers_cpp`` extension and no Makefile, so ``make`` always fails there.
+    When the prebuilt extension imports and there is nothing to build, the compile step becomes a check of that
+    import instead. Returns True if it did so."""
+    from pathlib import Path
+
+    import megatron.core.datasets.utils as dataset_utils
+
+    if (Path(dataset_utils.__file__).parent / "Makefile").exists():
+        return False
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError:
+        return False
+    dataset_utils.compile_helpers = _check_prebuilt_helpers
+    return True
+
+
+def _check_prebuilt_helpers() -> None:
+    from megatron.core.datasets import helpers_cpp  # noqa: F401
+
+
 def main(argv: list[str] | None = None) -> None:
     from megatron.core.enums import ModelType
     from megatron.training import pretrain
@@ -209,6 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     validate_args(args, {})
     set_global_variables(args)
     train_valid_test_datasets_provider.is_distributed = True
+    use_prebuilt_dataset_helpers()
     pretrain(
         pretrain_cfg_container_from_args(args, model_cfg=None),
         train_valid_test_datasets_provider,

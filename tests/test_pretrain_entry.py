@@ -123,3 +123,14 @@ def test_config_container_and_mock_datasets(monkeypatch, hf_dir, model_parallel)
         assert int(sample["tokens"].max()) < 512
     finally:
         unset_global_variables()
+
+
+def test_prebuilt_dataset_helpers_replace_make(monkeypatch):
+    """The wheel has the compiled helpers but no Makefile, so megatron.training's `make` would exit(1)."""
+    import megatron.core.datasets.utils as dataset_utils
+
+    from megatron_glm5.pretrain import use_prebuilt_dataset_helpers
+
+    monkeypatch.setattr(dataset_utils, "compile_helpers", dataset_utils.compile_helpers)  # restored after the test
+    assert use_prebuilt_dataset_helpers()
+    dataset_utils.compile_helpers()  # no `make`, no exit: checks the prebuilt extension imports
