@@ -325,23 +325,30 @@ def _first_keys_expectation(starts, ends, topk):
 
 
 def test_indexer_topk_exact_ties_pick_lowest_index():
-    """Every score of a row equal (identical keys; and exact ReLU zeros): the first topk keys of each range (P9).
+    """Every score exactly 0 (keys of zeros: relu(0) = 0 in every head), so every key of a row ties: the selection
+    must be the first topk keys of each range, in index order (the select kernel's tie rule, pitfall P9)."""
+    t_len, topk = 3000, 512
+    q, k, w = _indexer_inputs(t_len, seed=8)
+    starts, ends = ref.causal_bounds(ref.uniform_cu_seqlens(1, t_len, device="cuda"))
+    expect = _first_keys_expectation(starts, ends, topk)
+    out = indexer_topk(q, torch.zeros_like(k), w, starts, ends, topk)
+    assert torch.equal(out, expect)
 
-    Compared with the contract's closed-form answer, not with the oracle: the oracle's fp32 cuBLAS einsum need not
-    give bitwise-equal scores for identical key rows, and then its choice among the 'ties' is rounding noise.
-    """
+
+def test_indexer_topk_identical_keys_tie():
+    """Identical key rows must give bitwise-equal logits in every key tile, so they tie and the lowest index wins.
+    (Compared with the contract's closed form, not the oracle, whose fp32 cuBLAS einsum need not be bitwise equal
+    across identical rows.)"""
     t_len, topk = 3000, 512
     q, _, w = _indexer_inputs(t_len, seed=8)
     k = torch.randn(1, 128, device="cuda", dtype=torch.bfloat16).expand(t_len, 128).contiguous()
     starts, ends = ref.causal_bounds(ref.uniform_cu_seqlens(1, t_len, device="cuda"))
     expect = _first_keys_expectation(starts, ends, topk)
     out = indexer_topk(q, k, w, starts, ends, topk)
-    oracle = ref.indexer_topk(q, k, w, starts, ends, topk)
-    print(f"indexer all-ties: equal to closed form={torch.equal(out, expect)}, oracle equal to closed form="
-          f"{torch.equal(oracle, expect)}")
-    assert torch.equal(out, expect)
-    zeros = indexer_topk(q, torch.zeros_like(k), w, starts, ends, topk)  # all scores exactly +-0 (relu)
-    assert torch.equal(zeros, expect)
+    bad = (out != expect).any(dim=1).nonzero().flatten()
+    print(f"indexer identical keys: {bad.numel()} of {t_len} rows differ from the closed form"
+          + (f" (first row {int(bad[0])}: {out[bad[0], -4:].tolist()})" if bad.numel() else ""))
+    assert bad.numel() == 0
 
 
 def test_indexer_topk_short_rows_pad_with_minus_one():
