@@ -2,7 +2,8 @@
 # Train a small GLM-5.2-shaped model (IndexShare + MTP + MoE, real MLA latent dims) for 20 steps on mock data,
 # on one GPU, with Megatron-LM's training loop (megatron.training.pretrain) and the GLM-5.x block spec.
 #   bash examples/pretrain_glm5_tiny.sh [megatron|tilelang]
-# Needs CUDA; on CPU run `megatron-glm5 demo` instead.
+# Environment: NPROC (GPUs, default 1), PARALLEL (extra Megatron-LM flags, e.g. "--tensor-model-parallel-size 2
+# --sequence-parallel"), SAVE=0 to skip the final checkpoint. Needs CUDA; on CPU run `megatron-glm5 demo` instead.
 set -euo pipefail
 BACKEND=${1:-megatron}
 WORK=${WORK:-$(mktemp -d)}
@@ -13,7 +14,8 @@ open(f"{sys.argv[1]}/config.json", "w").write(json.dumps(small_glm52_config(), i
 PY
 # dsa_kernel_backend=tilelang runs megatron-core's own TileLang DSA kernels on the 'megatron' backend.
 KERNELS=$([ "$BACKEND" = megatron ] && echo "--dsa-kernel-backend tilelang" || echo "")
-python3 -m torch.distributed.run --nproc-per-node 1 -m megatron_glm5.pretrain \
+SAVE_ARGS=$([ "${SAVE:-1}" = 1 ] && echo "--save $WORK/ckpt --save-interval 20" || echo "")
+python3 -m torch.distributed.run --nproc-per-node "${NPROC:-1}" -m megatron_glm5.pretrain \
   --hf-config "$WORK" --glm5-backend "$BACKEND" $KERNELS \
   --mock-data --tokenizer-type NullTokenizer \
   --seq-length 1024 --micro-batch-size 2 --global-batch-size 8 \
@@ -21,4 +23,4 @@ python3 -m torch.distributed.run --nproc-per-node 1 -m megatron_glm5.pretrain \
   --weight-decay 0.01 --clip-grad 1.0 --bf16 \
   --log-interval 1 --eval-iters 0 --eval-interval 1000 \
   --no-rope-fusion --moe-token-dispatcher-type allgather \
-  --save "$WORK/ckpt" --save-interval 20
+  ${PARALLEL:-} $SAVE_ARGS

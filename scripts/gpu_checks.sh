@@ -27,6 +27,10 @@ for step in "$@"; do
     bench_layer) run bench_layer 180 python3 scripts/bench/bench_glm5_layer.py --out "$OUT_DIR/layer.md" ;;
     pretrain_megatron) run pretrain_megatron 150 bash examples/pretrain_glm5_tiny.sh megatron ;;
     pretrain_tilelang) run pretrain_tilelang 150 bash examples/pretrain_glm5_tiny.sh tilelang ;;
+    multi_tp2) NPROC=2 SAVE=0 PARALLEL="--tensor-model-parallel-size 2 --sequence-parallel" run multi_tp2 120 bash examples/pretrain_glm5_tiny.sh megatron ;;
+    multi_tp2_tilelang) NPROC=2 SAVE=0 PARALLEL="--tensor-model-parallel-size 2 --sequence-parallel" run multi_tp2_tilelang 120 bash examples/pretrain_glm5_tiny.sh tilelang ;;
+    multi_ep2) NPROC=2 SAVE=0 PARALLEL="--expert-model-parallel-size 2" run multi_ep2 120 bash examples/pretrain_glm5_tiny.sh megatron ;;
+    multi_pp2) NPROC=2 SAVE=0 PARALLEL="--pipeline-model-parallel-size 2" run multi_pp2 120 bash examples/pretrain_glm5_tiny.sh megatron ;;
     *) echo "unknown step $step" ;;
   esac
 done
