@@ -6,6 +6,8 @@
 # --sequence-parallel"), SAVE=0 to skip the final checkpoint. Needs CUDA; on CPU run `megatron-glm5 demo` instead.
 set -euo pipefail
 BACKEND=${1:-megatron}
+# Megatron-LM requires this with tensor or context parallelism (kernel ordering of its communication overlap).
+export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
 WORK=${WORK:-$(mktemp -d)}
 python3 - "$WORK" <<'PY'
 import json, sys
