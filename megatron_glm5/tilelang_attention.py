@@ -32,12 +32,11 @@ from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.experimental_attention_variant.dsa import DSAttentionSubmodules
-from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from .dsa import reference
-from .dsa.attention import rebuild_down_projections, with_mcore_down_projections
+from .dsa.attention import DSACoreAttention, rebuild_down_projections, with_mcore_down_projections
 from .dsa.layout import TokenLayout
 from .dsa.rope import apply_interleaved_rope, rope_cos_sin
 
@@ -52,35 +51,14 @@ def _kernels_apply(t: torch.Tensor) -> bool:
     return t.is_cuda and _tilelang_available()
 
 
-class TileLangSparseAttention(MegatronModule):
-    """Owns a full layer's indexer (megatron-core ``DSAIndexer`` parameters, so checkpoints interchange with the
-    ``megatron`` backend) and runs top-k selection and sparse MLA on our kernels. Constructor arguments follow
-    megatron-core's core-attention convention; ``indexer_type`` comes from the spec."""
+class TileLangSparseAttention(DSACoreAttention):
+    """Core of the ``tilelang`` backend: top-k selection and sparse MLA on our kernels (module docstring)."""
 
-    def __init__(self, config, submodules: DSAttentionSubmodules, layer_number: int, attn_mask_type: AttnMaskType,
-                 attention_type: str, attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
-                 k_channels: Optional[int] = None, v_channels: Optional[int] = None, cp_comm_type: str = "p2p",
-                 pg_collection=None, *, indexer_type: str = "full"):
-        super().__init__(config=config)
-        if attn_mask_type != AttnMaskType.causal:
-            raise ValueError(f"GLM-5.x DSA attention is causal; got attn_mask_type={attn_mask_type}")
-        if config.dsa_indexer_loss_coeff:
-            raise NotImplementedError("the tilelang backend trains with the indexer frozen: set dsa_indexer_loss_coeff=0")
-        self.layer_number = layer_number
-        self.index_topk = config.dsa_indexer_topk
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
         self.index_heads = config.dsa_indexer_n_heads
         self.index_dim = config.dsa_indexer_head_dim
         self.rope_dim = config.qk_pos_emb_head_dim
-        self.pg_collection = pg_collection
-        self.indexer = (
-            build_module(submodules.indexer, config=config, pg_collection=pg_collection)
-            if indexer_type == "full"
-            else None
-        )
-
-    @property
-    def computes_topk(self) -> bool:
-        return self.indexer is not None
 
     @torch.no_grad()
     def compute_topk(self, x: torch.Tensor, q_c: torch.Tensor, layout: TokenLayout, cos: torch.Tensor,
@@ -128,8 +106,6 @@ class TileLangMLASelfAttention(MLASelfAttention):
     ``forward`` returns ``(output, bias, topk)`` with ``topk`` the int32 ``[T, index_topk]`` rows it attended to."""
 
     def __init__(self, config, submodules: MLASelfAttentionSubmodules, *args, **kwargs):
-        if config.context_parallel_size > 1:
-            raise NotImplementedError("the tilelang backend does not support context_parallel_size > 1 yet; use CP=1")
         if config.rope_type != "rope":
             raise NotImplementedError(f"the tilelang backend applies plain RoPE (GLM-5.x); got rope_type={config.rope_type!r}")
         submodules, down = with_mcore_down_projections(submodules)
@@ -182,9 +158,8 @@ class TileLangMLASelfAttention(MLASelfAttention):
         topk = dsa_topk
         if topk is None:
             topk = self.core_attention.compute_topk(x, q_c, layout, cos, sin, sp)
-        elif topk.shape != (layout.num_rows, self.core_attention.index_topk):
-            raise ValueError(f"layer {self.layer_number}: top-k indices must be [{layout.num_rows}, "
-                             f"{self.core_attention.index_topk}], got {tuple(topk.shape)}")
+        else:
+            self.core_attention.check_topk(topk, layout.num_rows)
 
         core = (lambda q_, kv_, t_: self.core_attention(q_, kv_, t_, self.softmax_scale, cfg.kv_lora_rank))
         if self.checkpoint_core_attention and self.training:

@@ -92,9 +92,10 @@ def sparse_attention(
     return out
 
 
-class GLMSparseAttention(MegatronModule):
-    """DSA core attention on the absorbed latent; see the module docstring. Constructor arguments follow
-    megatron-core's ``DSAttention`` so AbsorbedMLA builds it the same way; ``indexer_type`` comes from the spec."""
+class DSACoreAttention(MegatronModule):
+    """What both backends' core attentions share: megatron-core's core-attention constructor arguments (so the MLA
+    modules build them like ``DSAttention``), the GLM-5.x checks, and the indexer (megatron-core ``DSAIndexer``
+    parameters, so checkpoints interchange) on "full" layers only; ``indexer_type`` comes from the spec."""
 
     consumes_absorbed_v_up_projection = True
     requires_dsa_inputs = True
@@ -121,9 +122,7 @@ class GLMSparseAttention(MegatronModule):
         if attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"GLM-5.x DSA attention is causal; got attn_mask_type={attn_mask_type}")
         if config.context_parallel_size > 1:
-            raise NotImplementedError(
-                "the 'megatron' GLM-5.x backend does not support context_parallel_size > 1; use CP=1"
-            )
+            raise NotImplementedError("GLM-5.x DSA attention does not support context_parallel_size > 1 yet; use CP=1")
         if not config.dsa_indexer_scoring_relu:
             raise ValueError("GLM-5.x indexer scores are ReLU'd: dsa_indexer_scoring_relu must be True")
         if config.dsa_indexer_loss_coeff:
@@ -132,10 +131,10 @@ class GLMSparseAttention(MegatronModule):
                 "frozen); set dsa_indexer_loss_coeff=0"
             )
         self.layer_number = layer_number
-        self.indexer_type = indexer_type
         self.index_topk = config.dsa_indexer_topk
         self.softmax_scale = softmax_scale
         self.v_channels = v_channels
+        self.pg_collection = pg_collection
         self.indexer = (
             build_module(submodules.indexer, config=config, pg_collection=pg_collection)
             if indexer_type == "full"
@@ -145,6 +144,18 @@ class GLMSparseAttention(MegatronModule):
     @property
     def computes_topk(self) -> bool:
         return self.indexer is not None
+
+    def check_topk(self, topk: torch.Tensor, rows: int) -> None:
+        """A top-k given to a layer (IndexShare, recompute replay, or the caller) must be ``[rows, index_topk]``."""
+        if topk.shape != (rows, self.index_topk):
+            raise ValueError(
+                f"layer {self.layer_number}: top-k indices must be [{rows}, {self.index_topk}] (flattened rows x "
+                f"index_topk), got {tuple(topk.shape)}"
+            )
+
+
+class GLMSparseAttention(DSACoreAttention):
+    """Core attention of the ``megatron`` backend (module docstring)."""
 
     @torch.no_grad()
     def compute_topk(self, x: torch.Tensor, qr: torch.Tensor, packed_seq_params, layout: TokenLayout) -> torch.Tensor:
@@ -266,11 +277,8 @@ class GLMAbsorbedMLASelfAttention(AbsorbedMLASelfAttention):
         topk = dsa_topk
         if topk is None:
             topk = self.core_attention.compute_topk(hidden_states, q_compressed, packed_seq_params, layout)
-        elif topk.shape != (layout.num_rows, self.core_attention.index_topk):
-            raise ValueError(
-                f"layer {self.layer_number}: top-k indices must be [{layout.num_rows}, "
-                f"{self.core_attention.index_topk}] (flattened rows x index_topk), got {tuple(topk.shape)}"
-            )
+        else:
+            self.core_attention.check_topk(topk, layout.num_rows)
 
         if self.checkpoint_core_attention and self.training:
             core_out = tensor_parallel.checkpoint(self.core_attention, False, query, kv, v_up_weight, topk)
