@@ -1,14 +1,13 @@
 """Streaming HF <-> Megatron checkpoint conversion: :func:`convert_hf_to_megatron`, :func:`convert_megatron_to_hf`,
 :func:`roundtrip` (keyword-only; the CLI is a thin layer over them).
 
-Import, per rank: validate the HF source (config, index, headers, exact key accounting, shapes) -> build this
-rank's model skeleton on the meta device -> take the boxes its ``sharded_state_dict`` declares (main replicas
-only; the same boxes ``dist_checkpointing.save`` would write) -> for each box, in the order the HF shards store
-their tensors, read the HF tensors, apply the table's transform and cut the box -> write it and drop it. Memory
-stays at about one logical tensor (plus a cached one, so the two halves of a swiglu ``linear_fc1`` share a read).
+Import, per rank: validate the HF source (:mod:`bridge.source`) -> build this rank's model skeleton on the meta
+device and take the boxes its ``sharded_state_dict`` declares (:mod:`bridge.boxes`; the same boxes
+``dist_checkpointing.save`` would write) -> for each box, in the order the HF shards store their tensors, read what
+it needs (a background thread reads ahead), transform, write it and drop it. Memory stays at a few tensors.
 
 Export (one process): read ``.metadata``, map every stored key to logical tensors and account for all of them,
-plan the HF shards (header first), then read one logical tensor (one expert row) at a time, transform, write.
+plan the HF shards (header first), then read each HF tensor's box (read ahead in the background), write it.
 """
 
 from __future__ import annotations
@@ -17,28 +16,19 @@ import json
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Mapping
 
 import torch
 
-from megatron_glm5.config import GLM5Architecture, load_hf_config, mcore_kwargs, parse_hf_config
+from megatron_glm5.config import load_hf_config, mcore_kwargs, parse_hf_config
 
 from . import hf_io, naming
+from .boxes import build_skeleton, sharded_boxes, verify_written
 from .compat import needs_indexer_rope_swap
-from .errors import BridgeError, CheckpointFormatError, ShapeMismatchError, TensorSetError, format_names
-from .launch import (
-    all_ok,
-    barrier,
-    broadcast_object,
-    launched_world_size,
-    model_parallel,
-    pipeline_split,
-    run_local_ranks,
-    world,
-)
-from .mapping import Expansion, TensorMap, account_hf_names, check_hf_shapes, detect_expert_layout, expand
+from .errors import BridgeError, ShapeMismatchError, TensorSetError, format_names
+from .launch import all_ok, barrier, broadcast_object, launched_world_size, model_parallel, run_local_ranks, world
+from .mapping import TensorMap, expand
 from .megatron_io import (
     BRIDGE_KEY,
     COMMON_STATE_KEY,
@@ -54,226 +44,10 @@ from .megatron_io import (
     write_tracker,
 )
 from .output import atomic_output_dir, check_output_dir, commit_dir, partial_dir
+from .prefetch import Prefetcher
 from .progress import Progress
+from .source import Materializer, dtype_name, open_hf_source, parse_dtype
 from .transforms import dequantize_block_fp8
-
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
-          "fp16": torch.float16, "float16": torch.float16}
-
-
-def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        return DTYPES[dtype]
-    except KeyError:
-        raise BridgeError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}") from None
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# HF source
-# --------------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class HFSource:
-    """A validated HF checkpoint: every tensor accounted for, every shape checked."""
-
-    path: Path
-    raw: dict
-    arch: GLM5Architecture
-    reader: hf_io.HFCheckpointReader
-    expansion: Expansion
-    ignored: dict[str, str]
-    fp8_names: frozenset[str]
-    fp8_block: tuple[int, int]
-
-
-def open_hf_source(hf_path: str | Path) -> HFSource:
-    path = Path(hf_path)
-    if not path.is_dir():
-        raise CheckpointFormatError(f"{path}: HF checkpoint directory not found")
-    if not (path / "config.json").is_file():
-        raise CheckpointFormatError(f"{path}: missing config.json")
-    raw = load_hf_config(path)
-    arch = parse_hf_config(raw)
-    reader = hf_io.HFCheckpointReader(path)
-    layout = detect_expert_layout(reader.names)
-    fp8 = frozenset(n for n, i in reader.tensors.items() if i.dtype in FP8_DTYPES)
-    if fp8 and not arch.is_fp8:
-        raise CheckpointFormatError(
-            f"{path}: {len(fp8)} tensors are stored in FP8 (e.g. {sorted(fp8)[0]}) but config.json has no fp8 "
-            "quantization_config; expected block-FP8 metadata ('quant_method': 'fp8', 'weight_block_size')"
-        )
-    block = tuple((arch.quantization or {}).get("weight_block_size") or (128, 128))
-    expansion = expand(arch, expert_layout=layout, fp8_names=fp8, fp8_block=block,
-                       indexer_rope_swap=needs_indexer_rope_swap())
-    ignored = account_hf_names(arch, expansion, reader.names, source=str(path))
-    check_hf_shapes(expansion, reader.shapes(), source=str(path))
-    return HFSource(path, raw, arch, reader, expansion, ignored, fp8, block)
-
-
-class Materializer:
-    """Logical megatron tensors computed from an :class:`HFSource`, with a one-entry cache."""
-
-    def __init__(self, src: HFSource, dtype: torch.dtype | None = None):
-        self.src = src
-        self.dtype = dtype
-        self._cached: tuple[str, torch.Tensor] | None = None
-
-    def target_dtype(self, m: TensorMap) -> torch.dtype:
-        if m.fp32:
-            return torch.float32
-        if self.dtype is not None:
-            return self.dtype
-        first = m.hf[0]
-        return torch.bfloat16 if first.scale is not None else self.src.reader.info(first.name).dtype
-
-    def get(self, name: str) -> torch.Tensor:
-        if self._cached is not None and self._cached[0] == name:
-            return self._cached[1]
-        self._cached = None
-        m = self.src.expansion.by_mcore[name]
-        dtype = self.target_dtype(m)
-        parts = [self._read(r, dtype) for r in m.hf]
-        t = m.transform.to_mcore(parts).to(dtype)
-        self._cached = (name, t)
-        return t
-
-    def box(self, name: str, offsets, sizes) -> torch.Tensor:
-        """The box ``[offsets, offsets + sizes)`` of logical tensor ``name`` in its target dtype. When the box lies in
-        one HF tensor (a TP slice, or the gate / up half that megatron-core's swiglu factory stores as its own
-        chunk) only that tensor is read, with no concatenation or copy."""
-        m = self.src.expansion.by_mcore[name]
-        where = m.transform.locate(tuple(offsets), tuple(sizes), [r.shape for r in m.hf])
-        if where is None:
-            return _box(self.get(name), offsets, sizes)
-        i, part_offsets = where
-        ref, dtype = m.hf[i], self.target_dtype(m)
-        whole_rows = all(o == 0 and n == d for o, n, d in zip(part_offsets[1:], sizes[1:], ref.shape[1:]))
-        if ref.scale is None and whole_rows and sizes[0] != ref.shape[0]:  # a row range (TP slice): read only it
-            return self.src.reader.read(ref.name, ref.row, rows=(part_offsets[0], part_offsets[0] + sizes[0])).to(dtype)
-        key = f"{name}#{i}"
-        if self._cached is not None and self._cached[0] == key:
-            t = self._cached[1]
-        else:
-            self._cached = None
-            t = self._read(ref, dtype).to(dtype)
-            self._cached = (key, t)
-        return _box(t, part_offsets, sizes)
-
-    def _read(self, ref, dtype: torch.dtype) -> torch.Tensor:
-        t = self.src.reader.read(ref.name, ref.row)
-        if ref.scale is not None:
-            s = self.src.reader.read(ref.scale.name, ref.scale.row)
-            t = dequantize_block_fp8(t, s, self.src.fp8_block, dtype)
-        return t
-
-    def source_order(self, name: str) -> tuple[str, int]:
-        """(file, byte offset) of the first HF tensor of ``name``: converting in this order reads shards in order."""
-        ref = self.src.expansion.by_mcore[name].hf[0]
-        info = self.src.reader.info(ref.name)
-        return str(info.file), info.start
-
-
-def _box(t: torch.Tensor, offsets, sizes) -> torch.Tensor:
-    return t[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
-
-
-# --------------------------------------------------------------------------------------------------------------------
-# Model skeleton -> boxes
-# --------------------------------------------------------------------------------------------------------------------
-
-
-def build_skeleton(arch: GLM5Architecture, tp: int, pp: int, ep: int):
-    """This rank's GPTModel on the meta device (shapes and sharding only, no memory)."""
-    from megatron_glm5.model import build_model, default_cpu_policy
-
-    policy = default_cpu_policy(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
-        use_cpu_initialization=False, perform_initialization=False, init_model_with_meta_device=True,
-        **pipeline_split(arch.indexer_types, pp),
-    )
-    with torch.device("meta"):
-        return build_model(arch, policy)
-
-
-@dataclass
-class BoxPlan:
-    chunks: list[Chunk] = field(default_factory=list)
-    pieces: dict[tuple[str, tuple[int, ...]], naming.LogicalPiece] = field(default_factory=dict)
-    objects: dict[str, Any] = field(default_factory=dict)
-    tensors: dict[tuple[str, tuple[int, ...]], torch.Tensor] = field(default_factory=dict)  # in-memory data
-
-
-def sharded_boxes(model, expansion: Expansion, dtype_of, *, main_replicas_only: bool = True,
-                  keep_data: bool = False) -> BoxPlan:
-    """The boxes of ``model.sharded_state_dict()`` mapped onto the table's logical tensors."""
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import (
-        ShardedObject,
-        ShardedTensor,
-        apply_factories,
-        is_main_replica,
-    )
-
-    ssd = model.sharded_state_dict()
-    apply_factories(ssd)
-    plan = BoxPlan()
-    for sh in nested_values(ssd):
-        if isinstance(sh, ShardedObject):
-            if is_main_replica(sh.replica_id) or not main_replicas_only:
-                plan.objects[sh.unique_key] = None  # module extra state (TE FP8 metadata); nothing to carry over
-            continue
-        if not isinstance(sh, ShardedTensor):
-            raise AssertionError(f"unexpected sharded state dict entry {type(sh).__name__}")
-        if main_replicas_only and not is_main_replica(sh.replica_id):
-            continue
-        if sh.flattened_range is not None:
-            raise BridgeError(f"{sh.key}: flattened (distributed-optimizer) shards are not model weights")
-        if naming.is_layer_stacked(sh.key):
-            raise BridgeError(f"{sh.key}: layer-stacked checkpoint keys are not supported (GLM-5.x layers are "
-                              "heterogeneous; megatron-core should not stack them)")
-        sizes = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
-        offsets = tuple(sh.global_offset)
-        piece = naming.logical_piece(sh.key, offsets, sizes)
-        m = expansion.by_mcore.get(piece.logical)
-        if m is None:
-            raise BridgeError(f"the model has a parameter '{sh.key}' (logical '{piece.logical}') that the mapping "
-                              "table does not know; the table in bridge/mapping.py needs a row for it")
-        logical_shape = tuple(sh.global_shape[1:]) if naming.expert_stack(sh.key) else tuple(sh.global_shape)
-        if logical_shape != tuple(m.mcore_shape):
-            raise ShapeMismatchError(f"'{piece.logical}': the model built from config.json has shape "
-                                     f"{list(logical_shape)}, the table expects {list(m.mcore_shape)} from the HF shapes")
-        chunk = Chunk(sh.key, offsets, sizes, tuple(sh.global_shape), dtype_of(m))
-        plan.chunks.append(chunk)
-        plan.pieces[(chunk.key, offsets)] = piece
-        if keep_data:
-            plan.tensors[(chunk.key, offsets)] = sh.data
-    return plan
-
-
-def verify_written(ckpt_dir: Path, expansion: Expansion) -> None:
-    """Every logical tensor of the table is in the written checkpoint, completely, and nothing else is."""
-    ckpt = DistCheckpoint(ckpt_dir)
-    found: set[str] = set()
-    for key, md in ckpt.tensors.items():
-        volume = sum(int(torch.Size(c.sizes).numel()) for c in md.chunks)
-        if volume != int(md.size.numel()):
-            raise AssertionError(f"{key}: written chunks cover {volume} of {int(md.size.numel())} elements")
-        found.update(name for name, _, _ in naming.logical_tensors(key, tuple(md.size)))
-    expected = set(expansion.by_mcore)
-    if found != expected:
-        raise TensorSetError(
-            f"{ckpt_dir}: the written checkpoint does not hold the table's tensors (model and table disagree): "
-            f"missing {format_names(expected - found)}; unexpected {format_names(found - expected)}",
-            missing=expected - found, unexpected=found - expected,
-        )
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -384,12 +158,17 @@ def _import_rank(*, hf_path: str, out: str, tp: int, pp: int, ep: int, dtype: st
     bar = Progress(total=len(plan.chunks), total_bytes=sum(c.nbytes for c in plan.chunks),
                    desc=f"import{f' rank {rank}' if rank else ''}", enabled=progress if rank == 0 else False)
 
+    mat.prefetch([(p.logical, p.offsets, p.sizes) for p in (plan.pieces[(c.key, c.offsets)] for c in plan.chunks)])
+
     def resolve(chunk: Chunk) -> torch.Tensor:
         piece = plan.pieces[(chunk.key, chunk.offsets)]
         return mat.box(piece.logical, piece.offsets, piece.sizes).reshape(chunk.sizes).to(chunk.dtype)
 
-    write_dist_checkpoint(ckpt_dir, plan.chunks, plan.objects, resolve,
-                          on_written=lambda c: bar.update(c.nbytes), sync_files=sync_files)
+    try:
+        write_dist_checkpoint(ckpt_dir, plan.chunks, plan.objects, resolve,
+                              on_written=lambda c: bar.update(c.nbytes), sync_files=sync_files)
+    finally:
+        mat.close()
     bar.close()
     src.reader.close()
     if rank == 0:
@@ -438,11 +217,11 @@ def _logical_sources(ckpt: DistCheckpoint) -> dict[str, tuple[str, int | None, t
     return out
 
 
-def _read_logical(ckpt: DistCheckpoint, key: str, row: int | None, offsets, sizes) -> torch.Tensor:
-    """A box of a logical tensor: of key ``key`` itself, or of row ``row`` of a stacked (expert) key."""
+def _stored_box(key: str, row: int | None, offsets, sizes) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+    """The stored box of a box of a logical tensor: of key ``key`` itself, or of row ``row`` of a stacked key."""
     if row is None:
-        return ckpt.read(key, tuple(offsets), tuple(sizes))
-    return ckpt.read(key, (row, *offsets), (1, *sizes)).reshape(tuple(sizes))
+        return key, tuple(offsets), tuple(sizes)
+    return key, (row, *offsets), (1, *sizes)
 
 
 def convert_megatron_to_hf(
@@ -508,18 +287,24 @@ def convert_megatron_to_hf(
     total = sum(int(torch.Size(p.shape).numel()) * torch.empty((), dtype=p.dtype).element_size()
                 for p in planned.values())
     bar = Progress(total=len(maps), total_bytes=total, desc="export", enabled=progress)
+    reads: list[list[tuple]] = []  # per map, the boxes it reads, in order
+    for m in maps:
+        key, row, shape = sources[m.mcore]
+        boxes = m.transform.hf_boxes(shape) or [((0,) * len(shape), tuple(shape))]
+        reads.append([_stored_box(key, row, off, size) for off, size in boxes])
+    itemsize = {k: torch.empty((), dtype=ckpt.dtype(k)).element_size() for k in ckpt.tensors}
+    ahead = Prefetcher(lambda box: ckpt.read(*box),
+                       [(b, int(torch.Size(b[2]).numel()) * itemsize[b[0]]) for r in reads for b in r])
     with atomic_output_dir(final, overwrite=overwrite) as tmp:
         writer = hf_io.HFShardWriter(tmp, [planned[n] for n in order], max_shard_bytes=max_shard_bytes,
                                      sync=sync_files)
         try:
-            for m in maps:
-                key, row, shape = sources[m.mcore]
-                out_dtype_m = dtype_of(m)
-                boxes = m.transform.hf_boxes(shape)
-                if boxes is None:  # the transform mixes values: read the whole tensor, transform it
-                    parts = m.transform.to_hf(_read_logical(ckpt, key, row, (0,) * len(shape), shape).to(out_dtype_m))
-                else:  # each HF tensor is one box (for a checkpoint written at TP=1 one stored chunk): no copies
-                    parts = [_read_logical(ckpt, key, row, off, size).to(out_dtype_m) for off, size in boxes]
+            for m, boxes in zip(maps, reads):
+                shape = sources[m.mcore][2]
+                # each box is one HF tensor (usually one stored chunk: no copy), or the whole tensor to transform
+                values = [ahead.get(b).reshape(b[2] if sources[m.mcore][1] is None else b[2][1:]).to(dtype_of(m))
+                          for b in boxes]
+                parts = m.transform.to_hf(values[0]) if m.transform.hf_boxes(shape) is None else values
                 for ref, part in zip(m.hf, parts):
                     writer.write(ref.name, part, row=ref.row)
                 bar.update(sum(p.numel() * p.element_size() for p in parts))
@@ -528,6 +313,8 @@ def convert_megatron_to_hf(
         except BaseException:
             writer.abort()
             raise
+        finally:
+            ahead.close()
         bar.close()
         assets_dir = next((d for d in (ckpt_dir.parent / HF_ASSETS_DIR, ckpt_dir / HF_ASSETS_DIR) if d.is_dir()), None)
         copied = hf_io.copy_assets(assets_dir, tmp, skip={"config.json"}) if assets_dir else []

@@ -21,13 +21,9 @@ import torch
 
 from megatron_glm5.config import load_hf_config, mcore_kwargs, parse_hf_config
 
-from .convert import (
-    Materializer,
-    convert_megatron_to_hf,
-    open_hf_source,
-    parse_dtype,
-    sharded_boxes,
-)
+from .boxes import sharded_boxes
+from .convert import convert_megatron_to_hf
+from .source import Materializer, open_hf_source, parse_dtype
 from .errors import BridgeError
 from .launch import barrier, broadcast_object, world
 from .mapping import expand

@@ -121,11 +121,10 @@ def _rank_entry(fn: Callable[..., Any], rank: int, nprocs: int, port: int, kwarg
 
     from megatron_glm5.config import GLM5ConfigError
     from megatron_glm5.cpu import enable_cpu_mode
-    from megatron_glm5.parallel import ensure_process_group
 
     try:
         enable_cpu_mode()
-        ensure_process_group()
+        dist.init_process_group("gloo")  # conversion ranks move no tensors between them: no GPU needed
         result = fn(**kwargs)
         queue.put((rank, "ok", result))
     except (BridgeError, GLM5ConfigError) as e:

@@ -26,7 +26,7 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch.futures import Future
@@ -138,7 +138,7 @@ class _BoxPlanner(DefaultSavePlanner):
         if tuple(t.shape) != tuple(chunk.sizes) or t.dtype != chunk.dtype:
             raise AssertionError(f"{chunk.key} box {chunk.offsets}: planned {chunk.dtype}{list(chunk.sizes)}, "
                                  f"resolved {t.dtype}{list(t.shape)}")
-        t = t.detach().contiguous()
+        t = t.detach().cpu().contiguous()
         if t.untyped_storage().nbytes() != t.numel() * t.element_size():  # torch.save writes the whole storage
             t = t.clone()
         return t

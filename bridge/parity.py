@@ -121,10 +121,11 @@ def verify(
     for i, layer in enumerate(model.decoder.layers):
         gi = layer.layer_number - 1
         hooks.append(layer.register_forward_hook(
-            lambda mod, a, out, gi=gi: ours_hidden.__setitem__(gi, (out[0] if isinstance(out, tuple) else out).transpose(0, 1))))
+            lambda mod, a, out, gi=gi: ours_hidden.__setitem__(
+                gi, (out[0] if isinstance(out, tuple) else out).transpose(0, 1).float().cpu())))
         if getattr(layer.self_attention, "computes_topk", False):
             hooks.append(layer.self_attention.register_forward_hook(
-                lambda mod, a, out, gi=gi: ours_topk.__setitem__(gi, out[2])))
+                lambda mod, a, out, gi=gi: ours_topk.__setitem__(gi, out[2].cpu())))
     names = ("hidden_states", "q_resid", "position_embeddings", "attention_mask", "position_ids")
     for i, layer in enumerate(hf.model.layers):
         hooks.append(layer.register_forward_hook(
@@ -137,8 +138,9 @@ def verify(
                 hf_scores[i] = _hf_index_scores(mod, {**dict(zip(names, args)), **kwargs})
 
             hooks.append(indexer.register_forward_pre_hook(pre, with_kwargs=True))
+    device = next(model.parameters()).device
     try:
-        ours = model(ids, pos, None).float()
+        ours = model(ids.to(device), pos.to(device), None).float().cpu()
         theirs = hf(ids).logits.float()
     finally:
         for h in hooks:

@@ -125,9 +125,9 @@ def stalled_conversion(kind: str, src: str, dst: str, marker: str, after_reads: 
     if kind == "import":
         original = hf_io.HFCheckpointReader.read
 
-        def read(self, name, row=None):
+        def read(self, *args, **kwargs):
             stall()
-            return original(self, name, row)
+            return original(self, *args, **kwargs)
 
         hf_io.HFCheckpointReader.read = read
         convert_hf_to_megatron(hf_path=src, megatron_path=dst, progress=False)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import bridge
+import bridge.source
 from bridge.errors import BridgeError
 from bridge.parity import _boundary_ties
 from tests.bridge_workers import make_fixture
@@ -28,7 +29,7 @@ def test_logits_match_transformers(fixtures, name, model_parallel):
     assert r["logit_cosine"] > 1 - 1e-6 and r["argmax_agreement"] == 1.0
     assert r["first_divergent_layer"] is None, r["layer_max_rel_diff"]
     full = [str(i) for i, t in enumerate(bridge.mapping.layer_kinds(
-        bridge.convert.open_hf_source(src).arch)) if t.indexer == "full" and i < len(r["layer_max_rel_diff"])]
+        bridge.source.open_hf_source(src).arch)) if t.indexer == "full" and i < len(r["layer_max_rel_diff"])]
     assert sorted(r["topk_overlap"]) == full and all(v == 1.0 for v in r["topk_overlap"].values())
 
 

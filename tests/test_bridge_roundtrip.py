@@ -133,3 +133,45 @@ def test_export_to_the_other_expert_layout(fixtures, tmp_path):
     assert sorted(out.names) == sorted(ref.names)  # same seed: identical weights in the other layout
     for n in ref.names:
         assert torch.equal(out.read(n), ref.read(n)), n
+
+
+def test_export_a_checkpoint_saved_by_megatron_core(fixtures, tmp_path, model_parallel, monkeypatch):
+    """A checkpoint written by megatron-core's own dist_checkpointing.save, as Megatron-LM training writes it
+    (model weights + optimizer state + args, no bridge metadata), exports with --hf-config back to the source."""
+    from argparse import Namespace
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from bridge.errors import BridgeError
+    from megatron_glm5 import from_hf_pretrained
+
+    src = make_fixture(fixtures, "glm52")
+    model = from_hf_pretrained(src)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)  # megatron-core's save assumes CUDA
+    exp_avg = ShardedTensor.from_rank_offsets("optimizer.state.exp_avg.decoder.final_layernorm.weight",
+                                              torch.zeros(128), replica_id=0)
+    state = {"model": model.sharded_state_dict(), "optimizer": {"exp_avg": exp_avg},
+             "args": Namespace(tensor_model_parallel_size=1), "iteration": 5, "checkpoint_version": 3.0}
+    ckpt = tmp_path / "mlm" / "iter_0000005"
+    ckpt.mkdir(parents=True)
+    dist_checkpointing.save(state, str(ckpt))
+    (tmp_path / "mlm" / "latest_checkpointed_iteration.txt").write_text("5")
+
+    with pytest.raises(BridgeError, match="does not record its HF config.json"):
+        bridge.convert_megatron_to_hf(megatron_path=tmp_path / "mlm", hf_path=tmp_path / "hf")
+    bridge.convert_megatron_to_hf(megatron_path=tmp_path / "mlm", hf_path=tmp_path / "hf",
+                                  hf_config=src / "config.json")
+    report = bridge.compare_hf_checkpoints(src, tmp_path / "hf")
+    assert report["ok"], report["mismatches"]
+
+    # our import writes the same keys, global shapes and chunk boxes as megatron-core's own save
+    bridge.convert_hf_to_megatron(hf_path=src, megatron_path=tmp_path / "ours")
+    theirs, ours = DistCheckpoint(ckpt), DistCheckpoint(resolve_checkpoint_dir(tmp_path / "ours"))
+    model_keys = {k for k in theirs.tensors if not k.startswith("optimizer.")}
+    assert model_keys == set(ours.tensors)
+    for k in model_keys:
+        assert theirs.shape(k) == ours.shape(k), k
+        boxes = sorted((tuple(c.offsets), tuple(c.sizes)) for c in theirs.tensors[k].chunks)
+        assert boxes == sorted((tuple(c.offsets), tuple(c.sizes)) for c in ours.tensors[k].chunks), k
+    assert set(theirs.objects) == set(ours.objects)

@@ -132,10 +132,27 @@ sys.exit(0 if r["ok"] else 1)
 """
 
 
+_COLD = {"on": False}
+
+
+def drop_caches() -> bool:
+    """Write back dirty pages and drop the page cache (root only), so every step reads its input from disk."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+        return True
+    except OSError:
+        return False
+
+
 def measured(code: str, *args: str) -> dict:
     """Run ``code`` in a fresh interpreter; wall time and that process's peak RSS. Dirty pages of earlier steps
-    are flushed first (``sync``) so that no step pays for another's write-back."""
-    os.sync()
+    are written back first so that no step pays for another's write-back, and with ``--cold`` the page cache is
+    dropped so that every step reads its input from disk."""
+    if _COLD["on"]:
+        drop_caches()
+    else:
+        os.sync()
     env = {**os.environ, "PYTHONPATH": str(REPO), "TORCHDYNAMO_DISABLE": "1"}
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-c", code, *args], env=env, stdout=subprocess.PIPE,
@@ -159,7 +176,12 @@ def main() -> None:
     ap.add_argument("--check", action="store_true", help="also compare the export with the source bitwise")
     ap.add_argument("--repeat", type=int, default=2, help="runs per step; the best is reported (disk noise)")
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--cold", action="store_true", help="drop the page cache before every step (needs root)")
     args = ap.parse_args()
+    if args.cold:
+        if not drop_caches():
+            raise SystemExit("--cold needs write access to /proc/sys/vm/drop_caches (root)")
+        _COLD["on"] = True
 
     work = args.work_dir
     if work.exists():
@@ -200,7 +222,7 @@ def main() -> None:
         base_nosync = best["safetensors load_file+save_file (nosync)"]["seconds"]
         print()
         print(f"best of {args.repeat}; {gb:.2f} GB, {n_tensors} tensors; wall time of the whole process (start-up "
-              "and imports included)")
+              f"and imports included); page cache {'dropped before each step' if args.cold else 'warm'}")
         print()
         print("| step | wall s | GB/s | vs baseline (fsync) | vs baseline (no fsync) | peak RSS GB |")
         print("|---|---:|---:|---:|---:|---:|")

@@ -1,0 +1,200 @@
+"""The HF side of a conversion: a validated source checkpoint and the logical megatron tensors computed from it.
+
+:func:`open_hf_source` checks everything before any output exists (config, index, headers, exact key accounting,
+shapes). :class:`Materializer` turns table rows into megatron tensors - or just a box of one, reading only the HF
+tensor (or rows) the box needs - optionally with a background read-ahead (:mod:`bridge.prefetch`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from megatron_glm5.config import GLM5Architecture, load_hf_config, parse_hf_config
+
+from . import hf_io
+from .compat import needs_indexer_rope_swap
+from .errors import BridgeError, CheckpointFormatError
+from .mapping import Expansion, TensorMap, account_hf_names, check_hf_shapes, detect_expert_layout, expand
+from .prefetch import Prefetcher
+from .transforms import dequantize_block_fp8
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
+          "fp16": torch.float16, "float16": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise BridgeError(f"dtype: expected one of {sorted(DTYPES)}, got {dtype!r}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# HF source
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class HFSource:
+    """A validated HF checkpoint: every tensor accounted for, every shape checked."""
+
+    path: Path
+    raw: dict
+    arch: GLM5Architecture
+    reader: hf_io.HFCheckpointReader
+    expansion: Expansion
+    ignored: dict[str, str]
+    fp8_names: frozenset[str]
+    fp8_block: tuple[int, int]
+
+
+def open_hf_source(hf_path: str | Path) -> HFSource:
+    path = Path(hf_path)
+    if not path.is_dir():
+        raise CheckpointFormatError(f"{path}: HF checkpoint directory not found")
+    if not (path / "config.json").is_file():
+        raise CheckpointFormatError(f"{path}: missing config.json")
+    raw = load_hf_config(path)
+    arch = parse_hf_config(raw)
+    reader = hf_io.HFCheckpointReader(path)
+    layout = detect_expert_layout(reader.names)
+    fp8 = frozenset(n for n, i in reader.tensors.items() if i.dtype in FP8_DTYPES)
+    if fp8 and not arch.is_fp8:
+        raise CheckpointFormatError(
+            f"{path}: {len(fp8)} tensors are stored in FP8 (e.g. {sorted(fp8)[0]}) but config.json has no fp8 "
+            "quantization_config; expected block-FP8 metadata ('quant_method': 'fp8', 'weight_block_size')"
+        )
+    block = tuple((arch.quantization or {}).get("weight_block_size") or (128, 128))
+    expansion = expand(arch, expert_layout=layout, fp8_names=fp8, fp8_block=block,
+                       indexer_rope_swap=needs_indexer_rope_swap())
+    ignored = account_hf_names(arch, expansion, reader.names, source=str(path))
+    check_hf_shapes(expansion, reader.shapes(), source=str(path))
+    return HFSource(path, raw, arch, reader, expansion, ignored, fp8, block)
+
+
+class Materializer:
+    """Logical megatron tensors computed from an :class:`HFSource`, with a one-entry cache."""
+
+    def __init__(self, src: HFSource, dtype: torch.dtype | None = None):
+        self.src = src
+        self.dtype = dtype
+        self._cached: tuple[str, torch.Tensor] | None = None
+        self._prefetch: Prefetcher | None = None
+
+    def prefetch(self, boxes: list[tuple[str, tuple[int, ...], tuple[int, ...]]], budget: int = 256 << 20) -> None:
+        """Read ahead on a background thread for ``box()`` calls that will come in this order."""
+        plan: list[tuple[tuple, int]] = []
+        for name, offsets, sizes in boxes:
+            for key in self._reads_for(name, offsets, sizes):
+                if not plan or plan[-1][0] != key:  # consecutive repeats are served by the cache
+                    plan.append((key, self._nbytes(key)))
+        self._prefetch = Prefetcher(lambda k: self.src.reader.read(*k), plan, budget=budget)
+
+    def close(self) -> None:
+        if self._prefetch is not None:
+            self._prefetch.close()
+            self._prefetch = None
+
+    def _nbytes(self, key: tuple) -> int:
+        name, row, rows = key
+        info = self.src.reader.info(name)
+        n = info.nbytes // (info.shape[0] if row is not None else 1)
+        if rows is not None:
+            shape = info.shape[1:] if row is not None else info.shape
+            n = n // shape[0] * (rows[1] - rows[0])
+        return n
+
+    def _raw(self, name: str, row: int | None, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        if self._prefetch is not None:
+            return self._prefetch.get((name, row, rows))
+        return self.src.reader.read(name, row, rows)
+
+    def _row_range(self, m: TensorMap, offsets, sizes):
+        """(part index, its offsets, rows or None) for a box inside one HF tensor, else None."""
+        where = m.transform.locate(tuple(offsets), tuple(sizes), [r.shape for r in m.hf])
+        if where is None:
+            return None
+        i, part_offsets = where
+        ref = m.hf[i]
+        whole_rows = all(o == 0 and n == d for o, n, d in zip(part_offsets[1:], sizes[1:], ref.shape[1:]))
+        if ref.scale is None and whole_rows and sizes[0] != ref.shape[0]:
+            return i, part_offsets, (part_offsets[0], part_offsets[0] + sizes[0])
+        return i, part_offsets, None
+
+    def _reads_for(self, name: str, offsets, sizes) -> list[tuple]:
+        m = self.src.expansion.by_mcore[name]
+        where = self._row_range(m, offsets, sizes)
+        refs = m.hf if where is None else (m.hf[where[0]],)
+        keys = []
+        for ref in refs:
+            keys.append((ref.name, ref.row, None if where is None else where[2]))
+            if ref.scale is not None:
+                keys.append((ref.scale.name, ref.scale.row, None))
+        return keys
+
+    def target_dtype(self, m: TensorMap) -> torch.dtype:
+        if m.fp32:
+            return torch.float32
+        if self.dtype is not None:
+            return self.dtype
+        first = m.hf[0]
+        return torch.bfloat16 if first.scale is not None else self.src.reader.info(first.name).dtype
+
+    def get(self, name: str) -> torch.Tensor:
+        if self._cached is not None and self._cached[0] == name:
+            return self._cached[1]
+        self._cached = None
+        m = self.src.expansion.by_mcore[name]
+        dtype = self.target_dtype(m)
+        parts = [self._read(r, dtype) for r in m.hf]
+        t = m.transform.to_mcore(parts).to(dtype)
+        self._cached = (name, t)
+        return t
+
+    def box(self, name: str, offsets, sizes) -> torch.Tensor:
+        """The box ``[offsets, offsets + sizes)`` of logical tensor ``name`` in its target dtype. When the box lies in
+        one HF tensor (a TP slice, or the gate / up half that megatron-core's swiglu factory stores as its own
+        chunk) only that tensor is read, with no concatenation or copy."""
+        m = self.src.expansion.by_mcore[name]
+        where = self._row_range(m, offsets, sizes)
+        if where is None:
+            return box_of(self.get(name), offsets, sizes)
+        i, part_offsets, rows = where
+        ref, dtype = m.hf[i], self.target_dtype(m)
+        if rows is not None:  # a row range (TP slice): read only it
+            return self._raw(ref.name, ref.row, rows).to(dtype)
+        key = f"{name}#{i}"
+        if self._cached is not None and self._cached[0] == key:
+            t = self._cached[1]
+        else:
+            self._cached = None
+            t = self._read(ref, dtype).to(dtype)
+            self._cached = (key, t)
+        return box_of(t, part_offsets, sizes)
+
+    def _read(self, ref, dtype: torch.dtype) -> torch.Tensor:
+        t = self._raw(ref.name, ref.row)
+        if ref.scale is not None:
+            s = self._raw(ref.scale.name, ref.scale.row)
+            t = dequantize_block_fp8(t, s, self.src.fp8_block, dtype)
+        return t
+
+    def source_order(self, name: str) -> tuple[str, int]:
+        """(file, byte offset) of the first HF tensor of ``name``: converting in this order reads shards in order."""
+        ref = self.src.expansion.by_mcore[name].hf[0]
+        info = self.src.reader.info(ref.name)
+        return str(info.file), info.start
+
+
+def box_of(t: torch.Tensor, offsets, sizes) -> torch.Tensor:
+    return t[tuple(slice(o, o + s) for o, s in zip(offsets, sizes))]
