@@ -16,14 +16,19 @@ Per layer (single-device math below; parallelism enters only through the marked 
    latent (8192 per token), with autograd-aware collectives.
 6. Sparse MLA over the top-k (:func:`megatron_glm5.kernels.sparse_mla`), de-absorption with ``W_vc``, ``linear_proj``.
 
+Context parallelism (megatron-core's load-balanced zigzag split, bshd): queries stay on their CP rank, the latent keys
+and the indexer keys are all-gathered across the CP group and put back in sequence order (:class:`SequenceGather`),
+and each query row's causal range and RoPE position come from its global position (``TokenLayout.build_zigzag_cp``).
+
 On CPU, or for shapes our kernels do not cover, steps 5-6 run :mod:`megatron_glm5.dsa.reference` (the kernels'
-oracle), so CI tests this module's logic against the ``megatron`` backend. Training and forward only; context
-parallelism and YaRN RoPE are refused with a clear error.
+oracle), so CI tests this module's logic against the ``megatron`` backend. Training and forward only; THD input with
+context parallelism and YaRN RoPE are refused with a clear error.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -51,8 +56,31 @@ def _kernels_apply(t: torch.Tensor) -> bool:
     return t.is_cuda and _tilelang_available()
 
 
+@dataclass(frozen=True, slots=True)
+class SequenceGather:
+    """Autograd-aware all-gathers along the sequence (reduce-scatter in backward): within the TP group under sequence
+    parallelism, and for key-side tensors also across the CP group, put back in sequence order."""
+
+    tp_group: Optional[torch.distributed.ProcessGroup]  # None without sequence parallelism
+    cp_group: Optional[torch.distributed.ProcessGroup]  # None without context parallelism
+    key_order: Optional[torch.Tensor]  # TokenLayout.key_order under CP
+
+    def rows(self, t: torch.Tensor) -> torch.Tensor:
+        """``[s_l, b, ...]`` SP shard -> this CP rank's rows ``[s, b, ...]``."""
+        return t if self.tp_group is None else gather_from_sequence_parallel_region(t, group=self.tp_group)
+
+    def keys(self, t: torch.Tensor) -> torch.Tensor:
+        """``[s_l, b, ...]`` -> every row of the sequence, in order."""
+        t = self.rows(t)
+        if self.cp_group is None:
+            return t
+        return gather_from_sequence_parallel_region(t, group=self.cp_group).index_select(0, self.key_order)
+
+
 class TileLangSparseAttention(DSACoreAttention):
     """Core of the ``tilelang`` backend: top-k selection and sparse MLA on our kernels (module docstring)."""
+
+    supports_context_parallel = True
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
@@ -61,10 +89,10 @@ class TileLangSparseAttention(DSACoreAttention):
         self.rope_dim = config.qk_pos_emb_head_dim
 
     @torch.no_grad()
-    def compute_topk(self, x: torch.Tensor, q_c: torch.Tensor, layout: TokenLayout, cos: torch.Tensor,
-                     sin: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
-        """Indexer on this rank's rows (``x [s_l, b, h]``, normalised ``q_c [s_l, b, q_lora]``), compact outputs
-        gathered over SP, then causal top-k: int32 ``[T, index_topk]`` global rows, -1 tail padding."""
+    def compute_topk(self, x: torch.Tensor, q_c: torch.Tensor, layout: TokenLayout, rope_q, rope_k,
+                     gather: "SequenceGather") -> torch.Tensor:
+        """Indexer on this rank's rows (``x [s_l, b, h]``, normalised ``q_c [s_l, b, q_lora]``), its compact outputs
+        gathered along the sequence, then causal top-k: int32 ``[T_q, index_topk]`` key rows, -1 tail padding."""
         idx = self.indexer
         s_l, b = x.shape[:2]
         q, _ = idx.linear_wq_b(q_c)
@@ -73,13 +101,10 @@ class TileLangSparseAttention(DSACoreAttention):
         k = idx.k_norm(k.float())  # fp32 LayerNorm, eps 1e-6
         scale = self.index_heads**-0.5 * self.index_dim**-0.5
         w = F.linear(x.float(), idx.linear_weights_proj.weight.float()) * scale  # fp32 head weights
-        if sequence_parallel:
-            group = self.pg_collection.tp
-            q, k, w = (gather_from_sequence_parallel_region(t, group=group) for t in (q, k, w))
-        q, k, w = layout.flatten(q), layout.flatten(k), layout.flatten(w)  # [T, Hi, Di], [T, Di], [T, Hi]
+        q, w, k = layout.flatten(gather.rows(q)), layout.flatten(gather.rows(w)), layout.flatten_keys(gather.keys(k))
         r = self.rope_dim
-        q = torch.cat([apply_interleaved_rope(q[..., :r], cos, sin), q[..., r:]], dim=-1)
-        k = torch.cat([apply_interleaved_rope(k[..., :r], cos, sin), k[..., r:]], dim=-1).to(q.dtype)
+        q = torch.cat([apply_interleaved_rope(q[..., :r], *rope_q), q[..., r:]], dim=-1)  # [T_q, Hi, Di]
+        k = torch.cat([apply_interleaved_rope(k[..., :r], *rope_k), k[..., r:]], dim=-1).to(q.dtype)  # [T_k, Di]
         if _kernels_apply(q):
             from . import kernels
 
@@ -139,25 +164,34 @@ class TileLangMLASelfAttention(MLASelfAttention):
         kv, _ = self.linear_kv_down_proj(x)
         c, k_pe = torch.split(kv, [cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim], dim=-1)
         c = self.kv_layernorm(c)
-        q, _ = self.linear_q_up_proj(q_c)  # [s, b, H_l * (qk + rope)]
-        if sp:
-            c = gather_from_sequence_parallel_region(c, group=self.pg_collection.tp)
-            k_pe = gather_from_sequence_parallel_region(k_pe, group=self.pg_collection.tp)
+        q, _ = self.linear_q_up_proj(q_c)  # [s, b, H_l * (qk + rope)]: this rank's heads, all its CP rows
         s, b = q.shape[:2]
-        layout = TokenLayout.build(s, b, q.device, packed_seq_params)
+        cp_group = self.pg_collection.cp if cfg.context_parallel_size > 1 else None
+        if cp_group is None:
+            layout = TokenLayout.build(s, b, q.device, packed_seq_params)
+            order = None
+        elif packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            raise NotImplementedError("the tilelang backend supports context parallelism for bshd input, not THD yet")
+        else:
+            layout = TokenLayout.build_zigzag_cp(s, b, cp_group.rank(), cp_group.size(), q.device)
+            order = TokenLayout.key_order(s, cp_group.size(), q.device)
+        gather = SequenceGather(self.pg_collection.tp if sp else None, cp_group, order)
+        c, k_pe = gather.keys(c), gather.keys(k_pe)  # [s_k, b, ...]: the whole sequence, in order
         heads = q.shape[-1] // self.q_head_dim
         q = layout.flatten(q).view(layout.num_rows, heads, self.q_head_dim)
         q_nope, q_pe = torch.split(q, [cfg.qk_head_dim, cfg.qk_pos_emb_head_dim], dim=-1)
-        cos, sin = rope_cos_sin(layout.positions, cfg.qk_pos_emb_head_dim, cfg.rotary_base)
-        q_pe = apply_interleaved_rope(q_pe, cos, sin)
-        k_pe = apply_interleaved_rope(layout.flatten(k_pe), cos, sin)
+        rope_q = rope_cos_sin(layout.positions, cfg.qk_pos_emb_head_dim, cfg.rotary_base)
+        rope_k = rope_q if cp_group is None else rope_cos_sin(layout.key_positions, cfg.qk_pos_emb_head_dim,
+                                                              cfg.rotary_base)
+        q_pe = apply_interleaved_rope(q_pe, *rope_q)
+        k_pe = apply_interleaved_rope(layout.flatten_keys(k_pe), *rope_k)
         w_kc, w_vc = self.kv_up_weights()
-        query = torch.cat([torch.einsum("thd,hdc->thc", q_nope, w_kc), q_pe], dim=-1)  # [T, H, 576]
-        kv_full = torch.cat([layout.flatten(c), k_pe], dim=-1)  # [T, 576]
+        query = torch.cat([torch.einsum("thd,hdc->thc", q_nope, w_kc), q_pe], dim=-1)  # [T_q, H, 576]
+        kv_full = torch.cat([layout.flatten_keys(c), k_pe], dim=-1)  # [T_k, 576]
 
         topk = dsa_topk
         if topk is None:
-            topk = self.core_attention.compute_topk(x, q_c, layout, cos, sin, sp)
+            topk = self.core_attention.compute_topk(x, q_c, layout, rope_q, rope_k, gather)
         else:
             self.core_attention.check_topk(topk, layout.num_rows)
 

@@ -63,9 +63,16 @@ def load_weights(model, ckpt_dir: str) -> None:
     assert not missing and not unexpected, (missing, unexpected)
 
 
+def zigzag_rows(seq: int, cp: int, rank: int) -> torch.Tensor:
+    """The sequence positions CP rank ``rank`` holds under megatron's load-balanced split (chunks r, 2cp-1-r)."""
+    chunk = seq // (2 * cp)
+    return torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
+                      torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)])
+
+
 def train_step_grads(model, batches, *, vocab: int) -> tuple[float | None, dict[str, torch.Tensor]]:
-    """Forward/backward all micro-batches through this rank's pipeline stage; returns (mean LM loss on the last
-    stage else None, finalised gradients by parameter name)."""
+    """Forward/backward all micro-batches through this rank's pipeline stage (this CP rank's zigzag rows of each
+    sequence); returns (mean LM loss over this rank's tokens on the last stage else None, finalised gradients)."""
     from megatron.core import parallel_state as ps
 
     pp = ps.get_pipeline_model_parallel_world_size()
@@ -75,11 +82,14 @@ def train_step_grads(model, batches, *, vocab: int) -> tuple[float | None, dict[
     model.train()
     model.zero_grad(set_to_none=True)
     losses, saved = [], []
+    cp = ps.get_context_parallel_world_size()
+    rows = zigzag_rows(SEQ, cp, ps.get_context_parallel_rank()) if cp > 1 else torch.arange(SEQ)
     for ids in batches:
-        pos = torch.arange(SEQ)[None].expand(ids.shape[0], SEQ)
+        ids = ids[:, rows]
+        pos = rows[None].expand(ids.shape[0], rows.numel())
         inp = None
         if not first:
-            inp = torch.empty(SEQ, ids.shape[0], model.config.hidden_size, dtype=torch.float32)
+            inp = torch.empty(rows.numel(), ids.shape[0], model.config.hidden_size, dtype=torch.float32)
             dist.recv(inp, src=prev_rank, group=pp_group)
             inp.requires_grad_(True)
             model.set_input_tensor(inp)
@@ -110,8 +120,8 @@ def _finalize_grads(model, pp: int) -> None:
     from megatron.core import parallel_state as ps
 
     tp_group = ps.get_tensor_model_parallel_group()
-    dp_group = ps.get_data_parallel_group()
-    dp = ps.get_data_parallel_world_size()
+    dp_group = ps.get_data_parallel_group(with_context_parallel=True)  # Megatron averages over DP x CP
+    dp = ps.get_data_parallel_world_size(with_context_parallel=True)
     for name, p in model.named_parameters():
         if p.grad is None:
             continue
@@ -136,7 +146,7 @@ def _finalize_grads(model, pp: int) -> None:
 
 
 def parallel_case(rank: int, world: int, *, raw: dict, weights: str, grads_out: str, tp: int, pp: int, ep: int,
-                  vocab: int, backend: str = "megatron") -> dict:
+                  vocab: int, backend: str = "megatron", cp: int = 1) -> dict:
     """Load the reference weights at (TP, PP, EP), run the micro-batches, save gradients as a dist checkpoint."""
     from megatron.core import dist_checkpointing
 
@@ -145,9 +155,9 @@ def parallel_case(rank: int, world: int, *, raw: dict, weights: str, grads_out: 
     from megatron_glm5.parallel import initialize_model_parallel
 
     initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                              expert_model_parallel_size=ep)
+                              expert_model_parallel_size=ep, context_parallel_size=cp)
     policy = default_cpu_policy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                expert_model_parallel_size=ep)
+                                expert_model_parallel_size=ep, context_parallel_size=cp)
     model = build_model(parse_hf_config(raw), policy, backend=backend)
     load_weights(model, weights)
     loss, grads = train_step_grads(model, make_batches(vocab), vocab=vocab)

@@ -112,3 +112,10 @@ def test_glm5_all_full_layers(model_parallel):
     arch, _ = _config(tiny_glm5_config())
     model = build_model(arch, default_cpu_policy())
     assert all(layer.self_attention.computes_topk for layer in model.decoder.layers)
+
+
+def test_context_parallel_needs_the_tilelang_backend(model_parallel):
+    arch, _ = _config()
+    with pytest.raises(NotImplementedError, match="GLMSparseAttention does not support context_parallel_size > 1; "
+                                                  "use the 'tilelang' backend"):
+        build_model(arch, default_cpu_policy(context_parallel_size=2))

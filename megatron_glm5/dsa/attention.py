@@ -13,7 +13,7 @@ mask or ``packed_seq_params``.
   path of :mod:`megatron_glm5.dsa.reference` runs, whose peak memory is O(chunk x S) instead of megatron-core's
   dense ``[b, heads, S, S]`` fallback.
 
-Context parallelism is not supported here (a clear error); the ``tilelang`` backend owns CP.
+Context parallelism is not supported here (a clear error); the ``tilelang`` backend implements it.
 """
 
 from __future__ import annotations
@@ -99,6 +99,7 @@ class DSACoreAttention(MegatronModule):
 
     consumes_absorbed_v_up_projection = True
     requires_dsa_inputs = True
+    supports_context_parallel = False
 
     def __init__(
         self,
@@ -121,8 +122,11 @@ class DSACoreAttention(MegatronModule):
             raise ValueError(f"indexer_type: expected 'full' or 'shared', got {indexer_type!r}")
         if attn_mask_type != AttnMaskType.causal:
             raise ValueError(f"GLM-5.x DSA attention is causal; got attn_mask_type={attn_mask_type}")
-        if config.context_parallel_size > 1:
-            raise NotImplementedError("GLM-5.x DSA attention does not support context_parallel_size > 1 yet; use CP=1")
+        if config.context_parallel_size > 1 and not self.supports_context_parallel:
+            raise NotImplementedError(
+                f"{type(self).__name__} does not support context_parallel_size > 1; use the 'tilelang' backend "
+                "(megatron-core's allgather context parallelism, bshd) or CP=1"
+            )
         if not config.dsa_indexer_scoring_relu:
             raise ValueError("GLM-5.x indexer scores are ReLU'd: dsa_indexer_scoring_relu must be True")
         if config.dsa_indexer_loss_coeff:
