@@ -56,11 +56,15 @@ def load_hf_weights(model, hf_path: str | Path, *, progress: bool | None = False
     plan.chunks.sort(key=lambda c: (*mat.source_order(plan.pieces[(c.key, c.offsets)].logical), c.key, c.offsets))
     bar = Progress(total=len(plan.chunks), total_bytes=sum(c.nbytes for c in plan.chunks), desc="load",
                    enabled=progress)
-    for c in plan.chunks:
-        piece = plan.pieces[(c.key, c.offsets)]
-        dest = plan.tensors[(c.key, c.offsets)]
-        dest.copy_(mat.box(piece.logical, piece.offsets, piece.sizes).reshape(dest.shape))
-        bar.update(c.nbytes)
+    pieces = [plan.pieces[(c.key, c.offsets)] for c in plan.chunks]
+    mat.prefetch([(p.logical, p.offsets, p.sizes) for p in pieces])
+    try:
+        for c, piece in zip(plan.chunks, pieces):
+            dest = plan.tensors[(c.key, c.offsets)]
+            dest.copy_(mat.box(piece.logical, piece.offsets, piece.sizes).reshape(dest.shape))
+            bar.update(c.nbytes)
+    finally:
+        mat.close()
     bar.close()
     src.reader.close()
     setattr(model, HF_CONFIG_ATTR, src.raw)

@@ -83,7 +83,8 @@ def open_hf_source(hf_path: str | Path) -> HFSource:
 
 
 class Materializer:
-    """Logical megatron tensors computed from an :class:`HFSource`, with a one-entry cache."""
+    """Logical megatron tensors (:meth:`get`) or boxes of them (:meth:`box`) computed from an :class:`HFSource`, in
+    the target dtype, with a one-entry cache; :meth:`prefetch` reads ahead when the order of boxes is known."""
 
     def __init__(self, src: HFSource, dtype: torch.dtype | None = None):
         self.src = src
