@@ -114,9 +114,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_entry(fn: Callable[..., Any], rank: int, nprocs: int, port: int, kwargs: dict, queue) -> None:
+_QUIET_LOGGERS = ("megatron", "torch.utils.cpp_extension")
+
+
+def _rank_entry(fn: Callable[..., Any], rank: int, nprocs: int, port: int, kwargs: dict, queue, filters: list,
+                levels: dict[str, int]) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nprocs),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import logging
+    import warnings
+
+    warnings.filters[:] = filters  # the parent's warning filters and log levels (the CLI's quiet mode)
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
     import torch.distributed as dist
 
     from megatron_glm5.config import GLM5ConfigError
@@ -141,12 +151,16 @@ def _rank_entry(fn: Callable[..., Any], rank: int, nprocs: int, port: int, kwarg
 
 def run_local_ranks(fn: Callable[..., Any], nprocs: int, **kwargs: Any) -> list[Any]:
     """Run ``fn(**kwargs)`` on ``nprocs`` local ranks (a fresh process group); return rank-ordered results."""
+    import logging
     import multiprocessing as mp
+    import warnings
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_entry, args=(fn, r, nprocs, port, kwargs, queue), daemon=False)
+    filters = list(warnings.filters)
+    levels = {name: logging.getLogger(name).level for name in _QUIET_LOGGERS}
+    procs = [ctx.Process(target=_rank_entry, args=(fn, r, nprocs, port, kwargs, queue, filters, levels), daemon=False)
              for r in range(nprocs)]
     for p in procs:
         p.start()
