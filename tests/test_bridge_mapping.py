@@ -30,8 +30,21 @@ def _arch(name):
     ("glm5_2_config.json", 59_585),
 ])
 def test_table_covers_released_tensor_counts(config, hf_tensors):
-    exp = expand(_arch(config))
+    import torch
+
+    arch = _arch(config)
+    exp = expand(arch)
     assert len(exp.hf_shapes()) == hf_tensors
+    # element counts of NVIDIA's verification cards: transformers' parameters (no MTP layer, no router-bias
+    # buffers) 743,911,199,232 for GLM-5 and 743,377,000,704 for GLM-5.2; all GLM-5.2 tensors 753,329,940,480
+    numel = {n: int(torch.Size(s).numel()) for n, s in exp.hf_shapes().items()}
+    mtp = f"model.layers.{arch.num_hidden_layers}."
+    params = sum(v for n, v in numel.items() if not n.startswith(mtp) and not n.endswith("e_score_correction_bias"))
+    if config == "glm5_2_config.json":
+        assert sum(numel.values()) == 753_329_940_480
+        assert params == 743_377_000_704
+    else:
+        assert params == 743_911_199_232
     # every megatron name is unique and every HF name is produced exactly once
     names = [r.name for m in exp.maps for r in m.hf]
     assert len(names) == len(set(names))
@@ -202,3 +215,19 @@ def test_older_layout_would_swap_indexer_halves():
     names = [n for n, m in exp.by_mcore.items() if isinstance(m.transform, T.IndexerRopeSwap)]
     assert len(names) == 4 * 4  # wq_b, wk, k_norm weight/bias on 3 layers + MTP; weights_proj is per head, unswapped
     assert all(".indexer." in n and "weights_proj" not in n for n in names)
+
+
+def test_full_size_glm52_model_and_table_agree(model_parallel):
+    """The 744B GLM-5.2 model built on the meta device (78 layers, 256 experts, MTP) declares exactly the table's
+    tensors with the table's shapes: every checkpoint box of the real model maps to one table row."""
+    import torch
+
+    from bridge.boxes import build_skeleton, sharded_boxes
+
+    arch = _arch("glm5_2_config.json")
+    exp = expand(arch)
+    model = build_skeleton(arch, 1, 1, 1)
+    plan = sharded_boxes(model, exp, lambda m: torch.float32 if m.fp32 else torch.bfloat16)  # raises on mismatch
+    assert {p.logical for p in plan.pieces.values()} == set(exp.by_mcore)
+    biases = 76 * 256  # 75 MoE layers + the MTP layer, fp32
+    assert sum(c.nbytes for c in plan.chunks) == 2 * (753_329_940_480 - biases) + 4 * biases
