@@ -17,21 +17,18 @@ def _free_port() -> int:
 
 
 def ensure_process_group() -> None:
-    """Initialise ``torch.distributed`` if needed: NCCL when CUDA is present, else gloo. A single process with no
-    launcher environment becomes rank 0 of world 1 on a free local port."""
+    """Initialise ``torch.distributed`` if needed: NCCL when CUDA is present, else gloo. Under a launcher (``RANK``
+    set) the launcher's environment is used; a plain process becomes rank 0 of a world of 1 on a free local port,
+    without writing anything into ``os.environ`` (child processes must not inherit a rendezvous that is in use)."""
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        os.environ["RANK"] = "0"
-        os.environ["WORLD_SIZE"] = "1"
-        os.environ.setdefault("LOCAL_RANK", "0")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl")
+    if "RANK" in os.environ:
+        dist.init_process_group(backend)
     else:
-        dist.init_process_group("gloo")
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
 
 
 def seed_model_parallel(seed: int) -> None:

@@ -105,8 +105,6 @@ def stalled_conversion(kind: str, src: str, dst: str, marker: str, after_reads: 
     """Run an import (or export) whose reads stop after ``after_reads`` tensors: touch ``marker`` and sleep until
     killed."""
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # the parent's 1-process world
-        os.environ.pop(var, None)
     from megatron_glm5.cpu import enable_cpu_mode
 
     enable_cpu_mode()
