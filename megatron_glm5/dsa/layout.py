@@ -25,7 +25,6 @@ class TokenLayout:
 
     seqlen: int  # query rows per batch entry (THD: total packed tokens)
     batch: int
-    cu_seqlens: torch.Tensor  # int32 [n_seq + 1], in flattened key rows
     starts: torch.Tensor  # int32 [T_q]
     ends: torch.Tensor  # int32 [T_q]
     positions: torch.Tensor  # int64 [T_q]
@@ -56,7 +55,7 @@ class TokenLayout:
         starts, ends = causal_bounds(cu, total=seqlen * batch)
         # A row's position is its offset in its sequence (padding rows have starts == row: position 0).
         positions = torch.arange(seqlen * batch, device=device, dtype=torch.int64) - starts.to(torch.int64)
-        return cls(seqlen=seqlen, batch=batch, cu_seqlens=cu, starts=starts, ends=ends, positions=positions,
+        return cls(seqlen=seqlen, batch=batch, starts=starts, ends=ends, positions=positions,
                    key_seqlen=seqlen, key_positions=positions)
 
     @classmethod
@@ -66,25 +65,21 @@ class TokenLayout:
         tokens is cut into ``2 * cp_size`` chunks and rank ``r`` holds chunks ``r`` and ``2 * cp_size - 1 - r``."""
         if local_len % 2:
             raise ValueError(f"zigzag context parallelism needs an even local sequence length, got {local_len}")
-        chunk = local_len // 2
         full = local_len * cp_size
-        j = torch.arange(local_len, device=device, dtype=torch.int64)
-        pos = torch.where(j < chunk, cp_rank, 2 * cp_size - 1 - cp_rank) * chunk + j % chunk  # [local_len]
+        pos = _zigzag_positions(torch.arange(local_len, device=device, dtype=torch.int64), cp_rank, local_len,
+                                cp_size)
         base = torch.arange(batch, device=device, dtype=torch.int64)[:, None] * full
         starts = base.expand(batch, local_len).reshape(-1)
         ends = (base + pos[None] + 1).reshape(-1)
-        return cls(seqlen=local_len, batch=batch, cu_seqlens=uniform_cu_seqlens(batch, full, device),
-                   starts=starts.to(torch.int32), ends=ends.to(torch.int32), positions=pos.repeat(batch),
+        return cls(seqlen=local_len, batch=batch, starts=starts.to(torch.int32), ends=ends.to(torch.int32), positions=pos.repeat(batch),
                    key_seqlen=full, key_positions=torch.arange(full, device=device).repeat(batch))
 
     @staticmethod
     def key_order(local_len: int, cp_size: int, device: torch.device) -> torch.Tensor:
         """Index into the CP all-gather (rank-major concatenation of the ranks' local rows) that puts the rows back
         in sequence order."""
-        chunk = local_len // 2
         gathered = torch.arange(local_len * cp_size, device=device, dtype=torch.int64)
-        rank, j = gathered // local_len, gathered % local_len
-        natural = torch.where(j < chunk, rank, 2 * cp_size - 1 - rank) * chunk + j % chunk
+        natural = _zigzag_positions(gathered % local_len, gathered // local_len, local_len, cp_size)
         order = torch.empty_like(gathered)
         order[natural] = gathered
         return order
@@ -102,6 +97,12 @@ class TokenLayout:
         if self.batch == 1:
             return x.reshape(self.seqlen, 1, *x.shape[1:])
         return x.reshape(self.batch, self.seqlen, *x.shape[1:]).transpose(0, 1).contiguous()
+
+
+def _zigzag_positions(j: torch.Tensor, cp_rank, local_len: int, cp_size: int) -> torch.Tensor:
+    """Sequence position of local row ``j`` on CP rank ``cp_rank`` (chunks ``r`` and ``2 * cp_size - 1 - r``)."""
+    chunk = local_len // 2
+    return torch.where(j < chunk, cp_rank, 2 * cp_size - 1 - cp_rank) * chunk + j % chunk
 
 
 def _flatten(x: torch.Tensor, seqlen: int, batch: int) -> torch.Tensor:
