@@ -36,9 +36,6 @@ from .layout import TokenLayout
 
 IndexerType = str  # "full" | "shared"
 
-# Query rows per chunk of the torch top-k and sparse-attention paths; bounds their temporaries to
-# chunk x S fp32 (indexer) and chunk x topk x d (attention).
-TORCH_CHUNK = 1024
 FUSED_INDEXER_BLOCK = 8192  # megatron-core's query block for its TileLang indexer
 
 
@@ -68,7 +65,7 @@ def select_topk(
         if fused is not None:
             idx = fused[0][0].to(torch.int32)  # [1, T, min(topk, T)] -> [T, k]
     if idx is None:
-        idx = reference.indexer_topk(q, k, weights, layout.starts, layout.ends, topk, chunk=TORCH_CHUNK)
+        idx = reference.indexer_topk(q, k, weights, layout.starts, layout.ends, topk)
     return reference.pad_topk(idx, topk)
 
 
@@ -88,7 +85,7 @@ def sparse_attention(
         )
         if out is not None:
             return out[:, 0]
-    out, _ = reference.sparse_mla(query, kv, topk, softmax_scale, d_v, chunk=TORCH_CHUNK)
+    out, _ = reference.sparse_mla(query, kv, topk, softmax_scale, d_v)
     return out
 
 
@@ -168,8 +165,6 @@ class GLMSparseAttention(DSACoreAttention):
         if self.indexer is None:
             raise RuntimeError(f"layer {self.layer_number} is an IndexShare 'shared' layer and has no indexer")
         q, k, weights = self.indexer.forward_before_topk(x.detach(), qr.detach(), packed_seq_params)
-        if q.ndim == 3:  # THD without batch dim
-            q, k, weights = q.unsqueeze(1), k.unsqueeze(1), weights.unsqueeze(1)
         return select_topk(
             self.config, layout.flatten(q), layout.flatten(k), layout.flatten(weights), layout, self.index_topk
         )

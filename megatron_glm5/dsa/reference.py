@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+# Query rows per chunk: bounds the temporaries to chunk x S fp32 (indexer) and chunk x topk x d (attention); the
+# backends' torch fallbacks use it too.
 DEFAULT_CHUNK = 1024
 
 
