@@ -17,7 +17,6 @@ layers get no indexer. A stage that would start on a shared layer is refused her
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -27,6 +26,7 @@ from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_ba
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexer, DSAIndexerSubmodules, DSAttentionSubmodules
 from megatron.core.transformer.experimental_attention_variant.absorbed_mla import AbsorbedMLASelfAttentionSubmodules
+from megatron.core.transformer.multi_latent_attention import MLASelfAttentionSubmodules
 from megatron.core.transformer.multi_token_prediction import (
     MultiTokenPredictionBlockSubmodules,
     get_mtp_layer_spec_for_backend,
@@ -40,6 +40,7 @@ from .config import INDEXER_K_NORM_EPS, GLM5ConfigError, load_hf_config, resolve
 from .dsa.attention import GLMAbsorbedMLASelfAttention, GLMSparseAttention
 from .layer import GLMTransformerLayer
 from .providers import default_provider
+from .tilelang_attention import TileLangMLASelfAttention, TileLangSparseAttention
 
 # --------------------------------------------------------------------------------------------------------------------
 # Backends
@@ -67,37 +68,42 @@ def _indexer_spec(provider) -> ModuleSpec:
     )
 
 
-def _mla_submodules(provider, core_attention: ModuleSpec) -> AbsorbedMLASelfAttentionSubmodules:
-    return AbsorbedMLASelfAttentionSubmodules(
+def _mla_fields(provider) -> dict[str, ModuleSpec]:
+    """MLA projections and norms, identical for both backends (so their parameters and checkpoints are)."""
+    return dict(
         linear_q_proj=provider.column_parallel_linear(),
         linear_q_down_proj=provider.down_projection(),
         linear_q_up_proj=provider.column_parallel_linear(),
         linear_kv_down_proj=provider.down_projection(),
         linear_kv_up_proj=provider.column_parallel_linear(),
-        core_attention=core_attention,
         linear_proj=provider.row_parallel_linear(),
         q_layernorm=provider.layer_norm(rms_norm=True, for_qk=True),
         kv_layernorm=provider.layer_norm(rms_norm=True, for_qk=True),
     )
 
 
-def _megatron_attention(config, provider, indexer_type: str) -> ModuleSpec:
-    core = ModuleSpec(
-        module=GLMSparseAttention,
+def _dsa_attention(provider, indexer_type: str, attention: type, core: type, submodules: type) -> ModuleSpec:
+    """``attention(core)`` where ``core`` owns the indexer on "full" layers only."""
+    core_spec = ModuleSpec(
+        module=core,
         params={"indexer_type": indexer_type},
         submodules=DSAttentionSubmodules(indexer=_indexer_spec(provider) if indexer_type == "full" else None),
     )
     return ModuleSpec(
-        module=GLMAbsorbedMLASelfAttention,
+        module=attention,
         params={"attn_mask_type": AttnMaskType.causal},
-        submodules=_mla_submodules(provider, core),
+        submodules=submodules(**_mla_fields(provider), core_attention=core_spec),
     )
 
 
-def _tilelang_attention(config, provider, indexer_type: str) -> ModuleSpec:
-    from .tilelang_attention import build_tilelang_attention_spec
+def _megatron_attention(config, provider, indexer_type: str) -> ModuleSpec:
+    return _dsa_attention(provider, indexer_type, GLMAbsorbedMLASelfAttention, GLMSparseAttention,
+                          AbsorbedMLASelfAttentionSubmodules)
 
-    return build_tilelang_attention_spec(config, provider, indexer_type, _indexer_spec, _mla_submodules)
+
+def _tilelang_attention(config, provider, indexer_type: str) -> ModuleSpec:
+    return _dsa_attention(provider, indexer_type, TileLangMLASelfAttention, TileLangSparseAttention,
+                          MLASelfAttentionSubmodules)
 
 
 BACKENDS: dict[str, AttentionBackend] = {

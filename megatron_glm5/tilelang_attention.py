@@ -27,6 +27,7 @@ context parallelism and YaRN RoPE are refused with a clear error.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from dataclasses import dataclass
 from typing import Optional
@@ -35,19 +36,14 @@ import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
-from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.experimental_attention_variant.dsa import DSAttentionSubmodules
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
-from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 
 from .dsa import reference
 from .dsa.attention import DSACoreAttention, rebuild_down_projections, with_mcore_down_projections
 from .dsa.layout import TokenLayout
 from .dsa.rope import apply_interleaved_rope, rope_cos_sin
 
-TORCH_CHUNK = 1024
-
-
+@functools.cache
 def _tilelang_available() -> bool:
     return importlib.util.find_spec("tilelang") is not None
 
@@ -111,7 +107,7 @@ class TileLangSparseAttention(DSACoreAttention):
             topk = kernels.indexer_topk(q.contiguous(), k.contiguous(), w.contiguous(), layout.starts, layout.ends,
                                         self.index_topk)
         else:
-            topk = reference.indexer_topk(q, k, w, layout.starts, layout.ends, self.index_topk, chunk=TORCH_CHUNK)
+            topk = reference.indexer_topk(q, k, w, layout.starts, layout.ends, self.index_topk)
         return reference.pad_topk(topk, self.index_topk)
 
     def forward(self, query: torch.Tensor, kv: torch.Tensor, topk: torch.Tensor, softmax_scale: float,
@@ -122,7 +118,7 @@ class TileLangSparseAttention(DSACoreAttention):
 
             return kernels.sparse_mla(query.contiguous(), kv.contiguous(), topk, softmax_scale, d_v,
                                       deterministic=self.config.deterministic_mode)
-        out, _ = reference.sparse_mla(query, kv, topk, softmax_scale, d_v, chunk=TORCH_CHUNK)
+        out, _ = reference.sparse_mla(query, kv, topk, softmax_scale, d_v)
         return out
 
 
@@ -203,26 +199,3 @@ class TileLangMLASelfAttention(MLASelfAttention):
         out = torch.einsum("thc,hdc->thd", latent, w_vc.to(latent.dtype)).reshape(layout.num_rows, -1)
         output, bias = self.linear_proj(layout.unflatten(out))
         return output, bias, topk
-
-
-def build_tilelang_attention_spec(config, provider, indexer_type: str, indexer_spec, mla_submodules) -> ModuleSpec:
-    """Self-attention spec of the tilelang backend (called through :data:`megatron_glm5.spec.BACKENDS`)."""
-    core = ModuleSpec(
-        module=TileLangSparseAttention,
-        params={"indexer_type": indexer_type},
-        submodules=DSAttentionSubmodules(indexer=indexer_spec(provider) if indexer_type == "full" else None),
-    )
-    absorbed = mla_submodules(provider, core)
-    submodules = MLASelfAttentionSubmodules(
-        linear_proj=absorbed.linear_proj,
-        q_layernorm=absorbed.q_layernorm,
-        kv_layernorm=absorbed.kv_layernorm,
-        linear_q_proj=absorbed.linear_q_proj,
-        linear_q_down_proj=absorbed.linear_q_down_proj,
-        linear_q_up_proj=absorbed.linear_q_up_proj,
-        linear_kv_down_proj=absorbed.linear_kv_down_proj,
-        linear_kv_up_proj=absorbed.linear_kv_up_proj,
-        core_attention=core,
-    )
-    return ModuleSpec(module=TileLangMLASelfAttention, params={"attn_mask_type": AttnMaskType.causal},
-                      submodules=submodules)
