@@ -26,7 +26,7 @@ from megatron_glm5.config import load_hf_config, mcore_kwargs, parse_hf_config
 from . import hf_io, naming
 from .boxes import build_skeleton, sharded_boxes, verify_written
 from .compat import needs_indexer_rope_swap
-from .errors import BridgeError, ShapeMismatchError, TensorSetError, format_names
+from .errors import BridgeError, CheckpointFormatError, ShapeMismatchError, TensorSetError, format_names
 from .launch import all_ok, barrier, broadcast_object, launched_world_size, model_parallel, run_local_ranks, world
 from .mapping import TensorMap, expand
 from .megatron_io import (

@@ -150,6 +150,18 @@ def test_export_rejects_incomplete_or_corrupt_megatron_checkpoints(base, tmp_pat
     assert code == 2 and "truncated or corrupt data file" in err and _leftovers(tmp_path, "o2") == []
 
 
+def test_export_rejects_layer_stacked_keys():
+    """A dist checkpoint saved with homogeneous layers stacked on a layer axis names the key instead of guessing."""
+    from types import SimpleNamespace
+
+    from bridge.convert import _logical_sources
+
+    key = "decoder.layers.self_attention.linear_proj.weight"
+    ckpt = SimpleNamespace(path=Path("/ckpt/iter_0000001"), tensors={key: None}, shape=lambda k: (2, 8, 8))
+    with pytest.raises(CheckpointFormatError, match=r"/ckpt/iter_0000001: key 'decoder\.layers\.self_attention.*stacked"):
+        _logical_sources(ckpt)
+
+
 @pytest.mark.parametrize("kind", ["import", "export"])
 def test_kill_9_leaves_no_complete_looking_checkpoint(base, tmp_path, kind):
     from tests.bridge_workers import stalled_conversion
