@@ -6,9 +6,8 @@ import argparse
 import json
 
 import pytest
-import torch
 
-from megatron_glm5.config import GLM5ConfigError, RuntimePolicy, build_transformer_config, parse_hf_config
+from megatron_glm5.config import GLM5ConfigError, build_transformer_config, parse_hf_config
 from megatron_glm5.layer import GLMTransformerLayer
 from megatron_glm5.model import build_model, default_cpu_policy
 from megatron_glm5.spec import (

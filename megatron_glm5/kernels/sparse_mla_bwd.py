@@ -124,7 +124,8 @@ def _jit_bwd():
         bs = block_s
         rows_per_pass = threads // 8
         if dh % 64 or d_tail % 64 or bs % rows_per_pass:
-            raise ValueError(f"bwd kernel needs d_v/2, d_qk-d_v multiples of 64 and block_s % (threads/8) == 0")
+            raise ValueError(f"bwd kernel needs d_v/2, d_qk-d_v multiples of 64 and block_s % (threads/8) == 0; got "
+                             f"d_v={d_v}, d_qk={d_qk}, block_s={bs}, threads={threads}")
         scale_log2 = softmax_scale * LOG2E
         t_len = T.dynamic("t_len")
         t_kv = T.dynamic("t_kv")
