@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import contextmanager
 
 import pytest
 
@@ -31,7 +32,10 @@ BASE = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--seq-length", "64"
         "--global-batch-size", "2", "--train-iters", "20", "--lr", "1e-3"]
 
 
-def test_architecture_comes_from_hf_config(monkeypatch, hf_dir, model_parallel):
+@contextmanager
+def _megatron_globals(monkeypatch, hf_dir):
+    """What ``pretrain.main`` does before megatron.training takes over: parse, apply the HF architecture, validate and
+    set Megatron-LM's global args (unset afterwards). Yields ``(args, arch, changed flags)``."""
     from megatron.training.arguments import validate_args
     from megatron.training.global_vars import set_global_variables, unset_global_variables
 
@@ -39,19 +43,24 @@ def test_architecture_comes_from_hf_config(monkeypatch, hf_dir, model_parallel):
     args = _parse(monkeypatch, argv)
     arch = parse_hf_config(load_hf_config(hf_dir))
     changed = apply_architecture(args, arch, argv)
-    assert {"num_layers", "hidden_size", "q_lora_rank", "dsa_indexer_rope_interleaved", "num_experts"} <= set(changed)
-    assert (args.num_layers, args.num_experts, args.rotary_base, args.vocab_size) == (4, 8, 8e6, 512)
-    assert args.dsa_indexer_topk_freq == 2 and args.dsa_indexer_rotate_activation is False
     disable_unavailable_fusions(args)
     validate_args(args, {})
     set_global_variables(args)
     try:
+        yield args, arch, changed
+    finally:
+        unset_global_variables()
+
+
+def test_architecture_comes_from_hf_config(monkeypatch, hf_dir, model_parallel):
+    with _megatron_globals(monkeypatch, hf_dir) as (args, arch, changed):
+        assert {"num_layers", "hidden_size", "q_lora_rank", "dsa_indexer_rope_interleaved", "num_experts"} <= set(changed)
+        assert (args.num_layers, args.num_experts, args.rotary_base, args.vocab_size) == (4, 8, 8e6, 512)
+        assert args.dsa_indexer_topk_freq == 2 and args.dsa_indexer_rotate_activation is False
         model = model_provider(arch, "megatron")
         assert model.config.dsa_indexer_k_norm_fp32 and model.config.moe_router_dtype == "fp32"
         assert model.config.hidden_dropout == 0.0 and model.config.rope_type == "rope"
         assert model.vocab_size == 512 and len(model.decoder.layers) == 4 and model.mtp_process
-    finally:
-        unset_global_variables()
 
 
 def test_contradicting_flag_is_refused(monkeypatch, hf_dir):
@@ -76,44 +85,26 @@ def test_get_batch_reads_mock_batches(monkeypatch, hf_dir, model_parallel):
     """The forward step's batch reader on a 1-rank TP group: the dataset's dict becomes (tokens, labels, loss_mask,
     None, position_ids) with the training dtypes."""
     import torch
-    from megatron.training.arguments import validate_args
-    from megatron.training.global_vars import set_global_variables, unset_global_variables
 
     from megatron_glm5.pretrain import _get_batch
 
-    argv = ["--hf-config", str(hf_dir), *BASE]
-    args = _parse(monkeypatch, argv)
-    apply_architecture(args, parse_hf_config(load_hf_config(hf_dir)), argv)
-    disable_unavailable_fusions(args)
-    validate_args(args, {})
-    set_global_variables(args)
-    try:
+    with _megatron_globals(monkeypatch, hf_dir):
         item = {"tokens": torch.arange(64)[None], "labels": torch.arange(1, 65)[None],
                 "loss_mask": torch.ones(1, 64, dtype=torch.int32), "position_ids": torch.arange(64)[None],
                 "attention_mask": None}
         tokens, labels, loss_mask, mask, pos = _get_batch(iter([item]))
         assert mask is None and tokens.dtype == torch.int64 and loss_mask.dtype == torch.float32
         assert torch.equal(labels, item["labels"]) and torch.equal(pos, item["position_ids"])
-    finally:
-        unset_global_variables()
 
 
 def test_config_container_and_mock_datasets(monkeypatch, hf_dir, model_parallel):
     """What `main` hands to megatron.training.pretrain builds on CPU: the config container and the mock datasets,
     whose samples carry the keys the batch reader uses."""
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
-    from megatron.training.arguments import validate_args
-    from megatron.training.global_vars import set_global_variables, unset_global_variables
 
     from megatron_glm5.pretrain import _BATCH_KEYS, train_valid_test_datasets_provider
 
-    argv = ["--hf-config", str(hf_dir), *BASE]
-    args = _parse(monkeypatch, argv)
-    apply_architecture(args, parse_hf_config(load_hf_config(hf_dir)), argv)
-    disable_unavailable_fusions(args)
-    validate_args(args, {})
-    set_global_variables(args)
-    try:
+    with _megatron_globals(monkeypatch, hf_dir) as (args, _, _):
         cfg = pretrain_cfg_container_from_args(args, model_cfg=None)
         assert cfg.train.train_iters == 20
         train, _, _ = train_valid_test_datasets_provider([8, 0, 0])
@@ -121,8 +112,6 @@ def test_config_container_and_mock_datasets(monkeypatch, hf_dir, model_parallel)
         for key, _ in _BATCH_KEYS:
             assert sample[key].shape[-1] == 64, key
         assert int(sample["tokens"].max()) < 512
-    finally:
-        unset_global_variables()
 
 
 def test_prebuilt_dataset_helpers_replace_make(monkeypatch):
