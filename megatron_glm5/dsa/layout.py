@@ -48,8 +48,9 @@ class TokenLayout:
             if cu is None:
                 cu = packed_seq_params.cu_seqlens_q
             cu = cu.to(device=device, dtype=torch.int32)
-            if int(cu[-1]) > seqlen:
-                raise ValueError(f"cu_seqlens ends at {int(cu[-1])} but the packed input has {seqlen} tokens")
+            # Checked on the device: a host sync here would stall every layer's launch queue.
+            torch._assert_async(cu[-1] <= seqlen, f"packed_seq_params.cu_seqlens ends past the packed input's "
+                                f"{seqlen} tokens")
         else:
             cu = uniform_cu_seqlens(batch, seqlen, device)
         starts, ends = causal_bounds(cu, total=seqlen * batch)
