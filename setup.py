@@ -15,22 +15,24 @@ setup(
     python_requires=">=3.12",
     packages=find_packages(include=["megatron_glm5", "megatron_glm5.*", "bridge", "bridge.*"]),
     install_requires=[
-        "torch",
+        # bridge/megatron_io.py writes torch_dist records with torch.distributed.checkpoint internals
+        # (_StorageInfo, FileSystemWriter.write_data) and toggles torch.save's CRC-32 for its own records: pinned to
+        # the releases tested here (2.14 in CI, 2.11 on the GPU machine).
+        "torch>=2.11,<2.15",
         "megatron-core==0.19.2",
-        # megatron-core imports triton at module load without declaring it.
+        # megatron-core imports triton and einops at module load without declaring them.
         "triton",
         "einops",
         "numpy",
         # glm_moe_dsa with interleaved MLA and indexer RoPE (transformers PRs #46372, #46842).
         "transformers>=5.13",
         "safetensors",
-        "huggingface-hub",
         "tqdm",
-        "peft",
     ],
     extras_require={
         "tilelang": ["tilelang==0.1.15"],
-        "dev": ["pytest>=8", "pytest-timeout"],
+        # peft: the oracle of the PEFT-adapter tests (the library reads and writes the format itself).
+        "dev": ["pytest>=8", "pytest-timeout", "peft"],
     },
-    entry_points={"console_scripts": ["megatron-glm5=megatron_glm5.cli:main"]},
+    entry_points={"console_scripts": ["megatron-glm5=bridge.cli:main"]},
 )

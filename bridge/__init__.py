@@ -11,6 +11,9 @@ In memory, with a built megatron-core model (this rank's shards)::
     load_hf_weights(model, "GLM-5.2")          # what megatron_glm5.from_hf_pretrained uses
     export_hf(model, "GLM-5.2-trained")        # gathers over TP/PP/EP through a temporary torch_dist checkpoint
 
+Application layer (it uses both this package and :mod:`megatron_glm5`, which never imports this one):
+:func:`from_hf_pretrained`, the ``megatron-glm5`` command line (:mod:`bridge.cli`) and its demo (:mod:`bridge.demo`).
+
 All drivers share one mapping table (:mod:`bridge.mapping`). Importing this package imports nothing heavy.
 """
 
@@ -22,6 +25,7 @@ __all__ = [
     "convert_hf_to_megatron",
     "convert_megatron_to_hf",
     "export_hf",
+    "from_hf_pretrained",
     "load_hf_weights",
     "load_megatron_checkpoint",
     "roundtrip",
@@ -38,6 +42,10 @@ def __getattr__(name):
         from . import inmemory
 
         return getattr(inmemory, name)
+    if name == "from_hf_pretrained":
+        from .pretrained import from_hf_pretrained
+
+        return from_hf_pretrained
     if name == "verify":
         from .parity import verify
 

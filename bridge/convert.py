@@ -21,11 +21,10 @@ from typing import Mapping
 
 import torch
 
-from megatron_glm5.config import load_hf_config, mcore_kwargs, parse_hf_config
+from megatron_glm5.config import load_hf_config, mcore_kwargs, natural_key, parse_hf_config
 
 from . import hf_io, naming
 from .boxes import build_skeleton, sharded_boxes, verify_written
-from .compat import needs_indexer_rope_swap
 from .errors import BridgeError, CheckpointFormatError, ShapeMismatchError, TensorSetError, format_names
 from .launch import all_ok, barrier, broadcast_object, launched_world_size, model_parallel, run_local_ranks, world
 from .mapping import TensorMap, expand
@@ -256,7 +255,7 @@ def convert_megatron_to_hf(
         raw = load_hf_config(hf_config)
     arch = parse_hf_config(raw)
     layout = expert_layout or meta.get("expert_layout") or "per_expert"
-    expansion = expand(arch, expert_layout=layout, indexer_rope_swap=needs_indexer_rope_swap())
+    expansion = expand(arch, expert_layout=layout)
 
     sources = _logical_sources(ckpt)
     expected = set(expansion.by_mcore)
@@ -282,8 +281,8 @@ def convert_megatron_to_hf(
         for ref, shape in zip(m.hf, m.transform.hf_shapes(m.mcore_shape)):
             full = tuple(shape) if ref.row is None else (ref.stack, *shape)
             planned[ref.name] = hf_io.PlannedTensor(ref.name, full, dtype_of(m))
-    order = sorted(planned, key=hf_io.natural_key)
-    maps = sorted(expansion.maps, key=lambda m: (hf_io.natural_key(m.hf[0].name), m.hf[0].row or 0))
+    order = sorted(planned, key=natural_key)
+    maps = sorted(expansion.maps, key=lambda m: (natural_key(m.hf[0].name), m.hf[0].row or 0))
     total = sum(int(torch.Size(p.shape).numel()) * torch.empty((), dtype=p.dtype).element_size()
                 for p in planned.values())
     bar = Progress(total=len(maps), total_bytes=total, desc="export", enabled=progress)
@@ -345,7 +344,7 @@ def compare_hf_checkpoints(source: str | Path, exported: str | Path) -> dict:
     fp8_block = src.fp8_block
     scale_names = {r.scale.name for m in src.expansion.maps for r in m.hf if r.scale is not None}
     compared = set()
-    for name in sorted(src.reader.names, key=hf_io.natural_key):
+    for name in sorted(src.reader.names, key=natural_key):
         if name in src.ignored or name in scale_names:
             continue
         compared.add(name)

@@ -36,10 +36,6 @@ class OutputExistsError(BridgeError):
     """The output directory exists and ``overwrite`` was not requested."""
 
 
-class CompatError(BridgeError):
-    """The installed megatron-core does not behave like any version the bridge knows."""
-
-
 def format_names(names: Iterable[str], limit: int = _MAX_LISTED) -> str:
     """``a, b, c`` (sorted), or the first ``limit`` names and a count of the rest."""
     names = sorted(names)

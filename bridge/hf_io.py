@@ -173,14 +173,6 @@ class HFCheckpointReader:
     def total_bytes(self) -> int:
         return sum(i.nbytes for i in self.tensors.values())
 
-    def byte_range(self, name: str, row: int | None = None) -> tuple[Path, int, int]:
-        """``(file, offset, length)`` of a tensor (or one row of it) on disk."""
-        info = self.tensors[name]
-        if row is None:
-            return info.file, info.start, info.nbytes
-        per_row = info.nbytes // info.shape[0]
-        return info.file, info.start + row * per_row, per_row
-
     def read(self, name: str, row: int | None = None, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The tensor; or row ``row`` of its first dimension; and/or the range ``rows = (start, stop)`` of the first
         remaining dimension. These are contiguous bytes: nothing else is read."""
@@ -337,10 +329,6 @@ def copy_assets(src_dir: Path, dst_dir: Path, *, skip: Iterable[str] = ()) -> li
         shutil.copy2(p, Path(dst_dir) / p.name)
         copied.append(p.name)
     return copied
-
-
-def natural_key(name: str) -> list:
-    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
 
 
 def write_json(path: Path, obj: Mapping) -> None:

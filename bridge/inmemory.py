@@ -27,7 +27,6 @@ from .source import Materializer, open_hf_source, parse_dtype
 from .errors import BridgeError
 from .launch import barrier, broadcast_object, world
 from .mapping import expand
-from .compat import needs_indexer_rope_swap
 from .megatron_io import (
     BRIDGE_KEY,
     COMMON_STATE_KEY,
@@ -94,7 +93,7 @@ def export_hf(
     raw = dict(raw)
     arch = parse_hf_config(raw)
     out_dtype = parse_dtype(dtype) or _config_dtype(raw)
-    expansion = expand(arch, expert_layout=expert_layout, indexer_rope_swap=needs_indexer_rope_swap())
+    expansion = expand(arch, expert_layout=expert_layout)
 
     def dtype_of(m):
         return torch.float32 if m.fp32 else (out_dtype or torch.float32)

@@ -9,11 +9,12 @@ NCCL with GPUs) and turns a failing rank's :class:`~bridge.errors.BridgeError` b
 from __future__ import annotations
 
 import os
-import socket
 import time
 import traceback
-from contextlib import closing, contextmanager
+from contextlib import contextmanager
 from typing import Any, Callable, Iterator
+
+from megatron_glm5.parallel import free_port
 
 from . import errors
 from .errors import BridgeError
@@ -108,12 +109,6 @@ def model_parallel(tp: int, pp: int, ep: int) -> Iterator[None]:
             ps.destroy_model_parallel()
 
 
-def _free_port() -> int:
-    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 _QUIET_LOGGERS = ("megatron", "torch.utils.cpp_extension")
 
 
@@ -157,7 +152,7 @@ def run_local_ranks(fn: Callable[..., Any], nprocs: int, **kwargs: Any) -> list[
 
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    port = _free_port()
+    port = free_port()
     filters = list(warnings.filters)
     levels = {name: logging.getLogger(name).level for name in _QUIET_LOGGERS}
     procs = [ctx.Process(target=_rank_entry, args=(fn, r, nprocs, port, kwargs, queue, filters, levels), daemon=False)

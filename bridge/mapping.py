@@ -74,10 +74,9 @@ class Rule:
     when: Callable[[LayerKind], bool] = _always
     experts: ExpertLayout | None = None  # expert rows exist once per expert, in one layout only
     fp32: bool = False  # keep in fp32 whatever the requested dtype (router bias)
-    indexer_rope: bool = False  # rows are indexer heads laid out [rope | nope] (swapped for old megatron-core)
 
 
-# Shapes (PyTorch [out, in]); notation as in shared/notes/glm5_model.md §2.
+# Shapes (PyTorch [out, in]) as functions of the architecture.
 def _h(a):  # hidden
     return (a.hidden_size,)
 
@@ -117,16 +116,17 @@ LAYER_RULES: tuple[Rule, ...] = (
          (lambda a: (a.num_attention_heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank),)),
     Rule(("self_attn.o_proj.weight",), "self_attention.linear_proj.weight",
          (lambda a: (a.hidden_size, a.num_attention_heads * a.v_head_dim),)),
-    # DSA indexer: "full" layers only (IndexShare "shared" layers own none). The rope-row transform of wq_b / wk /
-    # k_norm is resolved by expand() from bridge.compat; weights_proj (one row per head) never needs it.
+    # DSA indexer: "full" layers only (IndexShare "shared" layers own none). Each indexer head is [rope | nope] in HF
+    # and in megatron-core 0.19.2's DSAIndexer alike (tests/test_bridge_mapping.py checks the installed one), so
+    # the rows map unchanged.
     Rule(("self_attn.indexer.wq_b.weight",), "self_attention.core_attention.indexer.linear_wq_b.weight",
-         (lambda a: (a.index_n_heads * a.index_head_dim, a.q_lora_rank),), when=_full, indexer_rope=True),
+         (lambda a: (a.index_n_heads * a.index_head_dim, a.q_lora_rank),), when=_full),
     Rule(("self_attn.indexer.wk.weight",), "self_attention.core_attention.indexer.linear_wk.weight",
-         (lambda a: (a.index_head_dim, a.hidden_size),), when=_full, indexer_rope=True),
+         (lambda a: (a.index_head_dim, a.hidden_size),), when=_full),
     Rule(("self_attn.indexer.k_norm.weight",), "self_attention.core_attention.indexer.k_norm.weight",
-         (lambda a: (a.index_head_dim,),), when=_full, indexer_rope=True),
+         (lambda a: (a.index_head_dim,),), when=_full),
     Rule(("self_attn.indexer.k_norm.bias",), "self_attention.core_attention.indexer.k_norm.bias",
-         (lambda a: (a.index_head_dim,),), when=_full, indexer_rope=True),
+         (lambda a: (a.index_head_dim,),), when=_full),
     Rule(("self_attn.indexer.weights_proj.weight",), "self_attention.core_attention.indexer.linear_weights_proj.weight",
          (lambda a: (a.index_n_heads, a.hidden_size),), when=_full),
     # Dense MLP
@@ -245,16 +245,12 @@ def expand(
     expert_layout: ExpertLayout = "per_expert",
     fp8_names: Iterable[str] = (),
     fp8_block: Sequence[int] = (128, 128),
-    indexer_rope_swap: bool = False,
 ) -> Expansion:
     """The concrete table for ``arch``. ``fp8_names`` are HF weights stored in FP8 (each then also reads its
-    ``weight_scale_inv``); ``indexer_rope_swap`` comes from :func:`bridge.compat.needs_indexer_rope_swap`."""
+    ``weight_scale_inv``)."""
     if expert_layout not in ("per_expert", "fused"):
         raise ValueError(f"expert_layout: expected 'per_expert' or 'fused', got {expert_layout!r}")
     fp8 = frozenset(fp8_names)
-    indexer_t = (
-        T.IndexerRopeSwap(arch.qk_rope_head_dim, arch.index_head_dim) if indexer_rope_swap else T.COPY
-    )
     kinds = layer_kinds(arch)
     maps: list[TensorMap] = []
 
@@ -266,7 +262,7 @@ def expand(
         return HFRef(name, shape, row, stack, scale)
 
     def add(rule: Rule, hf_prefix: str, mc_prefix: str) -> None:
-        transform = indexer_t if rule.indexer_rope else rule.transform
+        transform = rule.transform
         shapes = [fn(arch) for fn in rule.shapes]
         if rule.experts is None:
             refs = tuple(ref(hf_prefix + n, s) for n, s in zip(rule.hf, shapes))

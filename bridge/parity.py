@@ -9,7 +9,7 @@
   rows with fewer than ``index_topk`` causal keys are dropped);
 * ``topk_boundary_ties``: query rows whose ``index_topk``-th and next-best HF indexer scores are *equal*. There
   the reference's ``torch.topk`` tie order, not the math, decides which key is kept, and logits may differ by
-  O(0.1) between two correct implementations (shared/notes/testing.md);
+  O(0.1) between two correct implementations;
 * ``topk_rows_differing`` / ``topk_differences_only_at_ties``, and ``max_abs_logit_diff_with_hf_topk``: the logits
   of our model when HF's top-k indices are fed to our full layers (through the attention's explicit ``dsa_topk``
   input), which tests everything but the selection itself;
@@ -125,7 +125,7 @@ def verify(
 
             model = load_megatron_checkpoint(megatron_path)
         else:
-            from megatron_glm5.pretrained import from_hf_pretrained
+            from bridge.pretrained import from_hf_pretrained
 
             model = from_hf_pretrained(hf_path)
     model.eval()

@@ -15,7 +15,6 @@ import torch
 from megatron_glm5.config import GLM5Architecture, load_hf_config, parse_hf_config
 
 from . import hf_io
-from .compat import needs_indexer_rope_swap
 from .errors import BridgeError, CheckpointFormatError
 from .mapping import Expansion, TensorMap, account_hf_names, check_hf_shapes, detect_expert_layout, expand
 from .prefetch import Prefetcher
@@ -75,8 +74,7 @@ def open_hf_source(hf_path: str | Path) -> HFSource:
             "quantization_config; expected block-FP8 metadata ('quant_method': 'fp8', 'weight_block_size')"
         )
     block = tuple((arch.quantization or {}).get("weight_block_size") or (128, 128))
-    expansion = expand(arch, expert_layout=layout, fp8_names=fp8, fp8_block=block,
-                       indexer_rope_swap=needs_indexer_rope_swap())
+    expansion = expand(arch, expert_layout=layout, fp8_names=fp8, fp8_block=block)
     ignored = account_hf_names(arch, expansion, reader.names, source=str(path))
     check_hf_shapes(expansion, reader.shapes(), source=str(path))
     return HFSource(path, raw, arch, reader, expansion, ignored, fp8, block)

@@ -10,15 +10,12 @@ dist-checkpoint layout (or the model's sharded state dict) cuts it into each ran
   That is the *global* layout: megatron-core's swiglu sharded factory stores the TP shards of gate and of up as
   separate halves, so a checkpoint's fc1 is ``[gate; up]`` at any TP and the per-rank ``[gate_r; up_r]``
   interleaving never reaches the file.
-* :class:`IndexerRopeSwap` - moves each indexer head's rope dims from first to last (only for megatron-core
-  versions that need it; see :mod:`bridge.compat`).
 * :func:`dequantize_block_fp8` - block-FP8 ``(e4m3, weight_scale_inv)`` to a float tensor (import only).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -124,38 +121,6 @@ class _Gated(Transform):
 
 COPY: Transform = _Copy()
 GATED: Transform = _Gated()
-
-
-@dataclass(frozen=True, slots=True)
-class IndexerRopeSwap(Transform):
-    """Per indexer head (``head_dim`` rows), HF ``[pe (rope_dim) | nope]`` <-> megatron ``[nope | pe]``.
-    Works for ``wq_b`` (heads x head_dim rows), ``wk`` (one head) and the 1-D ``k_norm`` weight / bias."""
-
-    rope_dim: int
-    head_dim: int
-    name: str = "indexer_rope_swap"
-    n_hf: int = 1
-
-    def _split(self, t: torch.Tensor, first: int) -> torch.Tensor:
-        rows = t.shape[0]
-        if rows % self.head_dim:
-            raise ValueError(f"indexer tensor with {rows} rows is not a multiple of index_head_dim {self.head_dim}")
-        h = t.reshape(rows // self.head_dim, self.head_dim, *t.shape[1:])
-        return torch.cat([h[:, first:], h[:, :first]], dim=1).reshape(t.shape).contiguous()
-
-    def to_mcore(self, parts):
-        (t,) = parts
-        return self._split(t, self.rope_dim)  # [pe | nope] -> [nope | pe]
-
-    def to_hf(self, t):
-        return [self._split(t, self.head_dim - self.rope_dim)]  # [nope | pe] -> [pe | nope]
-
-    def mcore_shape(self, hf_shapes):
-        (s,) = hf_shapes
-        return tuple(s)
-
-    def hf_shapes(self, mcore_shape):
-        return [tuple(mcore_shape)]
 
 
 def fp8_scale_shape(shape: Shape, block: Sequence[int]) -> Shape:

@@ -1,15 +1,18 @@
 """megatron-glm5: GLM-5.x (glm_moe_dsa: MLA + DSA + MoE + MTP) on Megatron-Core.
 
-Importing the package does nothing to megatron-core or torch: heavy modules load on first use.
+Layering (one-way): this package is the model (config translation, block specs, DSA backends, kernels) and imports
+nothing from :mod:`bridge`; :mod:`bridge` (HF <-> Megatron conversion) builds on it, and the application layer (the
+``megatron-glm5`` command line, the demo, :func:`bridge.from_hf_pretrained`) lives in :mod:`bridge`.
+``megatron_glm5.from_hf_pretrained`` is kept as a convenience alias that resolves to the bridge function on first
+use. Importing the package does nothing to megatron-core or torch: heavy modules load on first use.
 """
 
 __version__ = "0.1.0"
 
 
 def from_hf_pretrained(hf_path, **kwargs):
-    """Build a megatron-core ``GPTModel`` from a GLM-5.x HF checkpoint and load its weights.
-    See :func:`megatron_glm5.pretrained.from_hf_pretrained`."""
-    from .pretrained import from_hf_pretrained as _from_hf_pretrained
+    """Alias of :func:`bridge.from_hf_pretrained` (a megatron-core ``GPTModel`` with an HF checkpoint's weights)."""
+    from bridge.pretrained import from_hf_pretrained as _from_hf_pretrained  # the one, lazy, upward reference
 
     return _from_hf_pretrained(hf_path, **kwargs)
 

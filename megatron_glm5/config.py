@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping
@@ -140,6 +141,11 @@ def load_hf_config(path: str | Path) -> dict[str, Any]:
         return json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise GLM5ConfigError(f"{path}: not valid JSON ({e})") from e
+
+
+def natural_key(name: str) -> list[Any]:
+    """Sort key that orders HF tensor names as checkpoints store them (``layers.9`` before ``layers.10``)."""
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
 
 
 _MISSING = object()

@@ -13,7 +13,7 @@ megatron-core 0.19.2 calls CUDA directly in a few places that its torch (non-fus
 * ``Tensor.cuda()``: with pipeline parallelism the shared word embedding is moved to "the" device before its
   first/last-stage all-reduce (``LanguageModule.setup_embeddings_and_output_layer``); on CPU it stays where it is.
 
-On a machine without CUDA each of these raises "Found no NVIDIA driver" (see ``shared/notes/cpu_environment.md``).
+On a machine without CUDA each of these raises "Found no NVIDIA driver".
 
 Nothing here runs at import. Call :func:`enable_cpu_mode` from a program's ``main()`` (the CLI and ``demo`` do) or
 from a test fixture. It is a no-op when CUDA is available, and idempotent; :func:`disable_cpu_mode` undoes it.

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from .config import GLM5Architecture, RuntimePolicy, build_transformer_config, gpt_model_kwargs, load_hf_config, parse_hf_config
+from .config import GLM5Architecture, RuntimePolicy, build_transformer_config, gpt_model_kwargs
 from .spec import build_glm5_block_spec, build_glm5_mtp_spec
 
 
@@ -47,13 +46,6 @@ def build_model(
         vp_stage=vp_stage,
         **gpt_model_kwargs(arch),
     )
-
-
-def build_model_from_hf_config(
-    hf_path: str | Path, policy: RuntimePolicy | None = None, *, backend: str = "megatron", **kwargs
-):
-    """``build_model`` for the architecture in ``hf_path``'s ``config.json`` (weights are not loaded)."""
-    return build_model(parse_hf_config(load_hf_config(hf_path)), policy, backend=backend, **kwargs)
 
 
 def default_cpu_policy(**overrides) -> RuntimePolicy:

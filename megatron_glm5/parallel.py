@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free local TCP port (for a single-process rendezvous or locally spawned ranks)."""
     with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -28,7 +29,7 @@ def ensure_process_group() -> None:
     if "RANK" in os.environ:
         dist.init_process_group(backend)
     else:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 
 
 def seed_model_parallel(seed: int) -> None:

@@ -10,7 +10,8 @@ Three flavours, all written in the on-disk layout of the real releases (sharded 
   stay unquantised.
 
 Sizes keep ``index_topk`` (16) well below test sequence lengths (48-128) so DSA is really sparse, and use 8 indexer
-heads so top-k boundaries do not fall into the exact-zero ReLU plateau (see ``shared/notes/testing.md``).
+heads so top-k boundaries do not fall into the exact-zero ReLU plateau: with few heads many keys score exactly 0
+and which tied key is kept depends on the top-k implementation, not on the math.
 
 Tensor names come from transformers' own ``GlmMoeDsaForCausalLM`` (instantiated on the meta device); MTP tensors,
 which transformers neither builds nor saves, are added with the names the real checkpoints use
@@ -27,6 +28,8 @@ from pathlib import Path
 from typing import Any, Literal, Mapping
 
 import torch
+
+from .config import natural_key
 
 FP8_BLOCK = 128
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -213,7 +216,7 @@ def make_hf_state_dict(
     shapes.update(_mtp_shapes(raw, shapes))
     gen = torch.Generator().manual_seed(seed)
     sd: dict[str, torch.Tensor] = {}
-    for name in sorted(shapes, key=_natural_key):
+    for name in sorted(shapes, key=natural_key):
         shape, _ = shapes[name]
         sd[name] = _random_tensor(name, shape, gen).to(torch.float32).contiguous()
     if expert_layout == "per_expert":
@@ -242,11 +245,7 @@ def fused_to_per_expert(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tenso
                 out[f"{pre}.{e}.up_proj.weight"] = up.contiguous()
             else:
                 out[f"{pre}.{e}.down_proj.weight"] = t[e].contiguous()
-    return dict(sorted(out.items(), key=lambda kv: _natural_key(kv[0])))
-
-
-def _natural_key(name: str) -> list[Any]:
-    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+    return dict(sorted(out.items(), key=lambda kv: natural_key(kv[0])))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -350,7 +349,7 @@ def write_hf_checkpoint(
         for name, t in shard.items():
             weight_map[name] = fname
             total += t.numel() * t.element_size()
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items(), key=lambda kv: _natural_key(kv[0])))}
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items(), key=lambda kv: natural_key(kv[0])))}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     (out / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
     gen_cfg = {"_from_model_config": True, "bos_token_id": raw.get("bos_token_id"), "eos_token_id": raw.get("eos_token_id"),

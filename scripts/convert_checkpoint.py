@@ -7,7 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatron_glm5.cli import main  # noqa: E402
+from bridge.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(["convert", *sys.argv[1:]]))

@@ -72,7 +72,7 @@ def load_and_run(rank: int, world_size: int, *, ckpts: list[str], tp: int, ep: i
     import bridge
     from megatron_glm5.model import default_cpu_policy
     from megatron_glm5.parallel import initialize_model_parallel
-    from megatron_glm5.pretrained import from_hf_pretrained
+    from bridge.pretrained import from_hf_pretrained
 
     initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
     policy = default_cpu_policy(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)

@@ -9,19 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-from contextlib import closing
 from pathlib import Path
 
+from megatron_glm5.parallel import free_port
+
 REPO = Path(__file__).resolve().parent.parent
-
-
-def _free_port() -> int:
-    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_torchrun(target: str, tmp_path: Path, *, nproc: int = 2, timeout: int = 600, **kwargs) -> list[dict]:
@@ -32,7 +26,7 @@ def run_torchrun(target: str, tmp_path: Path, *, nproc: int = 2, timeout: int = 
     env.update(TORCHDYNAMO_DISABLE="1", OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}")
     cmd = [
         sys.executable, "-m", "torch.distributed.run",
-        f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
+        f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
         str(REPO / "tests" / "_torchrun_entry.py"), target, str(out_dir), json.dumps(kwargs),
     ]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_glm5 import cli
+from bridge import cli
 from tests.bridge_workers import make_fixture
 
 REPO = Path(__file__).resolve().parent.parent
@@ -91,7 +91,7 @@ def test_convert_checkpoint_script_is_the_convert_command():
 def test_demo_console_script(tmp_path):
     """The README's first command: offline, end to end, well under the 3-minute budget on 2 cores."""
     exe = Path(sys.executable).parent / "megatron-glm5"
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "megatron_glm5.cli"]
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "bridge.cli"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     t0 = time.monotonic()
     proc = subprocess.run([*cmd, "demo", "--out", str(tmp_path / "demo"), "--steps", "3"], capture_output=True,

@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 
 from bridge.errors import CheckpointFormatError
 from bridge.megatron_io import resolve_checkpoint_dir
-from megatron_glm5 import cli, testing
+from bridge import cli
+from megatron_glm5 import testing
 from tests.bridge_workers import make_fixture
 
 

@@ -1,14 +1,15 @@
-"""The mapping table, its expansion, the transforms and the megatron-core compat probe (pure, no checkpoints)."""
+"""The mapping table, its expansion and the transforms (pure, no checkpoints)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from bridge import compat, naming
+from bridge import naming
 from bridge import transforms as T
 from bridge.errors import TensorSetError
 from bridge.mapping import account_hf_names, detect_expert_layout, expand, layer_kinds
@@ -165,16 +166,6 @@ def test_gated_is_gate_then_up_and_inverts():
     assert T.GATED.hf_shapes((6, 5)) == [(3, 5), (3, 5)]
 
 
-def test_indexer_rope_swap_moves_rope_dims_per_head():
-    swap = T.IndexerRopeSwap(rope_dim=2, head_dim=4)
-    wq_b = torch.arange(8 * 3).reshape(8, 3).float()  # 2 heads x 4 rows: [pe pe nope nope]
-    out = swap.to_mcore([wq_b])
-    assert out[:, 0].tolist() == [6, 9, 0, 3, 18, 21, 12, 15]  # per head: [nope nope pe pe]
-    assert torch.equal(swap.to_hf(out)[0], wq_b)
-    k_norm = torch.tensor([1.0, 2.0, 3.0, 4.0])
-    assert swap.to_mcore([k_norm]).tolist() == [3.0, 4.0, 1.0, 2.0]
-
-
 def test_block_fp8_dequant_matches_reference_exactly():
     torch.manual_seed(0)
     for shape in [(256, 384), (200, 130), (2, 256, 128)]:
@@ -196,25 +187,30 @@ def test_block_fp8_dequant_matches_reference_exactly():
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# megatron-core compat: where the indexer applies RoPE
+# megatron-core's indexer layout: the table maps indexer rows unchanged
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def test_installed_megatron_core_needs_no_indexer_rope_swap():
-    """megatron-core 0.19.2 puts the indexer rope dims first, like HF, and reads dsa_indexer_rope_interleaved."""
-    assert compat.indexer_rope_layout() == "pe_first"
-    assert compat._inspect_source() == "pe_first"  # the fallback agrees with the behavioural probe
-    assert not compat.needs_indexer_rope_swap()
-    assert compat.honours_indexer_rope_interleave()
+def test_installed_megatron_core_applies_indexer_rope_to_the_first_dims():
+    """HF stores each indexer head as [rope | nope]; the table copies wq_b / wk / k_norm unchanged, which is right only
+    if megatron-core's DSAIndexer rotates the *first* rope dims too (early versions rotated the last ones). A probe with
+    rotary angle pi (cos -1, sin 0) negates exactly the rotated dims, whatever the pairing."""
+    import types
+
+    from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexer
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    assert "dsa_indexer_rope_interleaved" in {f.name for f in dataclasses.fields(TransformerConfig)}
+    rope, head = 4, 8
+    config = types.SimpleNamespace(apply_rope_fusion=False, multi_latent_attention=True, rotary_interleaved=False,
+                                   dsa_indexer_rope_interleaved=True, mrope_section=None, context_parallel_size=1)
+    cp = types.SimpleNamespace(size=lambda: 1, rank=lambda: 0)
+    fake = types.SimpleNamespace(qk_pos_emb_head_dim=rope, index_head_dim=head, config=config,
+                                 pg_collection=types.SimpleNamespace(cp=cp))
+    out = DSAIndexer._apply_rope(fake, torch.ones(1, 1, 1, head), torch.full((1, 1, 1, rope), torch.pi), 1.0)
+    assert (out.reshape(head) < 0).tolist() == [True] * rope + [False] * (head - rope)
     assert expand(parse_hf_config(tiny_glm5_config())).by_mcore[
         "decoder.layers.0.self_attention.core_attention.indexer.linear_wq_b.weight"].transform is T.COPY
-
-
-def test_older_layout_would_swap_indexer_halves():
-    exp = expand(parse_hf_config(tiny_glm5_config()), indexer_rope_swap=True)
-    names = [n for n, m in exp.by_mcore.items() if isinstance(m.transform, T.IndexerRopeSwap)]
-    assert len(names) == 4 * 4  # wq_b, wk, k_norm weight/bias on 3 layers + MTP; weights_proj is per head, unswapped
-    assert all(".indexer." in n and "weights_proj" not in n for n in names)
 
 
 def test_full_size_glm52_model_and_table_agree(model_parallel):

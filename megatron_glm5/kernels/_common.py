@@ -13,7 +13,7 @@ import torch
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
-# OUT_IDX_NOTE: factories give ``out_idx`` as non-negative positions. Seen with tilelang 0.1.15 on the H200: after a
+# OUT_IDX_NOTE: factories give ``out_idx`` as non-negative positions. With tilelang 0.1.15: after a
 # factory's first kernel ran, later kernels of the same factory missed TileLang's disk cache when ``out_idx`` was
 # negative (the logged ``out_idx`` had been normalised to positions), so each further shape recompiled (~10 s);
 # factories without ``out_idx`` always hit. Positive positions keep the cache key independent of that.

@@ -5,8 +5,8 @@
 
 Two kernels, one contract:
 
-* ``ws`` (opt-in until benchmarked, see ``pick_fwd_variant``): warp-specialised, one CTA per (token, 64-head block). A producer warpgroup gathers the selected
-  KV rows with ``cp.async`` into two shared-memory stages; consumer warpgroup 0 computes ``Q K^T`` over all ``d_qk``
+* ``ws`` (the default, see ``pick_fwd_variant``): warp-specialised, one CTA per (token, 64-head block). A producer
+  warpgroup gathers the selected KV rows with ``cp.async`` into two shared-memory stages; consumer warpgroup 0 computes ``Q K^T`` over all ``d_qk``
   channels, the online softmax and ``P V`` for the left half of ``d_v``; consumer warpgroup 1 does ``P V`` for the
   right half. Provenance: the schedule is FlashMLA's sparse prefill (SM90) as re-expressed in tile-ai/tilelang
   ``examples/deepseek_v32/sparse_mla_fwd_pipelined.py``. Differences: -1 slots never touch memory (the gather is
@@ -14,9 +14,9 @@ Two kernels, one contract:
   block count skips tail padding; any head count (padded inside, loads and stores bounded, P6); a token count that
   need not divide anything; LSE is natural-log and written (upstream allocates it but never stores it);
   one-directional mbarriers between the two consumer warpgroups.
-* ``simple`` (default): one pipelined loop per CTA (token, head block); synchronous guarded 16-byte gathers (TileLang
-  does not turn a data-dependent, predicated gather into ``cp.async``), so gather and MMA do not overlap; this is
-  why it trails megatron-core's forward at 16K/32K tokens (see ``scripts/bench/RESULTS_kernels.md``).
+* ``simple`` (opt-in, ``variant="simple"``): one pipelined loop per CTA (token, head block); synchronous guarded
+  16-byte gathers (TileLang does not turn a data-dependent, predicated gather into ``cp.async``), so gather and MMA
+  do not overlap and it is the slower of the two at long sequences (measurements: ``scripts/bench/RESULTS_kernels.md``).
 
 Masking: a slot is valid iff ``0 <= idx < T_kv``. A row without a valid slot gives ``out = 0`` and ``lse = +inf``.
 
@@ -407,10 +407,9 @@ def check_sparse_mla_args(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tens
 
 
 def pick_fwd_variant(heads: int, d_qk: int, d_v: int, variant: Variant = "auto") -> str:
-    """``auto`` picks ``ws``, the warp-specialised forward: on the H200 (2026-11-29) it passed every forward test
-    (8/16/64/128 heads, T < topk, unpadded topk, all -1 rows, NaN in unreferenced kv rows, packed sequences) and ran
-    1.4-2.2x faster than megatron-core's forward (395 TFLOP/s at 64 heads / 16K, 139 at 16 heads; see
-    ``scripts/bench/RESULTS_kernels.md``). ``simple`` stays available as ``variant="simple"``."""
+    """``auto`` picks ``ws``, the warp-specialised forward, the faster of the two on every benchmarked shape
+    (``scripts/bench/RESULTS_kernels.md``; ``tests/gpu/test_kernels_gpu.py`` covers both). ``simple`` stays
+    available as ``variant="simple"``."""
     if variant != "auto":
         return variant
     return "ws"

@@ -56,12 +56,12 @@ def write_synthetic(out: Path, raw: dict) -> tuple[int, int]:
 
     from bridge import hf_io
     from bridge.mapping import expand
-    from megatron_glm5.config import parse_hf_config
+    from megatron_glm5.config import natural_key, parse_hf_config
 
     out.mkdir(parents=True)
     exp = expand(parse_hf_config(raw))
     shapes = exp.hf_shapes()
-    names = sorted(shapes, key=hf_io.natural_key)
+    names = sorted(shapes, key=natural_key)
     plan = [hf_io.PlannedTensor(n, shapes[n], torch.float32 if n.endswith("e_score_correction_bias")
                                 else torch.bfloat16) for n in names]
     writer = hf_io.HFShardWriter(out, plan, max_shard_bytes=SHARD_BYTES)
@@ -97,13 +97,13 @@ for shard in sorted(src.glob("*.safetensors")):
 
 _IMPORT = """
 import sys
-from megatron_glm5.cli import main
+from bridge.cli import main
 sys.exit(main(["convert", "import", "--hf-path", sys.argv[1], "--megatron-path", sys.argv[2], "--no-progress"]))
 """
 
 _EXPORT = """
 import sys
-from megatron_glm5.cli import main
+from bridge.cli import main
 sys.exit(main(["convert", "export", "--megatron-path", sys.argv[1], "--hf-path", sys.argv[2], "--no-progress"]))
 """
 

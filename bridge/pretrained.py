@@ -26,12 +26,12 @@ def from_hf_pretrained(
     """
     from megatron.core import parallel_state as ps
 
-    from bridge.inmemory import load_hf_weights
+    from .inmemory import load_hf_weights
 
-    from .config import RuntimePolicy, load_hf_config, parse_hf_config
-    from .cpu import enable_cpu_mode
-    from .model import build_model
-    from .parallel import initialize_model_parallel
+    from megatron_glm5.config import RuntimePolicy, load_hf_config, parse_hf_config
+    from megatron_glm5.cpu import enable_cpu_mode
+    from megatron_glm5.model import build_model
+    from megatron_glm5.parallel import initialize_model_parallel
 
     cuda = torch.cuda.is_available()
     if not cuda:

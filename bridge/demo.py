@@ -22,7 +22,7 @@ DEMO_SEQ_LEN = 64
 
 
 def _policy():
-    from .model import default_cpu_policy
+    from megatron_glm5.model import default_cpu_policy
 
     if torch.cuda.is_available():
         return default_cpu_policy(use_cpu_initialization=False)
@@ -33,12 +33,12 @@ def run_demo(*, out_dir: str | Path | None = None, steps: int = 4, keep: bool = 
              seq_len: int = DEMO_SEQ_LEN, print_fn=print) -> dict:
     """Run the demo; returns ``{"ok": bool, "losses": [...], "verify": {...}, "roundtrip": {...}, ...}``."""
     import bridge
-    from bridge.inmemory import load_megatron_checkpoint
+    from .inmemory import load_megatron_checkpoint
     from megatron.core import parallel_state as ps
 
-    from .cpu import enable_cpu_mode
-    from .parallel import initialize_model_parallel
-    from .testing import tiny_glm52_config, write_hf_checkpoint
+    from megatron_glm5.cpu import enable_cpu_mode
+    from megatron_glm5.parallel import initialize_model_parallel
+    from megatron_glm5.testing import tiny_glm52_config, write_hf_checkpoint
 
     t_start = time.perf_counter()
     enable_cpu_mode()

@@ -161,8 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _quiet()
     from bridge.errors import BridgeError
 
-    from .config import GLM5ConfigError
-    from .cpu import enable_cpu_mode
+    from megatron_glm5.config import GLM5ConfigError
+    from megatron_glm5.cpu import enable_cpu_mode
 
     enable_cpu_mode()
     try:
