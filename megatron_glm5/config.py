@@ -21,6 +21,11 @@ Pitfalls handled (each names where it was seen):
   flat key first silently used 1e6 for GLM-5.2, whose theta is 8e6 (sglang-jax #1384).
 * megatron-core's ``MLATransformerConfig.rope_type`` defaults to ``"yarn"``; GLM-5.x uses plain RoPE.
 * megatron-core hard-codes interleaved (GPT-J pair) RoPE for MLA, so ``rope_interleave: false`` is refused.
+* Configs written by transformers' own ``GlmMoeDsaConfig.save_pretrained`` carry neither ``rope_interleave`` nor
+  ``indexer_rope_interleave`` (its GLM code always interleaves, in MLA and in the indexer), and add ``layer_types``,
+  ``mlp_layer_types``, ``head_dim`` and ``mlp_bias``. An absent flag therefore means interleaved; an explicit
+  ``false`` contradicts ``glm_moe_dsa`` (that is DeepSeek-V3.2's half-split indexer) and is refused.
+  ``mlp_layer_types`` must agree with ``first_k_dense_replace``; ``layer_types`` must name DSA attention everywhere.
 * ``dsa_indexer_rotate_activation`` defaults to True (Hadamard, DeepSeek-V3.2); GLM-5.x has none.
 * The indexer ``k_norm`` is a LayerNorm with eps 1e-6 (not ``rms_norm_eps``), computed in fp32.
 * transformers 5.11-5.12 wrote ``num_experts=256`` into every saved GlmMoeDsa config; ``n_routed_experts`` wins.
@@ -81,14 +86,12 @@ class GLM5Architecture:
     qk_rope_head_dim: int  # resolved as qk_head_dim - qk_nope_head_dim
     v_head_dim: int
     rope_theta: float
-    rope_interleave: bool
     yarn: YarnParameters | None
     max_position_embeddings: int
     # DSA indexer
     index_n_heads: int
     index_head_dim: int
     index_topk: int
-    indexer_rope_interleave: bool
     indexer_types: tuple[IndexerType, ...]  # per decoder layer, 0-indexed
     # MoE
     mlp_layer_types: tuple[Literal["dense", "sparse"], ...]
@@ -254,6 +257,26 @@ def _resolve_mlp_layer_types(raw: Mapping[str, Any], num_layers: int) -> tuple[s
     return explicit
 
 
+# ``layer_types`` values transformers has written for GLM-5.x's (all-DSA) attention layers.
+_DSA_LAYER_TYPES = ("indexed_attention", "deepseek_sparse_attention")
+
+
+def _check_layer_types(raw: Mapping[str, Any], num_layers: int) -> None:
+    types = raw.get("layer_types")
+    if types is None:
+        return
+    if not isinstance(types, list) or len(types) != num_layers:
+        raise GLM5ConfigError(
+            f"config field 'layer_types': expected a list of {num_layers} entries (num_hidden_layers), found {types!r}"
+        )
+    bad = sorted({t for t in types if t not in _DSA_LAYER_TYPES})
+    if bad:
+        raise GLM5ConfigError(
+            f"config field 'layer_types': every GLM-5.x layer is DSA attention (expected entries in "
+            f"{list(_DSA_LAYER_TYPES)}), found {bad}"
+        )
+
+
 def _resolve_rope(raw: Mapping[str, Any]) -> tuple[float, YarnParameters | None]:
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     if not isinstance(params, Mapping):
@@ -318,8 +341,7 @@ def parse_hf_config(raw: Mapping[str, Any]) -> GLM5Architecture:
     if rope % 2:
         raise GLM5ConfigError(f"RoPE width qk_head_dim - qk_nope_head_dim must be even, found {rope}")
 
-    rope_interleave = _get(raw, "rope_interleave", bool, True)
-    if not rope_interleave:
+    if not _get(raw, "rope_interleave", bool, True):
         raise GLM5ConfigError(
             "config field 'rope_interleave': expected true (megatron-core 0.19.2 applies interleaved RoPE in MLA "
             "unconditionally), found false"
@@ -335,6 +357,14 @@ def parse_hf_config(raw: Mapping[str, Any]) -> GLM5Architecture:
         )
     if _get(raw, "attention_bias", bool, False):
         raise GLM5ConfigError("config field 'attention_bias': expected false (GLM-5.x has no attention bias), found true")
+    if _get(raw, "mlp_bias", bool, False):
+        raise GLM5ConfigError("config field 'mlp_bias': expected false (GLM-5.x MLPs have no bias), found true")
+    if not _get(raw, "indexer_rope_interleave", bool, True):
+        raise GLM5ConfigError(
+            "config field 'indexer_rope_interleave': expected true or absent (GLM-5.x indexers apply interleaved RoPE; "
+            "a half-split indexer RoPE is DeepSeek-V3.2's), found false"
+        )
+    _check_layer_types(raw, num_layers)
     act = _get(raw, "hidden_act", str, "silu")
     if act != "silu":
         raise GLM5ConfigError(f"config field 'hidden_act': expected 'silu', found {act!r}")
@@ -394,13 +424,11 @@ def parse_hf_config(raw: Mapping[str, Any]) -> GLM5Architecture:
         qk_rope_head_dim=rope,
         v_head_dim=_positive("v_head_dim", _get(raw, "v_head_dim", int)),
         rope_theta=theta,
-        rope_interleave=rope_interleave,
         yarn=yarn,
         max_position_embeddings=_positive("max_position_embeddings", _get(raw, "max_position_embeddings", int)),
         index_n_heads=_positive("index_n_heads", _get(raw, "index_n_heads", int)),
         index_head_dim=index_head_dim,
         index_topk=index_topk,
-        indexer_rope_interleave=_get(raw, "indexer_rope_interleave", bool, False),
         indexer_types=resolve_indexer_types(raw, num_layers),
         mlp_layer_types=_resolve_mlp_layer_types(raw, num_layers),  # type: ignore[arg-type]
         n_routed_experts=n_experts,
@@ -439,7 +467,6 @@ _DIRECT_FIELDS: tuple[tuple[str, str], ...] = (
     ("index_n_heads", "dsa_indexer_n_heads"),
     ("index_head_dim", "dsa_indexer_head_dim"),
     ("index_topk", "dsa_indexer_topk"),
-    ("indexer_rope_interleave", "dsa_indexer_rope_interleaved"),
     ("n_routed_experts", "num_moe_experts"),
     ("num_experts_per_tok", "moe_router_topk"),
     ("moe_intermediate_size", "moe_ffn_hidden_size"),
@@ -459,6 +486,7 @@ _GLM5_CONSTANTS: dict[str, Any] = dict(
     activation_func=torch.nn.functional.silu,
     apply_rope_fusion=False,  # megatron-core asserts this for DSA
     experimental_attention_variant="dsa",
+    dsa_indexer_rope_interleaved=True,  # checked by parse_hf_config (absent or true)
     dsa_indexer_rotate_activation=False,  # no Hadamard in GLM-5.x
     dsa_indexer_scoring_relu=True,
     dsa_indexer_k_norm_epsilon=INDEXER_K_NORM_EPS,

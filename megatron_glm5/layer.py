@@ -14,66 +14,107 @@ state on the config, the mask or ``packed_seq_params``:
   the spec is built).
 
 Full-layer recompute: under ``recompute_granularity="full"`` megatron-core re-runs the whole layer in backward. To
-keep the indexer out of that re-run, a full layer keeps the top-k it computed in the checkpoint's first (no-grad)
-pass in :class:`TopKReplay` and the recompute takes it back instead of running the indexer again. Megatron's
-schedules run a model chunk's backward passes in the order of its forward passes, so this is a FIFO; each entry
-carries a fingerprint of the attention input that the recompute checks on device (``torch._assert_async``), so a
-mismatched replay fails loudly instead of training on wrong indices.
+keep the indexer out of that re-run, a full layer stores the top-k it computed in the checkpoint's first (no-grad)
+pass *on that checkpoint's autograd node* (the ``ctx`` of megatron-core's ``CheckpointFunction``), keyed by the
+layer, and the recompute of the same node takes it back (:func:`stash_topk` / :func:`replayed_topk`). So:
+
+* an entry belongs to exactly one micro-batch and layer by construction (each checkpoint call is its own node),
+  whatever the schedule's order of forwards and backwards (1F1B, interleaved VPP);
+* it lives exactly as long as the graph that can replay it: a training-mode forward without a backward (an RL
+  log-prob pass under ``torch.no_grad()``, an aborted step) frees its entries with its graph, so nothing goes stale,
+  no step has to "start clean" and there is nothing to reset;
+* each entry carries a fingerprint of the attention input, compared within a tolerance on device
+  (``torch._assert_async``) when it is replayed: recomputed inputs may differ in the last bits (MoE's
+  ``scatter_add_`` is not bitwise deterministic on GPU) but another micro-batch's input fails the check.
+
+megatron-core gives a checkpointed function no handle on its node, so the node is found as the ``ctx`` local of the
+innermost ``CheckpointFunction.forward`` / ``.backward`` frame on this thread's stack (a read-only lookup of a few
+frames). Under another checkpoint implementation (no such frame), the recompute runs the indexer again: correct, only
+slower.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import sys
 from typing import Optional
 
 import torch
-from megatron.core.tensor_parallel.random import is_checkpointing
+from megatron.core.tensor_parallel.random import CheckpointFunction, is_checkpointing
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import deprecate_inference_params
 
-
-def _fingerprint(x: torch.Tensor) -> torch.Tensor:
-    """A cheap, deterministic summary of a tensor (a strided subsample summed in fp32)."""
-    flat = x.reshape(-1)
-    step = max(1, flat.numel() // 4096)
-    return flat[::step].float().sum()
+_CHECKPOINT_FRAMES = (CheckpointFunction.forward.__code__, CheckpointFunction.backward.__code__)
+_STASH = "_glm5_dsa_topk"  # attribute of the checkpoint node: {layer module: (topk, fingerprint)}
+FINGERPRINT_GROUPS = 64
+FINGERPRINT_RTOL = 2e-2  # per group, relative to the group's sum of |x|
 
 
-class TopKReplay:
-    """FIFO of top-k indices computed in the first pass of an activation checkpoint, consumed by its recompute."""
+def _checkpoint_node():
+    """The autograd node (``ctx``) of the innermost megatron-core ``CheckpointFunction`` running on this thread."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in _CHECKPOINT_FRAMES:
+            return frame.f_locals.get("ctx")
+        frame = frame.f_back
+    return None
 
-    __slots__ = ("_pending",)
 
-    def __init__(self) -> None:
-        self._pending: deque[tuple[torch.Tensor, torch.Tensor]] = deque()
+def fingerprint(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[2, FINGERPRINT_GROUPS]``: sums and sums of ``|x|`` of a strided subsample of ``x`` split into groups.
+    Last-bit differences move each group's sum by far less than ``FINGERPRINT_RTOL`` of its ``|x|`` sum; another
+    micro-batch's input moves every group by about ``1 / sqrt(group size)`` of it."""
+    flat = x.detach().reshape(-1)
+    n = FINGERPRINT_GROUPS * 64
+    step = max(1, flat.numel() // n)
+    sample = flat[::step][:n].float()
+    if sample.numel() < n:
+        sample = torch.cat([sample, sample.new_zeros(n - sample.numel())])
+    groups = sample.view(FINGERPRINT_GROUPS, -1)
+    return torch.stack([groups.sum(-1), groups.abs().sum(-1)])
 
-    @staticmethod
-    def in_first_pass(training: bool) -> bool:
-        return training and is_checkpointing() and not torch.is_grad_enabled()
 
-    @staticmethod
-    def in_recompute(training: bool) -> bool:
-        return training and is_checkpointing() and torch.is_grad_enabled()
+def fingerprints_match(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Device bool: every group of ``a`` within ``FINGERPRINT_RTOL`` of ``b``'s."""
+    return ((a[0] - b[0]).abs() <= FINGERPRINT_RTOL * b[1] + 1e-6).all()
 
-    def push(self, topk: torch.Tensor, attn_input: torch.Tensor) -> None:
-        self._pending.append((topk, _fingerprint(attn_input)))
 
-    def pop(self, attn_input: torch.Tensor, layer_number: int) -> torch.Tensor:
-        if not self._pending:
-            raise RuntimeError(
-                f"layer {layer_number}: activation recompute found no top-k from the forward pass to replay "
-                "(a checkpointed forward ran without its first pass being recorded)"
-            )
-        topk, fp = self._pending.popleft()
-        torch._assert_async(
-            _fingerprint(attn_input) == fp,
-            f"layer {layer_number}: replayed DSA top-k belongs to another micro-batch (backward order differs "
-            "from forward order, or a training-mode forward ran without backward)",
-        )
-        return topk
+def in_first_pass(training: bool) -> bool:
+    """Inside the no-grad first pass of a megatron-core activation checkpoint."""
+    return training and is_checkpointing() and not torch.is_grad_enabled()
 
-    def __len__(self) -> int:
-        return len(self._pending)
+
+def in_recompute(training: bool) -> bool:
+    """Inside the recompute of a megatron-core activation checkpoint (its backward)."""
+    return training and is_checkpointing() and torch.is_grad_enabled()
+
+
+def stash_topk(layer: torch.nn.Module, topk: torch.Tensor, attn_input: torch.Tensor) -> bool:
+    """Keep ``topk`` on the running checkpoint's node for its recompute; False when there is no such node."""
+    node = _checkpoint_node()
+    if node is None:
+        return False
+    stash = getattr(node, _STASH, None)
+    if stash is None:
+        stash = {}
+        setattr(node, _STASH, stash)
+    stash[layer] = (topk, fingerprint(attn_input))
+    return True
+
+
+def replayed_topk(layer: torch.nn.Module, attn_input: torch.Tensor, layer_number: int) -> Optional[torch.Tensor]:
+    """The top-k this layer stashed in the first pass of the checkpoint being recomputed (None if there is none:
+    the caller then runs the indexer again)."""
+    node = _checkpoint_node()
+    entry = getattr(node, _STASH, {}).pop(layer, None) if node is not None else None
+    if entry is None:
+        return None
+    topk, fp = entry
+    torch._assert_async(
+        fingerprints_match(fingerprint(attn_input), fp),
+        f"layer {layer_number}: the recomputed attention input does not match the one whose DSA top-k is being "
+        "replayed (beyond last-bit differences)",
+    )
+    return topk
 
 
 class GLMTransformerLayer(TransformerLayer):
@@ -87,7 +128,6 @@ class GLMTransformerLayer(TransformerLayer):
             raise NotImplementedError(
                 "GLM-5.x layers do not support recompute of the input layernorm or CPU offloading yet"
             )
-        self._topk_replay = TopKReplay()
 
     def _forward_attention(
         self,
@@ -116,7 +156,7 @@ class GLMTransformerLayer(TransformerLayer):
         x = self.input_layernorm(hidden_states)
 
         if attention.computes_topk:
-            topk_in = self._topk_replay.pop(x, self.layer_number) if TopKReplay.in_recompute(self.training) else None
+            topk_in = replayed_topk(self, x, self.layer_number) if in_recompute(self.training) else None
         else:
             if context is None:
                 raise RuntimeError(
@@ -132,8 +172,8 @@ class GLMTransformerLayer(TransformerLayer):
             packed_seq_params=packed_seq_params,
             dsa_topk=topk_in,
         )
-        if attention.computes_topk and TopKReplay.in_first_pass(self.training):
-            self._topk_replay.push(topk, x)
+        if attention.computes_topk and in_first_pass(self.training):
+            stash_topk(self, topk, x)
 
         with self.bias_dropout_add_exec_handler():
             hidden_states = self.self_attn_bda(self.training, self.config.bias_dropout_fusion)(

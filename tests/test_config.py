@@ -162,6 +162,11 @@ _DELETE = object()
         (dict(rope_parameters={"rope_type": "default"}), r"'rope_parameters.rope_theta' \(or flat 'rope_theta'\) is required"),
         (dict(rope_parameters={"rope_theta": 1e6, "rope_type": "longrope"}), r"'rope_parameters.rope_type': expected 'default' or 'yarn', found 'longrope'"),
         (dict(rope_interleave=False), r"'rope_interleave': expected true"),
+        (dict(indexer_rope_interleave=False), r"'indexer_rope_interleave': expected true or absent .*found false"),
+        (dict(mlp_bias=True), r"'mlp_bias': expected false"),
+        (dict(layer_types=["indexed_attention"] * 77), r"'layer_types': expected a list of 78 entries"),
+        (dict(layer_types=["full_attention"] * 78), r"'layer_types': every GLM-5.x layer is DSA attention .*"
+                                                    r"found \['full_attention'\]"),
         (dict(indexer_types=["full"] * 77), r"expected 78 entries \(num_hidden_layers\), found 77"),
         (dict(indexer_types=["shared"] + ["full"] * 77), r"layer 0 is 'shared'"),
         (dict(indexer_types=["full"] * 77 + ["half"]), r"entries must be 'full' or 'shared', found 'half'"),
@@ -194,3 +199,38 @@ def test_load_hf_config_errors(tmp_path):
         load_hf_config(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(tiny_glm5_config()))
     assert load_hf_config(tmp_path)["model_type"] == "glm_moe_dsa"
+
+
+def _transformers_written(tmp_path, **kwargs) -> dict:
+    """config.json exactly as the installed transformers writes it (``GlmMoeDsaConfig(...).save_pretrained``)."""
+    from transformers import GlmMoeDsaConfig
+
+    GlmMoeDsaConfig(**kwargs).save_pretrained(tmp_path)
+    return load_hf_config(tmp_path)
+
+
+def test_config_written_by_transformers_is_accepted(tmp_path):
+    """transformers writes no rope_interleave / indexer_rope_interleave (its GLM code always interleaves) and adds
+    layer_types, mlp_layer_types, head_dim and mlp_bias: such a file describes the same model as the release's."""
+    released = raw("glm5_2")
+    keep = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+            "qk_rope_head_dim", "v_head_dim", "n_routed_experts", "n_shared_experts", "num_experts_per_tok",
+            "first_k_dense_replace", "routed_scaling_factor", "index_n_heads", "index_head_dim", "index_topk",
+            "indexer_types", "rope_parameters", "max_position_embeddings", "rms_norm_eps", "num_nextn_predict_layers")
+    written = _transformers_written(tmp_path, **{k: released[k] for k in keep if k in released})
+    for absent in ("rope_interleave", "indexer_rope_interleave"):
+        assert absent not in written
+    for added in ("layer_types", "mlp_layer_types", "head_dim"):
+        assert added in written
+    ours, theirs = parse_hf_config(written), parse_hf_config(released)
+    assert architecture_kwargs(ours) == architecture_kwargs(theirs)
+    assert architecture_kwargs(ours)["dsa_indexer_rope_interleaved"] is True
+
+
+def test_mlp_layer_types_must_agree_with_first_k_dense_replace(tmp_path):
+    written = _transformers_written(tmp_path, num_hidden_layers=4, first_k_dense_replace=1)
+    assert parse_hf_config(written).mlp_layer_types == ("dense", "sparse", "sparse", "sparse")
+    written["mlp_layer_types"] = ["dense", "dense", "sparse", "sparse"]
+    with pytest.raises(GLM5ConfigError, match="'mlp_layer_types' and 'first_k_dense_replace'"):
+        parse_hf_config(written)
