@@ -11,7 +11,7 @@ def from_hf_pretrained(
     hf_path: str | Path,
     *,
     backend: str = "megatron",
-    params_dtype: torch.dtype = torch.float32,
+    params_dtype: torch.dtype | None = None,
     policy=None,
     progress: bool | None = False,
 ):
@@ -19,9 +19,12 @@ def from_hf_pretrained(
 
     If megatron-core's parallel state is not initialised, a single-process one is created (TP=PP=EP=1; gloo on
     CPU, NCCL with a GPU); otherwise the model is built for the existing layout and this rank loads only its
-    shards. On a machine without CUDA the library's CPU mode (:func:`megatron_glm5.cpu.enable_cpu_mode`) is
-    turned on. ``policy`` (a :class:`~megatron_glm5.config.RuntimePolicy`) overrides the default one; its parallel
-    sizes must match the parallel state. Returns the ``GPTModel`` in eval mode; ``model(input_ids, position_ids)``
+    shards. ``params_dtype`` defaults to bf16 on CUDA (the fused kernels' dtype) and fp32 on CPU. On CUDA the fused
+    DSA kernels and megatron-core's fusions are chosen when available (logged; see
+    :func:`megatron_glm5.config.resolve_policy`); on a machine without CUDA the model runs megatron-core's torch
+    paths (see :mod:`megatron_glm5.cpu` for the little that changes in the process). ``policy`` (a
+    :class:`~megatron_glm5.config.RuntimePolicy`) overrides the default one; its parallel sizes must match the
+    parallel state. Returns the ``GPTModel`` in eval mode; ``model(input_ids, position_ids)``
     gives logits ``[b, s, vocab]``. The HF config is kept as ``model.glm5_hf_config`` for ``bridge.export_hf``.
     """
     from megatron.core import parallel_state as ps
@@ -29,13 +32,12 @@ def from_hf_pretrained(
     from .inmemory import load_hf_weights
 
     from megatron_glm5.config import RuntimePolicy, load_hf_config, parse_hf_config
-    from megatron_glm5.cpu import enable_cpu_mode
     from megatron_glm5.model import build_model
     from megatron_glm5.parallel import initialize_model_parallel
 
     cuda = torch.cuda.is_available()
-    if not cuda:
-        enable_cpu_mode()
+    if params_dtype is None:
+        params_dtype = torch.bfloat16 if cuda else torch.float32
     arch = parse_hf_config(load_hf_config(hf_path))
     if not ps.model_parallel_is_initialized():
         initialize_model_parallel()

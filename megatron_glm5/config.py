@@ -35,7 +35,10 @@ Pitfalls handled (each names where it was seen):
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass, field
@@ -553,9 +556,40 @@ def architecture_kwargs(arch: GLM5Architecture) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True, slots=True)
+class RuntimeEnvironment:
+    """What the machine offers, as far as the runtime policy's ``"auto"`` choices are concerned."""
+
+    cuda: bool
+    mcore_tilelang_kernels: bool  # megatron-core's TileLang DSA kernels (lighting_indexer, SparseMLA) importable
+    apex_gradient_accumulation_fusion: bool  # apex's fused_weight_gradient_mlp_cuda importable
+
+    @classmethod
+    @functools.cache
+    def detect(cls) -> "RuntimeEnvironment":
+        cuda = torch.cuda.is_available()
+        kernels = False
+        if cuda:
+            from megatron.core.utils import _missing_tilelang_dsa_kernel_dependencies
+
+            kernels = not _missing_tilelang_dsa_kernel_dependencies()
+        try:
+            import fused_weight_gradient_mlp_cuda  # noqa: F401  (apex)
+
+            gaf = cuda
+        except ImportError:
+            gaf = False
+        return cls(cuda=cuda, mcore_tilelang_kernels=kernels, apex_gradient_accumulation_fusion=gaf)
+
+
 @dataclass(kw_only=True, slots=True)
 class RuntimePolicy:
-    """How to run the model: parallelism, precision, recompute, kernels. Never changes what the model is."""
+    """How to run the model: parallelism, precision, recompute, kernels. Never changes what the model is.
+
+    ``dsa_kernel_backend="auto"`` and ``fusions=None`` are decided by :func:`resolve_policy` for the machine: on CUDA
+    megatron-core's fused TileLang DSA kernels (when importable and the model is bf16) and megatron-core's torch
+    fusions (bias-SwiGLU, bias-dropout-add; apex's gradient-accumulation fusion when installed); on CPU the torch
+    paths. The choice is logged."""
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
@@ -567,7 +601,8 @@ class RuntimePolicy:
     num_layers_in_first_pipeline_stage: int | None = None
     num_layers_in_last_pipeline_stage: int | None = None
     params_dtype: torch.dtype = torch.bfloat16
-    dsa_kernel_backend: Literal["none", "tilelang", "cudnn"] = "none"
+    dsa_kernel_backend: Literal["auto", "none", "tilelang", "cudnn"] = "auto"
+    fusions: bool | None = None  # megatron-core fusions that need no TE/apex; None: on with CUDA
     dsa_indexer_loss_coeff: float = 0.0
     recompute_granularity: Literal["full", "selective"] | None = None
     recompute_method: Literal["uniform", "block"] | None = None
@@ -599,8 +634,37 @@ class RuntimePolicy:
             raise ValueError(f"RuntimePolicy.dsa_indexer_loss_coeff: expected >= 0, got {self.dsa_indexer_loss_coeff}")
 
 
-def runtime_kwargs(policy: RuntimePolicy) -> dict[str, Any]:
-    """megatron-core kwargs for how the model runs."""
+_log = logging.getLogger("megatron_glm5")
+_logged: set[str] = set()  # each distinct resolution is logged once per process
+
+
+def resolve_policy(policy: RuntimePolicy, env: RuntimeEnvironment | None = None) -> RuntimePolicy:
+    """``policy`` with its ``"auto"`` choices made for ``env`` (detected when None) and logged."""
+    if policy.dsa_kernel_backend != "auto" and policy.fusions is not None:
+        return policy
+    env = env or RuntimeEnvironment.detect()
+    backend = policy.dsa_kernel_backend
+    if backend == "auto":
+        backend = "tilelang" if (env.mcore_tilelang_kernels and policy.params_dtype == torch.bfloat16) else "none"
+    fusions = env.cuda if policy.fusions is None else policy.fusions
+    resolved = dataclasses.replace(policy, dsa_kernel_backend=backend, fusions=fusions)
+    why = ("CUDA, megatron-core TileLang DSA kernels importable, bf16" if backend == "tilelang"
+           else "no CUDA" if not env.cuda else "no megatron-core TileLang DSA kernels" if not env.mcore_tilelang_kernels
+           else f"params_dtype {policy.params_dtype} (the fused kernels are bf16-only)")
+    message = (f"megatron-glm5 runtime: dsa_kernel_backend={backend!r} ({why}), torch fusions "
+               f"{'on' if fusions else 'off'}, apex gradient-accumulation fusion "
+               f"{'on' if fusions and env.apex_gradient_accumulation_fusion else 'off'}")
+    if message not in _logged:
+        _logged.add(message)
+        _log.info(message)
+    return resolved
+
+
+def runtime_kwargs(policy: RuntimePolicy, env: RuntimeEnvironment | None = None) -> dict[str, Any]:
+    """megatron-core kwargs for how the model runs (``"auto"`` choices resolved by :func:`resolve_policy`)."""
+    env = env or RuntimeEnvironment.detect()
+    policy = resolve_policy(policy, env)
+    gaf = bool(policy.fusions) and env.apex_gradient_accumulation_fusion
     tp = policy.tensor_model_parallel_size
     kw: dict[str, Any] = dict(
         tensor_model_parallel_size=tp,
@@ -631,12 +695,12 @@ def runtime_kwargs(policy: RuntimePolicy) -> dict[str, Any]:
         init_model_with_meta_device=policy.init_model_with_meta_device,
         deterministic_mode=policy.deterministic_mode,
         cp_comm_type="allgather" if policy.context_parallel_size > 1 else "p2p",
-        # Fusions that need TE/apex/CUDA extensions are off; megatron-core picks torch paths.
-        gradient_accumulation_fusion=False,
-        masked_softmax_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        persist_layer_norm=False,
+        # megatron-core's own (torch / jit) fusions with CUDA; apex's only when installed; never TE-only ones.
+        gradient_accumulation_fusion=gaf,
+        masked_softmax_fusion=False,  # DSA has no dense softmax
+        bias_activation_fusion=bool(policy.fusions),
+        bias_dropout_fusion=bool(policy.fusions),
+        persist_layer_norm=False,  # apex; our norms are torch modules
     )
     if policy.recompute_modules is not None:
         kw["recompute_modules"] = list(policy.recompute_modules)

@@ -7,6 +7,7 @@ from typing import Sequence
 import torch
 
 from .config import GLM5Architecture, RuntimePolicy, build_transformer_config, gpt_model_kwargs
+from .cpu import attach_cpu_mode, cpu_mode
 from .spec import build_glm5_block_spec, build_glm5_mtp_spec
 
 
@@ -24,7 +25,9 @@ def build_model(
     """A GPTModel for this rank's pipeline stage (megatron-core parallel state must be initialised).
 
     ``config`` overrides the ``MLATransformerConfig`` built from ``arch`` and ``policy`` (Megatron-LM builds its own
-    from flags); ``indexer_types`` defaults to the architecture's IndexShare pattern.
+    from flags); ``indexer_types`` defaults to the architecture's IndexShare pattern. On a machine without CUDA the
+    model is built in :func:`~megatron_glm5.cpu.cpu_mode` and runs its forward with TorchDynamo off
+    (:func:`~megatron_glm5.cpu.attach_cpu_mode`); nothing else of the process changes.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -37,15 +40,17 @@ def build_model(
     types = tuple(indexer_types) if indexer_types is not None else arch.indexer_types
     block = build_glm5_block_spec(config, backend=backend, vp_stage=vp_stage, indexer_types=types)
     mtp = build_glm5_mtp_spec(config, backend=backend)
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=block,
-        mtp_block_spec=mtp,
-        pre_process=pre_process,
-        post_process=post_process,
-        vp_stage=vp_stage,
-        **gpt_model_kwargs(arch),
-    )
+    with cpu_mode():
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=block,
+            mtp_block_spec=mtp,
+            pre_process=pre_process,
+            post_process=post_process,
+            vp_stage=vp_stage,
+            **gpt_model_kwargs(arch),
+        )
+    return attach_cpu_mode(model)
 
 
 def default_cpu_policy(**overrides) -> RuntimePolicy:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -49,7 +50,23 @@ def _tilelang_available() -> bool:
 
 
 def _kernels_apply(t: torch.Tensor) -> bool:
-    return t.is_cuda and _tilelang_available()
+    """Our kernels run on CUDA tensors in bf16 (their only dtype); an fp32 (or fp16) model on CUDA takes the exact
+    torch path instead, with one warning, rather than failing or silently computing in lower precision."""
+    if not (t.is_cuda and _tilelang_available()):
+        return False
+    if t.dtype != torch.bfloat16:
+        _warn_kernel_dtype(t.dtype)
+        return False
+    return True
+
+
+@functools.cache
+def _warn_kernel_dtype(dtype: torch.dtype) -> None:
+    warnings.warn(
+        f"TileLangMLASelfAttention: the TileLang DSA kernels run in bf16 and the model is {dtype}; using the chunked "
+        "torch path (exact, slower). Build the model with params_dtype=torch.bfloat16 to use the kernels.",
+        stacklevel=3,
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -234,3 +234,28 @@ def test_mlp_layer_types_must_agree_with_first_k_dense_replace(tmp_path):
     written["mlp_layer_types"] = ["dense", "dense", "sparse", "sparse"]
     with pytest.raises(GLM5ConfigError, match="'mlp_layer_types' and 'first_k_dense_replace'"):
         parse_hf_config(written)
+
+
+def test_runtime_policy_auto_choices_follow_the_machine(caplog):
+    """GPU users get the fused DSA kernels and megatron-core's fusions by default (bf16), CPU users the torch paths;
+    the choice is logged. Explicit values are never overridden."""
+    import logging
+
+    from megatron_glm5.config import RuntimeEnvironment, resolve_policy, runtime_kwargs
+
+    gpu = RuntimeEnvironment(cuda=True, mcore_tilelang_kernels=True, apex_gradient_accumulation_fusion=False)
+    gpu_apex = RuntimeEnvironment(cuda=True, mcore_tilelang_kernels=True, apex_gradient_accumulation_fusion=True)
+    gpu_no_kernels = RuntimeEnvironment(cuda=True, mcore_tilelang_kernels=False, apex_gradient_accumulation_fusion=False)
+    cpu = RuntimeEnvironment(cuda=False, mcore_tilelang_kernels=False, apex_gradient_accumulation_fusion=False)
+    with caplog.at_level(logging.INFO, logger="megatron_glm5"):
+        kw = runtime_kwargs(RuntimePolicy(), gpu)
+    assert kw["dsa_kernel_backend"] == "tilelang" and kw["bias_activation_fusion"] and kw["bias_dropout_fusion"]
+    assert not kw["gradient_accumulation_fusion"]
+    assert "dsa_kernel_backend='tilelang'" in caplog.text
+    assert runtime_kwargs(RuntimePolicy(), gpu_apex)["gradient_accumulation_fusion"]
+    assert runtime_kwargs(RuntimePolicy(), gpu_no_kernels)["dsa_kernel_backend"] == "none"
+    assert runtime_kwargs(RuntimePolicy(params_dtype=torch.float32), gpu)["dsa_kernel_backend"] == "none"
+    kw = runtime_kwargs(RuntimePolicy(), cpu)
+    assert kw["dsa_kernel_backend"] == "none" and not kw["bias_activation_fusion"]
+    explicit = RuntimePolicy(dsa_kernel_backend="none", fusions=False)
+    assert resolve_policy(explicit, gpu) is explicit
