@@ -180,7 +180,7 @@ def test_sparse_mla_grads_match_dense_autograd(case, dtype):
     dq, dkv = torch.autograd.grad((out, lse), (qt, kvt), (g_out.to(dtype), g_lse.to(dtype)), retain_graph=True)
     assert dq.dtype == dtype and dkv.dtype == dtype
     assert torch.isposinf(lse[0]).all() and (out[0] == 0).all()
-    tol = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-5)
+    tol = {"rtol": 1e-10, "atol": 1e-10} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-5}
     torch.testing.assert_close(out.double(), ref_out, **tol)
     torch.testing.assert_close(lse.double(), ref_lse, **tol)
     torch.testing.assert_close(dq.double(), ref_dq, **tol)
