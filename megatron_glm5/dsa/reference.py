@@ -6,8 +6,16 @@ packing. A bshd batch ``[b, s]`` is the packed case with ``cu_seqlens = [0, s, 2
 *global row* in that flattened axis, so one code path serves both layouts and indices never cross a sequence
 boundary because the per-row bounds ``[starts[t], ends[t])`` never do.
 
-Memory: every function walks the queries in chunks of ``chunk`` rows; the largest temporary is
-``chunk x (key window)`` fp32 for the indexer and ``chunk x topk x d`` for sparse attention, never ``[T, T]``.
+Memory: every function walks the queries in chunks of ``chunk`` rows, never forming ``[T, T]``.
+
+* The indexer (no gradient): the largest temporary is ``chunk x (key window)`` fp32 scores.
+* Sparse MLA, forward and backward alike: one chunk's gathered keys ``chunk x topk x d`` fp32 (in the backward, the
+  keys and then their gradient, never both) plus a few ``chunk x heads x topk`` score/probability tensors. For the
+  backward autograd keeps only the inputs (``q``, ``kv``, ``indices``: references the caller holds anyway) and the
+  ``[T, heads]`` LSE; the backward recomputes each chunk's keys and probabilities from them, so the extra memory held
+  between forward and backward is O(T x heads), independent of ``topk`` and ``d``. Besides, each pass holds buffers
+  the size of its inputs: the output or the gradients, an fp32 copy of ``kv`` when it is not fp32 already, and
+  ``dkv`` accumulated in fp32 (one scratch row more than ``kv``).
 
 Conventions (the kernel contracts):
 
@@ -24,8 +32,8 @@ from __future__ import annotations
 
 import torch
 
-# Query rows per chunk: bounds the temporaries to chunk x S fp32 (indexer) and chunk x topk x d (attention); the
-# backends' torch fallbacks use it too.
+# Query rows per chunk: bounds the temporaries to chunk x S fp32 (indexer) and chunk x topk x d (attention, forward
+# and backward); the backends' torch fallbacks use it too.
 DEFAULT_CHUNK = 1024
 
 
@@ -114,33 +122,130 @@ def sparse_mla(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse absorbed-MLA attention (differentiable; fp32 math, output in ``q.dtype``).
 
+    ``out[t, h] = sum_k softmax_k(scale * q[t, h] . kv[i_k]) * kv[i_k, :d_v]`` over the slots ``i_k = indices[t, k]``
+    that are not -1. Every slot is a softmax term of its own: an index repeated in a row counts once per repeat.
+    Forward and backward walk the query rows in chunks; only ``lse`` is kept for the backward, which recomputes each
+    chunk's keys and probabilities (:class:`_SparseMLA`).
+
     Args:
         q: ``[T, H, D]`` absorbed queries (``D = kv_lora_rank + rope``, 576 for GLM-5).
-        kv: ``[T, D]`` latent keys; the first ``d_v`` channels double as values.
+        kv: ``[S, D]`` latent keys; the first ``d_v`` channels double as values.
         indices: int ``[T, K]`` global rows of ``kv``, -1 = unused slot.
         softmax_scale: multiplies q . k (GLM-5: 1/16).
-    Returns: ``out [T, H, d_v]`` (q.dtype) and natural-log ``lse [T, H]`` fp32 (+inf on rows with no index).
+    Returns: ``out [T, H, d_v]`` (q.dtype) and natural-log ``lse [T, H]`` fp32 (fp64 for fp64 ``q``; +inf on rows
+    with no index). Gradients reach ``q`` and ``kv`` through both outputs.
     """
-    t_total, heads, _ = q.shape
-    acc = _acc_dtype(q.dtype)
-    outs, lses = [], []
-    for c0 in range(0, t_total, chunk):
-        c1 = min(t_total, c0 + chunk)
-        idx = indices[c0:c1].long()
-        valid = idx >= 0
-        # -1 slots gather row 0 (cheap), then are zeroed so nothing of it (not even a NaN) reaches the output.
-        gathered = kv[idx.clamp_min(0)].to(acc).masked_fill(~valid[..., None], 0.0)  # [c, K, D]
-        logits = torch.einsum("chd,ckd->chk", q[c0:c1].to(acc), gathered) * softmax_scale
-        logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
-        lse = torch.logsumexp(logits, dim=-1)  # [c, H]; -inf on empty rows
-        empty = torch.isneginf(lse)
-        probs = torch.exp(logits - torch.where(empty, torch.zeros_like(lse), lse)[..., None])
-        out = torch.einsum("chk,ckd->chd", probs, gathered[..., :d_v])
-        outs.append(out.to(q.dtype))
-        lses.append(torch.where(empty, torch.full_like(lse, float("inf")), lse).to(torch.promote_types(acc, torch.float32)))
-    if not outs:
-        return q.new_zeros(0, heads, d_v), q.new_zeros(0, heads, dtype=torch.float32)
-    return torch.cat(outs), torch.cat(lses)
+    return _SparseMLA.apply(q, kv, indices, softmax_scale, d_v, chunk)
+
+
+def _chunk_keys(kv_acc: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``kv_acc`` rows of one chunk's slots, ``[c, K, D]``; -1 slots gather row 0 (cheap) and are then zeroed in place
+    so nothing of row 0 (not even a NaN) reaches the output or the gradients."""
+    c, k = idx.shape
+    keys = kv_acc.index_select(0, idx.clamp_min(0).reshape(-1)).view(c, k, kv_acc.shape[-1])
+    return keys.masked_fill_(~valid[..., None], 0.0)
+
+
+def _chunk_logits(q_c: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scale: float) -> torch.Tensor:
+    """``scale * q . k`` for one chunk, ``[c, H, K]``, -inf on -1 slots."""
+    logits = torch.bmm(q_c, keys.transpose(1, 2)).mul_(scale)
+    return logits.masked_fill_(~valid[:, None, :], float("-inf"))
+
+
+class _SparseMLA(torch.autograd.Function):
+    """:func:`sparse_mla` with a recomputing backward.
+
+    Saved for the backward: the inputs ``q``, ``kv``, ``indices`` (references the caller holds anyway) and the
+    ``[T, H]`` LSE; no output, no per-chunk tensor. Per query chunk the backward gathers the keys ``G`` again,
+    recomputes ``P = exp(s - lse)`` and, with ``dP = dO . V^T`` and ``delta = sum_k P dP`` (equal to ``dO . O``, so the
+    output need not be kept), forms ``dS = P * (dP - delta + dlse)``; then ``dq = scale * dS . G`` and
+    ``dG = scale * dS^T . q + [P^T . dO | 0]``, scattered into ``dkv`` with ``index_add_`` (repeated indices add up;
+    -1 slots land on a scratch row that is dropped).
+    """
+
+    @staticmethod
+    def forward(ctx, q, kv, indices, softmax_scale, d_v, chunk):
+        t_total, heads, _ = q.shape
+        acc = _acc_dtype(q.dtype)
+        ctx.set_materialize_grads(False)
+        ctx.softmax_scale, ctx.d_v, ctx.chunk = softmax_scale, d_v, chunk
+        if t_total == 0:
+            lse = q.new_zeros(0, heads, dtype=torch.float32)
+            ctx.save_for_backward(q, kv, indices, lse)
+            return q.new_zeros(0, heads, d_v), lse
+        out = q.new_empty(t_total, heads, d_v)
+        lse = torch.empty(t_total, heads, dtype=acc, device=q.device)
+        with torch.autocast(q.device.type, enabled=False):
+            kv_acc = kv.to(acc)
+            for c0 in range(0, t_total, chunk):
+                c1 = min(t_total, c0 + chunk)
+                idx = indices[c0:c1].long()
+                valid = idx >= 0
+                keys = _chunk_keys(kv_acc, idx, valid)  # [c, K, D]
+                probs = _chunk_logits(q[c0:c1].to(acc), keys, valid, softmax_scale)  # [c, H, K]
+                lse_c = torch.logsumexp(probs, dim=-1)  # -inf on rows with no valid slot
+                empty = torch.isneginf(lse_c)
+                probs.sub_(lse_c.masked_fill(empty, 0.0)[..., None]).exp_()  # exp(-inf) = 0 on -1 slots and empty rows
+                out[c0:c1] = torch.bmm(probs, keys[..., :d_v])
+                lse[c0:c1] = lse_c.masked_fill_(empty, float("inf"))
+                del keys, probs  # freed before the next chunk's are allocated: one chunk alive at a time
+        ctx.save_for_backward(q, kv, indices, lse)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out, grad_lse):
+        q, kv, indices, lse = ctx.saved_tensors
+        scale, d_v, chunk = ctx.softmax_scale, ctx.d_v, ctx.chunk
+        need_dq, need_dkv = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        t_total, heads, d = q.shape
+        dq = torch.zeros_like(q) if need_dq else None
+        dkv = torch.zeros_like(kv) if need_dkv else None
+        if t_total == 0 or (grad_out is None and grad_lse is None) or not (need_dq or need_dkv):
+            return dq, dkv, None, None, None, None
+        acc = _acc_dtype(q.dtype)
+        s_rows = kv.shape[0]
+        with torch.autocast(q.device.type, enabled=False):
+            kv_acc = kv.to(acc)
+            # One extra scratch row receives the -1 slots' (zero, or NaN from a poisoned row 0) contributions.
+            dkv_acc = torch.zeros(s_rows + 1, d, dtype=acc, device=kv.device) if need_dkv else None
+            for c0 in range(0, t_total, chunk):
+                c1 = min(t_total, c0 + chunk)
+                idx = indices[c0:c1].long()
+                valid = idx >= 0
+                q_c = q[c0:c1].to(acc)
+                keys = _chunk_keys(kv_acc, idx, valid)  # [c, K, D]
+                probs = _chunk_logits(q_c, keys, valid, scale)
+                # lse is +inf on empty rows, so every probability there is exp(-inf) = 0.
+                probs.sub_(lse[c0:c1, :, None].to(acc)).exp_()  # P [c, H, K]
+                if grad_out is not None:
+                    do_c = grad_out[c0:c1].to(acc)  # [c, H, d_v]
+                    ds = torch.bmm(do_c, keys[..., :d_v].transpose(1, 2)).mul_(probs)  # P * dP
+                    row = ds.sum(-1).neg_()  # -delta
+                else:
+                    do_c = None
+                    ds = torch.zeros_like(probs)
+                    row = torch.zeros(c1 - c0, heads, dtype=acc, device=q.device)
+                if grad_lse is not None:
+                    row.add_(grad_lse[c0:c1].to(acc))
+                ds.addcmul_(probs, row[..., None]).mul_(scale)  # dS = P * (dP - delta + dlse), times scale
+                if need_dq:
+                    dq[c0:c1] = torch.bmm(ds, keys)
+                del keys  # at most one [c, K, D] temporary alive: the keys, then their gradient
+                if need_dkv:
+                    # dG = [scale dS | P]^T . [q | dO, 0-padded to D]: one [c, K, D] product
+                    lhs = ds if do_c is None else torch.cat([ds, probs], dim=1)
+                    rhs = q_c if do_c is None else torch.cat([q_c, torch.nn.functional.pad(do_c, (0, d - d_v))], dim=1)
+                    del ds, probs
+                    dkeys = torch.bmm(lhs.transpose(1, 2), rhs)  # [c, K, D]
+                    slot = torch.where(valid, idx, s_rows).reshape(-1)
+                    dkv_acc.index_add_(0, slot, dkeys.view(-1, d))
+                    del dkeys, lhs, rhs
+                else:
+                    del ds, probs
+            if need_dkv:
+                dkv.copy_(dkv_acc[:s_rows])
+        return dq, dkv, None, None, None, None
 
 
 def pad_topk(indices: torch.Tensor, width: int) -> torch.Tensor:
