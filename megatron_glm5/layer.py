@@ -171,6 +171,7 @@ class GLMTransformerLayer(TransformerLayer):
             attention_mask=attention_mask,
             packed_seq_params=packed_seq_params,
             dsa_topk=topk_in,
+            dsa_topk_trusted=True,  # this model's own: the previous full layer's, or this layer's first pass
         )
         if attention.computes_topk and in_first_pass(self.training):
             stash_topk(self, topk, x)

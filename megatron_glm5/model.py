@@ -8,6 +8,7 @@ import torch
 
 from .config import GLM5Architecture, RuntimePolicy, build_transformer_config, gpt_model_kwargs
 from .cpu import attach_cpu_mode, cpu_mode
+from .dsa.layout import TokenLayout
 from .spec import build_glm5_block_spec, build_glm5_mtp_spec
 
 
@@ -50,7 +51,31 @@ def build_model(
             vp_stage=vp_stage,
             **gpt_model_kwargs(arch),
         )
+    if config.context_parallel_size == 1:  # under CP, position ids are each rank's zigzag shard
+        model.register_forward_pre_hook(check_position_ids, with_kwargs=True)
     return attach_cpu_mode(model)
+
+
+def check_position_ids(model, args: tuple, kwargs: dict) -> None:
+    """``GPTModel.forward`` pre-hook: ``position_ids`` must be the positions DSA attention uses.
+
+    megatron-core's GPTModel never passes ``position_ids`` to MLA, whose RoPE positions come from the sequence, the
+    THD packing or (``tilelang`` backend) the attention mask: shifted or reset position ids would otherwise be
+    dropped without a word. Rows that attend to nothing (padding) are not compared. A device-side check: no sync."""
+    position_ids = args[1] if len(args) > 1 else kwargs.get("position_ids")
+    if position_ids is None:
+        return
+    mask = args[2] if len(args) > 2 else kwargs.get("attention_mask")
+    packed = kwargs.get("packed_seq_params")
+    b, s = position_ids.shape
+    layout = TokenLayout.build(s, b, position_ids.device, packed, mask)
+    pos = position_ids.reshape(-1).to(torch.int64)
+    torch._assert_async(
+        ((pos == layout.positions) | (layout.ends <= layout.starts)).all(),
+        "position_ids differ from the positions GLM-5.x attention uses (each row's offset in its sequence, THD "
+        "document or attention-mask range); megatron-core's MLA does not read position_ids: give documents as THD "
+        "packing (packed_seq_params) or as an attention_mask",
+    )
 
 
 def default_cpu_policy(**overrides) -> RuntimePolicy:

@@ -94,6 +94,24 @@ def disable_unavailable_fusions(args) -> list[str]:
     return changed
 
 
+def check_data_flags(args) -> None:
+    """Document boundaries must reach DSA attention (:func:`megatron_glm5.spec.check_document_masking`). This
+    entry point reads plain ``[b, s]`` micro-batches, so THD packing (``--dataloader-inter-document-masking``) is
+    Megatron-LM's ``pretrain_gpt.py --spec megatron_glm5.spec get_glm5_spec``'s job."""
+    from .config import GLM5ConfigError
+    from .spec import check_document_masking
+
+    try:
+        if getattr(args, "dataloader_inter_document_masking", False):
+            raise GLM5ConfigError(
+                "--dataloader-inter-document-masking: python -m megatron_glm5.pretrain reads plain [b, s] micro-batches; "
+                "train packed documents with Megatron-LM's pretrain_gpt.py --spec megatron_glm5.spec get_glm5_spec"
+            )
+        check_document_masking(args)
+    except GLM5ConfigError as e:
+        raise SystemExit(f"megatron-glm5: {e}") from None
+
+
 def model_provider(arch: GLM5Architecture, backend: str, pre_process=True, post_process=True, vp_stage=None,
                    config=None, pg_collection=None):
     """Megatron-LM model provider: megatron-core GPTModel with the GLM-5.x block spec."""
@@ -228,6 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.tokenizer_type is None and args.mock_data:
         args.tokenizer_type = "NullTokenizer"
     apply_architecture(args, arch, argv)
+    check_data_flags(args)
     disable_unavailable_fusions(args)
     validate_args(args, {})
     set_global_variables(args)

@@ -17,6 +17,7 @@ layers get no indexer. A stage that would start on a shared layer is refused her
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -156,6 +157,37 @@ def check_glm5_numerics(config) -> None:
         raise GLM5ConfigError("config is not GLM-5.x-shaped: " + "; ".join(bad))
 
 
+def check_document_masking(args) -> None:
+    """Refuse Megatron-LM data flags whose document boundaries would not reach DSA attention.
+
+    ``--reset-attention-mask`` builds a dense block-diagonal mask in the dataloader, but Megatron-LM hands it to the
+    first and last pipeline stages only (middle stages attend causally across documents), and ``--reset-position-ids``
+    changes only the position ids, which megatron-core's MLA never reads (its RoPE positions come from the sequence
+    or the packing). Documents reach every stage, the indexer and RoPE as THD packing:
+    ``--dataloader-inter-document-masking`` (``cu_seqlens`` per micro-batch)."""
+    if getattr(args, "dataloader_inter_document_masking", False):
+        return
+    bad = [flag for flag, on in (("--reset-attention-mask", getattr(args, "reset_attention_mask", False)),
+                                 ("--reset-position-ids", getattr(args, "reset_position_ids", False))) if on]
+    if bad:
+        raise GLM5ConfigError(
+            f"{' and '.join(bad)}: GLM-5.x DSA attention takes document boundaries as THD packing; use "
+            "--dataloader-inter-document-masking instead (Megatron-LM's pretrain_gpt.py), otherwise attention "
+            "and RoPE positions would silently cross documents"
+        )
+
+
+def _megatron_lm_args():
+    """Megatron-LM's global args when a Megatron-LM program set them (pretrain_gpt.py), else None."""
+    global_vars = sys.modules.get("megatron.training.global_vars")  # not imported: no Megatron-LM program runs
+    if global_vars is None:
+        return None
+    try:
+        return global_vars.get_args()
+    except (AssertionError, RuntimeError):
+        return None
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # IndexShare pattern and pipeline split
 # --------------------------------------------------------------------------------------------------------------------
@@ -264,6 +296,9 @@ def build_glm5_block_spec(
 ) -> TransformerBlockSubmodules:
     """This stage's decoder block spec (see module docstring). ``pp_rank`` defaults to megatron-core's."""
     check_glm5_numerics(config)
+    args = _megatron_lm_args()
+    if args is not None:
+        check_document_masking(args)
     chosen = get_backend(backend)
     provider = provider or default_provider()
     types = tuple(indexer_types) if indexer_types is not None else indexer_types_from_config(config)

@@ -167,7 +167,7 @@ class TileLangMLASelfAttention(MLASelfAttention):
                 key_value_states=None, inference_context=None, rotary_pos_emb=None, rotary_pos_cos=None,
                 rotary_pos_sin=None, rotary_pos_cos_sin=None, attention_bias=None, packed_seq_params=None,
                 position_ids=None, sequence_len_offset=None, *, inference_params=None,
-                dsa_topk: Optional[torch.Tensor] = None):
+                dsa_topk: Optional[torch.Tensor] = None, dsa_topk_trusted: bool = False):
         if inference_context is not None or inference_params is not None:
             raise NotImplementedError("TileLangMLASelfAttention supports training and forward only, not an inference cache")
         cfg = self.config
@@ -181,10 +181,13 @@ class TileLangMLASelfAttention(MLASelfAttention):
         s, b = q.shape[:2]
         cp_group = self.pg_collection.cp if cfg.context_parallel_size > 1 else None
         if cp_group is None:
-            layout = TokenLayout.build(s, b, q.device, packed_seq_params)
+            layout = TokenLayout.build(s, b, q.device, packed_seq_params, attention_mask)
             order = None
         elif packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             raise NotImplementedError("the tilelang backend supports context parallelism for bshd input, not THD yet")
+        elif attention_mask is not None:
+            raise NotImplementedError("the tilelang backend's context parallelism is causal: attention_mask must be "
+                                      "None (give documents as THD packing without CP)")
         else:
             layout = TokenLayout.build_zigzag_cp(s, b, cp_group.rank(), cp_group.size(), q.device)
             order = TokenLayout.key_order(s, cp_group.size(), q.device)
@@ -206,7 +209,7 @@ class TileLangMLASelfAttention(MLASelfAttention):
         if topk is None:
             topk = self.core_attention.compute_topk(x, q_c, layout, rope_q, rope_k, gather)
         else:
-            self.core_attention.check_topk(topk, layout.num_rows)
+            self.core_attention.check_topk(topk, layout, bounds=not dsa_topk_trusted)
 
         core = (lambda q_, kv_, t_: self.core_attention(q_, kv_, t_, self.softmax_scale, cfg.kv_lora_rank))
         if self.checkpoint_core_attention and self.training:

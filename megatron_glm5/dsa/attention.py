@@ -89,6 +89,12 @@ def sparse_attention(
     return out
 
 
+def topk_in_bounds(topk: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Device bool: every entry of ``topk [T, K]`` is -1 or in ``[starts[t], ends[t])``."""
+    inside = (topk >= starts[:, None]) & (topk < ends[:, None])
+    return (inside | (topk == -1)).all()
+
+
 class DSACoreAttention(MegatronModule):
     """What both backends' core attentions share: megatron-core's core-attention constructor arguments (so the MLA
     modules build them like ``DSAttention``), the GLM-5.x checks, and the indexer (megatron-core ``DSAIndexer``
@@ -146,12 +152,21 @@ class DSACoreAttention(MegatronModule):
     def computes_topk(self) -> bool:
         return self.indexer is not None
 
-    def check_topk(self, topk: torch.Tensor, rows: int) -> None:
-        """A top-k given to a layer (IndexShare, recompute replay, or the caller) must be ``[rows, index_topk]``."""
-        if topk.shape != (rows, self.index_topk):
+    def check_topk(self, topk: torch.Tensor, layout: TokenLayout, *, bounds: bool) -> None:
+        """A top-k given to a layer (IndexShare, recompute replay, or the caller) must be ``[rows, index_topk]``;
+        with ``bounds`` (indices from outside the model, e.g. replayed from a rollout engine) every entry must also be
+        -1 or a key row inside its query row's causal range, checked on device (no sync): a future index would
+        leak information backwards and an out-of-range one would read another sequence."""
+        if topk.shape != (layout.num_rows, self.index_topk):
             raise ValueError(
-                f"layer {self.layer_number}: top-k indices must be [{rows}, {self.index_topk}] (flattened rows x "
-                f"index_topk), got {tuple(topk.shape)}"
+                f"layer {self.layer_number}: top-k indices must be [{layout.num_rows}, {self.index_topk}] (flattened "
+                f"rows x index_topk), got {tuple(topk.shape)}"
+            )
+        if bounds:
+            torch._assert_async(
+                topk_in_bounds(topk, layout.starts, layout.ends),
+                f"layer {self.layer_number}: a given DSA top-k index is neither -1 nor inside its query row's causal "
+                "key range (a future key, another sequence's key, or out of range)",
             )
 
 
@@ -252,9 +267,11 @@ class GLMAbsorbedMLASelfAttention(AbsorbedMLASelfAttention):
         *,
         inference_params=None,
         dsa_topk: Optional[torch.Tensor] = None,
+        dsa_topk_trusted: bool = False,
     ):
         """Returns ``(output, bias, topk)``; ``dsa_topk`` must be given on a shared layer and is reused as-is on a
-        full layer (replay: activation recompute, or indices provided by the caller)."""
+        full layer (replay: activation recompute, or indices provided by the caller). Indices are bounds-checked
+        unless ``dsa_topk_trusted`` (the model's own, passed between its layers)."""
         if inference_context is not None or inference_params is not None:
             raise NotImplementedError("GLM-5.x DSA attention supports training and forward only, not an inference cache")
         if rotary_pos_emb is not None or attention_bias is not None:
@@ -266,18 +283,27 @@ class GLMAbsorbedMLASelfAttention(AbsorbedMLASelfAttention):
         _, v_up_weight = self._get_kv_up_weights()
         thd = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
         if thd:  # q [t, H, D], kv [t, 1, D]
-            layout = TokenLayout.build(q_absorbed.shape[0], 1, q_absorbed.device, packed_seq_params)
+            layout = TokenLayout.build(q_absorbed.shape[0], 1, q_absorbed.device, packed_seq_params, attention_mask)
             query, kv = q_absorbed, kv_compressed[:, 0]
         else:  # q [s, b, H, D], kv [s, b, 1, D]
             s, b = q_absorbed.shape[:2]
-            layout = TokenLayout.build(s, b, q_absorbed.device)
+            layout = TokenLayout.build(s, b, q_absorbed.device, attention_mask=attention_mask)
             query, kv = layout.flatten(q_absorbed), layout.flatten(kv_compressed)[:, 0]
+        if attention_mask is not None:
+            # megatron-core's MLA and indexer apply RoPE at positions 0..s-1 of each sequence: a mask may shorten a
+            # row's range at its end (padding) but not start it later (left padding, documents): those need the
+            # tilelang backend (RoPE from the mask) or THD packing.
+            torch._assert_async(
+                ((layout.starts.to(torch.int64) == layout.row_starts()) | (layout.ends <= layout.starts)).all(),
+                "the megatron backend takes masks whose allowed keys start at the sequence start (causal, right "
+                "padding); for left padding or documents use THD packing (packed_seq_params) or backend='tilelang'",
+            )
 
         topk = dsa_topk
         if topk is None:
             topk = self.core_attention.compute_topk(hidden_states, q_compressed, packed_seq_params, layout)
         else:
-            self.core_attention.check_topk(topk, layout.num_rows)
+            self.core_attention.check_topk(topk, layout, bounds=not dsa_topk_trusted)
 
         if self.checkpoint_core_attention and self.training:
             core_out = tensor_parallel.checkpoint(self.core_attention, False, query, kv, v_up_weight, topk)

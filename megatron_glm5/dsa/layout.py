@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .masks import key_ranges
 from .reference import causal_bounds, uniform_cu_seqlens
 
 
@@ -39,9 +40,27 @@ class TokenLayout:
     def num_key_rows(self) -> int:
         return self.key_seqlen * self.batch
 
+    def row_starts(self) -> torch.Tensor:
+        """int64 ``[T_q]``: the first row of each query row's batch entry (bshd; where a causal range starts)."""
+        rows = torch.arange(self.num_rows, device=self.starts.device, dtype=torch.int64)
+        return rows - rows % self.seqlen
+
     @classmethod
-    def build(cls, seqlen: int, batch: int, device: torch.device, packed_seq_params=None) -> "TokenLayout":
-        if packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", None) == "thd":
+    def build(cls, seqlen: int, batch: int, device: torch.device, packed_seq_params=None,
+              attention_mask: torch.Tensor | None = None) -> "TokenLayout":
+        """Causal layout of a bshd batch, a THD packed batch (``packed_seq_params``), or a bshd batch with a dense
+        ``attention_mask`` whose rows each allow one contiguous causal key range (:mod:`megatron_glm5.dsa.masks`);
+        a row's RoPE position is its offset from its range's start."""
+        thd = packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", None) == "thd"
+        if attention_mask is not None:
+            if thd:
+                raise ValueError("give document boundaries either as THD packing (packed_seq_params) or as a dense "
+                                 "attention_mask, not both")
+            starts, ends = key_ranges(attention_mask.to(device), seqlen, batch)
+            positions = torch.arange(seqlen * batch, device=device, dtype=torch.int64) - starts.to(torch.int64)
+            return cls(seqlen=seqlen, batch=batch, starts=starts, ends=ends, positions=positions,
+                       key_seqlen=seqlen, key_positions=positions)
+        if thd:
             if batch != 1:
                 raise ValueError(f"THD packed input must have batch 1, got batch={batch}")
             cu = packed_seq_params.cu_seqlens_q_padded
