@@ -365,3 +365,65 @@ def load_hf_reference_model(hf_dir: str | Path, *, dtype: torch.dtype = torch.fl
     model = GlmMoeDsaForCausalLM.from_pretrained(str(hf_dir), dtype=dtype, experts_implementation="eager")
     model.eval()
     return model
+
+
+def match_norm_eps(hf_model) -> None:
+    """Give transformers' ``q_a_layernorm`` / ``kv_a_layernorm`` the config's ``rms_norm_eps``: transformers hard-codes
+    1e-6 there while megatron-core, sglang and vLLM use ``rms_norm_eps`` (1e-5). With matched eps the two
+    implementations agree to ~1e-6 in fp32, so parity tests can bound differences near 1e-5."""
+    eps = hf_model.config.rms_norm_eps
+    for layer in hf_model.model.layers:
+        layer.self_attn.q_a_layernorm.variance_epsilon = eps
+        layer.self_attn.kv_a_layernorm.variance_epsilon = eps
+
+
+def write_transformers_checkpoint(
+    out_dir: str | Path,
+    raw_config: Mapping[str, Any],
+    *,
+    seed: int = 0,
+    max_shard_size: str = "400KB",
+) -> Path:
+    """A GLM-5.x checkpoint written by the installed transformers itself: ``GlmMoeDsaConfig`` from the config's
+    fields that transformers knows (plus ``num_nextn_predict_layers``, which it keeps from a loaded release),
+    ``GlmMoeDsaForCausalLM.save_pretrained`` of a model holding :func:`make_hf_state_dict`'s values, and then the MTP
+    layer's tensors, which transformers neither builds nor saves, added as one more shard listed in the index, the
+    way the releases ship them. So ``config.json`` lacks ``rope_interleave`` / ``indexer_rope_interleave`` and has
+    ``layer_types`` / ``mlp_layer_types`` / ``head_dim``, exactly as transformers writes it."""
+    from safetensors.torch import save_file
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+    out = Path(out_dir)
+    known = set(GlmMoeDsaConfig().to_dict())
+    kwargs = {k: v for k, v in raw_config.items() if k in known and k not in ("architectures", "dtype", "model_type")}
+    mtp = raw_config.get("num_nextn_predict_layers", 0) or 0
+    config = GlmMoeDsaConfig(**kwargs, num_nextn_predict_layers=mtp)
+    sd = make_hf_state_dict(raw_config, seed=seed, expert_layout="fused")
+    n = raw_config["num_hidden_layers"]
+    with torch.device("meta"):
+        model = GlmMoeDsaForCausalLM(config)
+    in_model = set(model.state_dict())
+    model.load_state_dict({k: v for k, v in sd.items() if k in in_model}, strict=True, assign=True)
+    model.save_pretrained(out, max_shard_size=max_shard_size)
+    extra = fused_to_per_expert({k: v for k, v in sd.items() if k not in in_model})
+    assert all(int(k.split(".")[2]) >= n for k in extra), "only MTP tensors are outside transformers' model"
+    index_path = out / "model.safetensors.index.json"
+    if index_path.is_file():
+        index = json.loads(index_path.read_text())
+    else:  # a single model.safetensors: becomes shard 1 of 2
+        (out / "model.safetensors").rename(out / "model-00001-of-00001.safetensors")
+        index = {"metadata": {}, "weight_map": {k: "model-00001-of-00001.safetensors"
+                                               for k in in_model}}
+    files = sorted(set(index["weight_map"].values()))
+    total = len(files) + (1 if extra else 0)
+    renamed = {f: f"model-{i + 1:05d}-of-{total:05d}.safetensors" for i, f in enumerate(files)}
+    for old, new in renamed.items():
+        (out / old).rename(out / new)
+    weight_map = {k: renamed[f] for k, f in index["weight_map"].items()}
+    if extra:
+        name = f"model-{total:05d}-of-{total:05d}.safetensors"
+        save_file({k: v.contiguous() for k, v in extra.items()}, str(out / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in extra})
+    index["weight_map"] = dict(sorted(weight_map.items(), key=lambda kv: natural_key(kv[0])))
+    index_path.write_text(json.dumps(index, indent=2) + "\n")
+    return out
