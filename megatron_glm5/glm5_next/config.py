@@ -106,7 +106,7 @@ class GLM5NextArchitecture:
     router_aux_loss_coef: float
     # misc
     num_nextn_predict_layers: int  # MTP layers; not a transformers field (HF drops layer 45), default 0
-    index_share_for_mtp_iteration: bool | None  # read by llama.cpp from the released config; semantics unverified
+    index_share_for_mtp_iteration: bool | int | None  # read by llama.cpp from the released config; carried as is
     rms_norm_eps: float
     tie_word_embeddings: bool
     pad_token_id: int | None
@@ -135,7 +135,7 @@ class GLM5NextArchitecture:
 
     @property
     def absorbed_qk_dim(self) -> int:
-        """Width of q and k in the absorbed (latent) form: ``kv_lora_rank + qk_rope_head_dim`` (512, not GLM-5's 576)."""
+        """Width of q and k in the absorbed (latent) form: ``kv_lora_rank + qk_rope_head_dim`` (512; GLM-5: 576)."""
         return self.kv_lora_rank + self.qk_rope_head_dim
 
     @property
@@ -533,7 +533,7 @@ def parse_glm5_next_config(raw: Mapping[str, Any]) -> GLM5NextArchitecture:
         routed_scaling_factor=_get(text, "routed_scaling_factor", float, 2.5),
         router_aux_loss_coef=_get(text, "router_aux_loss_coef", float, 0.001),
         num_nextn_predict_layers=mtp,
-        index_share_for_mtp_iteration=_get(text, "index_share_for_mtp_iteration", bool, None),
+        index_share_for_mtp_iteration=_get(text, "index_share_for_mtp_iteration", (bool, int), None),
         rms_norm_eps=rms_eps,
         tie_word_embeddings=tie,
         pad_token_id=pad,
