@@ -521,3 +521,60 @@ class _ReplayingTopk:
         if active.stats is not None:
             active.stats.add_overlap(self.key, self.original(*args, **kwargs), topk, have)
         return topk
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# Recording our own choices (a rollout stand-in; tests and self-checks)
+# ------------------------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def capture_choices(model, input_ids: torch.Tensor, cu_seqlens, *, include_mtp: bool = False) -> dict[str, torch.Tensor]:
+    """Run ``model`` once on a packed batch (TP = CP = PP = 1) and return its own choices in the payload format of
+    :mod:`megatron_glm5.rl.payload`: ``{"indexer_topk": int32 [N (+ mtp), T, index_topk], "routed_experts":
+    int32 [N (+ mtp), T, router_topk]}``, layer-major, sequence-relative positions, shared layers repeating their
+    source (as sglang reports them), dense layers' routing rows -1. Replaying them reproduces this forward."""
+    from .logprobs import _prepare, unwrap
+
+    from .logprobs import RolloutMicroBatch
+
+    inner = unwrap(model)
+    config = inner.config
+    if config.tensor_model_parallel_size * config.context_parallel_size * config.pipeline_model_parallel_size != 1:
+        raise ValueError("capture_choices runs on a single-rank model (TP = CP = PP = 1)")
+    prep = _prepare(model, RolloutMicroBatch(input_ids=input_ids, cu_seqlens=cu_seqlens))
+    t = prep.batch.num_tokens
+    n = config.num_layers
+    layers = n + ((config.mtp_num_layers or 0) if include_mtp else 0)
+    topk: dict[int, torch.Tensor] = {}
+    routed: dict[int, torch.Tensor] = {}
+    hooks = []
+    for name, mod in inner.named_modules():
+        if not isinstance(mod, GLMTransformerLayer):
+            continue
+        m = _MTP_RE.search(name)
+        key = n + int(m.group(1)) if m else mod.layer_number - 1
+        if key >= layers:
+            continue
+        hooks.append(mod.self_attention.register_forward_hook(
+            lambda mod_, args, out, key=key: topk.__setitem__(key, out[2][:t].clone())))
+        router = getattr(mod.mlp, "router", None)
+        if router is not None:
+            k = config.moe_router_topk
+            hooks.append(router.register_forward_hook(
+                lambda mod_, args, out, key=key, k=k: routed.__setitem__(
+                    key, out[1].float().topk(k, dim=-1).indices.sort(-1).values[:t].to(torch.int32))))
+    try:
+        model(**prep.model_kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    base = torch.repeat_interleave(torch.tensor(prep.batch.cu_seqlens[:-1]), torch.tensor(prep.batch.lengths))
+    idx = torch.full((layers, t, config.dsa_indexer_topk), -1, dtype=torch.int32)
+    for key, rows in topk.items():
+        rows = rows.cpu().long()
+        idx[key] = torch.where(rows >= 0, rows - base[:, None], -1).to(torch.int32)
+    experts = torch.full((layers, t, config.moe_router_topk), -1, dtype=torch.int32)
+    for key, rows in routed.items():
+        experts[key] = rows.cpu()
+    return {"indexer_topk": idx, "routed_experts": experts}
