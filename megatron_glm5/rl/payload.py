@@ -119,7 +119,7 @@ def decode_sample(
         rows, layers = _infer_shape(total // 4, length, k, layer_options, what=what, sample=sample)
         sel = select(layers)
         for first, block in _b64_token_rows(text, layers * k):
-            _consume(block.reshape(-1, layers, k), first, sel, check, dest, slot_of)
+            _consume(block.reshape(-1, layers, k), first, sel, check, dest, slot_of, sample)
         return
     arr = _to_numpy(payload)
     if arr.ndim != 3 or arr.shape[2] != k:
@@ -134,32 +134,31 @@ def decode_sample(
     step = max(1, DECODE_CHUNK_BYTES // max(1, layers * k * 4))
     for first in range(0, rows, step):
         block = np.ascontiguousarray(arr[:, first:first + step].transpose(1, 0, 2))  # [r, layers, k]
-        _consume(block.astype(np.int32, copy=False), first, sel, check, dest, slot_of)
+        _consume(block.astype(np.int32, copy=False), first, sel, check, dest, slot_of, sample)
 
 
-def _consume(block: np.ndarray, first: int, sel: LayerSelection, check, dest, slot_of) -> None:
-    """One chunk ``[r, layers, k]`` of token rows ``first..``: check shared-layer repeats and the kept layers' rows,
-    then copy the rows the caller keeps."""
+def _consume(block: np.ndarray, first: int, sel: LayerSelection, check, dest, slot_of, sample: int) -> None:
+    """One chunk ``[r, layers, k]`` of token rows ``first..``: check the kept layers' rows, then that shared layers
+    repeat their source, then copy the rows the caller keeps."""
     positions = np.arange(first, first + block.shape[0])
+    for p_layer in sel.keep:
+        check(block[:, p_layer], positions, p_layer)
     for shared, source in sel.shares.items():
         a, b = block[:, shared], block[:, source]
-        present = (a != -1).any(-1)
-        diff = present & (a != b).any(-1)
+        diff = (a != -1).any(-1) & (a != b).any(-1)
         if diff.any():
             t = int(positions[np.argmax(diff)])
             raise ReplayPayloadError(
-                f"payload layer {shared} is an IndexShare 'shared' layer here (it reuses layer {source}) but its "
-                f"indices differ from layer {source}'s at token {t}: the rollout engine runs a different "
-                "indexer pattern than this checkpoint's indexer_types"
+                f"indexer top-k replay: sample {sample}, layer {shared}, token {t}: layer {shared} is an IndexShare "
+                f"'shared' layer here (it reuses layer {source}'s top-k) but the payload's indices for it differ from "
+                f"layer {source}'s: the rollout engine runs a different indexer pattern than this checkpoint's "
+                "indexer_types"
             )
     slots = slot_of[positions]
     keep = slots >= 0
-    for p_layer, m_layer in sel.keep.items():
-        vals = block[:, p_layer]
-        check(vals, positions, p_layer)
-        if keep.any():
-            dest[m_layer][slots[keep]] = vals[keep]
-
+    if keep.any():
+        for p_layer, m_layer in sel.keep.items():
+            dest[m_layer][slots[keep]] = block[keep, p_layer]
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -146,7 +146,7 @@ class StagedRows:
         self._order = list(self.host)
         self._staged: dict[int, tuple[torch.Tensor, Any]] = {}
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.max_staged = 0  # most layers ever staged on the device at once (the bound is 2)
+        self.max_staged = 0  # most layers on the device at once: the one in use + those in flight (the bound is 2)
 
     @property
     def host_bytes(self) -> int:
@@ -167,7 +167,6 @@ class StagedRows:
                 event = torch.cuda.Event()
                 event.record(self._stream)
             self._staged[key] = (dst, event)
-        self.max_staged = max(self.max_staged, len(self._staged))
 
     def fetch(self, key: int) -> torch.Tensor:
         self._issue(key)
@@ -178,6 +177,7 @@ class StagedRows:
         i = self._order.index(key)
         if i + 1 < len(self._order):
             self._issue(self._order[i + 1])
+        self.max_staged = max(self.max_staged, len(self._staged) + 1)
         return dst
 
 
