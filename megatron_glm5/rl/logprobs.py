@@ -134,9 +134,9 @@ class _GatherFromCP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        out = x.new_empty((dist.get_world_size(group), *x.shape))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
-        return out
+        out = x.new_empty(dist.get_world_size(group) * x.numel())
+        dist.all_gather_into_tensor(out, x.contiguous().reshape(-1), group=group)
+        return out.view(-1, *x.shape)
 
     @staticmethod
     def backward(ctx, grad):
