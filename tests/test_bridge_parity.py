@@ -43,6 +43,8 @@ def test_verify_from_megatron_checkpoint(fixtures, tmp_path, model_parallel):
     bridge.convert_hf_to_megatron(hf_path=src, megatron_path=tmp_path / "mc")
     r = bridge.verify(hf_path=src, megatron_path=tmp_path / "mc", seq_len=SEQ_LEN, seed=SEED, batch_size=2)
     assert r["ok"] and r["max_abs_logit_diff"] <= 1e-4 and r["batch_size"] == 2
+    # the replay reorders HF's [b, s] rows into megatron-core's [s, b] ones: with two sequences a mix-up would show
+    assert r["max_abs_logit_diff_with_hf_topk"] <= 1e-4 and r["min_choice_agreement_on_hf_inputs"] == 1.0
     assert r["topk_rows_differing"] == 0 and all(v == 1.0 for v in r["topk_overlap"].values())
     # layer-truncated from the Megatron checkpoint: dist_checkpointing.load reads only the kept layers' keys
     r = bridge.verify(hf_path=src, megatron_path=tmp_path / "mc", num_layers=3, seq_len=SEQ_LEN, seed=SEED)
