@@ -26,7 +26,16 @@ from megatron_glm5.config import load_hf_config, mcore_kwargs, natural_key, pars
 from . import hf_io, naming
 from .boxes import build_skeleton, sharded_boxes, verify_written
 from .errors import BridgeError, CheckpointFormatError, ShapeMismatchError, TensorSetError, format_names
-from .launch import all_ok, barrier, broadcast_object, launched_world_size, model_parallel, run_local_ranks, world
+from .launch import (
+    all_ok,
+    barrier,
+    broadcast_object,
+    check_parallel_layout,
+    launched_world_size,
+    model_parallel,
+    run_local_ranks,
+    world,
+)
 from .mapping import TensorMap, expand
 from .megatron_io import (
     BRIDGE_KEY,
@@ -78,6 +87,8 @@ def convert_hf_to_megatron(
     for name, v in (("tp", tp), ("pp", pp), ("ep", ep)):
         if int(v) < 1:
             raise BridgeError(f"--{name}: expected >= 1, got {v}")
+    if int(iteration) < 0:
+        raise BridgeError(f"--iteration: expected >= 0, got {iteration}")
     parse_dtype(dtype)
     final = check_output_dir(megatron_path, overwrite=overwrite)
     nranks = tp * pp * ep
@@ -85,7 +96,8 @@ def convert_hf_to_megatron(
     kwargs = dict(hf_path=str(hf_path), tp=tp, pp=pp, ep=ep, dtype=None if dtype is None else dtype_name(parse_dtype(dtype)),
                   iteration=iteration, progress=progress, sync_files=sync_files)
     if size == 1 and nranks > 1:
-        open_hf_source(hf_path)  # fail on bad input here, before starting ranks
+        src = open_hf_source(hf_path)  # fail on bad input and on a layout megatron-core refuses before starting ranks
+        check_parallel_layout(src.arch, tp, pp, ep, source=str(src.path / "config.json"))
         tmp = partial_dir(final)
         tmp.mkdir(parents=True)
         try:

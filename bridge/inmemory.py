@@ -23,7 +23,7 @@ from megatron_glm5.config import load_hf_config, mcore_kwargs, parse_hf_config
 
 from .boxes import sharded_boxes
 from .convert import convert_megatron_to_hf
-from .source import Materializer, open_hf_source, parse_dtype
+from .source import Materializer, open_hf_source, parse_dtype, truncate_hf_config
 from .errors import BridgeError
 from .launch import barrier, broadcast_object, world
 from .mapping import expand
@@ -46,10 +46,15 @@ HF_CONFIG_ATTR = "glm5_hf_config"  # raw config.json kept on models built by fro
 
 
 @torch.no_grad()
-def load_hf_weights(model, hf_path: str | Path, *, progress: bool | None = False) -> dict:
+def load_hf_weights(model, hf_path: str | Path, *, progress: bool | None = False,
+                    num_layers: int | None = None) -> dict:
     """Copy an HF checkpoint into ``model`` (this rank's shards). Every model tensor must be filled and every HF
-    tensor accounted for, else :class:`~bridge.errors.BridgeError`."""
-    src = open_hf_source(hf_path)
+    tensor accounted for, else :class:`~bridge.errors.BridgeError`.
+
+    ``num_layers``: ``model`` is the layer-truncated model of :func:`bridge.source.truncate_hf_config` (the first N
+    decoder layers, no MTP); the checkpoint is validated whole, only the kept layers' tensors are read, and the
+    report's ``skipped`` counts the HF tensors left out on purpose."""
+    src = open_hf_source(hf_path, num_layers=num_layers)
     mat = Materializer(src)
     plan = sharded_boxes(model, src.expansion, mat.target_dtype, main_replicas_only=False, keep_data=True)
     plan.chunks.sort(key=lambda c: (*mat.source_order(plan.pieces[(c.key, c.offsets)].logical), c.key, c.offsets))
@@ -67,7 +72,8 @@ def load_hf_weights(model, hf_path: str | Path, *, progress: bool | None = False
     bar.close()
     src.reader.close()
     setattr(model, HF_CONFIG_ATTR, src.raw)
-    return {"tensors": len(plan.chunks), "bytes": bar.bytes, "expert_layout": src.expansion.expert_layout}
+    return {"tensors": len(plan.chunks), "bytes": bar.bytes, "expert_layout": src.expansion.expert_layout,
+            "skipped": len(src.skipped)}
 
 
 def export_hf(
@@ -132,10 +138,12 @@ def _config_dtype(raw: Mapping[str, Any]) -> torch.dtype | None:
 
 
 def load_megatron_checkpoint(megatron_path: str | Path, *, policy=None, backend: str = "megatron",
-                             hf_config: Mapping | str | Path | None = None):
+                             hf_config: Mapping | str | Path | None = None, num_layers: int | None = None):
     """Build the GPTModel a checkpoint describes (this rank's stage; parallel state must be initialised) and load
     it with megatron-core's ``dist_checkpointing.load``. The architecture comes from the HF config.json the bridge
-    stored in the checkpoint, or ``hf_config``."""
+    stored in the checkpoint, or ``hf_config``. ``num_layers``: build and load only the first N decoder layers
+    (no MTP; :func:`bridge.source.truncate_hf_config`); ``dist_checkpointing.load`` reads only the keys the
+    truncated model asks for."""
     from megatron_glm5.model import build_model, default_cpu_policy
 
     ckpt_dir = resolve_checkpoint_dir(megatron_path)
@@ -147,6 +155,8 @@ def load_megatron_checkpoint(megatron_path: str | Path, *, policy=None, backend:
         raw = dict(hf_config)
     else:
         raw = load_hf_config(hf_config)
+    if num_layers is not None:
+        raw = truncate_hf_config(raw, num_layers, source=f"{ckpt_dir} (stored HF config)")
     arch = parse_hf_config(raw)
     model = build_model(arch, policy or default_cpu_policy(), backend=backend)
     load_into_model(model, ckpt_dir)
