@@ -51,18 +51,23 @@ def test_verify_from_megatron_checkpoint(fixtures, tmp_path, model_parallel):
     assert r["ok"] and r["layers_checked"] == [0, 1, 2] and r["max_abs_logit_diff"] <= 1e-4, r
 
 
-def test_tied_topk_rows_are_told_apart_from_bugs(fixtures, model_parallel):
-    """On a draw whose top-k boundary falls on equal indexer scores, our selection (ties to the lower index) and
-    torch.topk's may keep different keys and the logits differ; verify shows the difference is confined to tied
-    rows and that with HF's selection fed to our layers the logits agree to 1e-4."""
-    src = make_fixture(fixtures, "glm52")
-    for seed in range(4):
-        r = bridge.verify(hf_path=src, seq_len=SEQ_LEN, seed=seed)
-        if r["topk_rows_differing"]:
-            break
-    else:
-        pytest.skip("no draw with a tied top-k boundary among seeds 0-3")
-    assert r["topk_boundary_ties"] > 0 and r["topk_differences_only_at_ties"]
+def test_tied_topk_rows_are_told_apart_from_bugs(tmp_path, model_parallel):
+    """A checkpoint built so that layer 0's indexer scores every key exactly 0 (``wk`` and the ``k_norm`` bias zero:
+    every indexer key is the zero vector): every row with more than index_topk keys has its top-k boundary on a tie,
+    our selection (ties to the lower index) and torch.topk's keep different keys and the logits differ by O(1).
+    verify must see that the difference is confined to tied rows and that with HF's selection fed to our layers the
+    logits agree."""
+    from megatron_glm5.testing import make_hf_state_dict, tiny_glm52_config, write_hf_checkpoint
+
+    raw = tiny_glm52_config()
+    sd = make_hf_state_dict(raw, seed=3)
+    for name in ("model.layers.0.self_attn.indexer.wk.weight", "model.layers.0.self_attn.indexer.k_norm.bias"):
+        sd[name] = torch.zeros_like(sd[name])
+    src = write_hf_checkpoint(tmp_path / "tied", raw, state_dict=sd)
+    r = bridge.verify(hf_path=src, seq_len=SEQ_LEN, seed=0)
+    assert r["topk_boundary_ties"] >= SEQ_LEN - raw["index_topk"], "every row past index_topk is tied in layer 0"
+    assert r["topk_rows_differing"] > 0 and r["max_abs_logit_diff"] > 1e-2, "the tie order must matter here"
+    assert r["topk_differences_only_at_ties"]
     assert r["max_abs_logit_diff_with_hf_topk"] <= 1e-4 and r["ok"]
 
 
