@@ -261,3 +261,41 @@ def test_moe_through_spec_matches_transformers(model_parallel, backend):
     shared = (shared_got - shared_want).abs().max().item() / scale
     routed = (got[:, 0] - want).abs().max().item() / scale
     assert shared <= MLP_TOL and routed <= MLP_TOL, f"shared {shared:.2e}, MoE {routed:.2e}"
+
+
+def test_topk_crosses_a_non_dsa_layer_in_megatron_core_block(model_parallel):
+    """In megatron-core's own TransformerBlock, a layer without DSA that returns the context it received (the
+    contract for the KDA layers to come) carries the full layer's top-k to the next shared DSA layer."""
+    from megatron.core.transformer.module import MegatronModule
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlock, TransformerBlockSubmodules
+
+    from megatron_glm5.cpu import cpu_mode
+    from megatron_glm5.providers import default_provider
+
+    class PassThroughLayer(MegatronModule):  # stands in for a KDA layer: no attention top-k of its own
+        def __init__(self, config, layer_number=1, pg_collection=None, vp_stage=None):
+            super().__init__(config)
+            self.layer_number = layer_number
+
+        def forward(self, hidden_states, context=None, **kwargs):
+            return hidden_states * 0.5, context
+
+    raw = tiny_raw(num_hidden_layers=3, layer_types=[DSA, KDA, DSA], mlp_layer_types=["dense"] * 3,
+                   indexer_types=["full", "full", "shared"])
+    arch = parse_glm5_next_config(raw)
+    assert topk_sources(arch.layer_types, arch.indexer_types) == (0, None, 0)
+    cfg = mcore_config(raw)
+    specs = [build_glm5_next_layer_spec(cfg, DSA, "dense", "full"), ModuleSpec(PassThroughLayer),
+             build_glm5_next_layer_spec(cfg, DSA, "dense", "shared")]
+    with cpu_mode():
+        block = TransformerBlock(cfg, TransformerBlockSubmodules(layer_specs=specs,
+                                                                 layer_norm=default_provider().layer_norm()))
+    seen = {}
+    for i in (0, 2):
+        block.layers[i].self_attention.register_forward_hook(lambda m, a, kw, out, i=i: seen.__setitem__(i, out[2]),
+                                                             with_kwargs=True)
+    x = torch.randn(40, 2, HIDDEN, generator=torch.Generator().manual_seed(0))
+    out = block(x, attention_mask=None)
+    assert out.shape == x.shape and torch.isfinite(out).all()
+    assert seen[0].shape == (80, arch.topk_width) and seen[2] is seen[0]
