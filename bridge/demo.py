@@ -36,12 +36,10 @@ def run_demo(*, out_dir: str | Path | None = None, steps: int = 4, keep: bool = 
     from .inmemory import load_megatron_checkpoint
     from megatron.core import parallel_state as ps
 
-    from megatron_glm5.cpu import enable_cpu_mode
     from megatron_glm5.parallel import initialize_model_parallel
     from megatron_glm5.testing import tiny_glm52_config, write_hf_checkpoint
 
     t_start = time.perf_counter()
-    enable_cpu_mode()
     work = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="megatron-glm5-demo-"))
     work.mkdir(parents=True, exist_ok=True)
     for sub in ("hf", "megatron", "hf_roundtrip", "hf_trained"):

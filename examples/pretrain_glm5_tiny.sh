@@ -14,11 +14,9 @@ import json, sys
 from megatron_glm5.testing import small_glm52_config
 open(f"{sys.argv[1]}/config.json", "w").write(json.dumps(small_glm52_config(), indent=2))
 PY
-# dsa_kernel_backend=tilelang runs megatron-core's own TileLang DSA kernels on the 'megatron' backend.
-KERNELS=$([ "$BACKEND" = megatron ] && echo "--dsa-kernel-backend tilelang" || echo "")
 SAVE_ARGS=$([ "${SAVE:-1}" = 1 ] && echo "--save $WORK/ckpt --save-interval 20" || echo "")
 python3 -m torch.distributed.run --nproc-per-node "${NPROC:-1}" -m megatron_glm5.pretrain \
-  --hf-config "$WORK" --glm5-backend "$BACKEND" $KERNELS \
+  --hf-config "$WORK" --glm5-backend "$BACKEND" \
   --mock-data --tokenizer-type NullTokenizer \
   --seq-length 1024 --micro-batch-size 2 --global-batch-size 8 \
   --train-iters 20 --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 2 \

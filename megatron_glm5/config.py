@@ -563,6 +563,7 @@ class RuntimeEnvironment:
     cuda: bool
     mcore_tilelang_kernels: bool  # megatron-core's TileLang DSA kernels (lighting_indexer, SparseMLA) importable
     apex_gradient_accumulation_fusion: bool  # apex's fused_weight_gradient_mlp_cuda importable
+    transformer_engine: bool = False  # Transformer Engine importable
 
     @classmethod
     @functools.cache
@@ -579,7 +580,10 @@ class RuntimeEnvironment:
             gaf = cuda
         except ImportError:
             gaf = False
-        return cls(cuda=cuda, mcore_tilelang_kernels=kernels, apex_gradient_accumulation_fusion=gaf)
+        from megatron.core.extensions.transformer_engine import HAVE_TE
+
+        return cls(cuda=cuda, mcore_tilelang_kernels=kernels, apex_gradient_accumulation_fusion=gaf,
+                   transformer_engine=HAVE_TE)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -695,6 +699,7 @@ def runtime_kwargs(policy: RuntimePolicy, env: RuntimeEnvironment | None = None)
         init_model_with_meta_device=policy.init_model_with_meta_device,
         deterministic_mode=policy.deterministic_mode,
         cp_comm_type="allgather" if policy.context_parallel_size > 1 else "p2p",
+        transformer_impl="transformer_engine" if env.transformer_engine else "local",
         # megatron-core's own (torch / jit) fusions with CUDA; apex's only when installed; never TE-only ones.
         gradient_accumulation_fusion=gaf,
         masked_softmax_fusion=False,  # DSA has no dense softmax

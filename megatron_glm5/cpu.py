@@ -12,15 +12,17 @@ without CUDA each raises "Found no NVIDIA driver":
 * ``Tensor.cuda()``: with pipeline parallelism the shared word embedding is moved to "the" device before its
   first/last-stage all-reduce, once, while the model is built.
 
-Two scopes, so that nothing a user's own code relies on changes behind its back:
+Scopes, so that a library call never changes what a user's own code does:
 
-* the three CUDA *queries* above answer for the CPU instead of raising (:func:`enable_cpu_mode`, process-wide and
-  idempotent: they run in forward and backward, outside any scope we control). Code that works on such a machine
-  keeps working; only calls that would have raised now answer.
-* ``Tensor.cuda`` as identity and TorchDynamo switched off (megatron-core's ``jit_fuser`` is ``torch.compile``,
-  whose first call costs 15-20 s of compilation on CPU for nothing) hold only inside :func:`cpu_mode` - model
-  construction - and, for dynamo, inside the forward of models built here (:func:`attach_cpu_mode`). A user's
-  ``.cuda()`` afterwards raises as it always would, and their ``torch.compile`` is untouched.
+* :func:`cpu_mode` (a context manager, re-entrant) holds all of them, plus TorchDynamo switched off (megatron-core's
+  ``jit_fuser`` is ``torch.compile``, whose first call costs 15-20 s of compilation on CPU for nothing), and restores
+  ``Tensor.cuda`` and dynamo on exit. :func:`~megatron_glm5.model.build_model` builds models inside it.
+* :func:`attach_cpu_mode` is what models built here carry: the three CUDA *queries* answer for the CPU (installed
+  once, process-wide: they also run in backward, outside any scope we control; on a machine without CUDA they would
+  only have raised) and each forward runs with dynamo off (hooks that undo themselves). A user's ``.cuda()`` still
+  raises as it always would, and their ``torch.compile`` is untouched.
+* :func:`enable_cpu_mode` is the explicit process-wide switch of everything, for a CPU-only *program's* ``main``
+  (the CLI, test sessions, CPU rehearsal scripts); library code never calls it. :func:`disable_cpu_mode` undoes it.
 
 Nothing here runs at import, and everything is a no-op when CUDA is available.
 """
@@ -61,6 +63,7 @@ _originals: dict[tuple[int, str], object] = {}
 _lock = threading.RLock()
 _depth = 0  # nesting depth of cpu_mode() scopes (any thread)
 _dynamo_before: bool | None = None
+_dynamo_before_enable: bool | None = None
 
 
 def cpu_mode_needed() -> bool:
@@ -83,26 +86,46 @@ def _remove(shims) -> None:
 
 
 def enable_cpu_mode() -> bool:
-    """Make megatron-core's CUDA queries (``current_device``, CUDA ``get_rng_state``, ``synchronize``) answer for the
-    CPU on a machine without CUDA, process-wide. Returns True if they are active (False with CUDA)."""
+    """Process-wide CPU mode for a CPU-only program's ``main``: megatron-core's CUDA queries answer for the CPU,
+    ``Tensor.cuda`` is the identity and TorchDynamo is off. Returns True if active (False with CUDA, a no-op)."""
+    global _dynamo_before_enable
     if not cpu_mode_needed():
         return False
+    import torch._dynamo
+
     with _lock:
         _install(_QUERY_SHIMS)
+        _install(_BUILD_SHIMS)
+        if _dynamo_before_enable is None:
+            _dynamo_before_enable = torch._dynamo.config.disable
+        torch._dynamo.config.disable = True
     return True
 
 
 def disable_cpu_mode() -> None:
     """Undo :func:`enable_cpu_mode` (tests use it to leave the process as they found it)."""
+    global _dynamo_before_enable
+    import torch._dynamo
+
     with _lock:
         _remove(_QUERY_SHIMS)
+        _remove(_BUILD_SHIMS)
+        if _dynamo_before_enable is not None:
+            torch._dynamo.config.disable = _dynamo_before_enable
+            _dynamo_before_enable = None
+
+
+def _enable_cuda_queries() -> None:
+    with _lock:
+        _install(_QUERY_SHIMS)
 
 
 @contextmanager
 def cpu_mode() -> Iterator[bool]:
-    """Everything megatron-core needs on CPU for the duration of the block (re-entrant): the query shims
-    (:func:`enable_cpu_mode`), ``Tensor.cuda`` as identity and TorchDynamo off. On exit ``Tensor.cuda`` and dynamo
-    are restored; the query shims stay (backward passes need them later). Yields False (and does nothing) with CUDA."""
+    """Everything megatron-core needs on CPU for the duration of the block (re-entrant): the CUDA query shims,
+    ``Tensor.cuda`` as identity and TorchDynamo off. On exit ``Tensor.cuda`` and dynamo are restored (unless
+    :func:`enable_cpu_mode` holds them); the query shims stay (backward passes need them later). Yields False (and
+    does nothing) with CUDA."""
     global _depth, _dynamo_before
     if not cpu_mode_needed():
         yield False
@@ -112,7 +135,7 @@ def cpu_mode() -> Iterator[bool]:
     with _lock:
         _install(_QUERY_SHIMS)
         if _depth == 0:
-            _install(_BUILD_SHIMS)
+            _install(_BUILD_SHIMS)  # a no-op when enable_cpu_mode already installed it
             _dynamo_before = torch._dynamo.config.disable
             torch._dynamo.config.disable = True
         _depth += 1
@@ -122,7 +145,8 @@ def cpu_mode() -> Iterator[bool]:
         with _lock:
             _depth -= 1
             if _depth == 0:
-                _remove(_BUILD_SHIMS)
+                if _dynamo_before_enable is None:  # enable_cpu_mode (process-wide) keeps its own
+                    _remove(_BUILD_SHIMS)
                 torch._dynamo.config.disable = _dynamo_before
 
 
@@ -141,11 +165,12 @@ def _no_dynamo() -> Iterator[None]:
 
 
 def attach_cpu_mode(model: torch.nn.Module) -> torch.nn.Module:
-    """On a machine without CUDA, run ``model``'s forward with TorchDynamo off (hooks that undo themselves, also
-    when the forward raises) and make sure the query shims are on. A no-op with CUDA; returns ``model``."""
+    """On a machine without CUDA, make megatron-core's CUDA queries answer for the CPU and run ``model``'s forward
+    with TorchDynamo off (hooks that undo themselves, also when the forward raises). A no-op with CUDA; returns
+    ``model``."""
     if not cpu_mode_needed() or getattr(model, "_glm5_cpu_mode_hooks", None):
         return model
-    enable_cpu_mode()
+    _enable_cuda_queries()
     scopes: list = []
 
     def enter(module, args):

@@ -94,6 +94,21 @@ def disable_unavailable_fusions(args) -> list[str]:
     return changed
 
 
+def choose_dsa_kernels(args, argv: list[str]) -> str | None:
+    """Without an explicit ``--dsa-kernel-backend``, use megatron-core's fused TileLang DSA kernels (the ``megatron``
+    backend's hooks) when they are importable and the run is bf16, as the Python API's ``RuntimePolicy`` does.
+    Returns the choice made, or None when the flag was given."""
+    if "--dsa-kernel-backend" in argv:
+        return None
+    from .config import RuntimeEnvironment
+
+    env = RuntimeEnvironment.detect()
+    args.dsa_kernel_backend = "tilelang" if (env.mcore_tilelang_kernels and args.bf16) else "none"
+    print(f"megatron-glm5: dsa_kernel_backend={args.dsa_kernel_backend!r} (auto; pass --dsa-kernel-backend to choose)",
+          flush=True)
+    return args.dsa_kernel_backend
+
+
 def check_data_flags(args) -> None:
     """Document boundaries must reach DSA attention (:func:`megatron_glm5.spec.check_document_masking`). This
     entry point reads plain ``[b, s]`` micro-batches, so THD packing (``--dataloader-inter-document-masking``) is
@@ -248,6 +263,7 @@ def main(argv: list[str] | None = None) -> None:
     apply_architecture(args, arch, argv)
     check_data_flags(args)
     disable_unavailable_fusions(args)
+    choose_dsa_kernels(args, argv)
     validate_args(args, {})
     set_global_variables(args)
     train_valid_test_datasets_provider.is_distributed = True

@@ -157,6 +157,31 @@ def check_glm5_numerics(config) -> None:
         raise GLM5ConfigError("config is not GLM-5.x-shaped: " + "; ".join(bad))
 
 
+def check_runtime_dependencies(config) -> None:
+    """Refuse, before anything is built, settings whose implementation is not installed (Megatron-LM turns both on
+    by default): Transformer Engine modules without Transformer Engine, and apex's gradient-accumulation fusion
+    without apex (megatron-core would fail deep inside the first linear's constructor). Names the flag to add."""
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    bad = []
+    if getattr(config, "transformer_impl", "local") == "transformer_engine" and not HAVE_TE:
+        bad.append("transformer_impl='transformer_engine' but Transformer Engine is not installed "
+                   "(add --transformer-impl local)")
+    if getattr(config, "gradient_accumulation_fusion", False) and not _apex_gradient_accumulation_fusion():
+        bad.append("gradient_accumulation_fusion=True needs apex's fused_weight_gradient_mlp_cuda, which is not "
+                   "installed (add --no-gradient-accumulation-fusion)")
+    if bad:
+        raise GLM5ConfigError("; ".join(bad))
+
+
+def _apex_gradient_accumulation_fusion() -> bool:
+    try:
+        import fused_weight_gradient_mlp_cuda  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def check_document_masking(args) -> None:
     """Refuse Megatron-LM data flags whose document boundaries would not reach DSA attention.
 
@@ -296,6 +321,7 @@ def build_glm5_block_spec(
 ) -> TransformerBlockSubmodules:
     """This stage's decoder block spec (see module docstring). ``pp_rank`` defaults to megatron-core's."""
     check_glm5_numerics(config)
+    check_runtime_dependencies(config)
     args = _megatron_lm_args()
     if args is not None:
         check_document_masking(args)

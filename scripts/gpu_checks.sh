@@ -2,7 +2,9 @@
 # The GPU work, batched (the H200 machine: no network, bundle in .gpu/):
 #   source .gpu/install.sh && bash scripts/gpu_checks.sh OUT_DIR STEP...
 # Steps: precompile (fill TileLang's disk cache in parallel), kernels (tests/gpu/test_kernels_gpu.py), backends
-# (tests/gpu/test_backends_gpu.py), bench_kernels, bench_layer, pretrain_megatron, pretrain_tilelang.
+# (tests/gpu/test_backends_gpu.py), hardening (tests/gpu/test_hardening_gpu.py), bench_kernels, bench_layer,
+# pretrain_megatron, pretrain_tilelang (python -m megatron_glm5.pretrain), pretrain_gpt_client (Megatron-LM's own
+# pretrain_gpt.py with both specs: the client in shared/clients/megatron_lm, copied into .mlm/ and carried).
 # Each step has its own log and time limit; a failing step does not stop the others.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +25,8 @@ for step in "$@"; do
     kernels) run kernels 240 python3 -m pytest tests/gpu/test_kernels_gpu.py -q -s -p no:cacheprovider ;;
     kernels_ws) MEGATRON_GLM5_TEST_FWD_VARIANT=ws run kernels_ws 200 python3 -m pytest tests/gpu/test_kernels_gpu.py -q -s -p no:cacheprovider ;;
     backends) run backends 240 python3 -m pytest tests/gpu/test_backends_gpu.py -q -s -p no:cacheprovider ;;
+    hardening) run hardening 240 python3 -m pytest tests/gpu/test_hardening_gpu.py -q -s -p no:cacheprovider ;;
+    pretrain_gpt_client) TAIL=12 run pretrain_gpt_client 420 bash .mlm/run_pretrain_gpt.sh ;;
     bench_kernels) run bench_kernels 300 python3 scripts/bench/bench_dsa_kernels.py --out "$OUT_DIR/kernels.md" ${BENCH_ARGS:-} ;;
     bench_layer) run bench_layer 180 python3 scripts/bench/bench_glm5_layer.py --out "$OUT_DIR/layer.md" ;;
     pretrain_megatron) run pretrain_megatron 150 bash examples/pretrain_glm5_tiny.sh megatron ;;

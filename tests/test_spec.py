@@ -118,3 +118,20 @@ def test_context_parallel_needs_the_tilelang_backend(model_parallel):
     with pytest.raises(NotImplementedError, match="GLMSparseAttention does not support context_parallel_size > 1; "
                                                   "use the 'tilelang' backend"):
         build_model(arch, default_cpu_policy(context_parallel_size=2))
+
+
+def test_settings_without_their_implementation_are_refused_with_the_flag(model_parallel):
+    """Megatron-LM turns on Transformer Engine modules and apex's gradient-accumulation fusion by default; without
+    them the spec names the flag to add instead of megatron-core failing inside the first linear."""
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    from megatron_glm5.spec import _apex_gradient_accumulation_fusion
+
+    if HAVE_TE or _apex_gradient_accumulation_fusion():
+        pytest.skip("checks the refusal on a machine without Transformer Engine and apex")
+    config = build_transformer_config(parse_hf_config(tiny_glm52_config()), default_cpu_policy())
+    assert config.transformer_impl == "local" and not config.gradient_accumulation_fusion  # what we build
+    config.transformer_impl = "transformer_engine"
+    config.gradient_accumulation_fusion = True
+    with pytest.raises(GLM5ConfigError, match=r"add --transformer-impl local.*add --no-gradient-accumulation-fusion"):
+        get_glm5_spec(config)
