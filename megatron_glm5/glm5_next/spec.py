@@ -47,7 +47,7 @@ from megatron_glm5.dsa.attention import GLMAbsorbedMLASelfAttention
 from megatron_glm5.dsa.kpool_indexer import KPoolIndexer
 from megatron_glm5.layer import GLMTransformerLayer
 from megatron_glm5.providers import default_provider
-from megatron_glm5.spec import _local_layer_ids, _mla_fields
+from megatron_glm5.spec import _local_layer_ids, _mla_fields, check_runtime_dependencies
 from megatron_glm5.tilelang_attention import TileLangMLASelfAttention
 
 from .attention import GLM5NextSparseAttention, TileLangGLM5NextSparseAttention
@@ -185,8 +185,9 @@ def mlp_spec(config, mlp_type: str, provider) -> Callable:
 def build_glm5_next_layer_spec(config, layer_type: str, mlp_type: str, indexer_type: str = "full",
                                backend: str = "megatron", provider=None) -> ModuleSpec:
     """One GLM-5.3-Flash decoder layer (module docstring). ``config`` is checked by
-    :func:`check_glm5_next_numerics`."""
+    :func:`check_glm5_next_numerics` and :func:`megatron_glm5.spec.check_runtime_dependencies`."""
     check_glm5_next_numerics(config)
+    check_runtime_dependencies(config)
     if _choice(layer_type, LAYER_TYPES, "layer_type") == "linear_attention":
         raise NotImplementedError(
             "layer_type 'linear_attention' (KDA) has no megatron implementation yet; a KDA layer must return the "
