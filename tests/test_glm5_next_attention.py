@@ -120,8 +120,8 @@ def check_grads(attn, hf, arch, layer_idx: int, x_ours, x_hf, label: str) -> flo
     assert set(got) == set(want)
     worst = rel_diff(x_ours.grad.transpose(0, 1) if x_ours.grad.shape != x_hf.grad.shape else x_ours.grad,
                      x_hf.grad)
-    for name in got:
-        g, w = got[name], want[name]
+    for name, g in got.items():
+        w = want[name]
         if ".indexer." in name:
             assert g is None and w is None, f"{label}: {name} got a gradient (the indexer is not trained)"
             continue
@@ -248,7 +248,7 @@ def test_attention_matches_transformers(model_parallel, backend, seq):
 def test_thd_packing_equals_per_document_runs(model_parallel, backend):
     """Three packed documents (one shorter than index_topk, lengths not multiples of the pool size): each anchors
     its pools at its own start. Equal to transformers per document, and index for index to our per-document runs."""
-    arch, hf, attn = make_pair(backend, seed=1)
+    _, hf, attn = make_pair(backend, seed=1)
     lengths = [37, 11, 50]
     cu = torch.tensor([0, 37, 48, 98], dtype=torch.int32)
     x, _ = inputs(1, sum(lengths), seed=5)

@@ -13,9 +13,9 @@ shared-memory stages (the next block loads while this one computes); -1 slots ar
 
 * ``deterministic=False``: fp32 ``atomicAdd`` into a ``[T_kv, d_qk]`` buffer straight from the MMA fragments, then one
   cast to bf16. Fast, but the fp32 summation order (and so the low bits) varies run to run (pitfall P5).
-* ``deterministic=True``: each (token, slot) writes its ``d_qk``-wide fp32 contribution to a partial buffer (no atomics);
-  a second kernel sums, per key, the contributions in a fixed (token, slot) order taken from a stable sort of the
-  indices. Bitwise reproducible. Cost: the partial buffer is ``4 * K * d_qk`` bytes per token (4.7 MB at K=2048),
+* ``deterministic=True``: each (token, slot) writes its ``d_qk``-wide fp32 contribution to a partial buffer (no
+  atomics); a second kernel sums, per key, the contributions in a fixed (token, slot) order taken from a stable sort
+  of the indices. Bitwise reproducible. Cost: the partial buffer is ``4 * K * d_qk`` bytes per token (4.7 MB at K=2048),
   so tokens are processed in chunks that keep it near 2 GiB, plus one write and one read of it (~155 GB at 16K
   tokens), a sort per chunk and a launch per chunk; see ``scripts/bench/RESULTS_kernels.md`` for the measured cost.
 

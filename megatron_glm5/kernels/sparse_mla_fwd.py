@@ -70,7 +70,8 @@ def _jit_fwd_ws():
         d_tail = d_qk - d_v
         has_tail = d_tail > 0  # GLM-5: the 64 RoPE channels; none for a NoPE latent (GLM-5.3-Flash, d_qk == d_v)
         if dh % 64 or d_tail % 64 or d_tail < 0 or block_i % 16:
-            raise ValueError(f"ws kernel needs d_v/2 and d_qk-d_v >= 0 multiples of 64, block_i % 16 == 0; got {d_v}, {d_qk}, {block_i}")
+            raise ValueError(f"ws kernel needs d_v/2 and d_qk-d_v >= 0 multiples of 64, block_i % 16 == 0; got "
+                             f"{d_v}, {d_qk}, {block_i}")
         scale_log2 = softmax_scale * LOG2E
         bi = block_i
         t_len = T.dynamic("t_len")
@@ -417,8 +418,8 @@ def check_sparse_mla_args(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tens
         raise ValueError(f"d_v must be in (0, d_qk={d_qk}], got {d_v}")
     if d_v % 128 or (d_qk - d_v) % 64:
         raise ValueError(
-            f"kernels support d_v % 128 == 0 and (d_qk - d_v) % 64 == 0 (GLM-5: 512 + 64 RoPE; GLM-5.3-Flash: 512 + 0), "
-            f"got d_v={d_v}, d_qk={d_qk}"
+            f"kernels support d_v % 128 == 0 and (d_qk - d_v) % 64 == 0 (GLM-5: 512 + 64 RoPE; GLM-5.3-Flash: "
+            f"512 + 0), got d_v={d_v}, d_qk={d_qk}"
         )
     if indices.shape[1] == 0:
         raise ValueError("indices must have at least one slot (K >= 1)")
