@@ -139,8 +139,9 @@ def load_megatron_checkpoint(megatron_path: str | Path, *, policy=None, backend:
     from megatron_glm5.model import build_model, default_cpu_policy
 
     ckpt_dir = resolve_checkpoint_dir(megatron_path)
+    ckpt = DistCheckpoint(ckpt_dir)  # reads .metadata safely and fails on a bad checkpoint before anything is built
     if hf_config is None:
-        raw = DistCheckpoint(ckpt_dir).common_state().get(BRIDGE_KEY, {}).get("hf_config")
+        raw = ckpt.common_state().get(BRIDGE_KEY, {}).get("hf_config")
         if raw is None:
             raise BridgeError(f"{ckpt_dir}: no HF config recorded in the checkpoint; pass hf_config=")
     elif isinstance(hf_config, Mapping):

@@ -193,3 +193,72 @@ def test_kill_9_leaves_no_complete_looking_checkpoint(base, tmp_path, kind):
     else:
         assert not (partial[0] / "model.safetensors.index.json").exists()
         assert not (partial[0] / "config.json").exists()
+
+
+class _RunsCode:
+    """Pickles as a call of ``fn(*args)``: what a crafted ``.metadata`` does to run code when unpickled."""
+
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args
+
+
+@pytest.fixture(scope="module")
+def imported(base, tmp_path_factory):
+    out = tmp_path_factory.mktemp("imported") / "mc"
+    assert cli.main(["convert", "import", "--hf-path", str(base["glm5"]), "--megatron-path", str(out),
+                     "--no-progress"]) == 0
+    return out
+
+
+@pytest.mark.parametrize("payload", ["os.system", "builtins.exec", "subprocess.call"])
+def test_crafted_metadata_pickle_runs_no_code(imported, tmp_path, capsys, payload):
+    """Every reader of a Megatron checkpoint refuses a .metadata whose pickle would run code, naming the file and
+    the refused global, before anything (torch's reader, megatron-core's loader) unpickles it."""
+    import pickle
+    import subprocess
+    import sys
+
+    import bridge
+    from bridge.megatron_io import load_into_model
+
+    mc = _copy(imported, tmp_path / "mc")
+    pwned = tmp_path / "pwned"
+    fn, args, refused = {
+        "os.system": (os.system, (f"touch {pwned}",), f"'{os.system.__module__}.system'"),
+        "builtins.exec": (exec, (f"open({str(pwned)!r}, 'w').close()",), "'builtins.exec'"),
+        "subprocess.call": (subprocess.call, ([sys.executable, "-c", f"open({str(pwned)!r}, 'w').close()"],),
+                            "'subprocess.call'"),
+    }[payload]
+    metadata = mc / "iter_0000000" / ".metadata"
+    metadata.write_bytes(pickle.dumps(_RunsCode(fn, *args)))
+
+    code, err = _run(capsys, "convert", "export", "--megatron-path", str(mc), "--hf-path", str(tmp_path / "hf"))
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert f"{metadata}: refused to unpickle global {refused}" in err, err
+    assert _leftovers(tmp_path, "hf") == []
+    with pytest.raises(CheckpointFormatError, match="refused to unpickle global"):
+        bridge.load_megatron_checkpoint(mc)
+    with pytest.raises(CheckpointFormatError, match="refused to unpickle global"):
+        bridge.load_megatron_checkpoint(mc, hf_config=imported / "hf_assets" / "config.json")
+    with pytest.raises(CheckpointFormatError, match="refused to unpickle global"):
+        load_into_model(None, mc)  # our check comes before megatron-core's dist_checkpointing.load
+    assert not pwned.exists()
+
+
+def test_corrupt_or_foreign_metadata_pickle(imported, tmp_path, capsys):
+    import pickle
+
+    mc = _copy(imported, tmp_path / "mc")
+    metadata = mc / "iter_0000000" / ".metadata"
+    metadata.write_bytes(metadata.read_bytes()[:100])
+    code, err = _run(capsys, "convert", "export", "--megatron-path", str(mc), "--hf-path", str(tmp_path / "hf"))
+    assert code == 2 and f"{metadata}: corrupt" in err and err.count("\n") == 1, err
+    metadata.write_bytes(pickle.dumps({"not": "metadata"}))
+    code, err = _run(capsys, "convert", "export", "--megatron-path", str(mc), "--hf-path", str(tmp_path / "hf"))
+    assert code == 2 and f"{metadata}: not torch distributed-checkpoint metadata (found a dict)" in err, err
+    metadata.unlink()
+    code, err = _run(capsys, "convert", "export", "--megatron-path", str(mc), "--hf-path", str(tmp_path / "hf"))
+    assert code == 2 and "missing .metadata" in err, err
