@@ -191,15 +191,20 @@ def _import_rank(*, hf_path: str, out: str, tp: int, pp: int, ep: int, dtype: st
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _export_config(raw: Mapping, weights_dtype: torch.dtype, *, dtype_changed: bool) -> dict:
+def _export_config(raw: Mapping, weights_dtype: torch.dtype) -> dict:
     """config.json for the exported weights: an FP8 source's ``quantization_config`` is dropped (the export holds
-    dequantised weights) and ``dtype`` then names the exported dtype (also when ``--dtype`` changed it); otherwise
-    the source config is kept verbatim."""
+    dequantised weights), and ``dtype`` (and ``torch_dtype`` where present) name the dtype the weights really have
+    whenever the source config says otherwise - after ``import --dtype bf16`` of an fp32 checkpoint, or an export
+    with ``--dtype`` - since transformers loads the weights in the dtype the config names. Otherwise the source
+    config is kept verbatim."""
     cfg = dict(raw)
-    if cfg.pop("quantization_config", None) is not None or dtype_changed:
-        cfg["dtype"] = dtype_name(weights_dtype)
-        if "torch_dtype" in cfg:
-            cfg["torch_dtype"] = dtype_name(weights_dtype)
+    name = dtype_name(weights_dtype)
+    keys = [k for k in ("dtype", "torch_dtype") if k in cfg]
+    if cfg.pop("quantization_config", None) is not None and not keys:
+        keys = ["dtype"]
+    if any(cfg.get(k) != name for k in keys):
+        for k in keys:
+            cfg[k] = name
     return cfg
 
 
@@ -318,7 +323,7 @@ def convert_megatron_to_hf(
         assets_dir = next((d for d in (ckpt_dir.parent / HF_ASSETS_DIR, ckpt_dir / HF_ASSETS_DIR) if d.is_dir()), None)
         copied = hf_io.copy_assets(assets_dir, tmp, skip={"config.json"}) if assets_dir else []
         weights_dtype = dtype_of(expansion.by_mcore["embedding.word_embeddings.weight"])
-        cfg = _export_config(raw, weights_dtype, dtype_changed=out_dtype is not None)
+        cfg = _export_config(raw, weights_dtype)
         original = assets_dir / "config.json" if assets_dir else None
         if original is not None and original.is_file() and cfg == json.loads(original.read_text()):
             shutil.copy2(original, tmp / "config.json")  # unchanged: keep the source's bytes
