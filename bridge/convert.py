@@ -42,7 +42,15 @@ from .megatron_io import (
     write_dist_checkpoint,
     write_tracker,
 )
-from .output import atomic_output_dir, check_output_dir, commit_dir, partial_dir
+from .output import (
+    atomic_output_dir,
+    check_output_dir,
+    commit_dir,
+    discard_partial,
+    make_partial_dir,
+    partial_dir,
+    register_writer,
+)
 from .prefetch import Prefetcher
 from .progress import Progress
 from .source import Materializer, dtype_name, open_hf_source, parse_dtype
@@ -79,20 +87,19 @@ def convert_hf_to_megatron(
         if int(v) < 1:
             raise BridgeError(f"--{name}: expected >= 1, got {v}")
     parse_dtype(dtype)
-    final = check_output_dir(megatron_path, overwrite=overwrite)
+    final = check_output_dir(megatron_path, overwrite=overwrite, sources=[hf_path])
     nranks = tp * pp * ep
     size = launched_world_size()
     kwargs = dict(hf_path=str(hf_path), tp=tp, pp=pp, ep=ep, dtype=None if dtype is None else dtype_name(parse_dtype(dtype)),
                   iteration=iteration, progress=progress, sync_files=sync_files)
     if size == 1 and nranks > 1:
         open_hf_source(hf_path)  # fail on bad input here, before starting ranks
-        tmp = partial_dir(final)
-        tmp.mkdir(parents=True)
+        tmp = make_partial_dir(final)
         try:
             reports = run_local_ranks(_import_rank, nranks, out=str(tmp), **kwargs)
-            commit_dir(tmp, final, overwrite=overwrite)
+            commit_dir(tmp, final, overwrite=overwrite, kind="megatron", source=hf_path)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            discard_partial(tmp)
             raise
         return _merge_reports(reports, final)
     if size != nranks:
@@ -104,17 +111,17 @@ def convert_hf_to_megatron(
     rank, _ = world()
     tmp = Path(broadcast_object(str(partial_dir(final)) if rank == 0 else None))
     if rank == 0:
-        tmp.mkdir(parents=True)
+        make_partial_dir(final, tmp)
     barrier()
     try:
         report = _import_rank(out=str(tmp), **kwargs)
         barrier()
         if rank == 0:
-            commit_dir(tmp, final, overwrite=overwrite)
+            commit_dir(tmp, final, overwrite=overwrite, kind="megatron", source=hf_path)
         barrier()
     except BaseException:
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            discard_partial(tmp)
         raise
     return _merge_reports([report], final)
 
@@ -133,6 +140,7 @@ def _import_rank(*, hf_path: str, out: str, tp: int, pp: int, ep: int, dtype: st
                  progress: bool | None, sync_files: bool) -> dict:
     t0 = time.perf_counter()
     rank, _ = world()
+    register_writer(out)  # every rank: the partial directory is live while any of its writers is
     try:
         src = open_hf_source(hf_path)
         ok, msg = True, ""
@@ -245,8 +253,9 @@ def convert_megatron_to_hf(
     bridge (it stores the source config.json in the checkpoint). ``expert_layout`` defaults to the source's."""
     t0 = time.perf_counter()
     out_dtype = parse_dtype(dtype)
-    final = check_output_dir(hf_path, overwrite=overwrite)
     ckpt_dir = resolve_checkpoint_dir(megatron_path)
+    assets_dir = next((d for d in (ckpt_dir.parent / HF_ASSETS_DIR, ckpt_dir / HF_ASSETS_DIR) if d.is_dir()), None)
+    final = check_output_dir(hf_path, overwrite=overwrite, sources=[megatron_path, ckpt_dir, assets_dir])
     ckpt = DistCheckpoint(ckpt_dir)
     meta = ckpt.common_state().get(BRIDGE_KEY) or {}
     if hf_config is None:
@@ -299,7 +308,7 @@ def convert_megatron_to_hf(
     itemsize = {k: torch.empty((), dtype=ckpt.dtype(k)).element_size() for k in ckpt.tensors}
     ahead = Prefetcher(lambda box: ckpt.read(*box),
                        [(b, int(torch.Size(b[2]).numel()) * itemsize[b[0]]) for r in reads for b in r])
-    with atomic_output_dir(final, overwrite=overwrite) as tmp:
+    with atomic_output_dir(final, overwrite=overwrite, kind="hf", source=megatron_path) as tmp:
         writer = hf_io.HFShardWriter(tmp, [planned[n] for n in order], max_shard_bytes=max_shard_bytes,
                                      sync=sync_files)
         try:
@@ -320,7 +329,6 @@ def convert_megatron_to_hf(
         finally:
             ahead.close()
         bar.close()
-        assets_dir = next((d for d in (ckpt_dir.parent / HF_ASSETS_DIR, ckpt_dir / HF_ASSETS_DIR) if d.is_dir()), None)
         copied = hf_io.copy_assets(assets_dir, tmp, skip={"config.json"}) if assets_dir else []
         weights_dtype = dtype_of(expansion.by_mcore["embedding.word_embeddings.weight"])
         cfg = _export_config(raw, weights_dtype)

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from bridge.errors import CheckpointFormatError
 from bridge.megatron_io import resolve_checkpoint_dir
+from bridge.output import find_partials, find_stale_partials, remove_stale_partials
 from bridge import cli
 from megatron_glm5 import testing
 from tests.bridge_workers import make_fixture
@@ -124,8 +125,11 @@ def test_unsupported_model_type(base, tmp_path, capsys):
 
 
 def test_existing_output_needs_overwrite(base, tmp_path, capsys):
+    """--overwrite replaces only an earlier output of this tool (tests/test_bridge_output.py has the details)."""
     out = tmp_path / "out"
-    out.mkdir()
+    code, err = _run(capsys, "convert", "import", "--hf-path", str(base["glm5"]), "--megatron-path", str(out),
+                     "--no-progress")
+    assert code == 0, err
     (out / "old.txt").write_text("x")
     code, err = _run(capsys, "convert", "import", "--hf-path", str(base["glm5"]), "--megatron-path", str(out))
     assert code == 2 and "already exists; pass --overwrite" in err and (out / "old.txt").is_file()
@@ -176,12 +180,17 @@ def test_kill_9_leaves_no_complete_looking_checkpoint(base, tmp_path, kind):
     out, marker = tmp_path / "out", tmp_path / "stalled"
     proc = mp.get_context("spawn").Process(target=stalled_conversion, args=(kind, str(src), str(out), str(marker), 20))
     proc.start()
-    deadline = time.monotonic() + 120
-    while not marker.exists():
-        assert proc.is_alive() and time.monotonic() < deadline, "the conversion did not reach the stall point"
-        time.sleep(0.1)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.join()
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert proc.is_alive() and time.monotonic() < deadline, "the conversion did not reach the stall point"
+            time.sleep(0.1)
+        (live,) = find_partials(out)
+        assert not live.stale and "still running" in live.reason  # a live writer's directory is never touched
+        assert remove_stale_partials(out) == [] and live.path.is_dir()
+    finally:  # also when an assertion failed: a stalled child would keep the test session from exiting
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join()
     assert proc.exitcode == -signal.SIGKILL
     assert not out.exists()
     partial = [p for p in tmp_path.iterdir() if p.name.startswith(".out.partial-")]
@@ -193,6 +202,10 @@ def test_kill_9_leaves_no_complete_looking_checkpoint(base, tmp_path, kind):
     else:
         assert not (partial[0] / "model.safetensors.index.json").exists()
         assert not (partial[0] / "config.json").exists()
+    # its writer is dead: a stale leftover, which `megatron-glm5 clean` removes
+    assert [p.path for p in find_stale_partials(out)] == partial
+    assert cli.main(["clean", str(out)]) == 0
+    assert not partial[0].exists() and _leftovers(tmp_path, "out") == []
 
 
 class _RunsCode:
