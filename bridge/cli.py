@@ -4,6 +4,7 @@
     megatron-glm5 convert import    --hf-path DIR --megatron-path DIR [--tp N --pp N --ep N --dtype bf16|fp32]
     megatron-glm5 convert export    --megatron-path DIR --hf-path DIR [--hf-config PATH] [--expert-layout ...]
     megatron-glm5 convert roundtrip --hf-path DIR [--tp N --pp N --ep N] [--work-dir DIR --keep]
+    megatron-glm5 clean PATH... [--dry-run]
     megatron-glm5 verify --hf-path DIR [--megatron-path DIR] [--num-layers N] [--dtype bf16|fp32] [--device cuda|cpu]
                          [--seq-len N] [--batch-size N] [--seed N] [--tol X]
 
@@ -142,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--keep", action="store_true")
     rt.add_argument("--no-progress", action="store_true")
 
+    clean = sub.add_parser("clean", help="remove hidden leftovers of interrupted conversions of an output path")
+    clean.add_argument("paths", nargs="+", metavar="PATH", help="an output path given to convert / export_hf")
+    clean.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+
     ver = sub.add_parser("verify", help="logits of our model vs transformers on the same weights (one JSON line)",
                          epilog=VERIFY_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     ver.add_argument("--hf-path", required=True)
@@ -269,6 +274,8 @@ def _run(args) -> int:
         from .demo import run_demo
 
         return 0 if run_demo(out_dir=args.out, steps=args.steps, keep=args.keep)["ok"] else 1
+    if args.command == "clean":
+        return _clean(args.paths, dry_run=args.dry_run)
     if args.command == "verify":
         report = bridge.verify(hf_path=args.hf_path, megatron_path=args.megatron_path, seq_len=args.seq_len,
                                batch_size=args.batch_size, seed=args.seed, tol=args.tol, num_layers=args.num_layers,
@@ -307,6 +314,25 @@ def _run(args) -> int:
             print(f"  kept             : {r['work_dir']}")
         return 0 if r["ok"] else 1
     raise AssertionError(args)
+
+
+def _clean(paths: Sequence[str], *, dry_run: bool) -> int:
+    """Remove the stale ``.<name>.partial-*`` / ``.export-*`` / ``.old-*`` directories of each output path (their
+    writers ran on this host and have exited); list the others with the reason they are kept."""
+    from .output import find_partials, format_bytes, remove_stale_partials
+
+    verb = "would remove" if dry_run else "removed"
+    for path in paths:
+        items = find_partials(path)
+        removed = {r.path for r in remove_stale_partials(path, dry_run=dry_run)}
+        for item in items:
+            if item.path in removed:
+                print(f"{verb} {item.path} ({format_bytes(item.nbytes)}; {item.reason})")
+            else:
+                print(f"kept {item.path} ({format_bytes(item.nbytes)}; {item.reason})")
+        if not items:
+            print(f"{path}: no leftovers of interrupted runs")
+    return 0
 
 
 def _quiet() -> None:

@@ -25,6 +25,7 @@ FROZEN_FLAGS = {
     "convert export": ["--dtype", "--expert-layout", "--hf-config", "--hf-path", "--max-shard-size",
                        "--megatron-path", "--no-progress", "--overwrite"],
     "convert roundtrip": ["--ep", "--hf-path", "--keep", "--no-progress", "--pp", "--tp", "--work-dir"],
+    "clean": ["--dry-run"],
     "verify": ["--batch-size", "--device", "--dtype", "--hf-path", "--megatron-path", "--num-layers", "--seed",
                "--seq-len", "--tol"],
 }

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from bridge.errors import BridgeError, CheckpointFormatError
 from bridge.megatron_io import resolve_checkpoint_dir
+from bridge.output import find_partials, find_stale_partials, remove_stale_partials
 from bridge import cli
 from megatron_glm5 import testing
 from tests.bridge_workers import make_fixture
@@ -125,8 +126,11 @@ def test_unsupported_model_type(base, tmp_path, capsys):
 
 
 def test_existing_output_needs_overwrite(base, tmp_path, capsys):
+    """--overwrite replaces only an earlier output of this tool (tests/test_bridge_output.py has the details)."""
     out = tmp_path / "out"
-    out.mkdir()
+    code, err = _run(capsys, "convert", "import", "--hf-path", str(base["glm5"]), "--megatron-path", str(out),
+                     "--no-progress")
+    assert code == 0, err
     (out / "old.txt").write_text("x")
     code, err = _run(capsys, "convert", "import", "--hf-path", str(base["glm5"]), "--megatron-path", str(out))
     assert code == 2 and "already exists; pass --overwrite" in err and (out / "old.txt").is_file()
@@ -177,12 +181,17 @@ def test_kill_9_leaves_no_complete_looking_checkpoint(base, tmp_path, kind):
     out, marker = tmp_path / "out", tmp_path / "stalled"
     proc = mp.get_context("spawn").Process(target=stalled_conversion, args=(kind, str(src), str(out), str(marker), 20))
     proc.start()
-    deadline = time.monotonic() + 120
-    while not marker.exists():
-        assert proc.is_alive() and time.monotonic() < deadline, "the conversion did not reach the stall point"
-        time.sleep(0.1)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.join()
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert proc.is_alive() and time.monotonic() < deadline, "the conversion did not reach the stall point"
+            time.sleep(0.1)
+        (live,) = find_partials(out)
+        assert not live.stale and "still running" in live.reason  # a live writer's directory is never touched
+        assert remove_stale_partials(out) == [] and live.path.is_dir()
+    finally:  # also when an assertion failed: a stalled child would keep the test session from exiting
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join()
     assert proc.exitcode == -signal.SIGKILL
     assert not out.exists()
     partial = [p for p in tmp_path.iterdir() if p.name.startswith(".out.partial-")]
@@ -194,6 +203,79 @@ def test_kill_9_leaves_no_complete_looking_checkpoint(base, tmp_path, kind):
     else:
         assert not (partial[0] / "model.safetensors.index.json").exists()
         assert not (partial[0] / "config.json").exists()
+    # its writer is dead: a stale leftover, which `megatron-glm5 clean` removes
+    assert [p.path for p in find_stale_partials(out)] == partial
+    assert cli.main(["clean", str(out)]) == 0
+    assert not partial[0].exists() and _leftovers(tmp_path, "out") == []
+
+
+class _RunsCode:
+    """Pickles as a call of ``fn(*args)``: what a crafted ``.metadata`` does to run code when unpickled."""
+
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args
+
+
+@pytest.fixture(scope="module")
+def imported(base, tmp_path_factory):
+    out = tmp_path_factory.mktemp("imported") / "mc"
+    assert cli.main(["convert", "import", "--hf-path", str(base["glm5"]), "--megatron-path", str(out),
+                     "--no-progress"]) == 0
+    return out
+
+
+@pytest.mark.parametrize("payload", ["os.system", "builtins.exec", "subprocess.call"])
+def test_crafted_metadata_pickle_runs_no_code(imported, tmp_path, capsys, payload):
+    """Every reader of a Megatron checkpoint refuses a .metadata whose pickle would run code, naming the file and
+    the refused global, before anything (torch's reader, megatron-core's loader) unpickles it."""
+    import pickle
+    import subprocess
+    import sys
+
+    import bridge
+    from bridge.megatron_io import load_into_model
+
+    mc = _copy(imported, tmp_path / "mc")
+    pwned = tmp_path / "pwned"
+    fn, args, refused = {
+        "os.system": (os.system, (f"touch {pwned}",), f"'{os.system.__module__}.system'"),
+        "builtins.exec": (exec, (f"open({str(pwned)!r}, 'w').close()",), "'builtins.exec'"),
+        "subprocess.call": (subprocess.call, ([sys.executable, "-c", f"open({str(pwned)!r}, 'w').close()"],),
+                            "'subprocess.call'"),
+    }[payload]
+    metadata = mc / "iter_0000000" / ".metadata"
+    metadata.write_bytes(pickle.dumps(_RunsCode(fn, *args)))
+
+    code, err = _run(capsys, "convert", "export", "--megatron-path", str(mc), "--hf-path", str(tmp_path / "hf"))
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert f"{metadata}: refused to unpickle global {refused}" in err, err
+    assert _leftovers(tmp_path, "hf") == []
+    with pytest.raises(CheckpointFormatError, match="refused to unpickle global"):
+        bridge.load_megatron_checkpoint(mc)
+    with pytest.raises(CheckpointFormatError, match="refused to unpickle global"):
+        bridge.load_megatron_checkpoint(mc, hf_config=imported / "hf_assets" / "config.json")
+    with pytest.raises(CheckpointFormatError, match="refused to unpickle global"):
+        load_into_model(None, mc)  # our check comes before megatron-core's dist_checkpointing.load
+    assert not pwned.exists()
+
+
+def test_corrupt_or_foreign_metadata_pickle(imported, tmp_path, capsys):
+    import pickle
+
+    mc = _copy(imported, tmp_path / "mc")
+    metadata = mc / "iter_0000000" / ".metadata"
+    metadata.write_bytes(metadata.read_bytes()[:100])
+    code, err = _run(capsys, "convert", "export", "--megatron-path", str(mc), "--hf-path", str(tmp_path / "hf"))
+    assert code == 2 and f"{metadata}: corrupt" in err and err.count("\n") == 1, err
+    metadata.write_bytes(pickle.dumps({"not": "metadata"}))
+    code, err = _run(capsys, "convert", "export", "--megatron-path", str(mc), "--hf-path", str(tmp_path / "hf"))
+    assert code == 2 and f"{metadata}: not torch distributed-checkpoint metadata (found a dict)" in err, err
+    metadata.unlink()
+    code, err = _run(capsys, "convert", "export", "--megatron-path", str(mc), "--hf-path", str(tmp_path / "hf"))
+    assert code == 2 and "missing .metadata" in err, err
 
 
 # --------------------------------------------------------------------------------------------------------------------
