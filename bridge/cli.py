@@ -196,6 +196,8 @@ def _preflight(args) -> None:
         if args.out is not None:
             preflight.work_dir(args.out, flag="--out")
         return
+    if args.command == "clean":
+        return  # it only lists and removes our own leftovers; bridge.output names anything unusable
     if args.command == "verify":
         raw, arch = _hf_arch(args.hf_path)
         if raw.get("quantization_config"):
