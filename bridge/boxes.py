@@ -16,22 +16,31 @@ from megatron_glm5.config import GLM5Architecture
 
 from . import naming
 from .errors import BridgeError, ShapeMismatchError, TensorSetError, format_names
-from .launch import pipeline_split
+from .launch import check_parallel_layout
 from .mapping import Expansion
 from .megatron_io import Chunk, DistCheckpoint
 
 
 def build_skeleton(arch: GLM5Architecture, tp: int, pp: int, ep: int):
-    """This rank's GPTModel on the meta device (shapes and sharding only, no memory)."""
+    """This rank's GPTModel on the meta device (shapes and sharding only, no memory).
+
+    The layout is checked first (:func:`~bridge.launch.check_parallel_layout`, which callers also run before
+    spawning ranks); should megatron-core still refuse it (a constraint of a newer megatron-core that the check does
+    not know), its ``ValueError`` / ``AssertionError`` becomes a :class:`BridgeError` naming the layout, so the
+    command line reports one line instead of a traceback from inside a rank."""
     from megatron_glm5.model import build_model, default_cpu_policy
 
     policy = default_cpu_policy(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
         use_cpu_initialization=False, perform_initialization=False, init_model_with_meta_device=True,
-        **pipeline_split(arch.indexer_types, pp),
+        **check_parallel_layout(arch, tp, pp, ep),
     )
-    with torch.device("meta"):
-        return build_model(arch, policy)
+    try:
+        with torch.device("meta"):
+            return build_model(arch, policy)
+    except (ValueError, AssertionError) as e:
+        raise BridgeError(f"--tp {tp} --pp {pp} --ep {ep}: megatron-core cannot build this model with that layout: "
+                          f"{e}") from e
 
 
 @dataclass

@@ -4,18 +4,41 @@
     megatron-glm5 convert import    --hf-path DIR --megatron-path DIR [--tp N --pp N --ep N --dtype bf16|fp32]
     megatron-glm5 convert export    --megatron-path DIR --hf-path DIR [--hf-config PATH] [--expert-layout ...]
     megatron-glm5 convert roundtrip --hf-path DIR [--tp N --pp N --ep N] [--work-dir DIR --keep]
-    megatron-glm5 verify --hf-path DIR [--megatron-path DIR] [--seq-len N] [--batch-size N] [--seed N]
+    megatron-glm5 clean PATH... [--dry-run]
+    megatron-glm5 verify --hf-path DIR [--megatron-path DIR] [--num-layers N] [--dtype bf16|fp32] [--device cuda|cpu]
+                         [--seq-len N] [--batch-size N] [--seed N] [--tol X]
 
-Bad input (a :class:`bridge.errors.BridgeError` or :class:`megatron_glm5.config.GLM5ConfigError`) prints one
-``error:`` line and exits with status 2; a failed round trip or parity check exits with status 1.
+Exit status: every user error (a bad flag value, a missing or unreadable path, a file where a directory is
+expected, an unwritable output, a TP/PP/EP layout the model cannot take, a malformed checkpoint: a
+:class:`bridge.errors.BridgeError` or :class:`megatron_glm5.config.GLM5ConfigError`) prints exactly one ``error:``
+line on stderr and exits with 2; a failed round trip or parity check exits with 1; anything else is a bug and keeps
+its traceback. Flags and paths are checked up front (:mod:`bridge.preflight`), before megatron-core or transformers
+is imported and before any rank is spawned, so a typo costs a second, not the start-up of the ranks.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
 import sys
+from pathlib import Path
 from typing import Sequence
+
+from .errors import BridgeError
+
+
+class _UsageError(BridgeError):
+    """A flag argparse refused (unknown flag, bad choice, missing value)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse prints the usage and exits from inside ``parse_args``; here its message becomes one ``error:`` line
+    like every other user error (``--help`` still prints the usage)."""
+
+    def error(self, message: str):
+        raise _UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
 def _size(text: str) -> int:
@@ -23,25 +46,70 @@ def _size(text: str) -> int:
     t = text.strip().upper()
     num = t.rstrip("KMGTB")
     try:
-        return int(float(num) * units[t[len(num):]])
+        value = int(float(num) * units[t[len(num):]])
     except (KeyError, ValueError):
         raise argparse.ArgumentTypeError(f"expected a size like 5GB or 500MB, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive size like 5GB or 500MB, got {text!r}")
+    return value
+
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+_POS, _NONNEG = _int_at_least(1), _int_at_least(0)
 
 
 def _parallel_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks the conversion is sharded over")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel ranks")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks")
+    p.add_argument("--tp", type=_POS, default=1, help="tensor-parallel ranks the conversion is sharded over")
+    p.add_argument("--pp", type=_POS, default=1, help="pipeline-parallel ranks")
+    p.add_argument("--ep", type=_POS, default=1, help="expert-parallel ranks")
+
+
+VERIFY_EPILOG = """\
+A released GLM-5.x on one GPU: --num-layers 4 --dtype bf16 checks the embeddings, the first 4 decoder layers (3
+dense + 1 MoE), the final norm and the LM head on both sides (13.0 B parameters: about 26 GB per side in bf16,
+52 GB in fp32) at the default sequence length index_topk + 256 = 2304, reading only those layers' tensors.
+
+Tolerances. fp32 (the precise check): max |logit diff| / max(1, max |HF logit|) <= 1e-4, with HF's DSA top-k and
+expert choices replayed into our model when our own choices differ from HF's only at near-ties. bf16: the mean
+|logit diff| / mean |HF logit| with HF's choices replayed <= 2e-2 (about 4 bf16 steps; a correct model stays near
+1 % after four layers) and >= 95 % of our top-k keys and expert choices equal to HF's on HF's activations. A bf16
+value has 8 significant bits and the two sides round in a different order, so choices near a tie flip for some
+tokens and move their logits by O(1): a max is no test in bf16. bf16 catches a wrong expert order, router or
+indexer; errors of a few percent in one weight need fp32.
+"""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megatron-glm5", description="GLM-5.x on Megatron-Core: convert, verify, demo")
+    parser = _Parser(prog="megatron-glm5", description="GLM-5.x on Megatron-Core: convert, verify, demo")
     parser.add_argument("--verbose", action="store_true", help="keep third-party warnings and load reports")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="offline end-to-end run on a tiny GLM-5.2: import, train, export, verify")
     demo.add_argument("--out", help="work directory (default: a temporary directory)")
-    demo.add_argument("--steps", type=int, default=4, help="optimizer steps (default 4)")
+    demo.add_argument("--steps", type=_POS, default=4, help="optimizer steps (default 4)")
     demo.add_argument("--keep", action="store_true", help="keep the work directory")
 
     convert = sub.add_parser("convert", help="HF <-> Megatron checkpoint conversion")
@@ -53,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     _parallel_flags(imp)
     imp.add_argument("--dtype", choices=["bf16", "fp32"], default=None,
                      help="store weights in this dtype (default: the source dtype; FP8 sources become bf16)")
-    imp.add_argument("--iteration", type=int, default=0, help="iteration of the iter_XXXXXXX directory (default 0)")
+    imp.add_argument("--iteration", type=_NONNEG, default=0, help="iteration of the iter_XXXXXXX directory (default 0)")
     imp.add_argument("--overwrite", action="store_true")
     imp.add_argument("--no-progress", action="store_true")
 
@@ -75,18 +143,130 @@ def build_parser() -> argparse.ArgumentParser:
     rt.add_argument("--keep", action="store_true")
     rt.add_argument("--no-progress", action="store_true")
 
-    ver = sub.add_parser("verify", help="logits of our model vs transformers on the same weights (one JSON line)")
+    clean = sub.add_parser("clean", help="remove hidden leftovers of interrupted conversions of an output path")
+    clean.add_argument("paths", nargs="+", metavar="PATH", help="an output path given to convert / export_hf")
+    clean.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+
+    ver = sub.add_parser("verify", help="logits of our model vs transformers on the same weights (one JSON line)",
+                         epilog=VERIFY_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     ver.add_argument("--hf-path", required=True)
     ver.add_argument("--megatron-path", help="load our side from this Megatron checkpoint (default: from --hf-path)")
-    ver.add_argument("--seq-len", type=int, default=64)
-    ver.add_argument("--batch-size", type=int, default=1)
+    ver.add_argument("--num-layers", type=_POS, default=None,
+                     help="check only the first N decoder layers (+ final norm and LM head, no MTP) on both sides, "
+                          "reading only their tensors (default: the whole model)")
+    ver.add_argument("--dtype", choices=["bf16", "fp32"], default="fp32",
+                     help="compute dtype of both models (default fp32; bf16 for a released checkpoint on one node)")
+    ver.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when available")
+    ver.add_argument("--seq-len", type=_POS, default=None,
+                     help="tokens per sequence, > index_topk (default: index_topk + 256 rounded up to 64)")
+    ver.add_argument("--batch-size", type=_POS, default=1)
     ver.add_argument("--seed", type=int, default=0)
-    ver.add_argument("--tol", type=float, default=1e-4)
+    ver.add_argument("--tol", type=_positive_float, default=None,
+                     help="default: 1e-4 (fp32, on the max relative logit diff), 2e-2 (bf16, on the mean relative "
+                          "logit diff with HF's choices replayed)")
     return parser
 
 
 def _progress(args) -> bool | None:
     return False if getattr(args, "no_progress", False) else None
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Checks before anything heavy
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _hf_arch(path: str, flag: str = "--hf-path"):
+    from megatron_glm5.config import parse_hf_config
+
+    from . import preflight
+
+    preflight.hf_checkpoint_dir(path, flag=flag)
+    raw = preflight.read_hf_config(path, flag=flag)
+    return raw, parse_hf_config(raw)
+
+
+def _preflight(args) -> None:
+    """Every check that needs no model: paths exist and have the right kind, outputs can be created, config.json
+    parses, the parallel layout fits the architecture, verify's sizes fit the config."""
+    from . import preflight
+    from .launch import check_parallel_layout
+
+    if args.command == "demo":
+        if args.out is not None:
+            preflight.work_dir(args.out, flag="--out")
+        return
+    if args.command == "clean":
+        return  # it only lists and removes our own leftovers; bridge.output names anything unusable
+    if args.command == "verify":
+        raw, arch = _hf_arch(args.hf_path)
+        if raw.get("quantization_config"):
+            raise BridgeError(f"--hf-path {args.hf_path}: verify needs an unquantised HF checkpoint (this one is FP8); "
+                              "export one with `megatron-glm5 convert import` + `convert export` first")
+        if args.megatron_path is not None:
+            preflight.megatron_checkpoint_dir(args.megatron_path)
+        if args.num_layers is not None:
+            from .source import check_num_layers
+
+            check_num_layers(args.num_layers, arch, source=f"{args.hf_path}/config.json")
+        if args.seq_len is not None and args.seq_len <= arch.index_topk:
+            from .parity import default_seq_len
+
+            raise BridgeError(f"--seq-len {args.seq_len} must exceed index_topk ({arch.index_topk}); otherwise DSA "
+                              f"keeps every key and the indexer is not exercised (default: {default_seq_len(arch)})")
+        if args.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise BridgeError("--device cuda: CUDA is not available on this machine; use --device cpu")
+        return
+    if args.action in ("import", "roundtrip"):
+        _, arch = _hf_arch(args.hf_path)
+        check_parallel_layout(arch, args.tp, args.pp, args.ep, source=f"{args.hf_path}/config.json")
+        if args.action == "import":
+            preflight.output_dir(args.megatron_path, flag="--megatron-path")
+        elif args.work_dir is not None:
+            preflight.work_dir(args.work_dir, flag="--work-dir")
+        return
+    if args.action == "export":
+        preflight.megatron_checkpoint_dir(args.megatron_path)
+        if args.hf_config is not None:
+            from megatron_glm5.config import parse_hf_config
+
+            parse_hf_config(preflight.read_hf_config(args.hf_config, flag="--hf-config"))
+        preflight.output_dir(args.hf_path, flag="--hf-path")
+
+
+_PATH_FLAGS = ("hf_path", "megatron_path", "hf_config", "work_dir", "out")
+_OUTPUT_FLAG = {"import": "megatron_path", "export": "hf_path", "roundtrip": "work_dir", "demo": "out"}
+_ENVIRONMENT_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR,
+                       errno.EISDIR, errno.ENOENT, errno.EEXIST}
+
+
+def _belongs_to(f: Path, p: Path) -> bool:
+    """``f`` is ``p``, inside it, or inside a hidden sibling ``.<name>.*`` in which outputs are staged."""
+    if f == p or p in f.parents:
+        return True
+    return p.parent in f.parents and f.relative_to(p.parent).parts[0].startswith(f".{p.name}.")
+
+
+def _os_error_line(e: OSError, args) -> str | None:
+    """One line for an ``OSError`` about a path the user gave (or the staging directory of an output), such as an
+    output location that is read-only or a full disk; None for anything else, which is a bug and keeps its
+    traceback. The up-front checks catch the common cases; this covers what changes while the command runs."""
+    if e.errno not in _ENVIRONMENT_ERRNOS:
+        return None
+    given = {f"--{name.replace('_', '-')}": Path(v).absolute() for name in _PATH_FLAGS
+             if isinstance(v := getattr(args, name, None), str)}
+    if e.filename is not None:
+        f = Path(os.fsdecode(e.filename)).absolute()
+        owner = next((f"{flag} {p}" for flag, p in given.items() if _belongs_to(f, p)), None)
+        return None if owner is None else f"{owner}: {f}: {e.strerror or e}"
+    if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):  # no file named: only a full or read-only disk
+        return None
+    out = _OUTPUT_FLAG.get(getattr(args, "action", None) or args.command)
+    value = getattr(args, out, None) if out else None
+    return (f"--{out.replace('_', '-')} {value}: " if value else "") + f"{e.strerror or e}"
 
 
 def _run(args) -> int:
@@ -96,9 +276,12 @@ def _run(args) -> int:
         from .demo import run_demo
 
         return 0 if run_demo(out_dir=args.out, steps=args.steps, keep=args.keep)["ok"] else 1
+    if args.command == "clean":
+        return _clean(args.paths, dry_run=args.dry_run)
     if args.command == "verify":
         report = bridge.verify(hf_path=args.hf_path, megatron_path=args.megatron_path, seq_len=args.seq_len,
-                               batch_size=args.batch_size, seed=args.seed, tol=args.tol)
+                               batch_size=args.batch_size, seed=args.seed, tol=args.tol, num_layers=args.num_layers,
+                               dtype=args.dtype, device=args.device)
         print(json.dumps(report), flush=True)
         return 0 if report["ok"] else 1
     if args.action == "import":
@@ -135,6 +318,25 @@ def _run(args) -> int:
     raise AssertionError(args)
 
 
+def _clean(paths: Sequence[str], *, dry_run: bool) -> int:
+    """Remove the stale ``.<name>.partial-*`` / ``.export-*`` / ``.old-*`` directories of each output path (their
+    writers ran on this host and have exited); list the others with the reason they are kept."""
+    from .output import find_partials, format_bytes, remove_stale_partials
+
+    verb = "would remove" if dry_run else "removed"
+    for path in paths:
+        items = find_partials(path)
+        removed = {r.path for r in remove_stale_partials(path, dry_run=dry_run)}
+        for item in items:
+            if item.path in removed:
+                print(f"{verb} {item.path} ({format_bytes(item.nbytes)}; {item.reason})")
+            else:
+                print(f"kept {item.path} ({format_bytes(item.nbytes)}; {item.reason})")
+        if not items:
+            print(f"{path}: no leftovers of interrupted runs")
+    return 0
+
+
 def _quiet() -> None:
     """Keep the terminal for results: third-party import-time chatter (missing Apex/TE, deprecations) and
     transformers' load reports are silenced for the CLI process only."""
@@ -155,21 +357,37 @@ def _quiet() -> None:
         pass
 
 
+def _error(message: str) -> int:
+    print("error: " + " ".join(str(message).split()), file=sys.stderr, flush=True)  # one line, whatever the message
+    return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if not getattr(args, "verbose", False):
-        _quiet()
-    from bridge.errors import BridgeError
-
-    from megatron_glm5.config import GLM5ConfigError
-    from megatron_glm5.cpu import enable_cpu_mode
-
-    enable_cpu_mode()
     try:
+        args = build_parser().parse_args(argv)
+    except _UsageError as e:
+        return _error(str(e))
+    if getattr(args, "device", None) == "cpu":
+        # megatron-core puts some buffers on the current CUDA device whenever one is visible: hide the GPUs before
+        # anything initialises CUDA (bridge.parity.resolve_device refuses cpu while they are visible).
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    from megatron_glm5.config import GLM5ConfigError
+
+    try:
+        _preflight(args)
+        if not getattr(args, "verbose", False):
+            _quiet()
+        from megatron_glm5.cpu import enable_cpu_mode
+
+        enable_cpu_mode()
         return _run(args)
     except (BridgeError, GLM5ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 2
+        return _error(str(e))
+    except OSError as e:
+        line = _os_error_line(e, args)
+        if line is None:
+            raise
+        return _error(line)
 
 
 if __name__ == "__main__":  # pragma: no cover

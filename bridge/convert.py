@@ -26,7 +26,16 @@ from megatron_glm5.config import load_hf_config, mcore_kwargs, natural_key, pars
 from . import hf_io, naming
 from .boxes import build_skeleton, sharded_boxes, verify_written
 from .errors import BridgeError, CheckpointFormatError, ShapeMismatchError, TensorSetError, format_names
-from .launch import all_ok, barrier, broadcast_object, launched_world_size, model_parallel, run_local_ranks, world
+from .launch import (
+    all_ok,
+    barrier,
+    broadcast_object,
+    check_parallel_layout,
+    launched_world_size,
+    model_parallel,
+    run_local_ranks,
+    world,
+)
 from .mapping import TensorMap, expand
 from .megatron_io import (
     BRIDGE_KEY,
@@ -42,7 +51,15 @@ from .megatron_io import (
     write_dist_checkpoint,
     write_tracker,
 )
-from .output import atomic_output_dir, check_output_dir, commit_dir, partial_dir
+from .output import (
+    atomic_output_dir,
+    check_output_dir,
+    commit_dir,
+    discard_partial,
+    make_partial_dir,
+    partial_dir,
+    register_writer,
+)
 from .prefetch import Prefetcher
 from .progress import Progress
 from .source import Materializer, dtype_name, open_hf_source, parse_dtype
@@ -78,21 +95,23 @@ def convert_hf_to_megatron(
     for name, v in (("tp", tp), ("pp", pp), ("ep", ep)):
         if int(v) < 1:
             raise BridgeError(f"--{name}: expected >= 1, got {v}")
+    if int(iteration) < 0:
+        raise BridgeError(f"--iteration: expected >= 0, got {iteration}")
     parse_dtype(dtype)
-    final = check_output_dir(megatron_path, overwrite=overwrite)
+    final = check_output_dir(megatron_path, overwrite=overwrite, sources=[hf_path])
     nranks = tp * pp * ep
     size = launched_world_size()
     kwargs = dict(hf_path=str(hf_path), tp=tp, pp=pp, ep=ep, dtype=None if dtype is None else dtype_name(parse_dtype(dtype)),
                   iteration=iteration, progress=progress, sync_files=sync_files)
     if size == 1 and nranks > 1:
-        open_hf_source(hf_path)  # fail on bad input here, before starting ranks
-        tmp = partial_dir(final)
-        tmp.mkdir(parents=True)
+        src = open_hf_source(hf_path)  # fail on bad input and on a layout megatron-core refuses before starting ranks
+        check_parallel_layout(src.arch, tp, pp, ep, source=str(src.path / "config.json"))
+        tmp = make_partial_dir(final)
         try:
             reports = run_local_ranks(_import_rank, nranks, out=str(tmp), **kwargs)
-            commit_dir(tmp, final, overwrite=overwrite)
+            commit_dir(tmp, final, overwrite=overwrite, kind="megatron", source=hf_path)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            discard_partial(tmp)
             raise
         return _merge_reports(reports, final)
     if size != nranks:
@@ -104,17 +123,17 @@ def convert_hf_to_megatron(
     rank, _ = world()
     tmp = Path(broadcast_object(str(partial_dir(final)) if rank == 0 else None))
     if rank == 0:
-        tmp.mkdir(parents=True)
+        make_partial_dir(final, tmp)
     barrier()
     try:
         report = _import_rank(out=str(tmp), **kwargs)
         barrier()
         if rank == 0:
-            commit_dir(tmp, final, overwrite=overwrite)
+            commit_dir(tmp, final, overwrite=overwrite, kind="megatron", source=hf_path)
         barrier()
     except BaseException:
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            discard_partial(tmp)
         raise
     return _merge_reports([report], final)
 
@@ -133,6 +152,7 @@ def _import_rank(*, hf_path: str, out: str, tp: int, pp: int, ep: int, dtype: st
                  progress: bool | None, sync_files: bool) -> dict:
     t0 = time.perf_counter()
     rank, _ = world()
+    register_writer(out)  # every rank: the partial directory is live while any of its writers is
     try:
         src = open_hf_source(hf_path)
         ok, msg = True, ""
@@ -191,15 +211,20 @@ def _import_rank(*, hf_path: str, out: str, tp: int, pp: int, ep: int, dtype: st
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _export_config(raw: Mapping, weights_dtype: torch.dtype, *, dtype_changed: bool) -> dict:
+def _export_config(raw: Mapping, weights_dtype: torch.dtype) -> dict:
     """config.json for the exported weights: an FP8 source's ``quantization_config`` is dropped (the export holds
-    dequantised weights) and ``dtype`` then names the exported dtype (also when ``--dtype`` changed it); otherwise
-    the source config is kept verbatim."""
+    dequantised weights), and ``dtype`` (and ``torch_dtype`` where present) name the dtype the weights really have
+    whenever the source config says otherwise - after ``import --dtype bf16`` of an fp32 checkpoint, or an export
+    with ``--dtype`` - since transformers loads the weights in the dtype the config names. Otherwise the source
+    config is kept verbatim."""
     cfg = dict(raw)
-    if cfg.pop("quantization_config", None) is not None or dtype_changed:
-        cfg["dtype"] = dtype_name(weights_dtype)
-        if "torch_dtype" in cfg:
-            cfg["torch_dtype"] = dtype_name(weights_dtype)
+    name = dtype_name(weights_dtype)
+    keys = [k for k in ("dtype", "torch_dtype") if k in cfg]
+    if cfg.pop("quantization_config", None) is not None and not keys:
+        keys = ["dtype"]
+    if any(cfg.get(k) != name for k in keys):
+        for k in keys:
+            cfg[k] = name
     return cfg
 
 
@@ -240,8 +265,9 @@ def convert_megatron_to_hf(
     bridge (it stores the source config.json in the checkpoint). ``expert_layout`` defaults to the source's."""
     t0 = time.perf_counter()
     out_dtype = parse_dtype(dtype)
-    final = check_output_dir(hf_path, overwrite=overwrite)
     ckpt_dir = resolve_checkpoint_dir(megatron_path)
+    assets_dir = next((d for d in (ckpt_dir.parent / HF_ASSETS_DIR, ckpt_dir / HF_ASSETS_DIR) if d.is_dir()), None)
+    final = check_output_dir(hf_path, overwrite=overwrite, sources=[megatron_path, ckpt_dir, assets_dir])
     ckpt = DistCheckpoint(ckpt_dir)
     meta = ckpt.common_state().get(BRIDGE_KEY) or {}
     if hf_config is None:
@@ -294,7 +320,7 @@ def convert_megatron_to_hf(
     itemsize = {k: torch.empty((), dtype=ckpt.dtype(k)).element_size() for k in ckpt.tensors}
     ahead = Prefetcher(lambda box: ckpt.read(*box),
                        [(b, int(torch.Size(b[2]).numel()) * itemsize[b[0]]) for r in reads for b in r])
-    with atomic_output_dir(final, overwrite=overwrite) as tmp:
+    with atomic_output_dir(final, overwrite=overwrite, kind="hf", source=megatron_path) as tmp:
         writer = hf_io.HFShardWriter(tmp, [planned[n] for n in order], max_shard_bytes=max_shard_bytes,
                                      sync=sync_files)
         try:
@@ -315,10 +341,9 @@ def convert_megatron_to_hf(
         finally:
             ahead.close()
         bar.close()
-        assets_dir = next((d for d in (ckpt_dir.parent / HF_ASSETS_DIR, ckpt_dir / HF_ASSETS_DIR) if d.is_dir()), None)
         copied = hf_io.copy_assets(assets_dir, tmp, skip={"config.json"}) if assets_dir else []
         weights_dtype = dtype_of(expansion.by_mcore["embedding.word_embeddings.weight"])
-        cfg = _export_config(raw, weights_dtype, dtype_changed=out_dtype is not None)
+        cfg = _export_config(raw, weights_dtype)
         original = assets_dir / "config.json" if assets_dir else None
         if original is not None and original.is_file() and cfg == json.loads(original.read_text()):
             shutil.copy2(original, tmp / "config.json")  # unchanged: keep the source's bytes

@@ -24,6 +24,7 @@ from typing import Iterable, Mapping, Sequence
 import torch
 
 from .errors import CheckpointFormatError, format_names
+from .output import MARKER_FILE
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -313,10 +314,13 @@ _WEIGHT_FILE = re.compile(r"\.(safetensors|bin|pt|pth|gguf|ckpt|h5|msgpack)$")
 
 
 def asset_files(hf_dir: Path) -> list[Path]:
-    """Top-level files of an HF checkpoint that are not weights (config.json, tokenizer files, templates, ...)."""
+    """Top-level files of an HF checkpoint that are not weights (config.json, tokenizer files, templates, ...).
+    Hidden files are not assets: in particular the output marker of this tool (``bridge.output.MARKER_FILE``) and
+    its writer records describe one output directory and must not travel into the next one."""
     return sorted(
         p for p in Path(hf_dir).iterdir()
-        if p.is_file() and not _WEIGHT_FILE.search(p.name) and p.name != INDEX_FILE and not p.name.startswith(".")
+        if p.is_file() and not _WEIGHT_FILE.search(p.name) and p.name not in (INDEX_FILE, MARKER_FILE)
+        and not p.name.startswith(".")
     )
 
 

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import shutil
 import uuid
 from pathlib import Path
 from typing import Any, Mapping
@@ -23,9 +22,9 @@ from megatron_glm5.config import load_hf_config, mcore_kwargs, parse_hf_config
 
 from .boxes import sharded_boxes
 from .convert import convert_megatron_to_hf
-from .source import Materializer, open_hf_source, parse_dtype
+from .source import Materializer, open_hf_source, parse_dtype, truncate_hf_config
 from .errors import BridgeError
-from .launch import barrier, broadcast_object, world
+from .launch import all_ok, barrier, broadcast_object, world
 from .mapping import expand
 from .megatron_io import (
     BRIDGE_KEY,
@@ -40,16 +39,22 @@ from .megatron_io import (
     write_dist_checkpoint,
     write_tracker,
 )
+from .output import check_output_dir, discard_partial, path_relation, register_writer, write_marker
 from .progress import Progress
 
 HF_CONFIG_ATTR = "glm5_hf_config"  # raw config.json kept on models built by from_hf_pretrained, for export_hf
 
 
 @torch.no_grad()
-def load_hf_weights(model, hf_path: str | Path, *, progress: bool | None = False) -> dict:
+def load_hf_weights(model, hf_path: str | Path, *, progress: bool | None = False,
+                    num_layers: int | None = None) -> dict:
     """Copy an HF checkpoint into ``model`` (this rank's shards). Every model tensor must be filled and every HF
-    tensor accounted for, else :class:`~bridge.errors.BridgeError`."""
-    src = open_hf_source(hf_path)
+    tensor accounted for, else :class:`~bridge.errors.BridgeError`.
+
+    ``num_layers``: ``model`` is the layer-truncated model of :func:`bridge.source.truncate_hf_config` (the first N
+    decoder layers, no MTP); the checkpoint is validated whole, only the kept layers' tensors are read, and the
+    report's ``skipped`` counts the HF tensors left out on purpose."""
+    src = open_hf_source(hf_path, num_layers=num_layers)
     mat = Materializer(src)
     plan = sharded_boxes(model, src.expansion, mat.target_dtype, main_replicas_only=False, keep_data=True)
     plan.chunks.sort(key=lambda c: (*mat.source_order(plan.pieces[(c.key, c.offsets)].logical), c.key, c.offsets))
@@ -67,7 +72,8 @@ def load_hf_weights(model, hf_path: str | Path, *, progress: bool | None = False
     bar.close()
     src.reader.close()
     setattr(model, HF_CONFIG_ATTR, src.raw)
-    return {"tensors": len(plan.chunks), "bytes": bar.bytes, "expert_layout": src.expansion.expert_layout}
+    return {"tensors": len(plan.chunks), "bytes": bar.bytes, "expert_layout": src.expansion.expert_layout,
+            "skipped": len(src.skipped)}
 
 
 def export_hf(
@@ -83,7 +89,11 @@ def export_hf(
 ) -> dict | None:
     """Write ``model`` (collectively, from all ranks) as an HF checkpoint. ``hf_config`` is the model's HF
     ``config.json`` (a dict or path); it defaults to the one recorded by ``from_hf_pretrained``. ``dtype`` defaults
-    to the config's ``dtype`` (the router bias stays fp32). Returns rank 0's report (None on other ranks)."""
+    to the config's ``dtype`` (the router bias stays fp32). Returns rank 0's report (None on other ranks).
+
+    The output path is checked (free, or with ``overwrite`` an earlier output of this tool or empty) before the
+    temporary checkpoint ``.<name>.export-<id>`` is written next to it (or in ``work_dir``, which must not be the
+    output or inside it); a process that dies leaves only that directory, which ``megatron-glm5 clean`` finds."""
     raw = hf_config if hf_config is not None else getattr(model, HF_CONFIG_ATTR, None)
     if raw is None:
         raise BridgeError("export_hf needs the model's HF config.json: pass hf_config=... (a dict or a path); "
@@ -100,8 +110,27 @@ def export_hf(
 
     plan = sharded_boxes(model, expansion, dtype_of, keep_data=True)
     rank, _ = world()
-    base = Path(work_dir) if work_dir is not None else Path(hf_path).absolute().parent
-    tmp = Path(broadcast_object(str(base / f".{Path(hf_path).name}.export-{uuid.uuid4().hex[:8]}") if rank == 0 else None))
+    final = Path(hf_path).expanduser().absolute()
+    base = Path(work_dir).expanduser().absolute() if work_dir is not None else final.parent
+    tmp = Path(broadcast_object(str(base / f".{final.name}.export-{uuid.uuid4().hex[:8]}") if rank == 0 else None))
+    error: BridgeError | None = None
+    if rank == 0:  # the output checks before the (large) temporary checkpoint is written, not after
+        try:
+            relation = path_relation(final, base)
+            if relation in ("is", "contains"):
+                raise BridgeError(f"work_dir {base}: the output path {final} {relation} it; the temporary "
+                                  "checkpoint must live outside the output directory")
+            check_output_dir(final, overwrite=overwrite)
+            try:
+                tmp.mkdir(parents=True)
+                register_writer(tmp)
+            except OSError as e:
+                raise BridgeError(f"{tmp}: cannot create the temporary checkpoint directory ({e})") from None
+        except BridgeError as e:
+            error = e
+    all_ok(error is None, str(error))
+    if error is not None:
+        raise error
     if rank == 0:
         meta = {"format_version": FORMAT_VERSION, "hf_config": raw, "expert_layout": expert_layout,
                 "source_fp8": False, "hf_source": "in-memory model"}
@@ -114,15 +143,19 @@ def export_hf(
 
     report = None
     try:
+        barrier()
+        if rank != 0:
+            register_writer(tmp)
         write_dist_checkpoint(iteration_dir(tmp, 0), plan.chunks, plan.objects, resolve, sync_files=False)
         if rank == 0:
             write_tracker(tmp, 0)
-            report = convert_megatron_to_hf(megatron_path=tmp, hf_path=hf_path, hf_config=raw,
+            report = convert_megatron_to_hf(megatron_path=tmp, hf_path=final, hf_config=raw,
                                             expert_layout=expert_layout, overwrite=overwrite, progress=progress)
+            write_marker(final, kind="hf", source="in-memory model (export_hf)")
         barrier()
     finally:
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            discard_partial(tmp)
     return report
 
 
@@ -132,21 +165,26 @@ def _config_dtype(raw: Mapping[str, Any]) -> torch.dtype | None:
 
 
 def load_megatron_checkpoint(megatron_path: str | Path, *, policy=None, backend: str = "megatron",
-                             hf_config: Mapping | str | Path | None = None):
+                             hf_config: Mapping | str | Path | None = None, num_layers: int | None = None):
     """Build the GPTModel a checkpoint describes (this rank's stage; parallel state must be initialised) and load
     it with megatron-core's ``dist_checkpointing.load``. The architecture comes from the HF config.json the bridge
-    stored in the checkpoint, or ``hf_config``."""
+    stored in the checkpoint, or ``hf_config``. ``num_layers``: build and load only the first N decoder layers
+    (no MTP; :func:`bridge.source.truncate_hf_config`); ``dist_checkpointing.load`` reads only the keys the
+    truncated model asks for."""
     from megatron_glm5.model import build_model, default_cpu_policy
 
     ckpt_dir = resolve_checkpoint_dir(megatron_path)
+    ckpt = DistCheckpoint(ckpt_dir)  # reads .metadata safely and fails on a bad checkpoint before anything is built
     if hf_config is None:
-        raw = DistCheckpoint(ckpt_dir).common_state().get(BRIDGE_KEY, {}).get("hf_config")
+        raw = ckpt.common_state().get(BRIDGE_KEY, {}).get("hf_config")
         if raw is None:
             raise BridgeError(f"{ckpt_dir}: no HF config recorded in the checkpoint; pass hf_config=")
     elif isinstance(hf_config, Mapping):
         raw = dict(hf_config)
     else:
         raw = load_hf_config(hf_config)
+    if num_layers is not None:
+        raw = truncate_hf_config(raw, num_layers, source=f"{ckpt_dir} (stored HF config)")
     arch = parse_hf_config(raw)
     model = build_model(arch, policy or default_cpu_policy(), backend=backend)
     load_into_model(model, ckpt_dir)

@@ -8,6 +8,7 @@ NCCL with GPUs) and turns a failing rank's :class:`~bridge.errors.BridgeError` b
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import traceback
@@ -82,11 +83,57 @@ def pipeline_split(indexer_types: tuple[str, ...], pp: int) -> dict[str, int]:
         if candidates:
             first = min(candidates, key=lambda i: (abs(i - n / 2), i))
             return {"num_layers_in_first_pipeline_stage": first, "num_layers_in_last_pipeline_stage": n - first}
+    valid = [p for p in range(1, n + 1) if p == 1 or (n % p == 0 and all(indexer_types[s * n // p] == "full"
+                                                                          for s in range(p)))
+             or (p == 2 and "full" in indexer_types[1:])]
     raise BridgeError(
-        f"cannot split {n} layers with IndexShare pattern {list(indexer_types)} into {pp} pipeline stages that each "
-        "start on a 'full' layer; convert with a different --pp (the checkpoint is reshardable, so the conversion "
-        "layout does not have to match the training layout)"
+        f"--pp {pp}: cannot split {n} layers with IndexShare pattern {list(indexer_types)} into {pp} pipeline stages "
+        f"that each start on a 'full' layer; valid --pp: {', '.join(map(str, valid[:12]))} (the checkpoint is "
+        "reshardable, so the conversion layout does not have to match the training layout)"
     )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_parallel_layout(arch, tp: int, pp: int, ep: int, *, source: str = "config.json") -> dict[str, int]:
+    """Refuse a TP/PP/EP layout that megatron-core would refuse for this architecture, before any rank is started
+    and before megatron-core is imported (a spawned rank costs seconds of start-up and reports megatron-core's
+    assertion as a nested traceback). Returns :func:`pipeline_split`'s RuntimePolicy fields.
+
+    What megatron-core 0.19.2 requires when it builds a GLM-5.x model (MLA down-projections and the DSA indexer are
+    replicated, so they impose nothing): TP divides the attention heads (``TransformerConfig``), the vocabulary
+    (``VocabParallelEmbedding`` and the column-parallel LM head split rows), the dense MLP width and - expert tensor
+    parallelism defaults to TP - the routed and shared expert widths (column-parallel ``fc1``); EP divides the
+    routed experts (MTP layers are MoE layers too); PP gives every stage layers and starts each on an IndexShare
+    "full" layer (MTP always sits on the last stage and adds no constraint)."""
+    for flag, v in (("--tp", tp), ("--pp", pp), ("--ep", ep)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise BridgeError(f"{flag}: expected an integer >= 1, got {v!r}")
+    moe = "sparse" in arch.mlp_layer_types or arch.num_nextn_predict_layers > 0
+    by_tp = [("num_attention_heads", arch.num_attention_heads), ("vocab_size", arch.vocab_size)]
+    if "dense" in arch.mlp_layer_types:
+        by_tp.append(("intermediate_size", arch.intermediate_size))
+    if moe:
+        by_tp.append(("moe_intermediate_size", arch.moe_intermediate_size))
+        if arch.n_shared_experts:
+            shared = arch.moe_intermediate_size * arch.n_shared_experts
+            by_tp.append(("moe_intermediate_size * n_shared_experts", shared))
+    problems = []
+    bad_tp = [f"{name} ({value})" for name, value in by_tp if value % tp]
+    if bad_tp:
+        g = math.gcd(*(value for _, value in by_tp))
+        problems.append(f"--tp {tp} must divide {', '.join(bad_tp)}: megatron-core splits attention heads, vocabulary "
+                        f"rows and MLP/expert widths evenly over TP ranks; valid --tp: "
+                        f"{', '.join(map(str, _divisors(g)[:12]))}")
+    if moe and arch.n_routed_experts % ep:
+        valid = ", ".join(map(str, _divisors(arch.n_routed_experts)[:12]))
+        problems.append(f"--ep {ep} must divide n_routed_experts ({arch.n_routed_experts}): every EP rank holds the "
+                        f"same number of experts; valid --ep: {valid}")
+    if problems:
+        raise BridgeError(f"{source}: " + "; ".join(problems))
+    return pipeline_split(arch.indexer_types, pp)
 
 
 @contextmanager

@@ -239,6 +239,51 @@ def layer_kinds(arch: GLM5Architecture) -> tuple[LayerKind, ...]:
     return tuple(kinds)
 
 
+@dataclass(frozen=True, slots=True)
+class RuleExpander:
+    """Applies table rows to one architecture (any object with the fields the rows' shape functions read):
+    :meth:`rows` gives a row's :class:`TensorMap` (one per expert for expert rows) under name prefixes. Shared by
+    the GLM-5.x table here and the GLM-5.3-Flash one (:mod:`bridge.glm5_next_mapping`)."""
+
+    arch: object
+    expert_layout: ExpertLayout = "per_expert"
+    fp8: frozenset[str] = frozenset()  # HF weights stored in FP8: each also reads its weight_scale_inv
+    fp8_block: Sequence[int] = (128, 128)
+
+    def __post_init__(self) -> None:
+        if self.expert_layout not in ("per_expert", "fused"):
+            raise ValueError(f"expert_layout: expected 'per_expert' or 'fused', got {self.expert_layout!r}")
+
+    def ref(self, name: str, shape: Shape, row: int | None = None, stack: int | None = None) -> HFRef:
+        scale = None
+        if name in self.fp8:
+            scale_name = name + "_scale_inv"  # "x.weight" -> "x.weight_scale_inv"
+            scale = HFRef(scale_name, T.fp8_scale_shape(shape, self.fp8_block), row, stack)
+        return HFRef(name, shape, row, stack, scale)
+
+    def rows(self, rule: Rule, hf_prefix: str, mc_prefix: str) -> list[TensorMap]:
+        arch, ref = self.arch, self.ref
+        shapes = [fn(arch) for fn in rule.shapes]
+        if rule.experts is None:
+            refs = tuple(ref(hf_prefix + n, s) for n, s in zip(rule.hf, shapes))
+            return [TensorMap(mc_prefix + rule.mcore, refs, rule.transform, rule.fp32)]
+        out = []
+        for e in range(arch.n_routed_experts):
+            refs = []
+            for n, s in zip(rule.hf, shapes):
+                if n.endswith("[e]"):
+                    refs.append(ref(hf_prefix + n[:-3], s, e, arch.n_routed_experts))
+                else:
+                    refs.append(ref(hf_prefix + n.format(e=e), s))
+            out.append(TensorMap(mc_prefix + rule.mcore.format(e=e), tuple(refs), rule.transform, rule.fp32))
+        return out
+
+    def layer(self, rules: Iterable[Rule], kind, hf_prefix: str, mc_prefix: str) -> list[TensorMap]:
+        """The rows of ``rules`` that apply to a layer of ``kind`` (and to this expert layout)."""
+        return [m for rule in rules if rule.when(kind) and rule.experts in (None, self.expert_layout)
+                for m in self.rows(rule, hf_prefix, mc_prefix)]
+
+
 def expand(
     arch: GLM5Architecture,
     *,
@@ -248,52 +293,21 @@ def expand(
 ) -> Expansion:
     """The concrete table for ``arch``. ``fp8_names`` are HF weights stored in FP8 (each then also reads its
     ``weight_scale_inv``)."""
-    if expert_layout not in ("per_expert", "fused"):
-        raise ValueError(f"expert_layout: expected 'per_expert' or 'fused', got {expert_layout!r}")
-    fp8 = frozenset(fp8_names)
+    ex = RuleExpander(arch, expert_layout, frozenset(fp8_names), fp8_block)
     kinds = layer_kinds(arch)
     maps: list[TensorMap] = []
-
-    def ref(name: str, shape: Shape, row: int | None = None, stack: int | None = None) -> HFRef:
-        scale = None
-        if name in fp8:
-            scale_name = name + "_scale_inv"  # "x.weight" -> "x.weight_scale_inv"
-            scale = HFRef(scale_name, T.fp8_scale_shape(shape, fp8_block), row, stack)
-        return HFRef(name, shape, row, stack, scale)
-
-    def add(rule: Rule, hf_prefix: str, mc_prefix: str) -> None:
-        transform = rule.transform
-        shapes = [fn(arch) for fn in rule.shapes]
-        if rule.experts is None:
-            refs = tuple(ref(hf_prefix + n, s) for n, s in zip(rule.hf, shapes))
-            maps.append(TensorMap(mc_prefix + rule.mcore, refs, transform, rule.fp32))
-            return
-        for e in range(arch.n_routed_experts):
-            refs = []
-            for n, s in zip(rule.hf, shapes):
-                if n.endswith("[e]"):
-                    refs.append(ref(hf_prefix + n[:-3], s, e, arch.n_routed_experts))
-                else:
-                    refs.append(ref(hf_prefix + n.format(e=e), s))
-            maps.append(TensorMap(mc_prefix + rule.mcore.format(e=e), tuple(refs), transform, rule.fp32))
-
-    def add_layer(kind: LayerKind, hf_prefix: str, mc_prefix: str) -> None:
-        for rule in LAYER_RULES:
-            if rule.when(kind) and rule.experts in (None, expert_layout):
-                add(rule, hf_prefix, mc_prefix)
-
     for rule in GLOBAL_RULES:
         if rule.mcore == "output_layer.weight" and arch.tie_word_embeddings:
             continue
-        add(rule, "", "")
+        maps += ex.rows(rule, "", "")
     n = arch.num_hidden_layers
     for i in range(n):
-        add_layer(kinds[i], f"model.layers.{i}.", f"decoder.layers.{i}.")
+        maps += ex.layer(LAYER_RULES, kinds[i], f"model.layers.{i}.", f"decoder.layers.{i}.")
     for k in range(arch.num_nextn_predict_layers):
         hf_prefix, mc_prefix = f"model.layers.{n + k}.", f"mtp.layers.{k}."
         for rule in MTP_RULES:
-            add(rule, hf_prefix, mc_prefix)
-        add_layer(kinds[n + k], hf_prefix, f"{mc_prefix}{MTP_INNER}.")
+            maps += ex.rows(rule, hf_prefix, mc_prefix)
+        maps += ex.layer(LAYER_RULES, kinds[n + k], hf_prefix, f"{mc_prefix}{MTP_INNER}.")
 
     by_mcore = {m.mcore: m for m in maps}
     assert len(by_mcore) == len(maps), "duplicate megatron name in the expanded table"

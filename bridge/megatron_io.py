@@ -13,6 +13,12 @@ Why not ``dist_checkpointing.save``: it needs every tensor materialised at once 
 tensor (torch's own ``FileSystemWriter`` keeps a reference to every tensor of a file until the file is closed).
 Reading goes through torch's ``FileSystemReader`` with a cached ``.metadata`` and a planner that fills one
 requested box, so any stored chunking (any TP/PP/EP of the writer) can be read back as any box.
+
+``.metadata`` is a pickle, and torch's reader loads it with plain ``pickle.load``: a crafted checkpoint would run
+code. :func:`read_dcp_metadata` parses it with an unpickler that admits only the globals torch_dist metadata
+contains (:data:`METADATA_GLOBALS`) and hands the result to ``FileSystemReader``; every reader here - and
+:func:`load_into_model`, before megatron-core's own loader - goes through it first. Everything else is read with
+``torch.load(..., weights_only=True)``.
 """
 
 from __future__ import annotations
@@ -36,7 +42,9 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo  # the writer m
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
+    Metadata,
     MetadataIndex,
+    StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
 )
@@ -311,6 +319,78 @@ class _FileSlice(io.RawIOBase):
         return got
 
 
+# The globals a torch_dist ``.metadata`` pickle refers to, found by listing the globals of the metadata written by
+# this bridge (TP 1 and 2, fp32/bf16, FP8 sources) and by megatron-core's ``dist_checkpointing.save`` (1 and 2 ranks,
+# with optimizer state and objects): torch DCP's metadata dataclasses, the per-rank save plans megatron-core stores
+# in ``Metadata.all_local_plans``, ``_StorageInfo``, ``torch.Size``, dtypes and layouts, the memory-format enum, and
+# the checkpoint id (a ``PosixPath`` when the writer was given one). Plus ``_StoragePrefix``/``BytesIOWriteData``
+# (other fields of those plans) and megatron-core's two empty legacy classes kept "to load old checkpoints".
+METADATA_GLOBALS: dict[str, frozenset[str]] = {
+    "torch.distributed.checkpoint.metadata": frozenset({
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING"}),
+    "torch.distributed.checkpoint.filesystem": frozenset({"_StorageInfo", "_StoragePrefix"}),
+    "torch.distributed.checkpoint.planner": frozenset({
+        "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData"}),
+    "torch.serialization": frozenset({"_get_layout"}),  # how torch.layout pickles: _get_layout("torch.strided")
+    "torch": frozenset({"Size"}),  # and every torch.dtype / torch.layout / torch.memory_format (below)
+    "pathlib": frozenset({"PosixPath", "PurePosixPath"}),
+    "pathlib._local": frozenset({"PosixPath", "PurePosixPath"}),  # Python >= 3.13 pickles pathlib classes here
+    "megatron.core.dist_checkpointing.strategies.torch": frozenset({"MCoreMetadata", "MCoreSavePlan"}),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Resolves only :data:`METADATA_GLOBALS`; any other global (``os.system``, ``builtins.exec``, ...) is refused
+    before it is imported, so a crafted file cannot run code."""
+
+    def __init__(self, f, path: Path):
+        super().__init__(f)
+        self._path = path
+
+    def find_class(self, module: str, name: str):
+        if name in METADATA_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and "." not in name:
+            value = getattr(torch, name, None)
+            if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+                return value
+        raise CheckpointFormatError(
+            f"{self._path}: refused to unpickle global '{module}.{name}': torch_dist metadata holds only torch "
+            "distributed-checkpoint metadata classes, sizes and dtypes (a crafted .metadata can run code when "
+            "unpickled; nothing was executed)"
+        )
+
+    def persistent_load(self, pid):
+        raise CheckpointFormatError(f"{self._path}: unexpected persistent id in torch_dist metadata; refused")
+
+
+def read_dcp_metadata(ckpt_dir: str | Path) -> Metadata:
+    """``<ckpt_dir>/.metadata`` parsed with :class:`_MetadataUnpickler` (what ``FileSystemReader.read_metadata``
+    returns, without its plain ``pickle.load``)."""
+    path = Path(ckpt_dir) / ".metadata"
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        raise CheckpointFormatError(f"{Path(ckpt_dir)}: missing .metadata (incomplete checkpoint)") from None
+    except OSError as e:
+        raise CheckpointFormatError(f"{path}: cannot read ({e})") from None
+    with f:
+        try:
+            md = _MetadataUnpickler(f, path).load()
+        except CheckpointFormatError:
+            raise
+        except Exception as e:  # a damaged pickle fails in many ways (EOF, bad opcodes, wrong arguments, ...)
+            raise CheckpointFormatError(f"{path}: corrupt ({e!r})") from None
+    if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict) \
+            or not isinstance(md.storage_data, dict):
+        raise CheckpointFormatError(f"{path}: not torch distributed-checkpoint metadata (found a "
+                                    f"{type(md).__name__})")
+    if getattr(md, "storage_meta", None) is None:
+        md.storage_meta = StorageMeta()
+    return md
+
+
 class DistCheckpoint:
     """Read access to one ``torch_dist`` checkpoint directory (an ``iter_XXXXXXX`` directory)."""
 
@@ -328,13 +408,9 @@ class DistCheckpoint:
             raise CheckpointFormatError(f"{cfg}: corrupt ({e!r})") from None
         if backend != "torch_dist":
             raise CheckpointFormatError(f"{cfg}: sharded_backend is {backend!r}; expected 'torch_dist'")
+        self.metadata = read_dcp_metadata(self.path)
         self._reader = FileSystemReader(str(self.path))
-        try:
-            self.metadata = self._reader.read_metadata()
-        except FileNotFoundError:
-            raise CheckpointFormatError(f"{self.path}: missing .metadata (incomplete checkpoint)") from None
-        except (pickle.UnpicklingError, EOFError, AttributeError) as e:
-            raise CheckpointFormatError(f"{self.path}/.metadata: corrupt ({e!r})") from None
+        self.metadata.storage_meta.load_id = self._reader.load_id
         self._reader.set_up_storage_reader(self.metadata, True)
         md = self.metadata.state_dict_metadata
         self.tensors: dict[str, TensorStorageMetadata] = {
@@ -499,11 +575,15 @@ def write_tracker(root: Path, iteration: int) -> None:
 
 def load_into_model(model, ckpt_dir: str | Path, *, strict: bool = True) -> None:
     """Load a ``torch_dist`` checkpoint into a built megatron-core model with megatron-core's own
-    ``dist_checkpointing.load`` (any TP/PP/EP; collective over the model's process groups)."""
+    ``dist_checkpointing.load`` (any TP/PP/EP; collective over the model's process groups).
+
+    megatron-core reads ``.metadata`` with plain pickle: :class:`DistCheckpoint` parses it with the restricted
+    unpickler first, so a crafted file is refused before megatron-core opens it (and a missing or incomplete
+    directory gets a clear error instead of megatron-core's asserts)."""
     from megatron.core import dist_checkpointing
 
     ckpt_dir = resolve_checkpoint_dir(ckpt_dir)
-    DistCheckpoint(ckpt_dir)  # clear errors for a missing / incomplete directory before megatron-core's asserts
+    DistCheckpoint(ckpt_dir)
     with warnings.catch_warnings():  # torch DCP deprecation chatter from megatron-core's load path
         warnings.filterwarnings("ignore", module=r"torch\.distributed\.checkpoint")
         loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt_dir))

@@ -1,58 +1,469 @@
-"""Output directories that appear complete or not at all.
+"""Output directories that appear complete or not at all, that never replace what the tool did not write, and
+whose leftovers from interrupted runs can be found and removed safely.
 
-Everything is written into a hidden sibling ``.<name>.partial-<id>`` and renamed to the final path only after the
-last file (the Megatron tracker file / the HF index) is written. A run that fails cleans up after itself; a run that
-is killed (``kill -9``) leaves only the hidden partial directory, never anything at the requested path.
+* Everything is written into a hidden sibling ``.<name>.partial-<id>`` and moved to the final path only after the
+  last file (the Megatron tracker file / the HF index) is written. A run that fails cleans up after itself; a run
+  that is killed (``kill -9``) leaves only the hidden partial directory, never anything at the requested path.
+* Every committed output carries a marker file (:data:`MARKER_FILE`: tool, version, kind, source, time).
+  ``overwrite`` replaces only a marked directory (an earlier output of this tool) or an empty one: ``--overwrite``
+  with a mistyped path must not delete a source checkpoint or unrelated files. An output path that equals, contains
+  or lies inside a source is refused outright, with or without ``overwrite``.
+* Replacing an existing output swaps the new directory in with one atomic ``renameat2(RENAME_EXCHANGE)`` (Linux),
+  so at every instant the path holds either the complete old output or the complete new one; the old copy is
+  deleted afterwards. Where the exchange is not available (another OS, a filesystem without it) two renames are
+  used: a crash between them leaves nothing at the path, the complete old copy at ``.<name>.old-<id>`` and the
+  complete new one at ``.<name>.partial-<id>`` (rename either back; ``clean`` reports them and deletes neither).
+* Each partial directory holds one writer record per process writing into it (:data:`WRITER_PREFIX` files: pid,
+  host, boot id, process start time). :func:`find_partials` classifies leftovers of a path; a partial is *stale*
+  only when every writer ran on this host and has exited (pid gone, or the pid now belongs to a process started
+  later). :func:`remove_stale_partials` removes only those; partials of live processes, of other hosts, without
+  a writer record (older versions), and a complete output whose move was cut short while nothing is at the path
+  (the fallback's crash window) are reported and left alone. A new run at the same path reports stale leftovers
+  (size, how to remove them) through ``logging``; ``megatron-glm5 clean PATH`` removes them.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import json
+import logging
+import os
+import re
 import shutil
+import socket
+import sys
+import time
 import uuid
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from .errors import OutputExistsError
 
+MARKER_FILE = ".megatron-glm5-output.json"
+WRITER_PREFIX = ".megatron-glm5-writer."
+TOOL = "megatron-glm5"
+# hidden siblings .<name>.<kind>-<id>: partial (conversions), export (export_hf's temporary checkpoint), old (replaced)
+_LEFTOVER_KINDS = ("partial", "export", "old")
 
-def check_output_dir(final: str | Path, *, overwrite: bool) -> Path:
-    final = Path(final).absolute()
-    if final.exists() and not overwrite:
-        raise OutputExistsError(f"{final}: output directory already exists; pass --overwrite (overwrite=True) to "
-                                "replace it")
-    if final.exists() and not final.is_dir():
-        raise OutputExistsError(f"{final}: exists and is not a directory")
+log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Checks before writing
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _real(path: str | Path) -> Path:
+    return Path(os.path.realpath(Path(path).expanduser()))
+
+
+def path_relation(output: Path, source: Path) -> str | None:
+    """How ``output`` relates to ``source`` after resolving symlinks: "is", "contains", "is inside" or None."""
+    out, src = _real(output), _real(source)
+    if out == src:
+        return "is"
+    if out in src.parents:
+        return "contains"
+    if src in out.parents:
+        return "is inside"
+    return None
+
+
+def check_sources(final: str | Path, sources: Iterable[str | Path | None]) -> None:
+    """Refuse an output path that is, contains or lies inside one of ``sources``: replacing it would destroy the
+    source, and writing into a source directory mixes outputs with inputs."""
+    for src in sources:
+        if src is None:
+            continue
+        relation = path_relation(Path(final), Path(src))
+        if relation is not None:
+            raise OutputExistsError(f"{Path(final).absolute()}: the output path {relation} the source {src}; "
+                                    "choose an output path outside the source checkpoint")
+
+
+def read_marker(path: str | Path) -> dict | None:
+    """The marker of an output directory written by this tool, or None."""
+    try:
+        data = json.loads((Path(path) / MARKER_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("tool") == TOOL else None
+
+
+def _replaceable(final: Path) -> None:
+    """``final`` may be replaced only if this tool wrote it (it has the marker) or it is empty."""
+    if not final.is_dir() or final.is_symlink():
+        what = " (a symlink)" if final.is_symlink() else ""
+        raise OutputExistsError(f"{final}: exists and is not a directory{what}; not replacing it")
+    if read_marker(final) is not None:
+        return
+    entries = sorted(p.name for p in final.iterdir())
+    if entries:
+        shown = ", ".join(entries[:5]) + (f", ... ({len(entries) - 5} more)" if len(entries) > 5 else "")
+        raise OutputExistsError(
+            f"{final}: not replacing it with --overwrite: a non-empty directory that {TOOL} did not write (no "
+            f"{MARKER_FILE} marker; it holds {shown}); remove it yourself or choose another output path"
+        )
+
+
+def check_output_dir(final: str | Path, *, overwrite: bool, sources: Iterable[str | Path | None] = ()) -> Path:
+    """The absolute output path, after checking that it is not a source and that it is free (or, with
+    ``overwrite``, replaceable). Reports leftovers of interrupted runs at this path (see :func:`find_partials`)."""
+    final = Path(final).expanduser().absolute()
+    check_sources(final, sources)
+    if final.exists() or final.is_symlink():
+        if not overwrite:
+            raise OutputExistsError(f"{final}: output directory already exists; pass --overwrite (overwrite=True) "
+                                    "to replace it")
+        _replaceable(final)
+    warn_leftovers(final)
     return final
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Writer records
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _boot_id() -> str | None:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return None
+
+
+def _start_ticks(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot (``/proc/<pid>/stat`` field 22); None without procfs."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    try:
+        return int(stat[stat.rindex(")") + 2:].split()[19])
+    except (ValueError, IndexError):
+        return None
+
+
+def _this_writer() -> dict:
+    pid = os.getpid()
+    return {"pid": pid, "host": socket.gethostname(), "boot_id": _boot_id(), "start_ticks": _start_ticks(pid),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": sys.argv[:8]}
+
+
+def _writer_file(directory: Path, pid: int, host: str) -> Path:
+    return directory / f"{WRITER_PREFIX}{re.sub(r'[^A-Za-z0-9._-]', '_', host)}.{pid}.json"
+
+
+def register_writer(directory: str | Path) -> None:
+    """Record this process as a writer of ``directory`` (a partial output): a later run can then tell whether the
+    directory is a leftover of a dead process or work in progress."""
+    me = _this_writer()
+    path = _writer_file(Path(directory), me["pid"], me["host"])
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(me) + "\n")
+    os.replace(tmp, path)
+
+
+def _writers(directory: Path) -> list[dict]:
+    out = []
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return out
+    for p in entries:
+        if p.name.startswith(WRITER_PREFIX) and p.name.endswith(".json"):
+            try:
+                w = json.loads(p.read_text())
+            except (OSError, ValueError):
+                w = None
+            out.append(w if isinstance(w, dict) else {"unreadable": p.name})
+    return out
+
+
+def _drop_writer_records(directory: Path) -> None:
+    for p in list(directory.iterdir()):
+        if p.name.startswith(WRITER_PREFIX):
+            p.unlink(missing_ok=True)
+
+
+def _writer_state(w: dict) -> tuple[bool, str]:
+    """(dead, why) for one writer record; anything uncertain counts as alive."""
+    if "unreadable" in w or not isinstance(w.get("pid"), int) or w["pid"] <= 0:
+        return False, f"unreadable writer record {w.get('unreadable', '')}".strip()
+    pid, host = w["pid"], w.get("host")
+    if host != socket.gethostname():
+        return False, f"written by pid {pid} on another host ({host}); check there"
+    boot = _boot_id()
+    if w.get("boot_id") and boot and w["boot_id"] != boot:
+        return True, f"writer pid {pid} ran before this host's last reboot"
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True, f"writer pid {pid} on {host} has exited"
+    except PermissionError:
+        pass  # exists, owned by someone else
+    ticks = _start_ticks(pid)
+    if ticks is not None and w.get("start_ticks") is not None and ticks != w["start_ticks"]:
+        return True, f"writer pid {pid} on {host} has exited (the pid now belongs to a later process)"
+    return False, f"pid {pid} on {host} is still running"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Leftovers of interrupted runs
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """A hidden work directory of an output path. ``state``: "stale" (every writer ran on this host and has exited:
+    safe to remove), "live" (a writer is running, or may be: unreadable record), "foreign" (written on another
+    host), "unknown" (no writer record), "complete" (a finished output whose move was cut short while nothing is at
+    the path: the only copy)."""
+
+    path: Path
+    nbytes: int
+    state: str
+    reason: str
+
+    @property
+    def stale(self) -> bool:
+        return self.state == "stale"
+
+
+def _tree_bytes(path: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def format_bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def _classify(path: Path, final: Path) -> Leftover:
+    size = _tree_bytes(path)
+    writers = _writers(path)
+    if not writers:
+        return Leftover(path, size, "unknown", "no writer record (left by an older version, or still being "
+                                               "created): remove it by hand if no conversion is running")
+    states = [(dead, why, w) for w in writers for dead, why in [_writer_state(w)]]
+    alive = [(why, w) for dead, why, w in states if not dead]
+    if alive:
+        foreign = all(w.get("host") not in (None, socket.gethostname()) for _, w in alive)
+        return Leftover(path, size, "foreign" if foreign else "live", "; ".join(why for why, _ in alive))
+    if read_marker(path) is not None and not (final.exists() or final.is_symlink()):
+        # a complete output whose move was cut short (the two-rename fallback): the only copy, never deleted here
+        return Leftover(path, size, "complete", f"a complete output whose move to {final} was interrupted and "
+                                                f"nothing is at {final}: rename it to {final}")
+    return Leftover(path, size, "stale", "; ".join(why for _, why, _ in states))
+
+
+def find_partials(final: str | Path) -> list[Leftover]:
+    """Hidden work directories of output path ``final`` (``.<name>.partial-<id>`` of conversions,
+    ``.<name>.export-<id>`` of :func:`bridge.export_hf`, ``.<name>.old-<id>`` of a replaced output), classified."""
+    final = Path(final).expanduser().absolute()
+    pattern = re.compile(rf"\.{re.escape(final.name)}\.(?:{'|'.join(_LEFTOVER_KINDS)})-[0-9a-f]{{8}}")
+    try:
+        entries = sorted(final.parent.iterdir())
+    except OSError:
+        return []
+    return [_classify(p, final) for p in entries if pattern.fullmatch(p.name) and p.is_dir() and not p.is_symlink()]
+
+
+def find_stale_partials(final: str | Path) -> list[Leftover]:
+    """The leftovers of ``final`` whose writers all ran on this host and have exited: safe to remove."""
+    return [p for p in find_partials(final) if p.stale]
+
+
+def remove_stale_partials(final: str | Path, *, dry_run: bool = False) -> list[Leftover]:
+    """Remove (or with ``dry_run`` only list) the stale leftovers of output path ``final``; each one is checked
+    again right before it is removed. Returns the removed ones."""
+    final = Path(final).expanduser().absolute()
+    removed = []
+    for item in find_stale_partials(final):
+        again = _classify(item.path, final)
+        if not again.stale:
+            continue
+        if not dry_run:
+            _remove_tree(item.path)
+        removed.append(again)
+    return removed
+
+
+_reported: set[Path] = set()
+
+
+def warn_leftovers(final: Path) -> None:
+    """Tell (logging, on stderr by default) about leftovers of earlier runs at ``final``: their size and how to
+    remove them. Real models leave terabytes behind. Each one once per process, and only on rank 0 of a
+    ``torchrun`` launch (every rank checks the output path)."""
+    if os.environ.get("RANK", "0") != "0":
+        return
+    try:
+        items = find_partials(final)
+    except OSError:  # pragma: no cover - an unreadable parent is reported by the write itself
+        return
+    for item in items:
+        if item.path in _reported or item.state in ("live", "foreign"):
+            continue
+        _reported.add(item.path)
+        if item.stale:
+            log.warning("%s: leftover of an interrupted run (%s; %s); remove it with `%s clean %s` or "
+                        "bridge.output.remove_stale_partials(%r)", item.path, format_bytes(item.nbytes), item.reason,
+                        TOOL, final, str(final))
+        else:
+            log.warning("%s: leftover work directory (%s; %s)", item.path, format_bytes(item.nbytes), item.reason)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Writing and committing
+# --------------------------------------------------------------------------------------------------------------------
 
 
 def partial_dir(final: Path) -> Path:
     return final.parent / f".{final.name}.partial-{uuid.uuid4().hex[:8]}"
 
 
-def commit_dir(tmp: Path, final: Path, *, overwrite: bool) -> None:
-    """Rename ``tmp`` to ``final`` (replacing an existing ``final`` only when ``overwrite``)."""
-    if final.exists():
-        if not overwrite:
-            raise OutputExistsError(f"{final}: appeared while converting; refusing to replace it")
+def make_partial_dir(final: Path, tmp: Path | None = None) -> Path:
+    """Create a fresh partial directory for ``final`` (``tmp``: a name from :func:`partial_dir` already shared with
+    other ranks) and record this process as its writer."""
+    tmp = partial_dir(final) if tmp is None else Path(tmp)
+    tmp.mkdir(parents=True)
+    register_writer(tmp)
+    return tmp
+
+
+def _remove_tree(path: Path) -> None:
+    """Delete a work directory, its writer records last: an interrupted removal stays recognisable as stale."""
+    path = Path(path)
+    if not path.exists():
+        return
+    for p in list(path.iterdir()):
+        if p.name.startswith(WRITER_PREFIX):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def discard_partial(tmp: Path) -> None:
+    """Remove a partial directory after a failed run (best effort)."""
+    try:
+        _remove_tree(tmp)
+    except OSError:  # pragma: no cover
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1
+_RENAME_EXCHANGE = 2
+_UNSUPPORTED = {errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
+
+
+def _renameat2(src: Path, dst: Path, flags: int) -> bool:
+    """Linux ``renameat2``; False where the call or the flag is not supported (then the caller falls back)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):  # glibc < 2.28 or another libc
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _UNSUPPORTED:
+        return False
+    raise OSError(err, os.strerror(err), str(src), None, str(dst))
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directories atomically (True), or report that this system cannot (False)."""
+    return _renameat2(a, b, _RENAME_EXCHANGE)
+
+
+def write_marker(directory: Path, *, kind: str, source: str | Path | None) -> None:
+    """The marker that lets a later ``--overwrite`` recognise this directory as ours. ``source``: a path (stored
+    absolute) or a description (a str that is not an existing path, e.g. "in-memory model")."""
+    from megatron_glm5 import __version__
+
+    if isinstance(source, Path) or (isinstance(source, str) and Path(source).exists()):
+        source = str(_real(source))
+    marker = {"tool": TOOL, "version": __version__, "kind": kind, "source": source,
+              "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    path = Path(directory) / MARKER_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def commit_dir(tmp: Path, final: Path, *, overwrite: bool, kind: str, source: str | Path | None) -> None:
+    """Mark ``tmp`` as an output of this tool and move it to ``final``. An existing ``final`` is replaced only with
+    ``overwrite`` and only if replaceable (marked or empty, checked again now), by an atomic exchange; the old copy,
+    which then sits at ``tmp`` with this process's writer record, is deleted last."""
+    write_marker(tmp, kind=kind, source=source)
+    if not (final.exists() or final.is_symlink()):
+        try:
+            moved = _renameat2(tmp, final, _RENAME_NOREPLACE)
+        except OSError as e:
+            if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                raise OutputExistsError(f"{final}: appeared while converting; refusing to replace it") from None
+            raise
+        if not moved:
+            tmp.rename(final)
+        _drop_writer_records(final)
+        return
+    if not overwrite:
+        raise OutputExistsError(f"{final}: appeared while converting; refusing to replace it")
+    _replaceable(final)
+    try:
+        register_writer(final)  # the old copy is recognisable as this process's leftover once it moves away
+    except OSError:
+        pass  # then it is reported as a leftover without a writer record, should its deletion be cut short
+    if _exchange(tmp, final):
+        old = tmp
+    else:  # no atomic exchange here: two renames, the old copy restored if the second one fails
         old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
         final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(final)
+        try:
+            tmp.rename(final)
+        except BaseException:
+            old.rename(final)
+            _drop_writer_records(final)
+            raise
+    _drop_writer_records(final)
+    _remove_tree(old)
 
 
 @contextmanager
-def atomic_output_dir(final: str | Path, *, overwrite: bool) -> Iterator[Path]:
-    """Single-writer form: yields the partial directory, renames it on success, removes it on failure."""
-    final = check_output_dir(final, overwrite=overwrite)
+def atomic_output_dir(final: str | Path, *, overwrite: bool, kind: str, source: str | Path | None,
+                      sources: Iterable[str | Path | None] = ()) -> Iterator[Path]:
+    """Single-writer form: yields the partial directory, commits it on success, removes it on failure."""
+    final = check_output_dir(final, overwrite=overwrite, sources=sources)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = partial_dir(final)
-    tmp.mkdir()
+    tmp = make_partial_dir(final)
     try:
         yield tmp
+        commit_dir(tmp, final, overwrite=overwrite, kind=kind, source=source)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        discard_partial(tmp)
         raise
-    commit_dir(tmp, final, overwrite=overwrite)
+
+
+__all__ = ["MARKER_FILE", "Leftover", "atomic_output_dir", "check_output_dir", "commit_dir", "find_partials",
+           "find_stale_partials", "make_partial_dir", "read_marker", "register_writer", "remove_stale_partials"]

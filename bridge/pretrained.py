@@ -14,6 +14,7 @@ def from_hf_pretrained(
     params_dtype: torch.dtype | None = None,
     policy=None,
     progress: bool | None = False,
+    num_layers: int | None = None,
 ):
     """Build the model described by ``hf_path/config.json`` for this rank and load the HF weights into it.
 
@@ -26,10 +27,15 @@ def from_hf_pretrained(
     :class:`~megatron_glm5.config.RuntimePolicy`) overrides the default one; its parallel sizes must match the
     parallel state. Returns the ``GPTModel`` in eval mode; ``model(input_ids, position_ids)``
     gives logits ``[b, s, vocab]``. The HF config is kept as ``model.glm5_hf_config`` for ``bridge.export_hf``.
+
+    ``num_layers``: build only the first N decoder layers with the final norm and LM head, no MTP, and read only
+    their tensors (``verify --num-layers``: a parity check of a 744B model on one node). The checkpoint is still
+    validated whole; see :func:`bridge.source.open_hf_source`.
     """
     from megatron.core import parallel_state as ps
 
     from .inmemory import load_hf_weights
+    from .source import truncate_hf_config
 
     from megatron_glm5.config import RuntimePolicy, load_hf_config, parse_hf_config
     from megatron_glm5.model import build_model
@@ -38,7 +44,10 @@ def from_hf_pretrained(
     cuda = torch.cuda.is_available()
     if params_dtype is None:
         params_dtype = torch.bfloat16 if cuda else torch.float32
-    arch = parse_hf_config(load_hf_config(hf_path))
+    raw = load_hf_config(hf_path)
+    if num_layers is not None:
+        raw = truncate_hf_config(raw, num_layers, source=f"{hf_path}/config.json")
+    arch = parse_hf_config(raw)
     if not ps.model_parallel_is_initialized():
         initialize_model_parallel()
     if policy is None:
@@ -53,6 +62,6 @@ def from_hf_pretrained(
     model = build_model(arch, policy, backend=backend)
     if cuda:
         model = model.cuda()
-    load_hf_weights(model, hf_path, progress=progress)
+    load_hf_weights(model, hf_path, progress=progress, num_layers=num_layers)
     model.eval()
     return model

@@ -7,7 +7,8 @@ tensor (or rows) the box needs - optionally with a background read-ahead (:mod:`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -45,7 +46,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass
 class HFSource:
-    """A validated HF checkpoint: every tensor accounted for, every shape checked."""
+    """A validated HF checkpoint: every tensor accounted for, every shape checked.
+
+    In layer-subset mode (``open_hf_source(..., num_layers=N)``) ``raw``, ``arch`` and ``expansion`` describe the
+    first N decoder layers without MTP, and ``skipped`` lists every HF tensor left out on purpose, with the reason."""
 
     path: Path
     raw: dict
@@ -55,9 +59,50 @@ class HFSource:
     ignored: dict[str, str]
     fp8_names: frozenset[str]
     fp8_block: tuple[int, int]
+    skipped: dict[str, str] = field(default_factory=dict)
 
 
-def open_hf_source(hf_path: str | Path) -> HFSource:
+def check_num_layers(num_layers: int, arch: GLM5Architecture, *, source: str = "config.json") -> None:
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= arch.num_hidden_layers:
+        raise BridgeError(f"--num-layers {num_layers}: expected 1 <= N <= num_hidden_layers ({arch.num_hidden_layers} "
+                          f"in {source})")
+
+
+def truncate_hf_config(raw: dict, num_layers: int, *, source: str = "config.json") -> dict:
+    """``config.json`` of the model made of the first ``num_layers`` decoder layers, the final norm and the LM head,
+    without MTP: what a layer-truncated check (``verify --num-layers``) builds. The IndexShare and dense/MoE
+    patterns become explicit lists cut to ``num_layers`` (``indexer_types[:N]``, ``mlp_layer_types[:N]``), so they
+    cannot be re-derived differently for the shorter model; everything else is unchanged."""
+    arch = parse_hf_config(raw)
+    check_num_layers(num_layers, arch, source=source)
+    cfg = dict(raw)
+    cfg.pop("index_topk_pattern", None)
+    cfg.update(num_hidden_layers=num_layers, indexer_types=list(arch.indexer_types[:num_layers]),
+               mlp_layer_types=list(arch.mlp_layer_types[:num_layers]), num_nextn_predict_layers=0)
+    return cfg
+
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def _skip_reason(name: str, arch: GLM5Architecture, num_layers: int) -> str:
+    m = _LAYER.match(name)
+    i = int(m.group(1)) if m else None
+    if i is not None and i >= arch.num_hidden_layers:
+        return f"MTP layer {i - arch.num_hidden_layers}: not part of a layer-truncated model"
+    if i is not None:
+        return f"decoder layer {i} >= num_layers {num_layers}: not part of the layer-truncated model"
+    return f"not part of the model of the first {num_layers} layers"  # pragma: no cover - global tensors are kept
+
+
+def open_hf_source(hf_path: str | Path, *, num_layers: int | None = None) -> HFSource:
+    """Open and validate an HF checkpoint: config, index, headers, exact key accounting and shapes of *every*
+    tensor (nothing is read beyond headers).
+
+    ``num_layers``: layer-subset mode. The whole checkpoint is still validated as above, then the source describes
+    only the first ``num_layers`` decoder layers plus embeddings, final norm and LM head; the tensors of later layers
+    and of MTP are listed in ``skipped`` (name -> reason) and never read. This is explicit so that a truncated load
+    cannot hide a tensor that is missing or unmapped."""
     path = Path(hf_path)
     if not path.is_dir():
         raise CheckpointFormatError(f"{path}: HF checkpoint directory not found")
@@ -65,6 +110,8 @@ def open_hf_source(hf_path: str | Path) -> HFSource:
         raise CheckpointFormatError(f"{path}: missing config.json")
     raw = load_hf_config(path)
     arch = parse_hf_config(raw)
+    if num_layers is not None:
+        check_num_layers(num_layers, arch, source=str(path / "config.json"))
     reader = hf_io.HFCheckpointReader(path)
     layout = detect_expert_layout(reader.names)
     fp8 = frozenset(n for n, i in reader.tensors.items() if i.dtype in FP8_DTYPES)
@@ -77,7 +124,15 @@ def open_hf_source(hf_path: str | Path) -> HFSource:
     expansion = expand(arch, expert_layout=layout, fp8_names=fp8, fp8_block=block)
     ignored = account_hf_names(arch, expansion, reader.names, source=str(path))
     check_hf_shapes(expansion, reader.shapes(), source=str(path))
-    return HFSource(path, raw, arch, reader, expansion, ignored, fp8, block)
+    if num_layers is None:
+        return HFSource(path, raw, arch, reader, expansion, ignored, fp8, block)
+    full_arch, full_names = arch, expansion.hf_shapes()
+    raw = truncate_hf_config(raw, num_layers, source=str(path / "config.json"))
+    arch = parse_hf_config(raw)
+    expansion = expand(arch, expert_layout=layout, fp8_names=fp8, fp8_block=block)
+    kept = expansion.hf_shapes()
+    skipped = {n: _skip_reason(n, full_arch, num_layers) for n in full_names if n not in kept}
+    return HFSource(path, raw, arch, reader, expansion, ignored, fp8, block, skipped)
 
 
 class Materializer:

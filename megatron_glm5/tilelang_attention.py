@@ -9,7 +9,8 @@ Per layer (single-device math below; parallelism enters only through the marked 
 3. RoPE, interleaved pairs, in fp32 with one cast (as sglang/vLLM apply it), on ``q_pe`` and ``k_pe``.
 4. Absorption with ``W_kc``/``W_vc`` taken from ``linear_kv_up_proj.weight`` on every call (:meth:`kv_up_weights`;
    never a cached copy, so a LoRA delta folded in there reaches both with gradients): ``q = [q_nope . W_kc | q_pe]``
-   and ``kv = [c | k_pe]`` (d = kv_lora_rank + rope = 576 for GLM-5), softmax scale from megatron-core's MLA.
+   and ``kv = [c | k_pe]`` (d = kv_lora_rank + rope = 576 for GLM-5; 512 for the NoPE GLM-5.3-Flash, whose rope
+   parts are empty and skip step 3), softmax scale from megatron-core's MLA.
 5. Top-k: a shared layer uses the incoming one; a full layer runs the indexer with GLM numerics (normalised q latent,
    fp32 LayerNorm k_norm eps 1e-6, fp32 head weights, ReLU, no Hadamard). Under SP the indexer's compact outputs
    (q_i, k_i, w: 4096 + 128 + 32 values per token for GLM-5) are all-gathered instead of the hidden states and q
@@ -196,11 +197,15 @@ class TileLangMLASelfAttention(MLASelfAttention):
         heads = q.shape[-1] // self.q_head_dim
         q = layout.flatten(q).view(layout.num_rows, heads, self.q_head_dim)
         q_nope, q_pe = torch.split(q, [cfg.qk_head_dim, cfg.qk_pos_emb_head_dim], dim=-1)
-        rope_q = rope_cos_sin(layout.positions, cfg.qk_pos_emb_head_dim, cfg.rotary_base)
-        rope_k = rope_q if cp_group is None else rope_cos_sin(layout.key_positions, cfg.qk_pos_emb_head_dim,
-                                                              cfg.rotary_base)
-        q_pe = apply_interleaved_rope(q_pe, *rope_q)
-        k_pe = apply_interleaved_rope(layout.flatten_keys(k_pe), *rope_k)
+        if cfg.qk_pos_emb_head_dim:
+            rope_q = rope_cos_sin(layout.positions, cfg.qk_pos_emb_head_dim, cfg.rotary_base)
+            rope_k = rope_q if cp_group is None else rope_cos_sin(layout.key_positions, cfg.qk_pos_emb_head_dim,
+                                                                  cfg.rotary_base)
+            q_pe = apply_interleaved_rope(q_pe, *rope_q)
+            k_pe = apply_interleaved_rope(layout.flatten_keys(k_pe), *rope_k)
+        else:  # NoPE (GLM-5.3-Flash): the rope parts are empty, no position is read; d = kv_lora_rank = 512
+            rope_q = rope_k = None
+            k_pe = layout.flatten_keys(k_pe)
         w_kc, w_vc = self.kv_up_weights()
         query = torch.cat([torch.einsum("thd,hdc->thc", q_nope, w_kc), q_pe], dim=-1)  # [T_q, H, 576]
         kv_full = torch.cat([layout.flatten_keys(c), k_pe], dim=-1)  # [T_k, 576]

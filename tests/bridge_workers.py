@@ -1,5 +1,5 @@
 """Helpers for the bridge tests: fixture checkpoints, torchrun bodies (``fn(rank, world_size, **kwargs) -> dict``)
-and a spawn target that stalls a conversion so a test can kill it with SIGKILL."""
+and spawn targets that stall a conversion (so a test can kill it with SIGKILL) or die while replacing an output."""
 
 from __future__ import annotations
 
@@ -138,3 +138,22 @@ def stalled_conversion(kind: str, src: str, dst: str, marker: str, after_reads: 
 
         megatron_io.DistCheckpoint.read = read_box
         convert_megatron_to_hf(megatron_path=src, hf_path=dst, progress=False)
+
+
+def killed_while_replacing(src: str, dst: str) -> None:
+    """Import ``src`` over the existing output ``dst`` (``overwrite``) and SIGKILL this process right after the new
+    checkpoint was swapped in, before the old copy is deleted."""
+    import signal
+
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    from megatron_glm5.cpu import enable_cpu_mode
+
+    enable_cpu_mode()
+    from bridge import output
+    from bridge.convert import convert_hf_to_megatron
+
+    def die(path):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    output._remove_tree = die
+    convert_hf_to_megatron(hf_path=src, megatron_path=dst, overwrite=True, progress=False)

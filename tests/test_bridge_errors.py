@@ -3,6 +3,7 @@ Interrupted runs (SIGKILL) leave nothing at the output path and nothing that loo
 
 from __future__ import annotations
 
+import errno
 import json
 import multiprocessing as mp
 import os
@@ -15,8 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from bridge.errors import CheckpointFormatError
+from bridge.errors import BridgeError, CheckpointFormatError
 from bridge.megatron_io import resolve_checkpoint_dir
+from bridge.output import find_partials, find_stale_partials, remove_stale_partials
 from bridge import cli
 from megatron_glm5 import testing
 from tests.bridge_workers import make_fixture
@@ -124,8 +126,11 @@ def test_unsupported_model_type(base, tmp_path, capsys):
 
 
 def test_existing_output_needs_overwrite(base, tmp_path, capsys):
+    """--overwrite replaces only an earlier output of this tool (tests/test_bridge_output.py has the details)."""
     out = tmp_path / "out"
-    out.mkdir()
+    code, err = _run(capsys, "convert", "import", "--hf-path", str(base["glm5"]), "--megatron-path", str(out),
+                     "--no-progress")
+    assert code == 0, err
     (out / "old.txt").write_text("x")
     code, err = _run(capsys, "convert", "import", "--hf-path", str(base["glm5"]), "--megatron-path", str(out))
     assert code == 2 and "already exists; pass --overwrite" in err and (out / "old.txt").is_file()
@@ -176,12 +181,17 @@ def test_kill_9_leaves_no_complete_looking_checkpoint(base, tmp_path, kind):
     out, marker = tmp_path / "out", tmp_path / "stalled"
     proc = mp.get_context("spawn").Process(target=stalled_conversion, args=(kind, str(src), str(out), str(marker), 20))
     proc.start()
-    deadline = time.monotonic() + 120
-    while not marker.exists():
-        assert proc.is_alive() and time.monotonic() < deadline, "the conversion did not reach the stall point"
-        time.sleep(0.1)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.join()
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert proc.is_alive() and time.monotonic() < deadline, "the conversion did not reach the stall point"
+            time.sleep(0.1)
+        (live,) = find_partials(out)
+        assert not live.stale and "still running" in live.reason  # a live writer's directory is never touched
+        assert remove_stale_partials(out) == [] and live.path.is_dir()
+    finally:  # also when an assertion failed: a stalled child would keep the test session from exiting
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join()
     assert proc.exitcode == -signal.SIGKILL
     assert not out.exists()
     partial = [p for p in tmp_path.iterdir() if p.name.startswith(".out.partial-")]
@@ -193,3 +203,252 @@ def test_kill_9_leaves_no_complete_looking_checkpoint(base, tmp_path, kind):
     else:
         assert not (partial[0] / "model.safetensors.index.json").exists()
         assert not (partial[0] / "config.json").exists()
+    # its writer is dead: a stale leftover, which `megatron-glm5 clean` removes
+    assert [p.path for p in find_stale_partials(out)] == partial
+    assert cli.main(["clean", str(out)]) == 0
+    assert not partial[0].exists() and _leftovers(tmp_path, "out") == []
+
+
+class _RunsCode:
+    """Pickles as a call of ``fn(*args)``: what a crafted ``.metadata`` does to run code when unpickled."""
+
+    def __init__(self, fn, *args):
+        self.fn, self.args = fn, args
+
+    def __reduce__(self):
+        return self.fn, self.args
+
+
+@pytest.fixture(scope="module")
+def imported(base, tmp_path_factory):
+    out = tmp_path_factory.mktemp("imported") / "mc"
+    assert cli.main(["convert", "import", "--hf-path", str(base["glm5"]), "--megatron-path", str(out),
+                     "--no-progress"]) == 0
+    return out
+
+
+@pytest.mark.parametrize("payload", ["os.system", "builtins.exec", "subprocess.call"])
+def test_crafted_metadata_pickle_runs_no_code(imported, tmp_path, capsys, payload):
+    """Every reader of a Megatron checkpoint refuses a .metadata whose pickle would run code, naming the file and
+    the refused global, before anything (torch's reader, megatron-core's loader) unpickles it."""
+    import pickle
+    import subprocess
+    import sys
+
+    import bridge
+    from bridge.megatron_io import load_into_model
+
+    mc = _copy(imported, tmp_path / "mc")
+    pwned = tmp_path / "pwned"
+    fn, args, refused = {
+        "os.system": (os.system, (f"touch {pwned}",), f"'{os.system.__module__}.system'"),
+        "builtins.exec": (exec, (f"open({str(pwned)!r}, 'w').close()",), "'builtins.exec'"),
+        "subprocess.call": (subprocess.call, ([sys.executable, "-c", f"open({str(pwned)!r}, 'w').close()"],),
+                            "'subprocess.call'"),
+    }[payload]
+    metadata = mc / "iter_0000000" / ".metadata"
+    metadata.write_bytes(pickle.dumps(_RunsCode(fn, *args)))
+
+    code, err = _run(capsys, "convert", "export", "--megatron-path", str(mc), "--hf-path", str(tmp_path / "hf"))
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert f"{metadata}: refused to unpickle global {refused}" in err, err
+    assert _leftovers(tmp_path, "hf") == []
+    with pytest.raises(CheckpointFormatError, match="refused to unpickle global"):
+        bridge.load_megatron_checkpoint(mc)
+    with pytest.raises(CheckpointFormatError, match="refused to unpickle global"):
+        bridge.load_megatron_checkpoint(mc, hf_config=imported / "hf_assets" / "config.json")
+    with pytest.raises(CheckpointFormatError, match="refused to unpickle global"):
+        load_into_model(None, mc)  # our check comes before megatron-core's dist_checkpointing.load
+    assert not pwned.exists()
+
+
+def test_corrupt_or_foreign_metadata_pickle(imported, tmp_path, capsys):
+    import pickle
+
+    mc = _copy(imported, tmp_path / "mc")
+    metadata = mc / "iter_0000000" / ".metadata"
+    metadata.write_bytes(metadata.read_bytes()[:100])
+    code, err = _run(capsys, "convert", "export", "--megatron-path", str(mc), "--hf-path", str(tmp_path / "hf"))
+    assert code == 2 and f"{metadata}: corrupt" in err and err.count("\n") == 1, err
+    metadata.write_bytes(pickle.dumps({"not": "metadata"}))
+    code, err = _run(capsys, "convert", "export", "--megatron-path", str(mc), "--hf-path", str(tmp_path / "hf"))
+    assert code == 2 and f"{metadata}: not torch distributed-checkpoint metadata (found a dict)" in err, err
+    metadata.unlink()
+    code, err = _run(capsys, "convert", "export", "--megatron-path", str(mc), "--hf-path", str(tmp_path / "hf"))
+    assert code == 2 and "missing .metadata" in err, err
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Every subcommand: bad paths, flags and sizes are one "error:" line and status 2 (checked before any model work)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _assert_usage_error(capsys, argv: list[str], *fragments: str) -> str:
+    code = cli.main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, (argv, err)
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    for f in fragments:
+        assert f in err, (f, err)
+    return err
+
+
+@pytest.fixture
+def paths(base, tmp_path):
+    """A file, an empty directory, an HF directory without weights, a config that is not JSON / not an object, a
+    Megatron-LM save directory whose tracker names a missing iteration."""
+    out = {"glm5": base["glm5"], "glm52": base["glm52"], "tmp": tmp_path}
+    out["file"] = tmp_path / "a_file"
+    out["file"].write_text("x")
+    out["empty"] = tmp_path / "empty"
+    out["empty"].mkdir()
+    out["no_weights"] = tmp_path / "no_weights"
+    out["no_weights"].mkdir()
+    shutil.copy(base["glm5"] / "config.json", out["no_weights"] / "config.json")
+    for name, text in (("bad_json", "{not json"), ("list_json", "[1, 2]")):
+        d = _copy(base["glm5"], tmp_path / name)
+        (d / "config.json").write_text(text)
+        out[name] = d
+    out["stale_tracker"] = tmp_path / "stale_tracker"
+    out["stale_tracker"].mkdir()
+    (out["stale_tracker"] / "latest_checkpointed_iteration.txt").write_text("7\n")
+    return out
+
+
+CASES = [
+    # (argv with {placeholders}, fragments of the one error line)
+    (["verify", "--hf-path", "{file}"], ["--hf-path {file}: is a file, not a directory"]),
+    (["verify", "--hf-path", "{tmp}/missing"], ["--hf-path {tmp}/missing: no such directory"]),
+    (["verify", "--hf-path", "{empty}"], ["--hf-path {empty}: missing config.json"]),
+    (["verify", "--hf-path", "{no_weights}"], ["missing model.safetensors.index.json", "found no safetensors"]),
+    (["verify", "--hf-path", "{bad_json}"], ["{bad_json}/config.json: not valid JSON"]),
+    (["verify", "--hf-path", "{list_json}"], ["{list_json}/config.json: expected a JSON object, found list"]),
+    (["verify", "--hf-path", "{glm52}", "--num-layers", "5"],
+     ["--num-layers 5: expected 1 <= N <= num_hidden_layers (4"]),
+    (["verify", "--hf-path", "{glm52}", "--num-layers", "0"],
+     ["argument --num-layers: expected an integer >= 1, got 0"]),
+    (["verify", "--hf-path", "{glm52}", "--dtype", "fp16"], ["argument --dtype: invalid choice: 'fp16'"]),
+    (["verify", "--hf-path", "{glm52}", "--seq-len", "16"], ["--seq-len 16 must exceed index_topk (16)"]),
+    (["verify", "--hf-path", "{glm52}", "--batch-size", "0"], ["argument --batch-size: expected an integer >= 1"]),
+    (["verify", "--hf-path", "{glm52}", "--tol", "-1"], ["argument --tol: expected a positive number"]),
+    (["verify", "--hf-path", "{glm52}", "--megatron-path", "{empty}"],
+     ["--megatron-path: {empty}: not a Megatron checkpoint"]),
+    (["convert", "import", "--hf-path", "{tmp}/missing", "--megatron-path", "{tmp}/o"],
+     ["--hf-path {tmp}/missing: no such"]),
+    (["convert", "import", "--hf-path", "{glm5}", "--megatron-path", "{file}"],
+     ["--megatron-path {file}: exists and is a file"]),
+    (["convert", "import", "--hf-path", "{glm5}", "--megatron-path", "{file}/sub/out"],
+     ["{file} is a file, not a directory"]),
+    (["convert", "import", "--hf-path", "{glm5}", "--megatron-path", "{tmp}/o", "--tp", "0"],
+     ["argument --tp: expected an integer >= 1"]),
+    (["convert", "import", "--hf-path", "{glm5}", "--megatron-path", "{tmp}/o", "--iteration", "-1"],
+     ["argument --iteration"]),
+    (["convert", "import", "--hf-path", "{glm5}", "--megatron-path", "{tmp}/o", "--dtype", "int8"],
+     ["argument --dtype"]),
+    (["convert", "export", "--megatron-path", "{tmp}/missing", "--hf-path", "{tmp}/o"],
+     ["--megatron-path {tmp}/missing: no such directory"]),
+    (["convert", "export", "--megatron-path", "{file}", "--hf-path", "{tmp}/o"],
+     ["--megatron-path {file}: is a file, not a directory"]),
+    (["convert", "export", "--megatron-path", "{empty}", "--hf-path", "{tmp}/o"], ["not a Megatron checkpoint"]),
+    (["convert", "export", "--megatron-path", "{stale_tracker}", "--hf-path", "{tmp}/o"],
+     ["names iter_0000007, which does not exist"]),
+    (["convert", "export", "--megatron-path", "{empty}", "--hf-path", "{tmp}/o", "--max-shard-size", "0"],
+     ["--max-shard-size: expected a positive size"]),
+    (["convert", "export", "--megatron-path", "{empty}", "--hf-path", "{tmp}/o", "--max-shard-size", "5XB"],
+     ["--max-shard-size: expected a size like 5GB"]),
+    (["convert", "roundtrip", "--hf-path", "{glm5}", "--work-dir", "{file}"],
+     ["--work-dir {file}: exists and is a file"]),
+    (["convert", "roundtrip", "--hf-path", "{no_weights}"], ["missing model.safetensors.index.json"]),
+    (["demo", "--out", "{file}"], ["--out {file}: exists and is a file"]),
+    (["demo", "--steps", "0"], ["argument --steps: expected an integer >= 1"]),
+    (["convert", "import", "--hf-path", "{glm5}"], ["the following arguments are required: --megatron-path"]),
+]
+
+
+@pytest.mark.parametrize("argv,fragments", CASES, ids=[" ".join(a[:3]) + f" #{i}" for i, (a, _) in enumerate(CASES)])
+def test_user_errors_are_one_line_with_status_2(paths, capsys, argv, fragments):
+    fill = {k: str(v) for k, v in paths.items()}
+    _assert_usage_error(capsys, [a.format(**fill) for a in argv], *(f.format(**fill) for f in fragments))
+
+
+def test_export_with_a_missing_hf_config(base, tmp_path, capsys):
+    mc = tmp_path / "mc"
+    assert cli.main(["convert", "import", "--hf-path", str(base["glm5"]), "--megatron-path", str(mc),
+                     "--no-progress"]) == 0
+    _assert_usage_error(capsys, ["convert", "export", "--megatron-path", str(mc), "--hf-path", str(tmp_path / "o"),
+                                 "--hf-config", str(tmp_path / "nope.json")],
+                        f"--hf-config {tmp_path / 'nope.json'}: {tmp_path / 'nope.json'} not found")
+    assert not (tmp_path / "o").exists()
+
+
+def test_verify_refuses_an_fp8_checkpoint_and_a_missing_gpu(base, tmp_path, capsys):
+    fp8 = make_fixture(tmp_path, "glm52_fp8")
+    _assert_usage_error(capsys, ["verify", "--hf-path", str(fp8)], "needs an unquantised HF checkpoint")
+    if not torch.cuda.is_available():
+        _assert_usage_error(capsys, ["verify", "--hf-path", str(base["glm52"]), "--device", "cuda"],
+                            "--device cuda: CUDA is not available")
+
+
+def test_read_only_output_directory(base, tmp_path, capsys, monkeypatch):
+    """An output whose parent is not writable fails up front. Root may write anywhere, so there the permission is
+    denied through os.access, as the kernel would for another user."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    if os.geteuid() == 0:
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if Path(p) == ro and mode & os.W_OK
+                            else real(p, mode, **kw))
+    try:
+        _assert_usage_error(capsys, ["convert", "import", "--hf-path", str(base["glm5"]), "--megatron-path",
+                                     str(ro / "out"), "--no-progress"],
+                            f"--megatron-path {ro / 'out'}: cannot create it: {ro} is not writable")
+    finally:
+        ro.chmod(0o755)
+    assert list(ro.iterdir()) == []
+
+
+def test_os_error_while_writing_the_output_is_one_line(base, tmp_path, capsys, monkeypatch):
+    """What the up-front check cannot see - the location turns read-only or the disk fills while converting - is
+    reported as one line naming the flag and the file, not a traceback."""
+    import bridge.convert
+
+    def refuse(self, *args, **kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", str(self))
+
+    monkeypatch.setattr(bridge.convert.Path, "mkdir", refuse)
+    err = _assert_usage_error(capsys, ["convert", "import", "--hf-path", str(base["glm5"]), "--megatron-path",
+                                       str(tmp_path / "out"), "--no-progress"],
+                              f"--megatron-path {tmp_path / 'out'}: {tmp_path}/.out.partial-", "Permission denied")
+    assert _leftovers(tmp_path, "out") == [], err
+
+
+def test_os_error_elsewhere_keeps_its_traceback(base, tmp_path, monkeypatch):
+    """An OSError about a file the user did not name is a bug (or the environment) and is not disguised."""
+    import bridge.convert
+
+    def boom(**kwargs):
+        raise PermissionError(errno.EACCES, "Permission denied", "/etc/some-internal-file")
+
+    monkeypatch.setattr(bridge.convert, "convert_hf_to_megatron", boom)
+    with pytest.raises(PermissionError):
+        cli.main(["convert", "import", "--hf-path", str(base["glm5"]), "--megatron-path", str(tmp_path / "out")])
+
+
+def test_parallel_layout_is_checked_against_the_released_configs():
+    """The up-front layout check on the real GLM-5.x geometries: the layouts people use pass, impossible ones name
+    the field and the valid values."""
+    from bridge.launch import check_parallel_layout
+    from megatron_glm5.config import load_hf_config, parse_hf_config
+
+    data = Path(__file__).parent / "data"
+    for name in ("glm5_config.json", "glm5_2_config.json"):
+        arch = parse_hf_config(load_hf_config(data / name))
+        for tp, ep in ((1, 1), (8, 8), (4, 64), (2, 256)):
+            check_parallel_layout(arch, tp, 1, ep)
+        with pytest.raises(BridgeError, match=r"--tp 3 must divide num_attention_heads \(64\).*valid --tp: 1, 2, 4, 8"):
+            check_parallel_layout(arch, 3, 1, 1)
+        with pytest.raises(BridgeError, match=r"--ep 3 must divide n_routed_experts \(256\)"):
+            check_parallel_layout(arch, 1, 1, 3)
+        with pytest.raises(BridgeError, match=r"--pp 5: cannot split 78 layers"):
+            check_parallel_layout(arch, 1, 5, 1)

@@ -72,6 +72,28 @@ def test_import_dtype_and_fp32_router_bias(fixtures, tmp_path):
     assert torch.equal(out.read(name), reader.read(name).to(torch.bfloat16))
     bias = "model.layers.2.mlp.gate.e_score_correction_bias"
     assert torch.equal(out.read(bias), reader.read(bias))
+    # config.json names the dtype the exported weights have (the fp32 source's config said float32)
+    src_cfg = json.loads((src / "config.json").read_text())
+    assert src_cfg["dtype"] == "float32"
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert cfg["dtype"] == "bfloat16" and {k: v for k, v in cfg.items() if k != "dtype"} == {
+        k: v for k, v in src_cfg.items() if k != "dtype"}
+    # back to fp32 on export: the config agrees with the source again and is copied byte for byte
+    bridge.convert_megatron_to_hf(megatron_path=tmp_path / "mc", hf_path=tmp_path / "hf32", dtype="fp32")
+    assert (tmp_path / "hf32" / "config.json").read_bytes() == (src / "config.json").read_bytes()
+
+
+def test_export_config_names_the_weights_dtype():
+    from bridge.convert import _export_config
+
+    raw = {"dtype": "float32", "torch_dtype": "float32", "hidden_size": 8}
+    assert _export_config(raw, torch.bfloat16) == {"dtype": "bfloat16", "torch_dtype": "bfloat16", "hidden_size": 8}
+    assert _export_config(raw, torch.float32) == raw
+    assert _export_config({"torch_dtype": "bfloat16"}, torch.float32) == {"torch_dtype": "float32"}
+    assert _export_config({"hidden_size": 8}, torch.bfloat16) == {"hidden_size": 8}  # says nothing: kept as is
+    fp8 = {"dtype": "bfloat16", "quantization_config": {"quant_method": "fp8"}}
+    assert _export_config(fp8, torch.bfloat16) == {"dtype": "bfloat16"}
+    assert _export_config({"quantization_config": {}}, torch.bfloat16) == {"dtype": "bfloat16"}
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -1,7 +1,9 @@
 """The TileLang DSA kernels compile for SM90 (sm_90a) on a CPU-only machine, and their interfaces reject bad input.
 
 Compilation needs TileLang and nvcc but no GPU: each factory is built at one small shape (other head dims, the
-mma.sync path below 64 heads) and at the GLM-5 shape, two compiles at a time in spawned workers (~60 s on 2 cores).
+mma.sync path below 64 heads), at the GLM-5 shape (576 = 512 + 64 RoPE) and, for sparse MLA, at the NoPE shape of
+GLM-5.3-Flash (512 = 512 + 0: no tail), two compiles at a time in spawned workers (~2-3 min on 2 cores, less with
+TileLang's disk cache).
 Numerics are checked on the GPU (``tests/gpu/test_kernels_gpu.py``).
 """
 
@@ -31,6 +33,11 @@ COMPILE_CASES = {
     "fwd_simple_small": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_simple", (16, 192, 128, 0.125)),
     "bwd_small_deterministic": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (8, 192, 128, 0.125, True)),
     "bwd_glm": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (64, 576, 512, 1 / 16, False)),
+    # NoPE latent (GLM-5.3-Flash): d_qk == d_v, no RoPE tail; same kernels, tail steps left out at trace time
+    "fwd_ws_nope": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_ws", (64, 512, 512, 1 / 16)),
+    "fwd_simple_nope_small": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_simple", (16, 128, 128, 0.125)),
+    "bwd_nope": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (64, 512, 512, 1 / 16, False)),
+    "bwd_nope_small_deterministic": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (8, 128, 128, 0.125, True)),
     "delta_glm": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_delta", (64, 512)),
     "dkv_reduce_glm": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_dkv_reduce", (576, 1)),
     "indexer_logits_small": ("megatron_glm5.kernels.indexer_topk", "_jit_logits", (8, 64)),
@@ -115,6 +122,21 @@ def test_sparse_mla_interface_rejects_unsupported_dims_and_bwd_shapes():
         sparse_mla_bwd_interface(q, kv, out, lse, out[:4].contiguous(), idx, 1 / 16)
     with pytest.raises(ValueError, match="lse"):
         sparse_mla_bwd_interface(q, kv, out, lse.double(), out, idx, 1 / 16)
+
+
+def test_sparse_mla_head_dims():
+    """d_qk = d_v + a RoPE tail that is a multiple of 64, zero included (NoPE); d_v may not exceed d_qk."""
+    from megatron_glm5.kernels.sparse_mla_fwd import check_sparse_mla_args
+
+    for d_qk, d_v in ((576, 512), (512, 512), (192, 128), (128, 128)):
+        q, kv, idx = _sparse_inputs(d=d_qk, k=2051)  # the KPool width: not a multiple of the 64-slot block
+        check_sparse_mla_args(q, kv, idx, d_v)
+    q, kv, idx = _sparse_inputs(d=512)
+    with pytest.raises(ValueError, match=r"d_v must be in \(0, d_qk=512\], got 640"):
+        check_sparse_mla_args(q, kv, idx, 640)
+    q, kv, idx = _sparse_inputs(d=544)
+    with pytest.raises(ValueError, match="d_qk - d_v"):
+        check_sparse_mla_args(q, kv, idx, 512)
 
 
 def test_indexer_interface_rejects():

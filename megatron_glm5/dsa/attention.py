@@ -139,6 +139,7 @@ class DSACoreAttention(MegatronModule):
             )
         self.layer_number = layer_number
         self.index_topk = config.dsa_indexer_topk
+        self.topk_width = config.dsa_indexer_topk  # columns of a top-k row; GLM-5.3-Flash's KPool adds P - 1
         self.softmax_scale = softmax_scale
         self.v_channels = v_channels
         self.pg_collection = pg_collection
@@ -153,14 +154,14 @@ class DSACoreAttention(MegatronModule):
         return self.indexer is not None
 
     def check_topk(self, topk: torch.Tensor, layout: TokenLayout, *, bounds: bool) -> None:
-        """A top-k given to a layer (IndexShare, recompute replay, or the caller) must be ``[rows, index_topk]``;
+        """A top-k given to a layer (IndexShare, recompute replay, or the caller) must be ``[rows, topk_width]``;
         with ``bounds`` (indices from outside the model, e.g. replayed from a rollout engine) every entry must also be
         -1 or a key row inside its query row's causal range, checked on device (no sync): a future index would
         leak information backwards and an out-of-range one would read another sequence."""
-        if topk.shape != (layout.num_rows, self.index_topk):
+        if topk.shape != (layout.num_rows, self.topk_width):
             raise ValueError(
-                f"layer {self.layer_number}: top-k indices must be [{layout.num_rows}, {self.index_topk}] (flattened "
-                f"rows x index_topk), got {tuple(topk.shape)}"
+                f"layer {self.layer_number}: top-k indices must be [{layout.num_rows}, {self.topk_width}] (flattened "
+                f"rows x top-k width), got {tuple(topk.shape)}"
             )
         if bounds:
             torch._assert_async(
@@ -289,10 +290,11 @@ class GLMAbsorbedMLASelfAttention(AbsorbedMLASelfAttention):
             s, b = q_absorbed.shape[:2]
             layout = TokenLayout.build(s, b, q_absorbed.device, attention_mask=attention_mask)
             query, kv = layout.flatten(q_absorbed), layout.flatten(kv_compressed)[:, 0]
-        if attention_mask is not None:
+        if attention_mask is not None and self.config.qk_pos_emb_head_dim > 0:
             # megatron-core's MLA and indexer apply RoPE at positions 0..s-1 of each sequence: a mask may shorten a
             # row's range at its end (padding) but not start it later (left padding, documents): those need the
-            # tilelang backend (RoPE from the mask) or THD packing.
+            # tilelang backend (RoPE from the mask) or THD packing. Without RoPE (GLM-5.3-Flash) no position is
+            # read, so any mask the layout accepts works.
             torch._assert_async(
                 ((layout.starts.to(torch.int64) == layout.row_starts()) | (layout.ends <= layout.starts)).all(),
                 "the megatron backend takes masks whose allowed keys start at the sequence start (causal, right "

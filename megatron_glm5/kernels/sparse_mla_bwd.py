@@ -13,9 +13,9 @@ shared-memory stages (the next block loads while this one computes); -1 slots ar
 
 * ``deterministic=False``: fp32 ``atomicAdd`` into a ``[T_kv, d_qk]`` buffer straight from the MMA fragments, then one
   cast to bf16. Fast, but the fp32 summation order (and so the low bits) varies run to run (pitfall P5).
-* ``deterministic=True``: each (token, slot) writes its 576-wide fp32 contribution to a partial buffer (no atomics);
-  a second kernel sums, per key, the contributions in a fixed (token, slot) order taken from a stable sort of the
-  indices. Bitwise reproducible. Cost: the partial buffer is ``4 * K * d_qk`` bytes per token (4.7 MB at K=2048),
+* ``deterministic=True``: each (token, slot) writes its ``d_qk``-wide fp32 contribution to a partial buffer (no
+  atomics); a second kernel sums, per key, the contributions in a fixed (token, slot) order taken from a stable sort
+  of the indices. Bitwise reproducible. Cost: the partial buffer is ``4 * K * d_qk`` bytes per token (4.7 MB at K=2048),
   so tokens are processed in chunks that keep it near 2 GiB, plus one write and one read of it (~155 GB at 16K
   tokens), a sort per chunk and a launch per chunk; see ``scripts/bench/RESULTS_kernels.md`` for the measured cost.
 
@@ -24,6 +24,10 @@ Provenance: the per-block math follows tile-ai/tilelang ``examples/deepseek_v32/
 ``cp.async`` two-stage gather with guarded -1 slots, d_v split in halves so the dKV accumulator stays at 32 registers,
 atomics issued from registers (no shared staging buffer), head padding with bounded loads/stores, the deterministic
 partial-sum path.
+
+Head dims: ``d_qk = d_v + d_tail`` with ``d_v / 2`` and ``d_tail`` multiples of 64; GLM-5 has ``d_tail = 64`` (RoPE),
+the NoPE GLM-5.3-Flash ``d_tail = 0`` (``d_qk = d_v = 512``), for which every tail buffer, load and GEMM is left out
+at trace time.
 
 No ``from __future__ import annotations`` here: TileLang evaluates the nested prim_funcs' annotations.
 """
@@ -121,11 +125,12 @@ def _jit_bwd():
             threads = 256 if block_h >= 32 else 128
         dh = d_v // 2
         d_tail = d_qk - d_v
+        has_tail = d_tail > 0  # GLM-5: the 64 RoPE channels; none for a NoPE latent (GLM-5.3-Flash, d_qk == d_v)
         bs = block_s
         rows_per_pass = threads // 8
-        if dh % 64 or d_tail % 64 or bs % rows_per_pass:
-            raise ValueError(f"bwd kernel needs d_v/2, d_qk-d_v multiples of 64 and block_s % (threads/8) == 0; got "
-                             f"d_v={d_v}, d_qk={d_qk}, block_s={bs}, threads={threads}")
+        if dh % 64 or d_tail % 64 or d_tail < 0 or bs % rows_per_pass:
+            raise ValueError(f"bwd kernel needs d_v/2, d_qk-d_v >= 0 multiples of 64 and block_s % (threads/8) == 0; "
+                             f"got d_v={d_v}, d_qk={d_qk}, block_s={bs}, threads={threads}")
         scale_log2 = softmax_scale * LOG2E
         t_len = T.dynamic("t_len")
         t_kv = T.dynamic("t_kv")
@@ -168,14 +173,15 @@ def _jit_bwd():
                         8,
                         predicate=valid,
                     )
-                for c in T.unroll(d_tail // 64):
-                    col = c * 64 + lane * 8
-                    T.ptx_cp_async(
-                        T.access_ptr(kt[row, col], "w", 8),
-                        T.access_ptr(KV[src, d_v + col], "r", 8),
-                        8,
-                        predicate=valid,
-                    )
+                if has_tail:
+                    for c in T.unroll(d_tail // 64):
+                        col = c * 64 + lane * 8
+                        T.ptx_cp_async(
+                            T.access_ptr(kt[row, col], "w", 8),
+                            T.access_ptr(KV[src, d_v + col], "r", 8),
+                            8,
+                            predicate=valid,
+                        )
             T.ptx_commit_group()
 
         @T.macro
@@ -199,7 +205,8 @@ def _jit_bwd():
                 acc_p[h, j] = T.if_then_else(idx_s[j] >= 0, 0, -T.infinity(f32))
             T.gemm(q_l, kv_l, acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
             T.gemm(q_r, kv_r, acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
-            T.gemm(q_t, kt, acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+            if has_tail:
+                T.gemm(q_t, kt, acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
             for h, j in T.Parallel(block_h, bs):
                 acc_p[h, j] = T.exp2(acc_p[h, j] * scale_log2 - lse_s[h])
             T.copy(acc_p, p_s)
@@ -210,7 +217,8 @@ def _jit_bwd():
             T.copy(acc_dp, ds_s)
             T.gemm(ds_s, kv_l, acc_dq_l, policy=T.GemmWarpPolicy.FullCol)
             T.gemm(ds_s, kv_r, acc_dq_r, policy=T.GemmWarpPolicy.FullCol)
-            T.gemm(ds_s, kt, acc_dq_t, policy=T.GemmWarpPolicy.FullCol)
+            if has_tail:
+                T.gemm(ds_s, kt, acc_dq_t, policy=T.GemmWarpPolicy.FullCol)
             # dKV = dS^T Q + P^T dO, one d_v half at a time (keeps the fp32 accumulator at [block_s, d_v / 2]).
             T.gemm(ds_s, q_l, acc_dkv, transpose_A=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
             T.gemm(p_s, do_l, acc_dkv, transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
@@ -218,8 +226,9 @@ def _jit_bwd():
             T.gemm(ds_s, q_r, acc_dkv, transpose_A=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
             T.gemm(p_s, do_r, acc_dkv, transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
             scatter(dKV, acc_dkv, idx_s, bx, hb, blk, dh, dh)
-            T.gemm(ds_s, q_t, acc_dkv_t, transpose_A=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
-            scatter(dKV, acc_dkv_t, idx_s, bx, hb, blk, d_v, d_tail)
+            if has_tail:
+                T.gemm(ds_s, q_t, acc_dkv_t, transpose_A=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
+                scatter(dKV, acc_dkv_t, idx_s, bx, hb, blk, d_v, d_tail)
 
         @T.prim_func
         def main(
@@ -237,15 +246,16 @@ def _jit_bwd():
             with T.Kernel(grid_rows, n_hblk, threads=threads) as (bx, hb):
                 q_l = T.alloc_shared([block_h, dh], bf16)
                 q_r = T.alloc_shared([block_h, dh], bf16)
-                q_t = T.alloc_shared([block_h, d_tail], bf16)
+                # no tail buffers (None) for a NoPE latent: every tail step is skipped at trace time
+                q_t = T.alloc_shared([block_h, d_tail], bf16) if has_tail else None
                 do_l = T.alloc_shared([block_h, dh], bf16)
                 do_r = T.alloc_shared([block_h, dh], bf16)
                 kv0_l = T.alloc_shared([bs, dh], bf16)
                 kv0_r = T.alloc_shared([bs, dh], bf16)
-                kt0 = T.alloc_shared([bs, d_tail], bf16)
+                kt0 = T.alloc_shared([bs, d_tail], bf16) if has_tail else None
                 kv1_l = T.alloc_shared([bs, dh], bf16)
                 kv1_r = T.alloc_shared([bs, dh], bf16)
-                kt1 = T.alloc_shared([bs, d_tail], bf16)
+                kt1 = T.alloc_shared([bs, d_tail], bf16) if has_tail else None
                 idx0 = T.alloc_shared([bs], i32)
                 idx1 = T.alloc_shared([bs], i32)
                 p_s = T.alloc_shared([block_h, bs], bf16)
@@ -257,9 +267,9 @@ def _jit_bwd():
                 acc_dp = T.alloc_fragment([block_h, bs], f32)
                 acc_dq_l = T.alloc_fragment([block_h, dh], f32)
                 acc_dq_r = T.alloc_fragment([block_h, dh], f32)
-                acc_dq_t = T.alloc_fragment([block_h, d_tail], f32)
+                acc_dq_t = T.alloc_fragment([block_h, d_tail], f32) if has_tail else None
                 acc_dkv = T.alloc_fragment([bs, dh], f32)
-                acc_dkv_t = T.alloc_fragment([bs, d_tail], f32)
+                acc_dkv_t = T.alloc_fragment([bs, d_tail], f32) if has_tail else None
 
                 tx = T.get_thread_binding()
                 t = RowOffset[0] + bx
@@ -268,7 +278,8 @@ def _jit_bwd():
 
                 load_rows(Q, t, h0, tx, q_l, 0, dh)
                 load_rows(Q, t, h0, tx, q_r, dh, dh)
-                load_rows(Q, t, h0, tx, q_t, d_v, d_tail)
+                if has_tail:
+                    load_rows(Q, t, h0, tx, q_t, d_v, d_tail)
                 load_rows(dO, t, h0, tx, do_l, 0, dh)
                 load_rows(dO, t, h0, tx, do_r, dh, dh)
                 for h in T.Parallel(block_h):
@@ -277,7 +288,8 @@ def _jit_bwd():
                     delta_s[h] = T.if_then_else(h0 + h < heads, Delta[t, T.min(h0 + h, heads - 1)], 0)
                 T.clear(acc_dq_l)
                 T.clear(acc_dq_r)
-                T.clear(acc_dq_t)
+                if has_tail:
+                    T.clear(acc_dq_t)
                 if n_blk > 0:
                     gather(KV, Idx, t, t_kv, tx, kv0_l, kv0_r, kt0, idx0, 0)
                 for ip in T.serial(T.ceildiv(n_blk, 2)):
@@ -313,9 +325,10 @@ def _jit_bwd():
                     if h0 + h < heads:
                         dQ[t, h0 + h, d] = T.cast(acc_dq_l[h, d], bf16)
                         dQ[t, h0 + h, dh + d] = T.cast(acc_dq_r[h, d], bf16)
-                for h, d in T.Parallel(block_h, d_tail):
-                    if h0 + h < heads:
-                        dQ[t, h0 + h, d_v + d] = T.cast(acc_dq_t[h, d], bf16)
+                if has_tail:
+                    for h, d in T.Parallel(block_h, d_tail):
+                        if h0 + h < heads:
+                            dQ[t, h0 + h, d_v + d] = T.cast(acc_dq_t[h, d], bf16)
 
         return main
 

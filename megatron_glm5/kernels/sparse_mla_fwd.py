@@ -19,6 +19,11 @@ Two kernels, one contract:
   do not overlap and it is the slower of the two at long sequences (measurements: ``scripts/bench/RESULTS_kernels.md``).
 
 Masking: a slot is valid iff ``0 <= idx < T_kv``. A row without a valid slot gives ``out = 0`` and ``lse = +inf``.
+The index width ``K`` is dynamic and need not be a multiple of the block (GLM-5.3-Flash's KPool gives 2051).
+
+Head dims: ``d_qk = d_v + d_tail``, ``d_v % 128 == 0`` and ``d_tail % 64 == 0``. GLM-5's latent is 512 + 64 RoPE
+channels; the NoPE GLM-5.3-Flash has none (``d_qk = d_v = 512``): the tail buffers, loads and GEMMs are then left
+out at trace time, the rest of the kernel is the same.
 
 No ``from __future__ import annotations`` here: TileLang evaluates the ``T.Tensor`` annotations of the nested
 prim_funcs, which refer to closure variables.
@@ -63,8 +68,10 @@ def _jit_fwd_ws():
         block_h, n_hblk = head_block(heads)
         dh = d_v // 2
         d_tail = d_qk - d_v
-        if dh % 64 or d_tail % 64 or block_i % 16:
-            raise ValueError(f"ws kernel needs d_v/2 and d_qk-d_v multiples of 64, block_i % 16 == 0; got {d_v}, {d_qk}, {block_i}")
+        has_tail = d_tail > 0  # GLM-5: the 64 RoPE channels; none for a NoPE latent (GLM-5.3-Flash, d_qk == d_v)
+        if dh % 64 or d_tail % 64 or d_tail < 0 or block_i % 16:
+            raise ValueError(f"ws kernel needs d_v/2 and d_qk-d_v >= 0 multiples of 64, block_i % 16 == 0; got "
+                             f"{d_v}, {d_qk}, {block_i}")
         scale_log2 = softmax_scale * LOG2E
         bi = block_i
         t_len = T.dynamic("t_len")
@@ -87,12 +94,14 @@ def _jit_fwd_ws():
             if wgmma:
                 T.wgmma_gemm(q_l, kv_l, acc_s, transpose_B=True)
                 T.wgmma_gemm(q_r, kv_r, acc_s, transpose_B=True)
-                T.wgmma_gemm(q_t, kt, acc_s, transpose_B=True)
+                if has_tail:
+                    T.wgmma_gemm(q_t, kt, acc_s, transpose_B=True)
                 T.wait_wgmma(0)
             else:
                 T.gemm(q_l, kv_l, acc_s, transpose_B=True)
                 T.gemm(q_r, kv_r, acc_s, transpose_B=True)
-                T.gemm(q_t, kt, acc_s, transpose_B=True)
+                if has_tail:
+                    T.gemm(q_t, kt, acc_s, transpose_B=True)
 
         @T.macro
         def softmax_and_pv_left(kv_l, acc_s, acc_ol, m_i, m_prev, alpha, l_i, l_blk, alpha_s, p_s, bar_p_ready):
@@ -152,14 +161,15 @@ def _jit_fwd_ws():
                         8,
                         predicate=valid,
                     )
-                for c in T.unroll(d_tail // 64):
-                    col = c * 64 + lane * 8
-                    T.ptx_cp_async(
-                        T.access_ptr(kt[row, col], "w", 8),
-                        T.access_ptr(KV[src, d_v + col], "r", 8),
-                        8,
-                        predicate=valid,
-                    )
+                if has_tail:
+                    for c in T.unroll(d_tail // 64):
+                        col = c * 64 + lane * 8
+                        T.ptx_cp_async(
+                            T.access_ptr(kt[row, col], "w", 8),
+                            T.access_ptr(KV[src, d_v + col], "r", 8),
+                            8,
+                            predicate=valid,
+                        )
 
         @T.prim_func
         def main(
@@ -173,13 +183,14 @@ def _jit_fwd_ws():
             with T.Kernel(t_len, n_hblk, threads=384) as (t, hb):
                 q_l = T.alloc_shared([block_h, dh], bf16)
                 q_r = T.alloc_shared([block_h, dh], bf16)
-                q_t = T.alloc_shared([block_h, d_tail], bf16)
+                # no tail buffers (None) for a NoPE latent: every tail step below is skipped at trace time
+                q_t = T.alloc_shared([block_h, d_tail], bf16) if has_tail else None
                 kv0_l = T.alloc_shared([bi, dh], bf16)
                 kv0_r = T.alloc_shared([bi, dh], bf16)
-                kt0 = T.alloc_shared([bi, d_tail], bf16)
+                kt0 = T.alloc_shared([bi, d_tail], bf16) if has_tail else None
                 kv1_l = T.alloc_shared([bi, dh], bf16)
                 kv1_r = T.alloc_shared([bi, dh], bf16)
-                kt1 = T.alloc_shared([bi, d_tail], bf16)
+                kt1 = T.alloc_shared([bi, d_tail], bf16) if has_tail else None
                 p_s = T.alloc_shared([block_h, bi], bf16)
                 alpha_s = T.alloc_shared([block_h], f32)
                 l_s = T.alloc_shared([block_h], f32)
@@ -207,7 +218,8 @@ def _jit_fwd_ws():
                 # 16 B vector loads spread over all 384 threads; padded heads load as zeros, never stored (P6).
                 load_q(Q, t, h0, tx, q_l, 0, dh)
                 load_q(Q, t, h0, tx, q_r, dh, dh)
-                load_q(Q, t, h0, tx, q_t, d_v, d_tail)
+                if has_tail:
+                    load_q(Q, t, h0, tx, q_t, d_v, d_tail)
                 T.fence_proxy_async()
                 T.barrier_arrive(bar_q)
 
@@ -298,6 +310,9 @@ def _jit_fwd_simple():
     ):
         block_h, n_hblk = head_block(heads)
         d_tail = d_qk - d_v
+        has_tail = d_tail > 0  # see the ws kernel
+        if d_tail < 0:
+            raise ValueError(f"simple kernel needs d_qk >= d_v; got {d_qk}, {d_v}")
         scale_log2 = softmax_scale * LOG2E
         bi = block_i
         t_len = T.dynamic("t_len")
@@ -316,9 +331,9 @@ def _jit_fwd_simple():
         ):
             with T.Kernel(t_len, n_hblk, threads=threads) as (t, hb):
                 q_s = T.alloc_shared([block_h, d_v], bf16)
-                qt_s = T.alloc_shared([block_h, d_tail], bf16)
+                qt_s = T.alloc_shared([block_h, d_tail], bf16) if has_tail else None
                 kv_s = T.alloc_shared([bi, d_v], bf16)
-                kt_s = T.alloc_shared([bi, d_tail], bf16)
+                kt_s = T.alloc_shared([bi, d_tail], bf16) if has_tail else None
                 p_s = T.alloc_shared([block_h, bi], bf16)
                 acc_s = T.alloc_fragment([block_h, bi], f32)
                 acc_o = T.alloc_fragment([block_h, d_v], f32)
@@ -331,8 +346,9 @@ def _jit_fwd_simple():
                 h0 = hb * block_h
                 for h, d in T.Parallel(block_h, d_v):
                     q_s[h, d] = T.if_then_else(h0 + h < heads, Q[t, h0 + h, d], 0)
-                for h, d in T.Parallel(block_h, d_tail):
-                    qt_s[h, d] = T.if_then_else(h0 + h < heads, Q[t, h0 + h, d_v + d], 0)
+                if has_tail:
+                    for h, d in T.Parallel(block_h, d_tail):
+                        qt_s[h, d] = T.if_then_else(h0 + h < heads, Q[t, h0 + h, d_v + d], 0)
                 T.fill(acc_o, 0)
                 T.fill(l_i, 0)
                 T.fill(m_i, -(2.0**30))
@@ -343,14 +359,16 @@ def _jit_fwd_simple():
                     for j, d in T.Parallel(bi, d_v):
                         raw = T.if_then_else(i * bi + j < topk, Idx[t, T.min(i * bi + j, topk - 1)], -1)
                         kv_s[j, d] = T.if_then_else((raw >= 0) and (raw < t_kv), KV[T.max(raw, 0), d], 0)
-                    for j, d in T.Parallel(bi, d_tail):
-                        raw = T.if_then_else(i * bi + j < topk, Idx[t, T.min(i * bi + j, topk - 1)], -1)
-                        kt_s[j, d] = T.if_then_else((raw >= 0) and (raw < t_kv), KV[T.max(raw, 0), d_v + d], 0)
+                    if has_tail:
+                        for j, d in T.Parallel(bi, d_tail):
+                            raw = T.if_then_else(i * bi + j < topk, Idx[t, T.min(i * bi + j, topk - 1)], -1)
+                            kt_s[j, d] = T.if_then_else((raw >= 0) and (raw < t_kv), KV[T.max(raw, 0), d_v + d], 0)
                     for h, j in T.Parallel(block_h, bi):
                         raw = T.if_then_else(i * bi + j < topk, Idx[t, T.min(i * bi + j, topk - 1)], -1)
                         acc_s[h, j] = T.if_then_else((raw >= 0) and (raw < t_kv), 0, -T.infinity(f32))
                     T.gemm(q_s, kv_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                    T.gemm(qt_s, kt_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                    if has_tail:
+                        T.gemm(qt_s, kt_s, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                     T.copy(m_i, m_prev)
                     T.reduce_max(acc_s, m_i, dim=1, clear=False)
                     for h in T.Parallel(block_h):
@@ -396,11 +414,12 @@ def check_sparse_mla_args(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tens
         raise ValueError(f"indices must be [T={t_len}, K], got {tuple(indices.shape)}")
     if not 1 <= heads <= 128:
         raise ValueError(f"heads per rank must be in [1, 128], got {heads}")
-    if not 0 < d_v < d_qk:
-        raise ValueError(f"d_v must be in (0, d_qk={d_qk}), got {d_v}")
+    if not 0 < d_v <= d_qk:
+        raise ValueError(f"d_v must be in (0, d_qk={d_qk}], got {d_v}")
     if d_v % 128 or (d_qk - d_v) % 64:
         raise ValueError(
-            f"kernels support d_v % 128 == 0 and (d_qk - d_v) % 64 == 0 (GLM-5: 512 + 64), got d_v={d_v}, d_qk={d_qk}"
+            f"kernels support d_v % 128 == 0 and (d_qk - d_v) % 64 == 0 (GLM-5: 512 + 64 RoPE; GLM-5.3-Flash: "
+            f"512 + 0), got d_v={d_v}, d_qk={d_qk}"
         )
     if indices.shape[1] == 0:
         raise ValueError("indices must have at least one slot (K >= 1)")

@@ -361,3 +361,33 @@ def test_indexer_topk_short_rows_pad_with_minus_one():
     assert out.shape == (100, 2048) and (out[:, 100:] == -1).all()
     checked, mismatched = compare_topk(out, q, k, w, starts, ends, 2048)
     assert mismatched == 0
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# NoPE latent (GLM-5.3-Flash): d_qk == d_v == 512, KPool top-k width index_topk + P - 1 = 2051
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["ws", "simple"])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_nope_latent_fwd_bwd_matches_reference(variant, deterministic):
+    """The same kernels without a RoPE tail; softmax scale 1/16 (= qk_head_dim 256 ** -0.5, never 512 ** -0.5), a
+    top-k width that is no multiple of the block, -1 padded rows."""
+    t_len, heads, d, topk = 2500, 64, 512, 2051
+    g = torch.Generator(device="cuda").manual_seed(50)
+    q = torch.randn(t_len, heads, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    kv = torch.randn(t_len, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    idx = causal_random_indices(t_len, topk, "cuda", generator=g)
+    idx[5] = -1
+    grad_out = torch.randn(t_len, heads, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    out, lse = bwd_mod.sparse_mla_autograd(q, kv, idx, SCALE, d, deterministic=deterministic, variant=variant)
+    out.backward(grad_out)
+    qf, kvf = q.detach().float().requires_grad_(), kv.detach().float().requires_grad_()
+    o_ref, l_ref = ref.sparse_mla(qf, kvf, idx, SCALE, d, chunk=256)
+    o_ref.backward(grad_out.float())
+    cos, lse_err = cosine(out, o_ref), check_lse(lse, l_ref.detach())
+    cq, ckv = cosine(q.grad, qf.grad), cosine(kv.grad, kvf.grad)
+    print(f"NoPE {variant} det={deterministic}: fwd cos={cos:.7f} lse_err={lse_err:.2e} dq cos={cq:.6f} "
+          f"dkv cos={ckv:.6f}")
+    assert cos >= 0.9999 and lse_err < 2e-3 and cq >= 0.999 and ckv >= 0.999
+    assert (out[5] == 0).all() and torch.isinf(lse[5]).all()

@@ -1,0 +1,174 @@
+"""GLM-5.3-Flash architecture -> megatron-core ``MLATransformerConfig`` kwargs for its NoPE DSA and MLP/MoE layers.
+
+The glm5_next counterpart of :mod:`megatron_glm5.config`'s steps 2-3, for the pieces megatron-core can express (the
+KDA and mHC fields come with the layers that read them). Same three visible sections:
+
+1. ``_DIRECT_FIELDS``: a 1:1 ``(GLM5NextArchitecture field, megatron-core field)`` table, checked for duplicate
+   targets at import.
+2. Fixed numerics (``_CONSTANTS``) and derived fields (:func:`architecture_kwargs`): MoE layer pattern, shared-expert
+   width, clamped SwiGLU (:func:`megatron_glm5.glm5_next.swiglu.clamped_swiglu_kwargs`).
+3. Pitfalls, each with its cause:
+
+   * NoPE. megatron-core's MLA has no NoPE switch: it always builds a rotary embedding, defaulting to YaRN with
+     ``qk_pos_emb_head_dim = 64`` and ``rotary_scaling_factor = 40``. Set ``qk_pos_emb_head_dim = 0`` and plain
+     ``rope_type = "rope"`` with ``rotary_scaling_factor = 1``, ``mscale_all_dim = 0`` (its ``RotaryEmbedding(0)`` on a
+     width-0 slice is a no-op; a width-0 ``YarnRotaryEmbedding`` is avoided). The softmax scale is then
+     ``1 / sqrt(qk_head_dim + 0) = 1/16``, as in transformers (``qk_head_dim ** -0.5``); the absorbed latent is
+     ``kv_lora_rank = 512`` wide for q/k and v, and anything that derives the scale from that width (``512 ** -0.5``)
+     is wrong.
+   * megatron-core's naming trap, as for GLM-5: its ``qk_head_dim`` is HF's ``qk_nope_head_dim``.
+   * The clamped SwiGLU must run megatron-core's unfused GLU: ``bias_activation_fusion`` (which a CUDA runtime policy
+     turns on with the other torch fusions) silently drops the clamp, so the architecture's ``False`` wins over the
+     policy here (and :func:`~megatron_glm5.glm5_next.swiglu.check_clamped_swiglu` refuses it at spec build).
+   * KPool has no megatron-core field: :class:`GLM5NextTransformerConfig` adds ``dsa_indexer_kpool`` /
+     ``dsa_indexer_kpool_select_tail`` to ``MLATransformerConfig`` (validated in ``__post_init__``).
+   * ``attention_bias``: megatron-core's AbsorbedMLA asserts ``add_bias_linear=False``; a config with biases is
+     refused here, naming the field.
+   * ``weights_proj`` runs in the model dtype in glm5_next (GLM-5 kept it fp32): our KPool indexer follows
+     transformers; ``dsa_indexer_k_norm_fp32`` only matters to megatron-core's own indexer forward, which KPool
+     layers never call.
+
+Pure: no I/O, no globals, no distributed state. The IndexShare pattern and the per-layer attention types are not
+config fields: the block spec takes them explicitly (``megatron_glm5.glm5_next.spec``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+from megatron_glm5.config import GLM5ConfigError, RuntimePolicy, runtime_kwargs
+
+from .config import GLM5NextArchitecture, parse_glm5_next_config
+from .swiglu import clamped_swiglu_kwargs
+
+
+@dataclass
+class GLM5NextTransformerConfig(MLATransformerConfig):
+    """megatron-core's ``MLATransformerConfig`` plus the KPool indexer's pool settings (no megatron-core field)."""
+
+    dsa_indexer_kpool: int = 1
+    """Pool size ``P`` of the KPool indexer (HF ``index_kpool``): pools of ``P`` consecutive tokens are scored."""
+
+    dsa_indexer_kpool_select_tail: bool = True
+    """Append the query's incomplete tail pool (HF ``index_kpool_always_select_tail``): top-k width
+    ``dsa_indexer_topk + dsa_indexer_kpool - 1``."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.dsa_indexer_kpool < 1:
+            raise GLM5ConfigError(f"dsa_indexer_kpool: expected a positive pool size, found {self.dsa_indexer_kpool}")
+        if self.dsa_indexer_topk is not None and self.dsa_indexer_topk % self.dsa_indexer_kpool:
+            raise GLM5ConfigError(
+                f"dsa_indexer_topk: expected a multiple of dsa_indexer_kpool ({self.dsa_indexer_kpool}), found "
+                f"{self.dsa_indexer_topk} (HF index_topk must be a multiple of index_kpool)"
+            )
+
+    @property
+    def dsa_topk_width(self) -> int:
+        """Width of the KPool top-k rows: ``dsa_indexer_topk`` plus ``P - 1`` tail slots when the tail is on."""
+        tail = self.dsa_indexer_kpool - 1 if self.dsa_indexer_kpool_select_tail else 0
+        return self.dsa_indexer_topk + tail
+
+
+# (GLM5NextArchitecture field, megatron-core field)
+_DIRECT_FIELDS: tuple[tuple[str, str], ...] = (
+    ("num_hidden_layers", "num_layers"),
+    ("hidden_size", "hidden_size"),
+    ("num_attention_heads", "num_attention_heads"),
+    ("intermediate_size", "ffn_hidden_size"),
+    ("q_lora_rank", "q_lora_rank"),
+    ("kv_lora_rank", "kv_lora_rank"),
+    ("qk_nope_head_dim", "qk_head_dim"),  # naming trap: megatron's qk_head_dim is HF's nope part
+    ("qk_rope_head_dim", "qk_pos_emb_head_dim"),  # 0: NoPE
+    ("v_head_dim", "v_head_dim"),
+    ("rms_norm_eps", "layernorm_epsilon"),  # every RMSNorm, incl. q_a / kv_a (transformers reads rms_norm_eps too)
+    ("index_n_heads", "dsa_indexer_n_heads"),
+    ("index_head_dim", "dsa_indexer_head_dim"),
+    ("index_topk", "dsa_indexer_topk"),
+    ("indexer_k_norm_eps", "dsa_indexer_k_norm_epsilon"),  # hard-coded 1e-6 LayerNorm in transformers
+    ("index_kpool", "dsa_indexer_kpool"),
+    ("index_kpool_always_select_tail", "dsa_indexer_kpool_select_tail"),
+    ("attention_dropout", "attention_dropout"),
+    ("n_routed_experts", "num_moe_experts"),
+    ("num_experts_per_tok", "moe_router_topk"),
+    ("moe_intermediate_size", "moe_ffn_hidden_size"),
+    ("routed_scaling_factor", "moe_router_topk_scaling_factor"),
+)
+_targets = [t for _, t in _DIRECT_FIELDS]
+assert len(_targets) == len(set(_targets)), "duplicate megatron-core target in _DIRECT_FIELDS"
+
+# Fixed GLM-5.3-Flash numerics that are not stored in config.json.
+_CONSTANTS: dict[str, Any] = dict(
+    multi_latent_attention=True,
+    normalization="RMSNorm",
+    qk_layernorm=True,
+    add_bias_linear=False,  # checked against attention_bias
+    add_qkv_bias=False,
+    apply_rope_fusion=False,  # megatron-core asserts this for DSA; the fused MLA RoPE is unverified at width 0
+    # NoPE on megatron-core (pitfalls): a width-0 plain RoPE, scale 1/sqrt(qk_head_dim)
+    rope_type="rope",
+    rotary_scaling_factor=1.0,
+    mscale=1.0,
+    mscale_all_dim=0.0,
+    experimental_attention_variant="dsa",
+    dsa_indexer_rotate_activation=False,  # no Hadamard
+    dsa_indexer_scoring_relu=True,
+    dsa_indexer_k_norm_fp32=True,
+    dsa_indexer_topk_freq=1,  # IndexShare is passed per layer to the block spec, never as freq/offset
+    dsa_indexer_skip_topk_offset=0,
+    moe_router_score_function="sigmoid",
+    moe_router_enable_expert_bias=True,  # e_score_correction_bias
+    moe_router_pre_softmax=True,
+    moe_router_dtype="fp32",
+    hidden_dropout=0.0,
+)
+
+
+def architecture_kwargs(arch: GLM5NextArchitecture) -> dict[str, Any]:
+    """megatron-core kwargs that describe the checkpoint's NoPE DSA and MLP/MoE layers (no runtime policy)."""
+    if arch.attention_bias:
+        raise GLM5ConfigError(
+            "config field 'attention_bias': expected false (megatron-core's AbsorbedMLA has no q_a / kv_a / o_proj "
+            "bias), found true"
+        )
+    if arch.qk_rope_head_dim != 0:  # parse_glm5_next_config refuses it too; an architecture may be built by hand
+        raise GLM5ConfigError(
+            f"config field 'qk_rope_head_dim': expected 0 (GLM-5.3-Flash attention has no RoPE), found "
+            f"{arch.qk_rope_head_dim}"
+        )
+    kw: dict[str, Any] = {mcore: getattr(arch, hf) for hf, mcore in _DIRECT_FIELDS}
+    kw.update(_CONSTANTS)
+    kw.update(clamped_swiglu_kwargs(arch.swiglu_limit))
+    kw["moe_layer_freq"] = [1 if t == "sparse" else 0 for t in arch.mlp_layer_types]
+    kw["moe_shared_expert_intermediate_size"] = arch.shared_expert_intermediate_size or None
+    if arch.n_group > 1:
+        kw["moe_router_num_groups"] = arch.n_group
+        kw["moe_router_group_topk"] = arch.topk_group
+    kw["mtp_num_layers"] = arch.num_nextn_predict_layers or None
+    return kw
+
+
+def mcore_kwargs(
+    arch: GLM5NextArchitecture | Mapping[str, Any], policy: RuntimePolicy | None = None
+) -> dict[str, Any]:
+    """All :class:`GLM5NextTransformerConfig` kwargs: the architecture's (a raw ``config.json`` dict is parsed first),
+    then the policy's. The clamped SwiGLU's ``bias_activation_fusion=False`` overrides the policy's fusions."""
+    if not isinstance(arch, GLM5NextArchitecture):
+        arch = parse_glm5_next_config(arch)
+    a = architecture_kwargs(arch)
+    r = runtime_kwargs(policy or RuntimePolicy())
+    r.pop("bias_activation_fusion")  # the fused bias-SwiGLU takes no clamp (pitfalls)
+    overlap = set(a) & set(r)
+    assert not overlap, f"architecture and runtime kwargs overlap: {sorted(overlap)}"
+    return {**a, **r}
+
+
+def build_transformer_config(
+    arch: GLM5NextArchitecture | Mapping[str, Any], policy: RuntimePolicy | None = None
+) -> GLM5NextTransformerConfig:
+    """Instantiate :class:`GLM5NextTransformerConfig` (megatron-core's own validation runs in ``__post_init__``)."""
+    return GLM5NextTransformerConfig(**mcore_kwargs(arch, policy))
+

@@ -1,0 +1,284 @@
+"""Layer and block specs for GLM-5.3-Flash's NoPE DSA + MLP/MoE layers on megatron-core, on both attention backends.
+
+:func:`build_glm5_next_layer_spec` builds one decoder layer from its four per-layer choices:
+
+* ``layer_type`` (HF ``layer_types[i]``): ``"indexed_attention"`` = NoPE MLA DSA with the KPool indexer
+  (:mod:`.attention`). ``"linear_attention"`` (KDA) is refused until the KDA layer exists;
+* ``mlp_type`` (HF ``mlp_layer_types[i]``): ``"dense"`` = megatron-core ``MLP``, ``"sparse"`` = ``MoELayer`` (sigmoid
+  router with expert bias, routed experts, one shared expert), both with the clamped SwiGLU;
+* ``indexer_type`` (HF ``indexer_types[i]``): ``"full"`` layers own a KPool indexer, ``"shared"`` layers reuse the
+  top-k of the nearest earlier full DSA layer and own no indexer parameters;
+* ``backend``: ``"megatron"`` (megatron-core AbsorbedMLA) or ``"tilelang"`` (our fused TileLang path).
+
+The layer is a plain pre-norm residual layer (:class:`GLM5NextTransformerLayer`); the mHC residual streams of the
+real model wrap it in a later step.
+
+Top-k passing: a DSA layer takes the incoming top-k and returns its own through the layer ``context`` slot (see
+:mod:`megatron_glm5.layer`); a "shared" layer attends with the incoming one. Any layer without DSA attention (the
+KDA layers to come) must return the ``context`` it received, unchanged, so the top-k reaches the next DSA layer
+across it: the source of a shared layer is the nearest earlier *full DSA* layer (:func:`topk_sources`), not the
+previous decoder layer (transformers 5.24 only passes it between adjacent layers). A pipeline stage starts with no
+top-k, so its first DSA layer must be full (:func:`validate_stage_layers`).
+
+Build-time refusals, each naming the field: a config that is not GLM-5.3-Flash-shaped
+(:func:`check_glm5_next_numerics`: rope width > 0, ``dsa_indexer_topk % dsa_indexer_kpool``, Hadamard, ...), and
+every megatron-core path that drops the SwiGLU clamp (the config flags via
+:func:`~.swiglu.check_clamped_swiglu`; the built MLP modules again in :class:`GLM5NextTransformerLayer`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.experimental_attention_variant.absorbed_mla import AbsorbedMLASelfAttentionSubmodules
+from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerSubmodules, DSAttentionSubmodules
+from megatron.core.transformer.multi_latent_attention import MLASelfAttentionSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
+
+from megatron_glm5.config import INDEXER_K_NORM_EPS, GLM5ConfigError
+from megatron_glm5.dsa.attention import GLMAbsorbedMLASelfAttention
+from megatron_glm5.dsa.kpool_indexer import KPoolIndexer
+from megatron_glm5.layer import GLMTransformerLayer
+from megatron_glm5.providers import default_provider
+from megatron_glm5.spec import _local_layer_ids, _mla_fields, check_runtime_dependencies
+from megatron_glm5.tilelang_attention import TileLangMLASelfAttention
+
+from .attention import GLM5NextSparseAttention, TileLangGLM5NextSparseAttention
+from .swiglu import ClampedSwiGLUError, check_clamped_swiglu, check_clamped_swiglu_modules
+
+LAYER_TYPES = ("indexed_attention", "linear_attention")
+MLP_TYPES = ("dense", "sparse")
+INDEXER_TYPES = ("full", "shared")
+
+
+@dataclass(frozen=True, slots=True)
+class NoPEDSABackend:
+    """One backend's NoPE DSA attention: the GLM-5 attention module with the glm5_next (KPool) core attention."""
+
+    attention: type
+    core_attention: type
+    submodules: type
+
+
+BACKENDS: dict[str, NoPEDSABackend] = {
+    "megatron": NoPEDSABackend(GLMAbsorbedMLASelfAttention, GLM5NextSparseAttention,
+                               AbsorbedMLASelfAttentionSubmodules),
+    "tilelang": NoPEDSABackend(TileLangMLASelfAttention, TileLangGLM5NextSparseAttention, MLASelfAttentionSubmodules),
+}
+
+
+def _choice(value: str, valid: Sequence[str], what: str) -> str:
+    if value not in valid:
+        raise ValueError(f"{what}: expected one of {list(valid)}, got {value!r}")
+    return value
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# config check
+# --------------------------------------------------------------------------------------------------------------------
+
+_REQUIRED = (
+    # (attribute, expected, why)
+    ("qk_pos_emb_head_dim", 0, "GLM-5.3-Flash attention is NoPE (HF qk_rope_head_dim = 0)"),
+    ("multi_latent_attention", True, "MLA"),
+    ("experimental_attention_variant", "dsa", "DSA attention"),
+    ("rope_type", "rope", "a width-0 plain RoPE; YaRN would build a width-0 YarnRotaryEmbedding"),
+    ("apply_rope_fusion", False, "the fused MLA RoPE is unverified at width 0 (and refused for DSA)"),
+    ("dsa_indexer_rotate_activation", False, "no Hadamard in the KPool indexer"),
+    ("dsa_indexer_scoring_relu", True, "ReLU'd indexer scores"),
+    ("dsa_indexer_k_norm_epsilon", INDEXER_K_NORM_EPS, "transformers' k_norm LayerNorm eps"),
+    ("qk_layernorm", True, "q_a / kv_a RMSNorms"),
+    ("add_bias_linear", False, "no attention / MLP bias"),
+)
+
+
+def check_glm5_next_numerics(config) -> None:
+    """Refuse a config that would not run GLM-5.3-Flash's NoPE DSA + clamped-SwiGLU layers; names every bad field."""
+    if not hasattr(config, "dsa_indexer_kpool"):
+        raise GLM5ConfigError(
+            f"config is a {type(config).__name__} without dsa_indexer_kpool: build it with "
+            "megatron_glm5.glm5_next.mcore_config.build_transformer_config (GLM5NextTransformerConfig)"
+        )
+    bad = [f"{attr}={getattr(config, attr, None)!r} (expected {want!r}: {why})"
+           for attr, want, why in _REQUIRED if getattr(config, attr, None) != want]
+    if config.dsa_indexer_kpool < 1 or config.dsa_indexer_topk % config.dsa_indexer_kpool:
+        bad.append(f"dsa_indexer_topk={config.dsa_indexer_topk!r} (expected a multiple of "
+                   f"dsa_indexer_kpool={config.dsa_indexer_kpool!r}: whole pools)")
+    if config.num_moe_experts and config.moe_router_score_function != "sigmoid":
+        bad.append(f"moe_router_score_function={config.moe_router_score_function!r} (expected 'sigmoid')")
+    limit = config.activation_func_clamp_value
+    if limit is None:
+        bad.append("activation_func_clamp_value=None (expected the checkpoint's swiglu_limit: clamped SwiGLU)")
+    else:
+        try:
+            check_clamped_swiglu(config, limit)
+        except ClampedSwiGLUError as e:
+            bad.append(str(e))
+    if bad:
+        raise GLM5ConfigError("config is not GLM-5.3-Flash-shaped: " + "; ".join(bad))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# layer spec
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class GLM5NextTransformerLayer(GLMTransformerLayer):
+    """GLM-5.x DSA layer (top-k through ``context``) whose MLP is checked, once built, to apply the SwiGLU clamp:
+    a fused class chosen by a spec (``TEFusedMLP`` ...) is invisible in the config."""
+
+    def __init__(self, config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        check_clamped_swiglu_modules(self.mlp, config.activation_func_clamp_value)
+
+
+def kpool_indexer_spec(provider) -> ModuleSpec:
+    """megatron-core ``DSAIndexer`` submodules (replicated projections and ``k_norm``) + KPool parameters."""
+    return ModuleSpec(
+        module=KPoolIndexer,
+        submodules=DSAIndexerSubmodules(
+            linear_wq_b=provider.linear(),
+            linear_wk=provider.linear(),
+            k_norm=provider.replicated_norm(),
+            linear_weights_proj=provider.linear(),
+        ),
+    )
+
+
+def nope_dsa_attention_spec(indexer_type: str, backend: str, provider) -> ModuleSpec:
+    """The self-attention spec of a NoPE DSA layer; "shared" layers get no indexer."""
+    _choice(indexer_type, INDEXER_TYPES, "indexer_type")
+    try:
+        chosen = BACKENDS[backend]
+    except KeyError:
+        raise ValueError(f"unknown GLM-5.3-Flash attention backend {backend!r}; valid backends: "
+                         f"{sorted(BACKENDS)}") from None
+    core = ModuleSpec(
+        module=chosen.core_attention,
+        params={"indexer_type": indexer_type},
+        submodules=DSAttentionSubmodules(indexer=kpool_indexer_spec(provider) if indexer_type == "full" else None),
+    )
+    return ModuleSpec(
+        module=chosen.attention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=chosen.submodules(**_mla_fields(provider), core_attention=core),
+    )
+
+
+def mlp_spec(config, mlp_type: str, provider) -> Callable:
+    """Dense ``MLP`` or ``MoELayer`` with megatron-core's unfused (clamping) GLU: never the TE op fuser."""
+    if _choice(mlp_type, MLP_TYPES, "mlp_type") == "sparse":
+        if not config.num_moe_experts:
+            raise GLM5ConfigError("mlp_type 'sparse' needs num_moe_experts > 0 in the config")
+        return get_moe_module_spec_for_backend(backend=provider, num_experts=config.num_moe_experts,
+                                               moe_grouped_gemm=config.moe_grouped_gemm)
+    return get_mlp_module_spec_for_backend(backend=provider, num_experts=None, use_te_op_fuser=False)
+
+
+def build_glm5_next_layer_spec(config, layer_type: str, mlp_type: str, indexer_type: str = "full",
+                               backend: str = "megatron", provider=None) -> ModuleSpec:
+    """One GLM-5.3-Flash decoder layer (module docstring). ``config`` is checked by
+    :func:`check_glm5_next_numerics` and :func:`megatron_glm5.spec.check_runtime_dependencies`."""
+    check_glm5_next_numerics(config)
+    check_runtime_dependencies(config)
+    if _choice(layer_type, LAYER_TYPES, "layer_type") == "linear_attention":
+        raise NotImplementedError(
+            "layer_type 'linear_attention' (KDA) has no megatron implementation yet; a KDA layer must return the "
+            "layer context (the DSA top-k) it receives unchanged"
+        )
+    provider = provider or default_provider()
+    return ModuleSpec(
+        module=GLM5NextTransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=provider.layer_norm(rms_norm=True),
+            self_attention=nope_dsa_attention_spec(indexer_type, backend, provider),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=provider.layer_norm(rms_norm=True),
+            mlp=mlp_spec(config, mlp_type, provider),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# IndexShare across non-DSA layers, pipeline split, block spec
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def topk_sources(layer_types: Sequence[str], indexer_types: Sequence[str]) -> tuple[int | None, ...]:
+    """Per layer: the DSA layer whose top-k it attends with (itself when full; the nearest earlier full DSA layer
+    when shared, skipping non-DSA layers), or None for a non-DSA layer. Raises naming ``indexer_types[i]`` for a
+    shared layer with no full DSA layer before it."""
+    if len(layer_types) != len(indexer_types):
+        raise GLM5ConfigError(f"layer_types ({len(layer_types)} entries) and indexer_types ({len(indexer_types)}) "
+                              "differ in length")
+    sources: list[int | None] = []
+    last_full = None
+    for i, (lt, it) in enumerate(zip(layer_types, indexer_types)):
+        _choice(lt, LAYER_TYPES, f"layer_types[{i}]")
+        _choice(it, INDEXER_TYPES, f"indexer_types[{i}]")
+        if lt != "indexed_attention":
+            sources.append(None)
+        elif it == "full":
+            last_full = i
+            sources.append(i)
+        elif last_full is None:
+            raise GLM5ConfigError(
+                f"indexer_types[{i}]: DSA layer {i} is 'shared' but no 'full' DSA layer comes before it to take the "
+                "top-k from; expected 'full'"
+            )
+        else:
+            sources.append(last_full)
+    return tuple(sources)
+
+
+def validate_stage_layers(layer_types: Sequence[str], indexer_types: Sequence[str],
+                          local_layer_ids: Sequence[int]) -> None:
+    """A pipeline stage (or virtual chunk) starts without a top-k: its first DSA layer must be full."""
+    sources = topk_sources(layer_types, indexer_types)
+    for i in local_layer_ids:
+        if sources[i] is None:
+            continue
+        if sources[i] != i:
+            raise GLM5ConfigError(
+                f"pipeline split is invalid for IndexShare: the first DSA layer of a stage is decoder layer {i} "
+                f"(0-indexed), a 'shared' layer that reuses the top-k of layer {sources[i]} on an earlier stage; "
+                f"start the stage at or before a 'full' DSA layer (full DSA layers: "
+                f"{[j for j, s in enumerate(sources) if s == j]})"
+            )
+        return
+
+
+def _mlp_types(config) -> tuple[str, ...]:
+    if not config.num_moe_experts:
+        return ("dense",) * config.num_layers
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return tuple("sparse" if i % freq == 0 else "dense" for i in range(config.num_layers))
+    return tuple("sparse" if f else "dense" for f in freq)
+
+
+def build_glm5_next_block_spec(config, *, layer_types: Sequence[str], indexer_types: Sequence[str],
+                               backend: str = "megatron", vp_stage: int | None = None, pp_rank: int | None = None,
+                               provider=None) -> TransformerBlockSubmodules:
+    """This pipeline stage's decoder layers. ``layer_types`` / ``indexer_types`` are the architecture's
+    (``GLM5NextArchitecture``); the MLP types come from ``config.moe_layer_freq``."""
+    check_glm5_next_numerics(config)
+    n = config.num_layers
+    for name, seq in (("layer_types", layer_types), ("indexer_types", indexer_types)):
+        if len(seq) != n:
+            raise GLM5ConfigError(f"{name} has {len(seq)} entries but the config has num_layers={n}")
+    local = _local_layer_ids(config, vp_stage, pp_rank)
+    validate_stage_layers(layer_types, indexer_types, local)
+    provider = provider or default_provider()
+    mlps = _mlp_types(config)
+    layers = [build_glm5_next_layer_spec(config, layer_types[i], mlps[i], indexer_types[i], backend, provider)
+              for i in local]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=provider.layer_norm(rms_norm=True))
