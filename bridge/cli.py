@@ -7,6 +7,8 @@
     megatron-glm5 clean PATH... [--dry-run]
     megatron-glm5 verify --hf-path DIR [--megatron-path DIR] [--num-layers N] [--dtype bf16|fp32] [--device cuda|cpu]
                          [--seq-len N] [--batch-size N] [--seed N] [--tol X]
+    megatron-glm5 rollout-parity --hf-path DIR --batch FILE [--backend megatron|tilelang] [--dtype bf16|fp32]
+                         [--device cuda|cpu] [--plot FILE] [--max-kl X]
 
 Exit status: every user error (a bad flag value, a missing or unreadable path, a file where a directory is
 expected, an unwritable output, a TP/PP/EP layout the model cannot take, a malformed checkpoint: a
@@ -164,6 +166,17 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--tol", type=_positive_float, default=None,
                      help="default: 1e-4 (fp32, on the max relative logit diff), 2e-2 (bf16, on the mean relative "
                           "logit diff with HF's choices replayed)")
+    rp = sub.add_parser("rollout-parity", help="our log-probs vs a rollout engine's, replay off and on (one JSON line)",
+                        description="Batch file format and metrics: see bridge/rollout_parity.py (README: RL).")
+    rp.add_argument("--hf-path", required=True)
+    rp.add_argument("--batch", required=True, help="rollout batch (.json or .safetensors)")
+    rp.add_argument("--backend", choices=["megatron", "tilelang"], default="megatron")
+    rp.add_argument("--dtype", choices=["bf16", "fp32"], default=None, help="default: bf16 on CUDA, fp32 on CPU")
+    rp.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when available")
+    rp.add_argument("--plot", help="write |d logprob| along the tokens and the per-layer top-k overlap (.svg; other "
+                                   "formats need matplotlib)")
+    rp.add_argument("--max-kl", type=_positive_float, default=None,
+                    help="exit 1 when the KL (replay on if the batch has replay data, else off) exceeds this")
     return parser
 
 
@@ -198,6 +211,19 @@ def _preflight(args) -> None:
         return
     if args.command == "clean":
         return  # it only lists and removes our own leftovers; bridge.output names anything unusable
+    if args.command == "rollout-parity":
+        from .rollout_parity import check_batch_path, check_plot_path
+
+        _hf_arch(args.hf_path)
+        check_batch_path(args.batch)
+        if args.plot is not None:
+            check_plot_path(args.plot)
+        if args.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise BridgeError("--device cuda: CUDA is not available on this machine; use --device cpu")
+        return
     if args.command == "verify":
         raw, arch = _hf_arch(args.hf_path)
         if raw.get("quantization_config"):
@@ -237,8 +263,9 @@ def _preflight(args) -> None:
         preflight.output_dir(args.hf_path, flag="--hf-path")
 
 
-_PATH_FLAGS = ("hf_path", "megatron_path", "hf_config", "work_dir", "out")
-_OUTPUT_FLAG = {"import": "megatron_path", "export": "hf_path", "roundtrip": "work_dir", "demo": "out"}
+_PATH_FLAGS = ("hf_path", "megatron_path", "hf_config", "work_dir", "out", "batch", "plot")
+_OUTPUT_FLAG = {"import": "megatron_path", "export": "hf_path", "roundtrip": "work_dir", "demo": "out",
+                "rollout-parity": "plot"}
 _ENVIRONMENT_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR,
                        errno.EISDIR, errno.ENOENT, errno.EEXIST}
 
@@ -284,6 +311,14 @@ def _run(args) -> int:
                                dtype=args.dtype, device=args.device)
         print(json.dumps(report), flush=True)
         return 0 if report["ok"] else 1
+    if args.command == "rollout-parity":
+        from .rollout_parity import rollout_parity
+
+        report = rollout_parity(hf_path=args.hf_path, batch=args.batch, backend=args.backend, dtype=args.dtype,
+                                device=args.device, plot=args.plot)
+        print(json.dumps(report), flush=True)
+        kl = report.get("replay_on", report["replay_off"])["kl"]
+        return 1 if args.max_kl is not None and kl > args.max_kl else 0
     if args.action == "import":
         r = bridge.convert_hf_to_megatron(hf_path=args.hf_path, megatron_path=args.megatron_path, tp=args.tp,
                                           pp=args.pp, ep=args.ep, dtype=args.dtype, iteration=args.iteration,

@@ -28,6 +28,7 @@ FROZEN_FLAGS = {
     "clean": ["--dry-run"],
     "verify": ["--batch-size", "--device", "--dtype", "--hf-path", "--megatron-path", "--num-layers", "--seed",
                "--seq-len", "--tol"],
+    "rollout-parity": ["--backend", "--batch", "--device", "--dtype", "--hf-path", "--max-kl", "--plot"],
 }
 
 

@@ -1,0 +1,118 @@
+"""``megatron-glm5 rollout-parity``: both batch formats, replay on and off, the plot, the CLI error contract.
+
+The rollout stand-in is transformers with its own q/kv latent norm eps (1e-6, a real, small numerical difference from
+ours), whose log-probs are the batch's ``rollout_logprobs``; its "engine" top-k and routed experts are our model's
+own choices encoded the way sglang returns them (base64, token-major, no row for the last token)."""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from bridge import cli
+from bridge.rollout_parity import RolloutBatch, load_batch, rollout_parity, save_batch
+from megatron_glm5 import from_hf_pretrained
+from megatron_glm5.rl.replay import capture_choices
+from megatron_glm5.testing import load_hf_reference_model, tiny_glm52_config, write_hf_checkpoint
+from tests.test_rl_logprobs import packed_batch
+
+RESPONSE = (30, 8, 20)  # rollout log-probs for the last R tokens of each sample (the "response")
+
+
+@pytest.fixture(scope="module")
+def rollout(tmp_path_factory, gloo_world):
+    from megatron.core import parallel_state as ps
+
+    from megatron_glm5.parallel import initialize_model_parallel
+
+    raw = tiny_glm52_config()
+    tmp = tmp_path_factory.mktemp("rollout_parity")
+    path = write_hf_checkpoint(tmp / "hf", raw, seed=11)
+    hf = load_hf_reference_model(path)  # transformers' own eps: a rollout engine that is slightly different
+    seqs, ids, cu = packed_batch(raw["vocab_size"])
+    initialize_model_parallel()
+    try:
+        choices = capture_choices(from_hf_pretrained(path), ids, cu)
+    finally:
+        ps.destroy_model_parallel()
+    samples = []
+    cu_l = cu.tolist()
+    for i, (s, r) in enumerate(zip(seqs, RESPONSE)):
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(s[None]).logits[0].float() / 0.8, -1)
+        token_lp = logp[:-1].gather(1, s[1:, None])[:, 0]  # log p(token t | < t) for t >= 1
+        a, b = cu_l[i], cu_l[i + 1]
+        enc = lambda x: base64.b64encode(x[:, a:b - 1].permute(1, 0, 2).contiguous().numpy().tobytes()).decode()  # noqa: E731
+        samples.append({"input_ids": s.tolist(), "rollout_logprobs": token_lp[-r:].tolist(),
+                        "indexer_topk": enc(choices["indexer_topk"]), "routed_experts": enc(choices["routed_experts"])})
+    batch_json = tmp / "batch.json"
+    batch_json.write_text(json.dumps({"temperature": 0.8, "samples": samples}))
+    return raw, path, batch_json, choices, tmp
+
+
+def test_report_replay_on_and_off(rollout, capsys, model_parallel):
+    raw, path, batch_json, choices, tmp = rollout
+    plot = tmp / "parity.svg"
+    assert cli.main(["rollout-parity", "--hf-path", str(path), "--batch", str(batch_json), "--plot", str(plot)]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["tokens"] == 80 and report["temperature"] == 0.8
+    for side in ("replay_off", "replay_on"):
+        m = report[side]
+        assert m["tokens"] == sum(RESPONSE) and 0 <= m["kl"] < 1e-3 and m["abs_diff_max"] < 0.2, m
+    print(f"\nrollout-parity: {report['replay_off']} / {report['replay_on']}")
+    assert report["replayed"] == ["indexer_topk", "routed_experts"]
+    assert set(report["indexer_overlap"]) == {"0", "2"} and set(report["routing_mismatch"]) == {"1", "2", "3"}
+    assert all(v["mean"] > 0.9 for v in report["indexer_overlap"].values())
+    svg = plot.read_text()
+    assert svg.startswith("<svg") and svg.count("<polyline") == 2 and "top-k overlap" in svg
+
+    # the same batch as safetensors (packed payload arrays, token-indexed rollout log-probs) gives the same numbers
+    data = load_batch(batch_json)
+    packed = RolloutBatch(input_ids=data.input_ids, cu_seqlens=data.cu_seqlens,
+                          rollout_logprobs=data.rollout_logprobs, indexer_topk=choices["indexer_topk"],
+                          routed_experts=choices["routed_experts"], temperature=0.8)
+    st = save_batch(tmp / "batch.safetensors", packed)
+    again = rollout_parity(hf_path=path, batch=st)
+    assert again["replay_off"] == report["replay_off"]
+    assert abs(again["replay_on"]["kl"] - report["replay_on"]["kl"]) < 1e-9
+
+
+def test_max_kl_fails_the_check(rollout, capsys, model_parallel):
+    _, path, batch_json, _, _ = rollout
+    assert cli.main(["rollout-parity", "--hf-path", str(path), "--batch", str(batch_json), "--max-kl", "1e-30"]) == 1
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    return err[0]
+
+
+def test_user_errors_are_one_line_exit_2(rollout, capsys, model_parallel):
+    raw, path, batch_json, _, tmp = rollout
+    base = ["rollout-parity", "--hf-path", str(path), "--batch"]
+    assert cli.main(base + [str(tmp / "missing.json")]) == 2
+    assert "no such file" in _one_error_line(capsys)
+    bad = tmp / "bad.json"
+    bad.write_text("{not json")
+    assert cli.main(base + [str(bad)]) == 2
+    assert "not valid JSON" in _one_error_line(capsys)
+    if importlib.util.find_spec("matplotlib") is None:
+        assert cli.main(base + [str(batch_json), "--plot", str(tmp / "p.png")]) == 2
+        assert "pip install matplotlib" in _one_error_line(capsys)
+    assert cli.main(base + [str(batch_json), "--plot", str(tmp / "no" / "p.svg")]) == 2
+    assert "does not exist" in _one_error_line(capsys)
+    data = json.loads(batch_json.read_text())
+    arr = torch.tensor(list(base64.b64decode(data["samples"][1]["indexer_topk"])), dtype=torch.uint8)
+    topk = arr.view(torch.int32).view(8, 4, raw["index_topk"]).clone()  # [L - 1, layers, k]
+    topk[3, 0, 0] = 6  # token 3 may not see position 6
+    data["samples"][1]["indexer_topk"] = base64.b64encode(topk.numpy().tobytes()).decode()
+    future = tmp / "future.json"
+    future.write_text(json.dumps(data))
+    assert cli.main(base + [str(future)]) == 2
+    line = _one_error_line(capsys)
+    assert "sample 1, layer 0, token 3: index 6 is in the future" in line
