@@ -72,9 +72,9 @@ def check_position_ids(model, args: tuple, kwargs: dict) -> None:
     pos = position_ids.reshape(-1).to(torch.int64)
     torch._assert_async(
         ((pos == layout.positions) | (layout.ends <= layout.starts)).all(),
-        "position_ids differ from the positions GLM-5.x attention uses (each row's offset in its sequence, THD "
-        "document or attention-mask range); megatron-core's MLA does not read position_ids: give documents as THD "
-        "packing (packed_seq_params) or as an attention_mask",
+        # torch's CUDA assert takes messages of at most 254 characters
+        "position_ids differ from the positions GLM-5.x attention uses (offsets in each sequence, THD document or "
+        "mask range); MLA ignores position_ids: give documents as THD packing or an attention_mask",
     )
 
 
