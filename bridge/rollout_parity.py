@@ -10,7 +10,7 @@ batch carries them, once with the engine's indexer top-k and routed experts repl
 * ``indexer_overlap``: per replayed layer, the mean and min over tokens of |replayed ∩ ours| / k, our top-k being
   computed by our indexer on the replayed forward's activations (so it isolates each layer's indexer);
   ``routing_mismatch``: per MoE layer, the fraction of token-expert choices our router would have made differently;
-* ``kl_reduction``: ``replay_off.kl / replay_on.kl``.
+* ``kl_reduction``: ``replay_off.kl / replay_on.kl``; each side also lists its ``worst_tokens``.
 
 Batch file (``--batch``), either format; ``n`` sequences of ``L_i`` tokens (prompt + response), ``T = sum L_i``:
 
@@ -200,8 +200,9 @@ def token_logprobs(position_logprobs, cu_seqlens: list[int]):
     return out
 
 
-def logprob_metrics(ours, rollout) -> dict:
-    """KL (k3 and k1) and |diff| over the tokens that have both log-probs."""
+def logprob_metrics(ours, rollout, cu_seqlens: list[int] | None = None, *, worst: int = 5) -> dict:
+    """KL (k3 and k1) and |diff| over the tokens that have both log-probs, and the ``worst`` tokens (largest |diff|:
+    packed index, sequence, position, ours, rollout)."""
     import torch
 
     ours, rollout = ours.double().cpu(), rollout.double().cpu()
@@ -209,8 +210,20 @@ def logprob_metrics(ours, rollout) -> dict:
     d = (ours - rollout)[valid]
     if d.numel() == 0:
         raise BridgeError("--batch: no token has a rollout log-prob to compare against")
-    return {"tokens": int(d.numel()), "kl": float((d.exp() - 1 - d).mean()), "kl_k1": float((-d).mean()),
-            "abs_diff_mean": float(d.abs().mean()), "abs_diff_max": float(d.abs().max())}
+    out = {"tokens": int(d.numel()), "kl": float((d.exp() - 1 - d).mean()), "kl_k1": float((-d).mean()),
+           "abs_diff_mean": float(d.abs().mean()), "abs_diff_max": float(d.abs().max())}
+    if cu_seqlens is not None:
+        where = valid.nonzero()[:, 0]
+        top = d.abs().topk(min(worst, d.numel())).indices
+        starts = torch.tensor(cu_seqlens[:-1])
+        rows = []
+        for i in top.tolist():
+            t = int(where[i])
+            seq = int(torch.searchsorted(starts, torch.tensor(t), right=True)) - 1
+            rows.append({"token": t, "sequence": seq, "position": t - int(starts[seq]),
+                         "ours": float(ours[t]), "rollout": float(rollout[t])})
+        out["worst_tokens"] = rows
+    return out
 
 
 def rollout_parity(*, hf_path: str | Path, batch: str | Path | RolloutBatch, backend: str = "megatron",
@@ -239,7 +252,7 @@ def rollout_parity(*, hf_path: str | Path, batch: str | Path | RolloutBatch, bac
     series = {}
     with torch.no_grad():
         off = token_logprobs(compute_logprobs(model, data.input_ids, data.cu_seqlens, **kw).cpu(), data.cu_seqlens)
-        report["replay_off"] = logprob_metrics(off, data.rollout_logprobs)
+        report["replay_off"] = logprob_metrics(off, data.rollout_logprobs, data.cu_seqlens)
         series["replay off"] = (off - data.rollout_logprobs).abs()
         if data.indexer_topk is not None or data.routed_experts is not None:
             stats = ReplayStats()
@@ -250,7 +263,7 @@ def rollout_parity(*, hf_path: str | Path, batch: str | Path | RolloutBatch, bac
                 raise BridgeError(f"--batch: {e}") from None
             on = token_logprobs(on.cpu(), data.cu_seqlens)
             summary = stats.summary()
-            report["replay_on"] = logprob_metrics(on, data.rollout_logprobs)
+            report["replay_on"] = logprob_metrics(on, data.rollout_logprobs, data.cu_seqlens)
             report["replayed"] = [n for n, v in (("indexer_topk", data.indexer_topk),
                                                  ("routed_experts", data.routed_experts)) if v is not None]
             report["indexer_overlap"] = {str(k): {"mean": v["mean"], "min": v["min"]}

@@ -35,22 +35,27 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def corpus(n: int, length: int, vocab: int, seed: int, phrase: int = 48, noise: float = 0.1) -> list[torch.Tensor]:
-    """``n`` sequences of ``length`` tokens: a random phrase of ``phrase`` tokens repeated with ``noise`` of its tokens
-    replaced, then (every other sequence) a second phrase: predicting a token needs the position ``phrase`` back."""
+def corpus(n: int, length: int, vocab: int, seed: int, *, table_seed: int = 0, phrase: int = 48,
+           noise: float = 0.1) -> list[torch.Tensor]:
+    """``n`` sequences of ``length`` tokens from a sparse Markov chain (each token has 4 likely successors, fixed by
+    ``table_seed``: learnable in a few hundred steps, so the model's distributions become peaked like a real LM's),
+    with ``noise`` of the tokens uniform; in every other sequence the second half repeats a phrase of ``phrase``
+    tokens (a long-range copy: attention and the DSA top-k matter there)."""
+    succ = torch.randint(2, vocab, (vocab, 4), generator=torch.Generator().manual_seed(table_seed))
+    probs = torch.tensor([0.7, 0.1, 0.1, 0.1])
     gen = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        p = torch.randint(2, vocab, (phrase,), generator=gen)
-        reps = -(-length // phrase)
-        seq = p.repeat(reps)[:length].clone()
-        if i % 2:
-            q = torch.randint(2, vocab, (phrase,), generator=gen)
-            seq[length // 2:] = q.repeat(reps)[: length - length // 2]
-        flip = torch.rand(length, generator=gen) < noise
-        seq[flip] = torch.randint(2, vocab, (int(flip.sum()),), generator=gen)
-        out.append(seq)
-    return out
+    seqs = torch.empty(n, length, dtype=torch.int64)
+    seqs[:, 0] = torch.randint(2, vocab, (n,), generator=gen)
+    choice = torch.multinomial(probs, n * length, replacement=True, generator=gen).view(n, length)
+    for t in range(1, length):
+        seqs[:, t] = succ[seqs[:, t - 1], choice[:, t]]
+    noisy = torch.rand(n, length, generator=gen) < noise
+    seqs[noisy] = torch.randint(2, vocab, (int(noisy.sum()),), generator=gen)
+    half = length // 2
+    for i in range(1, n, 2):
+        p = seqs[i, half:half + phrase].clone()
+        seqs[i, half:] = p.repeat(-(-(length - half) // phrase))[: length - half]
+    return list(seqs)
 
 
 def _cu(seqs) -> list[int]:
@@ -61,14 +66,16 @@ def _cu(seqs) -> list[int]:
 
 
 def train(path: Path, out_dir: Path, *, steps: int, seq: int, batch: int, lr: float, device: str, log) -> dict:
-    """fp32 SFT with compute_logprobs (megatron backend, torch paths), then export to ``out_dir`` in bf16."""
+    """SFT with compute_logprobs as the objective (``tilelang`` backend: bf16 on its kernels on CUDA, fp32 torch paths
+    on CPU), then export to ``out_dir`` in bf16."""
     from bridge import export_hf, from_hf_pretrained
     from megatron_glm5.config import RuntimePolicy
     from megatron_glm5.rl import compute_logprobs
 
-    policy = RuntimePolicy(params_dtype=torch.float32, dsa_kernel_backend="none", fusions=False,
-                           use_cpu_initialization=device == "cpu", perform_initialization=False)
-    model = from_hf_pretrained(path, policy=policy)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    policy = RuntimePolicy(params_dtype=dtype, fusions=False, use_cpu_initialization=device == "cpu",
+                           perform_initialization=False)
+    model = from_hf_pretrained(path, policy=policy, backend="tilelang")
     model.train()
     vocab = model.vocab_size
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -164,6 +171,10 @@ def run(*, steps: int, train_seq: int, train_batch: int, eval_tokens: int, eval_
     parity = rollout_parity(hf_path=trained, batch=batch, backend=backend,
                             dtype="bf16" if device == "cuda" else "fp32", plot=work / "rollout_parity.svg")
     report.update(parity)
+    for name, kw in (("topk_replay_only", dict(routed_experts=None)), ("routing_replay_only", dict(indexer_topk=None))):
+        one = RolloutBatch(**{**batch.__dict__, **kw})
+        report[name] = rollout_parity(hf_path=trained, batch=one, backend=backend,
+                                      dtype="bf16" if device == "cuda" else "fp32")["replay_on"]
     report["seconds"] = time.time() - t0
     report["ok"] = report["replay_on"]["kl"] * 2 <= report["replay_off"]["kl"]
     return report

@@ -98,6 +98,7 @@ def test_rollout_parity_replay_cuts_kl(parallel, tmp_path):
     if out:
         Path(out).write_text(json.dumps(report, indent=2) + "\n")
     print("\n[rollout parity]", json.dumps({k: report[k] for k in ("train", "replay_off", "replay_on",
+                                                                  "topk_replay_only", "routing_replay_only",
                                                                   "kl_reduction", "indexer_overlap",
                                                                   "routing_mismatch", "seconds")}))
     assert report["train"]["loss_last"] < report["train"]["loss_first"] - 1.0, "the model learned the corpus"
