@@ -140,7 +140,6 @@ def _all_or_none(values: list, what: str, p: Path):
 
 
 def _load_safetensors(p: Path) -> RolloutBatch:
-    import torch
     from safetensors import SafetensorError, safe_open
 
     try:

@@ -25,7 +25,8 @@ def test_assert_async_messages_fit_cuda():
     for path in sorted(PACKAGE.rglob("*.py")):
         src = path.read_text()
         for node in ast.walk(ast.parse(src)):
-            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "_assert_async" and len(node.args) > 1:
+            if (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "_assert_async"
+                    and len(node.args) > 1):
                 n = _longest_rendering(node.args[1], src)
                 assert n <= LIMIT, f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: message of ~{n} characters"
                 checked += 1

@@ -2,8 +2,8 @@
 [full, shared, full, shared] + MTP, index_topk 16, sequences of 40 / 9 / 31 tokens).
 
 Replaying the model's own choices reproduces its forward in every accepted payload form (sglang base64 token-major
-without the last token, layer-major arrays, one packed array; bitwise when every row is given); replayed indices reach the sparse
-attention exactly, on full layers and MTP, with IndexShare layers following their source; perturbing one layer's
+without the last token, layer-major arrays, one packed array; bitwise when every row is given); replayed indices
+reach the sparse attention exactly, on full layers and MTP, with IndexShare layers following their source; perturbing one layer's
 replay changes that layer and nothing before it; routing replay recomputes the weights from our router and reports
 the mismatch; malformed payloads fail with errors naming sample, layer and token; the replay buffers hold only the
 full / MoE layers of the rank's rows and at most two layers are staged at a time; runs with replay are bitwise
@@ -255,7 +255,8 @@ def test_replay_buffers_hold_only_the_rank_rows_of_replayed_layers(setup):
     lp_mod._run = spy
     try:
         with torch.no_grad():
-            compute_logprobs(model, ids, cu, topk_replay=choices["indexer_topk"], routing_replay=choices["routed_experts"])
+            compute_logprobs(model, ids, cu, topk_replay=choices["indexer_topk"],
+                             routing_replay=choices["routed_experts"])
     finally:
         lp_mod._run = original
     assert [s.max_staged for s in staged] == [2, 2]

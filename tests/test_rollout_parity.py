@@ -46,7 +46,10 @@ def rollout(tmp_path_factory, gloo_world):
             logp = torch.log_softmax(hf(s[None]).logits[0].float() / 0.8, -1)
         token_lp = logp[:-1].gather(1, s[1:, None])[:, 0]  # log p(token t | < t) for t >= 1
         a, b = cu_l[i], cu_l[i + 1]
-        enc = lambda x: base64.b64encode(x[:, a:b - 1].permute(1, 0, 2).contiguous().numpy().tobytes()).decode()  # noqa: E731
+
+        def enc(x, a=a, b=b):
+            return base64.b64encode(x[:, a:b - 1].permute(1, 0, 2).contiguous().numpy().tobytes()).decode()
+
         samples.append({"input_ids": s.tolist(), "rollout_logprobs": token_lp[-r:].tolist(),
                         "indexer_topk": enc(choices["indexer_topk"]), "routed_experts": enc(choices["routed_experts"])})
     batch_json = tmp / "batch.json"

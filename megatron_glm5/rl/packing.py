@@ -55,7 +55,8 @@ class ParallelSizes:
 
 @dataclass(frozen=True, slots=True)
 class PackedBatch:
-    """A packed batch of ``n`` sequences: ``input_ids`` int64 ``[T]``, ``cu_seqlens`` (a host list of ``n + 1`` ints)."""
+    """A packed batch of ``n`` sequences: ``input_ids`` int64 ``[T]``; ``cu_seqlens``, a host tuple of ``n + 1``
+    ints."""
 
     input_ids: torch.Tensor
     cu_seqlens: tuple[int, ...]

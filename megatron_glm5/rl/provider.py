@@ -37,7 +37,8 @@ from ..config import GLM5ConfigError, RuntimePolicy, load_hf_config, mcore_kwarg
 from ..spec import BACKENDS
 
 _FLAGS = (
-    ("--hf-checkpoint", dict(type=str, default=None, help="GLM-5.x HF checkpoint directory (defines the architecture)")),
+    ("--hf-checkpoint", dict(type=str, default=None,
+                             help="GLM-5.x HF checkpoint directory (defines the architecture)")),
     ("--dsa-attention-backend", dict(choices=sorted(BACKENDS), default="megatron",
                                      help="DSA attention backend: megatron-core modules ('megatron') or the fused "
                                           "TileLang attention ('tilelang')")),
@@ -59,7 +60,11 @@ def add_rl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def policy_from_args(args) -> RuntimePolicy:
     """The :class:`~megatron_glm5.config.RuntimePolicy` Megatron-LM-style ``args`` describe."""
-    get = lambda name, default=None: getattr(args, name, default) if getattr(args, name, None) is not None else default  # noqa: E731
+
+    def get(name: str, default=None):
+        value = getattr(args, name, None)
+        return default if value is None else value
+
     dtype = get("params_dtype")
     if dtype is None:
         dtype = torch.bfloat16 if get("bf16", False) else torch.float16 if get("fp16", False) else torch.float32
@@ -97,7 +102,8 @@ def build_rl_model(args, pre_process: bool = True, post_process: bool = True, vp
                               "whose config.json defines the architecture)")
     arch = parse_hf_config(load_hf_config(path))
     policy = policy_from_args(args)
-    replay = bool(getattr(args, "use_rollout_routing_replay", False) or getattr(args, "moe_enable_routing_replay", False))
+    replay = bool(getattr(args, "use_rollout_routing_replay", False)
+                  or getattr(args, "moe_enable_routing_replay", False))
     config = MLATransformerConfig(**mcore_kwargs(arch, policy), moe_enable_routing_replay=replay)
     backend = getattr(args, "dsa_attention_backend", None) or "megatron"
     return build_model(arch, policy, backend=backend, config=config, vp_stage=vp_stage, pre_process=pre_process,

@@ -26,9 +26,10 @@ Per micro-batch the data is made current with :meth:`ReplayHooks.active`, around
 ``MoE layers on the stage x rows x router_topk x 4`` for routing, where ``rows`` is the rank's share of the tokens
 (``T / TP`` under sequence parallelism, a further ``/ CP`` under context parallelism). One layer's rows are copied to
 the device when it runs, with the next layer's copy already under way (two layers staged at most), then all-gathered
-over the TP group (attention needs every row of its sequence). E.g. GLM-5.2 (21 full layers of 78 + MTP), 32K tokens
-per micro-batch, TP=8: 22 x 4096 x 2048 x 4 B = 0.74 GB host per rank, 2 x 32 MB device staging; the miles fork's
-buffers (all 78 layers, every token, preallocated) come to 78-128 GB per rank.
+over the TP group (attention needs every row of its sequence; that ``[T, index_topk]`` tensor is what the kernel reads,
+as with a top-k the indexer computed). E.g. GLM-5.2 (21 full layers of 78 + MTP), 32K tokens per micro-batch, TP=8:
+22 x 4096 x 2048 x 4 B = 0.74 GB host per rank, 2 x 32 MB device staging plus the layer's gathered 256 MB; the miles
+fork's buffers (all 78 layers, every token, preallocated) come to 78-128 GB per rank.
 """
 
 from __future__ import annotations
@@ -529,14 +530,13 @@ class _ReplayingTopk:
 
 
 @torch.no_grad()
-def capture_choices(model, input_ids: torch.Tensor, cu_seqlens, *, include_mtp: bool = False) -> dict[str, torch.Tensor]:
+def capture_choices(model, input_ids: torch.Tensor, cu_seqlens, *,
+                    include_mtp: bool = False) -> dict[str, torch.Tensor]:
     """Run ``model`` once on a packed batch (TP = CP = PP = 1) and return its own choices in the payload format of
     :mod:`megatron_glm5.rl.payload`: ``{"indexer_topk": int32 [N (+ mtp), T, index_topk], "routed_experts":
     int32 [N (+ mtp), T, router_topk]}``, layer-major, sequence-relative positions, shared layers repeating their
     source (as sglang reports them), dense layers' routing rows -1. Replaying them reproduces this forward."""
-    from .logprobs import _prepare, unwrap
-
-    from .logprobs import RolloutMicroBatch
+    from .logprobs import RolloutMicroBatch, _prepare, unwrap
 
     inner = unwrap(model)
     config = inner.config
