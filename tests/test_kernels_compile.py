@@ -2,8 +2,8 @@
 
 Compilation needs TileLang and nvcc but no GPU: each factory is built at one small shape (other head dims, the
 mma.sync path below 64 heads), at the GLM-5 shape (576 = 512 + 64 RoPE) and, for sparse MLA, at the NoPE shape of
-GLM-5.3-Flash (512 = 512 + 0: no tail); the top-k select also at KPool's 2048 / 4 = 512 pools, two compiles at a time in spawned workers (~2-3 min on 2 cores, less with
-TileLang's disk cache).
+GLM-5.3-Flash (512 = 512 + 0: no tail); the top-k select also at KPool's 2048 / 4 = 512 pools. Two compiles at a
+time in spawned workers (~2-3 min on 2 cores, less with TileLang's disk cache).
 Numerics are checked on the GPU (``tests/gpu/test_kernels_gpu.py``).
 """
 

@@ -65,7 +65,8 @@ def test_composition_equals_reference(lengths, pad, pool, index_topk, select_tai
     starts, ends = ref.causal_bounds(cu, total=total)
     got = _composed(q, k, gate, ape, w, cu, starts, ends, index_topk, select_tail)
     want = _reference(q, k, gate, ape, w, cu, starts, ends, index_topk, select_tail)
-    assert got.dtype == torch.int32 and got.shape == want.shape == (total, kpool.topk_width(index_topk, pool, select_tail))
+    width = kpool.topk_width(index_topk, pool, select_tail)
+    assert got.dtype == torch.int32 and got.shape == want.shape == (total, width)
     assert torch.equal(got, want)
 
 
@@ -73,8 +74,7 @@ def test_composition_equals_reference(lengths, pad, pool, index_topk, select_tai
 def test_composition_equals_reference_low_precision(dtype):
     """fp32 / bf16 inputs: the pool keys are built op for op like the reference's and the scores at the same
     shapes, so even the rounding agrees."""
-    lengths, pool, index_topk = [700, 13, 1500], 4, 256
-    total = sum(lengths)
+    pool, index_topk, total = 4, 256, 700 + 13 + 1500
     cu = torch.tensor([0, 700, 713, 2213], dtype=torch.int32)
     q, k, gate, ape, w = _inputs(total, 8, 32, pool, dtype=dtype, seed=3)
     starts, ends = ref.causal_bounds(cu)
@@ -84,8 +84,8 @@ def test_composition_equals_reference_low_precision(dtype):
 
 def test_exact_ties_pick_the_lower_pool():
     """Zero keys: every pool scores exactly 0, so each row takes its document's first pools in order."""
-    lengths, pool, index_topk = [90, 45], 4, 32
-    cu = torch.tensor([0, 90, 135], dtype=torch.int32)
+    pool, index_topk = 4, 32
+    cu = torch.tensor([0, 90, 135], dtype=torch.int32)  # documents of 90 and 45 rows
     q, k, gate, ape, w = _inputs(135, 4, 16, pool, seed=4)
     k = torch.zeros_like(k)
     starts, ends = ref.causal_bounds(cu)
