@@ -131,7 +131,8 @@ class TileLangSparseAttention(DSACoreAttention):
     def forward(self, query: torch.Tensor, kv: torch.Tensor, topk: torch.Tensor, softmax_scale: float,
                 d_v: int) -> torch.Tensor:
         """``query [T, H, D]``, ``kv [T, D]``, ``topk [T, K]`` -> latent output ``[T, H, d_v]``."""
-        if _kernels_apply(query) and query.shape[-1] == 576 and d_v == 512:
+        # GLM-5: d_qk 576 = 512 + 64 RoPE; GLM-5.3-Flash (NoPE): d_qk = d_v = 512, KPool width index_topk + P - 1
+        if _kernels_apply(query) and (query.shape[-1], d_v) in ((576, 512), (512, 512)):
             from . import kernels
 
             return kernels.sparse_mla(query.contiguous(), kv.contiguous(), topk, softmax_scale, d_v,
