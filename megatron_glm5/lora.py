@@ -68,7 +68,7 @@ import re
 import warnings
 import zlib
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Literal, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -525,10 +525,11 @@ def _local_rows(t: torch.Tensor, rank: int, size: int, swiglu: bool) -> torch.Te
     return t.chunk(size, dim=0)[rank]
 
 
-def _attach(module, mixin: type, name: str, target: str, config: LoraConfig, *, trainable: bool) -> None:
+def _attach(module, mixin: type, name: str, target: str, config: LoraConfig, *, trainable: bool,
+            rank_alpha: tuple[int, float] | None = None) -> None:
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
-    rank, alpha = config.rank_for(target), config.alpha_for(target)
+    rank, alpha = rank_alpha if rank_alpha is not None else (config.rank_for(target), config.alpha_for(target))
     weight = module.weight
     tp_rank, tp_size = _tp_rank_size(module) if mixin is not LoraDuplicated else (0, 1)
     swiglu = target == "linear_fc1" and bool(module.config.gated_linear_unit)
@@ -603,17 +604,17 @@ def _embedding_output_requires_grad(module, args, output):
     return output
 
 
-def add_lora(model, config: LoraConfig, *, only: Iterable[str] | None = None):
+def add_lora(model, config: LoraConfig, *, only: Mapping[str, tuple[int, float]] | None = None):
     """Wrap the targeted linears of ``model`` (a built megatron-core ``GPTModel``, or a list of virtual-pipeline
     chunks) with LoRA adapters, freeze every base parameter, and return ``model``.
 
     Call it after the model is built (and its base weights loaded or about to be loaded: base parameter names do
     not change) and before wrapping it in DDP. ``only`` (internal: PEFT import) restricts the adapters to these
-    logical module names."""
+    logical module names, with their own ``(rank, alpha)``."""
     if not isinstance(config, LoraConfig):
         raise TypeError(f"add_lora expects a megatron_glm5.lora.LoraConfig, got {type(config).__name__}")
     chunks = _chunks(model)
-    only_set = None if only is None else set(only)
+    only_set = None if only is None else dict(only)
     indexer = sorted(INDEXER_TARGETS & set(config.targets))
     if indexer:
         warnings.warn(
@@ -651,7 +652,8 @@ def add_lora(model, config: LoraConfig, *, only: Iterable[str] | None = None):
         for p in chunk.parameters():
             p.requires_grad_(False)
     for name, module, target, mixin in kinds:
-        _attach(module, mixin, name, target, config, trainable=target not in INDEXER_TARGETS)
+        _attach(module, mixin, name, target, config, trainable=target not in INDEXER_TARGETS,
+                rank_alpha=None if only_set is None else only_set[name])
     from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 
     for chunk in chunks:
