@@ -124,7 +124,8 @@ def check_same_adapters(mine: Mapping[str, list], theirs: Mapping[str, list], *,
         problems.append(f"{len(missing)} adapted module(s) of the model are not in it: {names(missing)}")
     if extra:
         problems.append(f"{len(extra)} adapter(s) for modules the model does not adapt: {names(extra)}")
-    shape = [f"{n}: model rank {mine[n][0]} alpha {mine[n][1]}, checkpoint rank {theirs[n][0]} alpha {theirs[n][1]}"
+    shape = [f"{n}: model rank {mine[n][0]} alpha {float(mine[n][1]):g}, checkpoint rank {theirs[n][0]} alpha "
+             f"{float(theirs[n][1]):g}"
              for n in sorted(set(mine) & set(theirs), key=natural_key)
              if int(mine[n][0]) != int(theirs[n][0]) or float(mine[n][1]) != float(theirs[n][1])]
     if shape:
