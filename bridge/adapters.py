@@ -40,14 +40,13 @@ import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 import torch
 
 from megatron_glm5.config import GLM5Architecture, load_hf_config, natural_key, parse_hf_config
 from megatron_glm5.lora import LoraConfig, MEGATRON_TARGETS, scope_of
 
-from . import naming
 from .errors import BridgeError, CheckpointFormatError, OutputExistsError, ShapeMismatchError, TensorSetError
 from .mapping import TensorMap, expand
 
@@ -455,47 +454,6 @@ def write_peft_dir(path: str | Path, tensors: Mapping[str, torch.Tensor], config
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# Megatron adapter checkpoints (adapter-only or full) -> adapter set
-# --------------------------------------------------------------------------------------------------------------------
-
-_LORA_KEY = re.compile(r"^(?P<mod>.+)\.lora_(?P<f>[AB])\.weight$")
-
-
-def adapters_from_checkpoint(ckpt_dir: str | Path) -> tuple[AdapterSet, dict]:
-    """The adapter set stored in a ``torch_dist`` checkpoint (adapter-only from ``save_lora_checkpoint``, or a full
-    Megatron-LM checkpoint of a LoRA model) and its common state. Reads one tensor at a time."""
-    from megatron_glm5.lora_checkpoint import LORA_META_KEY
-
-    from .megatron_io import DistCheckpoint, resolve_checkpoint_dir
-
-    ckpt = DistCheckpoint(resolve_checkpoint_dir(ckpt_dir))
-    common = ckpt.common_state()
-    meta = common.get(LORA_META_KEY) or {}
-    alphas = {k: float(v[1]) for k, v in (meta.get("modules") or {}).items()}
-    factors: dict[str, dict[str, torch.Tensor]] = {}
-    for key in sorted(ckpt.tensors, key=natural_key):
-        m = _LORA_KEY.match(key)
-        if m is None:
-            continue
-        stack = re.match(r"^(?P<pre>.+\.mlp\.experts)\.experts\.(?P<lin>linear_fc[12])$", m["mod"])
-        t = ckpt.read(key)
-        if stack:
-            for e in range(t.shape[0]):
-                mod = naming.canonical(f"{stack['pre']}.local_experts.{e}.{stack['lin']}.weight")[: -len(".weight")]
-                factors.setdefault(mod, {})[m["f"]] = t[e]
-        else:
-            mod = naming.canonical(m["mod"] + ".weight")[: -len(".weight")]
-            factors.setdefault(mod, {})[m["f"]] = t
-    if not factors:
-        raise CheckpointFormatError(f"{ckpt.path}: holds no LoRA adapter tensors")
-    missing_alpha = sorted(set(factors) - set(alphas))
-    if missing_alpha:
-        raise CheckpointFormatError(f"{ckpt.path}: no rank/alpha recorded for {missing_alpha[:5]} (not written by "
-                                    "megatron_glm5.lora_checkpoint.save_lora_checkpoint / the pretrain LoRA hook)")
-    return {k: Adapter(f["A"], f["B"], alphas[k]) for k, f in factors.items()}, common
-
-
-# --------------------------------------------------------------------------------------------------------------------
 # In memory: model <-> PEFT directory
 # --------------------------------------------------------------------------------------------------------------------
 
@@ -570,37 +528,14 @@ def export_peft_adapter(model, out_dir: str | Path, *, hf_config: Mapping | str 
     try:
         write_adapter_checkpoint(model, tmp, hf_config=raw)
         if rank == 0:
+            from .lora_convert import convert_checkpoint_to_peft
+
             report = convert_checkpoint_to_peft(tmp, out, hf_config=raw, overwrite=overwrite)
         barrier()
     finally:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
     return report
-
-
-def convert_checkpoint_to_peft(ckpt_dir: str | Path, out_dir: str | Path, *, hf_config=None,
-                               overwrite: bool = False) -> dict:
-    """An adapter-only (or full LoRA) Megatron checkpoint -> an HF PEFT adapter directory (one process)."""
-    from megatron_glm5.lora_checkpoint import LORA_META_KEY
-
-    from .megatron_io import BRIDGE_KEY
-
-    adapters, common = adapters_from_checkpoint(ckpt_dir)
-    raw = hf_config
-    if raw is None:
-        raw = (common.get(LORA_META_KEY) or {}).get("hf_config") or (common.get(BRIDGE_KEY) or {}).get("hf_config")
-    if raw is None:
-        raise BridgeError(f"{ckpt_dir}: the checkpoint does not record the model's config.json; pass --hf-config")
-    if not isinstance(raw, Mapping):
-        raw = load_hf_config(raw)
-    arch = parse_hf_config(raw)
-    lcfg = LoraConfig.from_dict((common.get(LORA_META_KEY) or {}).get("config") or {"r": 1, "alpha": 1})
-    tensors, config = to_peft(adapters, adapter_table(arch), r=lcfg.r, alpha=lcfg.alpha, dropout=lcfg.dropout,
-                              base_model=raw.get("_name_or_path"))
-    write_peft_dir(out_dir, tensors, config, overwrite=overwrite)
-    return {"path": str(out_dir), "adapters": len(adapters), "tensors": len(tensors),
-            "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
-            "target_modules": config["target_modules"], "target_parameters": config["target_parameters"]}
 
 
 def load_peft_adapter(model, adapter_dir: str | Path, *, hf_config: Mapping | str | Path | None = None) -> dict:
@@ -675,6 +610,6 @@ def model_adapter_set(model) -> AdapterSet:
 
 __all__ = [
     "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "Adapter", "AdapterSet", "AdapterTable", "adapter_table",
-    "adapters_from_checkpoint", "convert_checkpoint_to_peft", "export_peft_adapter", "from_peft",
-    "load_peft_adapter", "model_adapter_set", "read_peft_dir", "set_global_factors", "to_peft", "write_peft_dir",
+    "export_peft_adapter", "from_peft", "load_peft_adapter", "model_adapter_set", "read_peft_dir",
+    "set_global_factors", "to_peft", "write_adapter_checkpoint", "write_peft_dir",
 ]

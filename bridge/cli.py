@@ -5,6 +5,9 @@
     megatron-glm5 convert export    --megatron-path DIR --hf-path DIR [--hf-config PATH] [--expert-layout ...]
     megatron-glm5 convert roundtrip --hf-path DIR [--tp N --pp N --ep N] [--work-dir DIR --keep]
     megatron-glm5 verify --hf-path DIR [--megatron-path DIR] [--seq-len N] [--batch-size N] [--seed N]
+    megatron-glm5 lora export --megatron-path DIR --adapter-path DIR [--hf-config PATH]
+    megatron-glm5 lora import --adapter-path DIR --megatron-path DIR --hf-config PATH
+    megatron-glm5 lora merge  --hf-path DIR --adapter-path DIR --out DIR
 
 Bad input (a :class:`bridge.errors.BridgeError` or :class:`megatron_glm5.config.GLM5ConfigError`) prints one
 ``error:`` line and exits with status 2; a failed round trip or parity check exits with status 1.
@@ -82,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("--batch-size", type=int, default=1)
     ver.add_argument("--seed", type=int, default=0)
     ver.add_argument("--tol", type=float, default=1e-4)
+    _lora_parser(sub)
     return parser
 
 
@@ -96,6 +100,8 @@ def _run(args) -> int:
         from .demo import run_demo
 
         return 0 if run_demo(out_dir=args.out, steps=args.steps, keep=args.keep)["ok"] else 1
+    if args.command == "lora":
+        return _run_lora(args)
     if args.command == "verify":
         report = bridge.verify(hf_path=args.hf_path, megatron_path=args.megatron_path, seq_len=args.seq_len,
                                batch_size=args.batch_size, seed=args.seed, tol=args.tol)
@@ -133,6 +139,59 @@ def _run(args) -> int:
             print(f"  kept             : {r['work_dir']}")
         return 0 if r["ok"] else 1
     raise AssertionError(args)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# megatron-glm5 lora (bridge.lora_convert)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _lora_parser(sub) -> None:
+    lora = sub.add_parser("lora", help="LoRA adapters: Megatron checkpoint <-> HF PEFT, merge into HF weights")
+    lsub = lora.add_subparsers(dest="action", required=True)
+    exp = lsub.add_parser("export", help="Megatron checkpoint with LoRA adapters (adapter-only or full) -> HF PEFT "
+                                         "adapter (adapter_config.json + adapter_model.safetensors)")
+    exp.add_argument("--megatron-path", required=True, help="Megatron-LM save dir or one iter_XXXXXXX dir")
+    exp.add_argument("--adapter-path", required=True, help="output PEFT adapter directory")
+    exp.add_argument("--hf-config", help="the model's config.json, if the checkpoint does not record it")
+    exp.add_argument("--overwrite", action="store_true")
+    imp = lsub.add_parser("import", help="HF PEFT adapter -> adapter-only Megatron checkpoint (torch_dist, "
+                                         "Megatron-LM layout)")
+    imp.add_argument("--adapter-path", required=True, help="PEFT adapter directory")
+    imp.add_argument("--megatron-path", required=True, help="output Megatron checkpoint directory")
+    imp.add_argument("--hf-config", required=True, help="the base model's config.json (or its checkpoint directory)")
+    imp.add_argument("--overwrite", action="store_true")
+    merge = lsub.add_parser("merge", help="HF checkpoint + adapter (PEFT directory or Megatron checkpoint with "
+                                          "adapters) -> merged HF checkpoint, streaming")
+    merge.add_argument("--hf-path", required=True, help="base HF checkpoint")
+    merge.add_argument("--adapter-path", required=True, help="PEFT adapter directory or Megatron checkpoint")
+    merge.add_argument("--out", required=True, help="output HF checkpoint directory")
+    merge.add_argument("--max-shard-size", type=_size, default="5GB")
+    merge.add_argument("--overwrite", action="store_true")
+    merge.add_argument("--no-progress", action="store_true")
+
+
+def _run_lora(args) -> int:
+    from . import lora_convert
+
+    if args.action == "export":
+        r = lora_convert.convert_checkpoint_to_peft(args.megatron_path, args.adapter_path, hf_config=args.hf_config,
+                                                    overwrite=args.overwrite)
+        print(f"exported {r['adapters']} LoRA adapters as {r['tensors']} PEFT tensors ({r['bytes'] / 1e6:.2f} MB; "
+              f"target_modules {r['target_modules']}, target_parameters {r['target_parameters']}) to {r['path']}")
+        return 0
+    if args.action == "import":
+        r = lora_convert.convert_peft_to_checkpoint(adapter_path=args.adapter_path, megatron_path=args.megatron_path,
+                                                    hf_config=args.hf_config, overwrite=args.overwrite)
+        print(f"imported {r['adapters']} LoRA adapters as {r['tensors']} megatron tensors ({r['bytes'] / 1e6:.2f} MB) "
+              f"into {r['path']}")
+        return 0
+    r = lora_convert.merge_adapter_into_hf(hf_path=args.hf_path, adapter_path=args.adapter_path, out_path=args.out,
+                                           max_shard_bytes=args.max_shard_size, overwrite=args.overwrite,
+                                           progress=_progress(args))
+    print(f"merged {r['adapters']} LoRA adapters ({r['adapter_kind']}) into {r['merged_tensors']} of {r['tensors']} "
+          f"HF tensors: {r['path']} ({r['bytes'] / 1e9:.3f} GB, {r['seconds']:.1f} s)")
+    return 0
 
 
 def _quiet() -> None:

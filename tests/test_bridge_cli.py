@@ -25,6 +25,9 @@ FROZEN_FLAGS = {
                        "--megatron-path", "--no-progress", "--overwrite"],
     "convert roundtrip": ["--ep", "--hf-path", "--keep", "--no-progress", "--pp", "--tp", "--work-dir"],
     "verify": ["--batch-size", "--hf-path", "--megatron-path", "--seed", "--seq-len", "--tol"],
+    "lora export": ["--adapter-path", "--hf-config", "--megatron-path", "--overwrite"],
+    "lora import": ["--adapter-path", "--hf-config", "--megatron-path", "--overwrite"],
+    "lora merge": ["--adapter-path", "--hf-path", "--max-shard-size", "--no-progress", "--out", "--overwrite"],
 }
 
 

@@ -222,7 +222,7 @@ def test_merged_export_equals_base_plus_lora(checkpoint, backend, model_parallel
     source tensor + alpha/r * B @ A (float64 reference; untouched tensors bitwise), and transformers on the merged
     checkpoint gives our LoRA model's logits. Unmerged export and PEFT export of dense adapters are refused."""
     from bridge.hf_io import HFCheckpointReader
-    from bridge.lora_merge import merged_reference
+    from bridge.lora_convert import merged_reference
     from bridge.mapping import expand
 
     raw, path = checkpoint

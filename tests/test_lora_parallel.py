@@ -51,7 +51,7 @@ def setup(tmp_path_factory, gloo_world):
 @pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2)], ids=["tp2-sp", "ep2"])
 @pytest.mark.parametrize("backend", ["megatron", "tilelang"])
 def test_lora_parallel_matches_single_process(setup, tmp_path, tp, ep, backend):
-    from bridge.adapters import adapters_from_checkpoint
+    from bridge.lora_convert import adapters_from_checkpoint
 
     raw, weights, adapter, refs = setup
     ref, ref_grads, ref_dir = refs[backend]
