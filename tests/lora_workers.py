@@ -38,18 +38,19 @@ def save_reference_weights(raw: dict, weights_dir: str) -> None:
         ps.destroy_model_parallel()
 
 
-def _build(raw, weights, tp, ep, backend):
+def _build(raw, weights, tp, ep, backend, pp=1):
     from megatron_glm5.config import parse_hf_config
     from megatron_glm5.model import build_model, default_cpu_policy
 
-    policy = default_cpu_policy(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    policy = default_cpu_policy(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                pipeline_model_parallel_size=pp)
     model = build_model(parse_hf_config(raw), policy, backend=backend)
     load_weights(model, weights)
     return model
 
 
 def lora_case(rank: int, world: int, *, raw: dict, weights: str, out: str, tp: int, ep: int, backend: str,
-              peft_adapter: str) -> dict:
+              peft_adapter: str, pp: int = 1) -> dict:
     """One training step of LoRA (default targets: attention incl. kv_b_proj, dense MLP, shared and routed experts,
     MTP) at (TP, EP): finalised adapter gradients -> ``{out}/grads``; SGD step; adapters -> ``{out}/adapters``
     (bridge gather). Then a fresh model loads ``peft_adapter`` (a peft-made file) and reports its loss."""
@@ -58,13 +59,15 @@ def lora_case(rank: int, world: int, *, raw: dict, weights: str, out: str, tp: i
 
     from bridge.adapters import load_peft_adapter, write_adapter_checkpoint
     from megatron_glm5.lora import LoraConfig, add_lora, lora_parameters
+    from megatron_glm5.lora_checkpoint import save_lora_checkpoint
     from megatron_glm5.parallel import initialize_model_parallel
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                              pipeline_model_parallel_size=pp)
     try:
-        model = _build(raw, weights, tp, ep, backend)
+        model = _build(raw, weights, tp, ep, backend, pp)
         add_lora(model, LoraConfig(**LORA))
         base = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
         batches = make_batches(raw["vocab_size"])
@@ -76,7 +79,8 @@ def lora_case(rank: int, world: int, *, raw: dict, weights: str, out: str, tp: i
         # into lr-sized differences for the elements whose gradient is near eps; SGD compares the step itself.
         opt = torch.optim.SGD(params, lr=0.1, weight_decay=0.01)
         opt.step()
-        write_adapter_checkpoint(model, f"{out}/adapters", hf_config=raw)
+        write_adapter_checkpoint(model, f"{out}/adapters", hf_config=raw)  # the bridge's gather (PEFT export path)
+        save_lora_checkpoint(model, f"{out}/ckpt")  # megatron-core's dist_checkpointing (resharded on load)
         unchanged = all(torch.equal(p, base[n]) for n, p in model.named_parameters() if "lora_" not in n)
         replicas_equal, replicated = True, 0
         if tp > 1:  # replicated factors must be identical on every TP rank (their gradients were reduced)
@@ -93,13 +97,15 @@ def lora_case(rank: int, world: int, *, raw: dict, weights: str, out: str, tp: i
         dense_flags = sorted({bool(getattr(p, "allreduce", True)) for n, p in lora_parameters(model)
                               if ".local_experts." not in n})
 
-        fresh = _build(raw, weights, tp, ep, backend)
-        load_peft_adapter(fresh, peft_adapter, hf_config=raw)
-        fresh.eval()
-        with torch.no_grad():
-            ids = batches[0]
-            pos = torch.arange(ids.shape[1])[None].expand_as(ids)
-            peft_loss = fresh(ids, pos, None, labels=ids).float().mean().item()
+        peft_loss = None
+        if pp == 1:  # (a pipeline needs the schedule; train_step_grads has one, this plain forward has not)
+            fresh = _build(raw, weights, tp, ep, backend)
+            load_peft_adapter(fresh, peft_adapter, hf_config=raw)
+            fresh.eval()
+            with torch.no_grad():
+                ids = batches[0]
+                pos = torch.arange(ids.shape[1])[None].expand_as(ids)
+                peft_loss = fresh(ids, pos, None, labels=ids).float().mean().item()
         return {"loss": loss, "base_unchanged": unchanged, "replicas_equal": replicas_equal,
                 "replicated_checked": replicated, "expert_allreduce": expert_flags, "dense_allreduce": dense_flags,
                 "peft_loss": peft_loss}
@@ -125,5 +131,29 @@ def load_adapter_grads(raw: dict, grads_dir: str) -> dict[str, torch.Tensor]:
         values = {n: torch.empty_like(p) for n, p in model.named_parameters()}
         sharded = _lora_only(tensor_sharded_state_dict(model, values))
         return dict(dist_checkpointing.load(sharded, grads_dir))
+    finally:
+        ps.destroy_model_parallel()
+
+
+def load_adapters_single_process(raw: dict, ckpt_dir: str, backend: str) -> dict[str, torch.Tensor]:
+    """An adapter checkpoint of :func:`lora_case` (any layout) loaded into a TP=1 LoRA model with
+    ``load_lora_checkpoint``; returns ``{logical module.lora_X.weight: tensor}``."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_glm5.config import parse_hf_config
+    from megatron_glm5.lora import LoraConfig, add_lora, lora_modules
+    from megatron_glm5.lora_checkpoint import load_lora_checkpoint
+    from megatron_glm5.model import build_model, default_cpu_policy
+    from megatron_glm5.parallel import initialize_model_parallel
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    initialize_model_parallel()
+    try:
+        model = add_lora(build_model(parse_hf_config(raw), default_cpu_policy(), backend=backend),
+                         LoraConfig(**{**LORA, "seed": 99}))
+        load_lora_checkpoint(model, ckpt_dir)
+        return {f"{m.lora_name}.lora_{f}.weight": getattr(m, f"lora_{f}").weight.detach().clone()
+                for m in lora_modules(model) for f in ("A", "B")}
     finally:
         ps.destroy_model_parallel()
