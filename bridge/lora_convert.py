@@ -65,6 +65,12 @@ def adapters_from_checkpoint(ckpt_dir: str | Path) -> tuple[AdapterSet, dict]:
     common = ckpt.common_state()
     meta = common.get(LORA_META_KEY) or {}
     alphas = {k: float(v[1]) for k, v in (meta.get("modules") or {}).items()}
+    args = common.get("args")  # a Megatron-LM --save of a LoRA model: its --lora-rank / --lora-alpha flags
+    lora_rank = getattr(args, "lora_rank", None)
+    scaling = None
+    if not alphas and lora_rank:
+        alpha = getattr(args, "lora_alpha", None)
+        scaling = (alpha if alpha is not None else 2.0 * lora_rank) / lora_rank  # linear_fc1: 2r, 2 alpha
     factors: dict[str, dict[str, torch.Tensor]] = {}
     for key in sorted(ckpt.tensors, key=natural_key):
         m = _LORA_KEY.match(key)
@@ -81,10 +87,12 @@ def adapters_from_checkpoint(ckpt_dir: str | Path) -> tuple[AdapterSet, dict]:
             factors.setdefault(mod, {})[m["f"]] = t
     if not factors:
         raise CheckpointFormatError(f"{ckpt.path}: holds no LoRA adapter tensors")
+    if scaling is not None:
+        alphas = {k: scaling * f["A"].shape[0] for k, f in factors.items()}
     missing_alpha = sorted(set(factors) - set(alphas))
     if missing_alpha:
-        raise CheckpointFormatError(f"{ckpt.path}: no rank/alpha recorded for {missing_alpha[:5]} (not written by "
-                                    "megatron_glm5.lora_checkpoint.save_lora_checkpoint / the pretrain LoRA hook)")
+        raise CheckpointFormatError(f"{ckpt.path}: no rank/alpha recorded for {missing_alpha[:5]} (neither a "
+                                    "megatron_glm5 adapter checkpoint nor Megatron-LM args with --lora-rank)")
     return {k: Adapter(f["A"], f["B"], alphas[k]) for k, f in factors.items()}, common
 
 
@@ -100,12 +108,20 @@ def convert_checkpoint_to_peft(ckpt_dir: str | Path, out_dir: str | Path, *, hf_
     raw = hf_config
     if raw is None:
         raw = (common.get(LORA_META_KEY) or {}).get("hf_config") or (common.get(BRIDGE_KEY) or {}).get("hf_config")
+    if raw is None and getattr(common.get("args"), "hf_config", None):  # python -m megatron_glm5.pretrain's flag
+        raw = getattr(common["args"], "hf_config")
     if raw is None:
         raise BridgeError(f"{ckpt_dir}: the checkpoint does not record the model's config.json; pass --hf-config")
     if not isinstance(raw, Mapping):
         raw = load_hf_config(raw)
     arch = parse_hf_config(raw)
-    lcfg = LoraConfig.from_dict((common.get(LORA_META_KEY) or {}).get("config") or {"r": 1, "alpha": 1})
+    saved = (common.get(LORA_META_KEY) or {}).get("config")
+    if saved is None:  # a Megatron-LM --save: the --lora-* flags
+        args = common.get("args")
+        r = getattr(args, "lora_rank", None) or min(ad.rank for ad in adapters.values())
+        alpha = getattr(args, "lora_alpha", None)
+        saved = {"r": int(r), "alpha": float(alpha if alpha is not None else 2.0 * r)}
+    lcfg = LoraConfig.from_dict(saved)
     tensors, config = to_peft(adapters, adapter_table(arch), r=lcfg.r, alpha=lcfg.alpha, dropout=lcfg.dropout,
                               base_model=raw.get("_name_or_path"))
     write_peft_dir(out_dir, tensors, config, overwrite=overwrite)

@@ -309,11 +309,7 @@ def _attach(module, mixin: type, name: str, target: str, config: LoraConfig, *, 
     elif mixin is LoraDuplicated:
         out_f, in_f = weight.shape
     else:
-        if getattr(module, "gather_output", False):
-            raise NotImplementedError(f"{name}: LoRA on a column-parallel linear with gather_output=True")
         out_f, in_f = weight.shape[0] * tp_size, weight.shape[1]
-    if mixin is LoraRow and not module.input_is_parallel:
-        raise NotImplementedError(f"{name}: LoRA on a row-parallel linear with input_is_parallel=False")
     a, b = _global_factors(name, rank, in_f, out_f, config, weight.dtype)
     if mixin is LoraRow:
         a = a.chunk(tp_size, dim=1)[tp_rank] if tp_size > 1 else a

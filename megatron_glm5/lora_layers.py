@@ -68,8 +68,8 @@ class LoraLinear:
         if _BASE_ONLY.get():
             state = {k: v for k, v in state.items() if not k.startswith("lora_")}
         dp = (metadata or {}).get("dp_cp_group") or ps.get_data_parallel_group(with_context_parallel=True)
-        out = make_sharded_tensors_for_checkpoint(state, prefix, axis_map, sharded_offsets,
-                                                  tp_group=self.tp_group or ps.get_tensor_model_parallel_group(),
+        tp = self.tp_group if self.tp_group is not None else ps.get_tensor_model_parallel_group()
+        out = make_sharded_tensors_for_checkpoint(state, prefix, axis_map, sharded_offsets, tp_group=tp,
                                                   dp_cp_group=dp)
         key = f"{prefix}lora_B.weight"
         if self.lora_swiglu and key in out:
@@ -224,8 +224,12 @@ def _kind_of(module, target: str) -> type:
     if isinstance(module, ModeloptLinear):
         return LoraDuplicated
     if isinstance(module, ColumnParallelLinear):
+        if module.gather_output:
+            raise NotImplementedError(f"LoRA on a column-parallel linear with gather_output=True ({target})")
         return LoraWeightRead if target == "linear_kv_up_proj" else LoraColumn
     if isinstance(module, RowParallelLinear):
+        if not module.input_is_parallel:
+            raise NotImplementedError(f"LoRA on a row-parallel linear with input_is_parallel=False ({target})")
         return LoraRow
     try:  # Transformer Engine, when installed (same (out, bias) contract; not exercised in CI, which has no TE)
         from megatron.core.extensions import transformer_engine as te

@@ -110,3 +110,32 @@ def test_lora_cli_bad_input(hf, tmp_path, capsys, model_parallel):
     assert rc == 2 and "o_proj: lora_A [4, 128] / lora_B [96, 4] do not fit" in err and err.count("\n") == 1, err
     tensors, _ = read_peft_dir(tmp_path / "other_adapter")
     assert tensors
+
+
+def test_lora_export_of_a_megatron_lm_full_checkpoint(hf, tmp_path, capsys, model_parallel):
+    """What Megatron-LM's --save writes for a LoRA model (python -m megatron_glm5.pretrain --lora-rank 4 without
+    --lora-base-checkpoint): base + adapters under their usual keys, and args with the --lora-* and --hf-config
+    flags (no glm5_lora entry): `lora export` takes rank/alpha and the config from the args."""
+    from argparse import Namespace
+
+    from megatron.core import dist_checkpointing
+
+    raw, path = hf
+    model = from_hf_pretrained(path)
+    add_lora(model, LoraConfig(4, 8, init_lora_weights=False, exclude_modules=["dense_mlp", "shared_experts"]))
+    ckpt = tmp_path / "save" / "iter_0000005"
+    ckpt.mkdir(parents=True)
+    dist_checkpointing.save({"model": model.sharded_state_dict(), "iteration": 5,
+                             "args": Namespace(lora_rank=4, lora_alpha=8.0, hf_config=str(path))}, str(ckpt))
+    (tmp_path / "save" / "latest_checkpointed_iteration.txt").write_text("5\n")
+    rc, out, err = _run(capsys, "lora", "export", "--megatron-path", str(tmp_path / "save"), "--adapter-path",
+                        str(tmp_path / "peft"))
+    assert rc == 0, err
+    tensors, cfg = read_peft_dir(tmp_path / "peft")
+    assert cfg["r"] == 4 and cfg["lora_alpha"] == 8 and cfg["rank_pattern"] == {r".*\.gate_up_proj": 8}
+    import bridge
+
+    bridge.export_peft_adapter(model, tmp_path / "direct")
+    direct, direct_cfg = read_peft_dir(tmp_path / "direct")
+    assert set(tensors) == set(direct) and all(torch.equal(tensors[k], direct[k]) for k in direct)
+    assert cfg["alpha_pattern"] == direct_cfg["alpha_pattern"]
