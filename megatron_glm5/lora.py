@@ -11,8 +11,11 @@ Design (why our own wrapper): peft 0.21 ships tensor-parallel LoRA layers for me
 then ``'default'``), do not run (megatron linears return ``(output, bias)``), give wrong gradients to the replicated
 factor under sequence parallelism, know nothing of experts (``explicit_expert_comm``, expert-DP ``allreduce``), rename
 the base parameters (breaking checkpoints and the SwiGLU sharding factory) and write wrong dist-checkpoint shards
-(``notes/lora_research.md`` §1). So the adapters here are a thin layer on megatron-core's own linears; HF PEFT is only
-the file format on the HF side (:mod:`bridge.adapters`).
+(tried with peft 0.21.2 on megatron-core 0.19.2, CPU/gloo). So the adapters here are a thin layer on megatron-core's
+own linears (:mod:`megatron_glm5.lora_layers`); HF PEFT is only the file format on the HF side
+(:mod:`bridge.adapters`). Adapter checkpoints and the Megatron-LM hook: :mod:`megatron_glm5.lora_checkpoint`,
+``python -m megatron_glm5.pretrain --lora-rank ...``; files and merging: :mod:`bridge.lora_convert`,
+``megatron-glm5 lora export|import|merge``.
 
 * **Names.** A wrapped linear keeps its class (a subclass of it, swapped in place) and its parameter names;
   adapters are child modules ``lora_A`` / ``lora_B`` with a ``weight`` each
@@ -51,8 +54,11 @@ the file format on the HF side (:mod:`bridge.adapters`).
   gradient buffer and its optimizers no state for them). The embedding output is made to require grad, as HF's
   ``enable_input_require_grads`` does, so that megatron-core's reentrant activation checkpointing still back-propagates
   into adapters of a checkpointed chunk whose input would otherwise not require grad.
-* **Indexer** targets are refused by default and, when asked for, added frozen with a warning: the indexer runs
-  under ``no_grad`` (its top-k is discrete), so the LM loss sends it no gradient, in transformers as here.
+* **Indexer** targets are not in the defaults and, when asked for, are added frozen with a warning: the indexer
+  runs under ``no_grad`` (its top-k is discrete), so the LM loss sends it no gradient, in transformers as here.
+  Such adapters load, change the top-k in forward and export.
+* Transformer Engine linears (``TELinear`` duplicated, ``TEColumnParallelLinear``, ``TERowParallelLinear``) are
+  mapped to the same kinds; TE is not installed where this is tested, so that path is untested.
 
 Refused: ``qk_clip`` (it rewrites ``.weight`` and would clip only the base), ``cache_mla_latents`` (caches the
 absorbed weight once), TP > 1 without sequence parallelism (megatron-core's AbsorbedMLA requires it too), grouped-GEMM
