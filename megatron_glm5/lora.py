@@ -361,8 +361,8 @@ def _check_config(config) -> None:
         raise NotImplementedError("LoRA with cache_mla_latents: the absorbed kv_b weight would be cached once, "
                                   "without the adapter; turn cache_mla_latents off")
     if config.tensor_model_parallel_size > 1 and not config.sequence_parallel:
-        raise NotImplementedError("LoRA at tensor_model_parallel_size > 1 needs sequence_parallel=True (megatron-core's "
-                                  "AbsorbedMLA requires it as well)")
+        raise NotImplementedError("LoRA at tensor_model_parallel_size > 1 needs sequence_parallel=True "
+                                  "(megatron-core's AbsorbedMLA requires it as well)")
     if getattr(config, "moe_grouped_gemm", False):
         raise NotImplementedError("LoRA on grouped-GEMM experts is not supported; build with moe_grouped_gemm=False")
 

@@ -395,3 +395,42 @@ def test_bad_adapters_fail_with_one_clear_error(checkpoint, model_parallel, tmp_
 
     with pytest.raises(BridgeError, match="missing adapter_config.json"):
         bridge.load_peft_adapter(from_hf_pretrained(path), tmp_path)
+
+
+def test_per_module_peft_layout_imports_as_fused_fc1():
+    """Transformers-4-era / serving-engine PEFT files name gate_proj and up_proj per module (dense MLP, shared
+    experts, each routed expert): a gate + up pair of rank r becomes one linear_fc1 adapter of rank 2r whose delta is
+    exactly [gate delta; up delta]; a half pair is refused."""
+    from bridge.adapters import from_peft
+
+    arch = parse_hf_config(tiny_glm52_config())
+    table = adapter_table(arch)
+    gen = torch.Generator().manual_seed(0)
+    h, i_dense, i_moe = arch.hidden_size, arch.intermediate_size, arch.moe_intermediate_size
+    tensors = {}
+
+    def pair(module, out_f, in_f):
+        tensors[f"base_model.model.{module}.lora_A.weight"] = torch.randn(4, in_f, generator=gen)
+        tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(out_f, 4, generator=gen)
+
+    for proj in ("gate_proj", "up_proj"):
+        pair(f"model.layers.0.mlp.{proj}", i_dense, h)
+        pair(f"model.layers.1.mlp.shared_experts.{proj}", i_moe, h)
+        pair(f"model.layers.2.mlp.experts.3.{proj}", i_moe, h)
+    pair("model.layers.1.mlp.shared_experts.down_proj", h, i_moe)
+    adapters = from_peft(tensors, {"r": 4, "lora_alpha": 8}, table, source="v4")
+    assert sorted(adapters) == ["decoder.layers.0.mlp.linear_fc1", "decoder.layers.1.mlp.shared_experts.linear_fc1",
+                                "decoder.layers.1.mlp.shared_experts.linear_fc2",
+                                "decoder.layers.2.mlp.experts.local_experts.3.linear_fc1"]
+    for module, hf, inter in (("decoder.layers.0.mlp.linear_fc1", "model.layers.0.mlp", i_dense),
+                              ("decoder.layers.2.mlp.experts.local_experts.3.linear_fc1", "model.layers.2.mlp.experts.3",
+                               i_moe)):
+        ad = adapters[module]
+        assert (ad.rank, ad.alpha) == (8, 16.0)
+        for rows, proj in ((slice(0, inter), "gate_proj"), (slice(inter, 2 * inter), "up_proj")):
+            a, b = (tensors[f"base_model.model.{hf}.{proj}.lora_{f}.weight"] for f in "AB")
+            assert torch.allclose(ad.delta()[rows], 2.0 * b @ a, atol=1e-5)
+    del tensors["base_model.model.model.layers.0.mlp.up_proj.lora_A.weight"]
+    del tensors["base_model.model.model.layers.0.mlp.up_proj.lora_B.weight"]
+    with pytest.raises(BridgeError, match=r"linear_fc1: a gate_proj adapter without its up_proj partner"):
+        from_peft(tensors, {"r": 4, "lora_alpha": 8}, table, source="v4")

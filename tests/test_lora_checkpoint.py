@@ -141,7 +141,7 @@ def test_frozen_base_has_no_grad_buffers_or_optimizer_state(model_parallel):
     adapter_numel = sum(p.numel() for _, p in lora_parameters(model))
     total_numel = sum(p.numel() for p in model.parameters())
     ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
-    buffer_numel = sum(b.grad_data.numel() for b in ddp.buffers) + sum(b.grad_data.numel() for b in ddp.expert_parallel_buffers)
+    buffer_numel = sum(b.grad_data.numel() for b in [*ddp.buffers, *ddp.expert_parallel_buffers])
     assert {p for p in model.parameters() if p.requires_grad} == set(ddp.param_to_bucket_group)
     assert buffer_numel == adapter_numel
     assert not any(hasattr(p, "main_grad") for n, p in model.named_parameters() if "lora_" not in n)

@@ -191,8 +191,8 @@ def run(argv=None) -> dict:
     result["seconds_per_step"] = (time.perf_counter() - t0) / max(1, args.steps - 1)
     result["base_unchanged"] = all(torch.equal(p, base[n]) for n, p in model.named_parameters() if "lora_" not in n)
     result["adapters_finite"] = all(torch.isfinite(p).all().item() for _, p in lora_parameters(model))
-    result["kv_up_lora_B_trained"] = any(
-        (p.detach().float().abs().sum() > 0).item() for n, p in lora_parameters(model) if "linear_kv_up_proj.lora_B" in n)
+    result["kv_up_lora_B_trained"] = any((p.detach().float().abs().sum() > 0).item()
+                                         for n, p in lora_parameters(model) if "linear_kv_up_proj.lora_B" in n)
     f, lo = result["full_finetune"], result["lora"]
     result["optimizer_state_ratio"] = lo["optimizer_state_bytes"] / max(1, f["optimizer_state_bytes"])
     print(f"LoRA optimizer state / full fine-tuning: {result['optimizer_state_ratio']:.4f} "
