@@ -54,9 +54,12 @@ def load_hf_weights(model, hf_path: str | Path, *, progress: bool | None = False
     ``num_layers``: ``model`` is the layer-truncated model of :func:`bridge.source.truncate_hf_config` (the first N
     decoder layers, no MTP); the checkpoint is validated whole, only the kept layers' tensors are read, and the
     report's ``skipped`` counts the HF tensors left out on purpose."""
+    from megatron_glm5.lora import base_only
+
     src = open_hf_source(hf_path, num_layers=num_layers)
     mat = Materializer(src)
-    plan = sharded_boxes(model, src.expansion, mat.target_dtype, main_replicas_only=False, keep_data=True)
+    with base_only():  # a LoRA model's adapters are not HF weights: they keep their values
+        plan = sharded_boxes(model, src.expansion, mat.target_dtype, main_replicas_only=False, keep_data=True)
     plan.chunks.sort(key=lambda c: (*mat.source_order(plan.pieces[(c.key, c.offsets)].logical), c.key, c.offsets))
     bar = Progress(total=len(plan.chunks), total_bytes=sum(c.nbytes for c in plan.chunks), desc="load",
                    enabled=progress)
@@ -86,14 +89,23 @@ def export_hf(
     overwrite: bool = False,
     progress: bool | None = False,
     work_dir: str | Path | None = None,
+    merge_lora: bool = False,
 ) -> dict | None:
     """Write ``model`` (collectively, from all ranks) as an HF checkpoint. ``hf_config`` is the model's HF
     ``config.json`` (a dict or path); it defaults to the one recorded by ``from_hf_pretrained``. ``dtype`` defaults
-    to the config's ``dtype`` (the router bias stays fp32). Returns rank 0's report (None on other ranks).
+    to the config's ``dtype`` (the router bias stays fp32). A model with LoRA adapters (:mod:`megatron_glm5.lora`)
+    needs ``merge_lora=True``: every adapted weight is written as ``W + alpha/r * B @ A`` (computed in fp32, one
+    checkpoint box at a time). Returns rank 0's report (None on other ranks).
 
     The output path is checked (free, or with ``overwrite`` an earlier output of this tool or empty) before the
     temporary checkpoint ``.<name>.export-<id>`` is written next to it (or in ``work_dir``, which must not be the
     output or inside it); a process that dies leaves only that directory, which ``megatron-glm5 clean`` finds."""
+    from megatron_glm5.lora import MergedWeights, base_only, lora_modules
+
+    adapted = bool(lora_modules(model))
+    if adapted and not merge_lora:
+        raise BridgeError("the model has LoRA adapters: export_hf(..., merge_lora=True) writes base + adapter "
+                          "merged; bridge.export_peft_adapter writes the adapter alone")
     raw = hf_config if hf_config is not None else getattr(model, HF_CONFIG_ATTR, None)
     if raw is None:
         raise BridgeError("export_hf needs the model's HF config.json: pass hf_config=... (a dict or a path); "
@@ -108,7 +120,9 @@ def export_hf(
     def dtype_of(m):
         return torch.float32 if m.fp32 else (out_dtype or torch.float32)
 
-    plan = sharded_boxes(model, expansion, dtype_of, keep_data=True)
+    with base_only():
+        plan = sharded_boxes(model, expansion, dtype_of, keep_data=True)
+    merged = MergedWeights(model) if adapted else (lambda t: t)
     rank, _ = world()
     final = Path(hf_path).expanduser().absolute()
     base = Path(work_dir).expanduser().absolute() if work_dir is not None else final.parent
@@ -138,7 +152,7 @@ def export_hf(
         plan.objects[COMMON_STATE_KEY] = common_state(args=args, iteration=0, bridge_meta=meta)
 
     def resolve(chunk):
-        t = plan.tensors[(chunk.key, chunk.offsets)]
+        t = merged(plan.tensors[(chunk.key, chunk.offsets)])
         return t.detach().reshape(chunk.sizes).to(chunk.dtype)
 
     report = None

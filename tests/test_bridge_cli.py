@@ -28,6 +28,9 @@ FROZEN_FLAGS = {
     "clean": ["--dry-run"],
     "verify": ["--batch-size", "--device", "--dtype", "--hf-path", "--megatron-path", "--num-layers", "--seed",
                "--seq-len", "--tol"],
+    "lora export": ["--adapter-path", "--hf-config", "--megatron-path", "--overwrite"],
+    "lora import": ["--adapter-path", "--hf-config", "--megatron-path", "--overwrite"],
+    "lora merge": ["--adapter-path", "--hf-path", "--max-shard-size", "--no-progress", "--out", "--overwrite"],
 }
 
 

@@ -31,6 +31,7 @@ from megatron.core.transformer.experimental_attention_variant.dsa import DSAtten
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
+from ..lora import linear_weight
 from . import reference
 from .layout import TokenLayout
 
@@ -250,6 +251,15 @@ class GLMAbsorbedMLASelfAttention(AbsorbedMLASelfAttention):
     @property
     def computes_topk(self) -> bool:
         return self.core_attention.computes_topk
+
+    def _get_kv_up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """megatron-core's ``(W_kc, W_vc)`` per-head views, of ``linear_kv_up_proj``'s effective weight
+        (:func:`megatron_glm5.lora.linear_weight`: a LoRA delta included, with its gradients): absorbed attention
+        reads this weight and never calls the module."""
+        cfg = self.config
+        w = linear_weight(self.linear_kv_up_proj).view(
+            self.num_attention_heads_per_partition, cfg.qk_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        return w[:, : cfg.qk_head_dim], w[:, cfg.qk_head_dim :]
 
     def forward(
         self,
