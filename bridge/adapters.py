@@ -36,8 +36,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -47,7 +45,7 @@ import torch
 from megatron_glm5.config import GLM5Architecture, load_hf_config, natural_key, parse_hf_config
 from megatron_glm5.lora import LoraConfig, MEGATRON_TARGETS, scope_of
 
-from .errors import BridgeError, CheckpointFormatError, OutputExistsError, ShapeMismatchError, TensorSetError
+from .errors import BridgeError, CheckpointFormatError, ShapeMismatchError, TensorSetError
 from .mapping import TensorMap, expand
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -431,26 +429,19 @@ def read_peft_dir(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
 
 
 def write_peft_dir(path: str | Path, tensors: Mapping[str, torch.Tensor], config: Mapping, *,
-                   overwrite: bool = False) -> Path:
+                   overwrite: bool = False, source: str | Path | None = None) -> Path:
+    """Write a PEFT adapter directory with the same output rules as every other output of this tool
+    (:mod:`bridge.output`: staged, marked, atomically replaced, never over its source or an unmarked directory)."""
     from safetensors.torch import save_file
 
-    path = Path(path)
-    if path.exists() and any(path.iterdir()) and not overwrite:
-        raise OutputExistsError(f"{path}: exists and is not empty (pass overwrite=True / --overwrite)")
-    tmp = path.parent / f".{path.name}.partial-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(parents=True)
-    try:
+    from .output import atomic_output_dir
+
+    with atomic_output_dir(path, overwrite=overwrite, kind="peft", source=source, sources=[source]) as tmp:
         save_file({k: v.detach().contiguous().cpu() for k, v in sorted(tensors.items(), key=lambda kv:
                                                                          natural_key(kv[0]))},
                   str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        if path.exists():
-            shutil.rmtree(path)
-        tmp.rename(path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
+    return Path(path).absolute()
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -512,7 +503,8 @@ def export_peft_adapter(model, out_dir: str | Path, *, hf_config: Mapping | str 
     rank 0's report (None on other ranks)."""
     from megatron_glm5.lora import lora_config
 
-    from .launch import barrier, broadcast_object, world
+    from .launch import all_ok, barrier, broadcast_object, world
+    from .output import discard_partial, staging_dir
 
     raw, arch = _model_arch(model, hf_config)
     config = lora_config(model)
@@ -520,10 +512,16 @@ def export_peft_adapter(model, out_dir: str | Path, *, hf_config: Mapping | str 
         raise BridgeError("the model has no LoRA adapters (megatron_glm5.lora.add_lora)")
     rank, _ = world()
     out = Path(out_dir)
-    if rank == 0 and out.exists() and any(out.iterdir()) and not overwrite:
-        raise OutputExistsError(f"{out}: exists and is not empty (pass overwrite=True)")
-    base = Path(work_dir) if work_dir is not None else out.absolute().parent
-    tmp = Path(broadcast_object(str(base / f".{out.name}.lora-{uuid.uuid4().hex[:8]}") if rank == 0 else None))
+    tmp, error = None, None
+    if rank == 0:
+        try:
+            tmp = staging_dir(out, overwrite=overwrite, work_dir=work_dir)
+        except BridgeError as e:
+            error = e
+    all_ok(error is None, str(error))
+    if error is not None:
+        raise error
+    tmp = Path(broadcast_object(str(tmp) if rank == 0 else None))
     report = None
     try:
         write_adapter_checkpoint(model, tmp, hf_config=raw)
@@ -534,7 +532,7 @@ def export_peft_adapter(model, out_dir: str | Path, *, hf_config: Mapping | str 
         barrier()
     finally:
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            discard_partial(tmp)
     return report
 
 

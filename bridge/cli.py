@@ -354,6 +354,9 @@ def _clean(paths: Sequence[str], *, dry_run: bool) -> int:
                 print(f"kept {item.path} ({format_bytes(item.nbytes)}; {item.reason})")
         if not items:
             print(f"{path}: no leftovers of interrupted runs")
+    return 0
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # megatron-glm5 lora (bridge.lora_convert)
 # --------------------------------------------------------------------------------------------------------------------

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import uuid
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -39,7 +38,7 @@ from .megatron_io import (
     write_dist_checkpoint,
     write_tracker,
 )
-from .output import check_output_dir, discard_partial, path_relation, register_writer, write_marker
+from .output import discard_partial, register_writer, staging_dir, write_marker
 from .progress import Progress
 
 HF_CONFIG_ATTR = "glm5_hf_config"  # raw config.json kept on models built by from_hf_pretrained, for export_hf
@@ -124,27 +123,16 @@ def export_hf(
         plan = sharded_boxes(model, expansion, dtype_of, keep_data=True)
     merged = MergedWeights(model) if adapted else (lambda t: t)
     rank, _ = world()
-    final = Path(hf_path).expanduser().absolute()
-    base = Path(work_dir).expanduser().absolute() if work_dir is not None else final.parent
-    tmp = Path(broadcast_object(str(base / f".{final.name}.export-{uuid.uuid4().hex[:8]}") if rank == 0 else None))
-    error: BridgeError | None = None
+    tmp, error = None, None
     if rank == 0:  # the output checks before the (large) temporary checkpoint is written, not after
         try:
-            relation = path_relation(final, base)
-            if relation in ("is", "contains"):
-                raise BridgeError(f"work_dir {base}: the output path {final} {relation} it; the temporary "
-                                  "checkpoint must live outside the output directory")
-            check_output_dir(final, overwrite=overwrite)
-            try:
-                tmp.mkdir(parents=True)
-                register_writer(tmp)
-            except OSError as e:
-                raise BridgeError(f"{tmp}: cannot create the temporary checkpoint directory ({e})") from None
+            tmp = staging_dir(Path(hf_path), overwrite=overwrite, work_dir=work_dir)
         except BridgeError as e:
             error = e
     all_ok(error is None, str(error))
     if error is not None:
         raise error
+    tmp = Path(broadcast_object(str(tmp) if rank == 0 else None))
     if rank == 0:
         meta = {"format_version": FORMAT_VERSION, "hf_config": raw, "expert_layout": expert_layout,
                 "source_fp8": False, "hf_source": "in-memory model"}
@@ -163,6 +151,7 @@ def export_hf(
         write_dist_checkpoint(iteration_dir(tmp, 0), plan.chunks, plan.objects, resolve, sync_files=False)
         if rank == 0:
             write_tracker(tmp, 0)
+            final = Path(hf_path).expanduser().absolute()
             report = convert_megatron_to_hf(megatron_path=tmp, hf_path=final, hf_config=raw,
                                             expert_layout=expert_layout, overwrite=overwrite, progress=progress)
             write_marker(final, kind="hf", source="in-memory model (export_hf)")

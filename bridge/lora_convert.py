@@ -124,7 +124,7 @@ def convert_checkpoint_to_peft(ckpt_dir: str | Path, out_dir: str | Path, *, hf_
     lcfg = LoraConfig.from_dict(saved)
     tensors, config = to_peft(adapters, adapter_table(arch), r=lcfg.r, alpha=lcfg.alpha, dropout=lcfg.dropout,
                               base_model=raw.get("_name_or_path"))
-    write_peft_dir(out_dir, tensors, config, overwrite=overwrite)
+    write_peft_dir(out_dir, tensors, config, overwrite=overwrite, source=ckpt_dir)
     return {"path": str(out_dir), "adapters": len(adapters), "tensors": len(tensors),
             "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
             "target_modules": config["target_modules"], "target_parameters": config["target_parameters"]}
@@ -156,7 +156,7 @@ def convert_peft_to_checkpoint(*, adapter_path: str | Path, megatron_path: str |
     adapters = from_peft(tensors, config, adapter_table(arch), source=str(adapter_path))
     if not adapters:
         raise BridgeError(f"{adapter_path}: the adapter holds no LoRA factors")
-    final = check_output_dir(megatron_path, overwrite=overwrite)
+    final = check_output_dir(megatron_path, overwrite=overwrite, sources=[adapter_path])
     targets = sorted({scope_of(m)[0] for m in adapters}, key=MEGATRON_TARGETS.index)
     lcfg = LoraConfig(int(config["r"]), float(config["lora_alpha"]), dropout=float(config.get("lora_dropout") or 0),
                       target_modules=targets)
@@ -187,7 +187,8 @@ def convert_peft_to_checkpoint(*, adapter_path: str | Path, megatron_path: str |
                          bridge_meta={"format_version": 1, "hf_config": raw, "expert_layout": "per_expert",
                                       "source_fp8": False, "hf_source": f"PEFT adapter {adapter_path}"})
     state[LORA_META_KEY] = meta
-    with atomic_output_dir(final, overwrite=overwrite) as tmp:
+    with atomic_output_dir(final, overwrite=overwrite, kind="megatron-lora", source=adapter_path,
+                           sources=[adapter_path]) as tmp:
         write_dist_checkpoint(iteration_dir(tmp, 0), chunks, {COMMON_STATE_KEY: state},
                               lambda c: sources[(c.key, c.offsets)].reshape(c.sizes).contiguous(),
                               sync_files=sync_files)
@@ -252,7 +253,7 @@ def merge_adapter_into_hf(
 ) -> dict:
     """``hf_path`` (base HF checkpoint) + ``adapter_path`` -> a merged HF checkpoint at ``out_path``, streaming."""
     t0 = time.perf_counter()
-    final = check_output_dir(out_path, overwrite=overwrite)
+    final = check_output_dir(out_path, overwrite=overwrite, sources=[hf_path, adapter_path])
     src = open_hf_source(hf_path)
     if src.fp8_names:
         raise BridgeError(f"{hf_path}: block-FP8 weights: merging LoRA into FP8 would requantise them; convert to "
@@ -273,7 +274,8 @@ def merge_adapter_into_hf(
         return deltas[module]
 
     merged = 0
-    with atomic_output_dir(final, overwrite=overwrite) as tmp:
+    with atomic_output_dir(final, overwrite=overwrite, kind="hf", source=hf_path,
+                           sources=[hf_path, adapter_path]) as tmp:
         writer = hf_io.HFShardWriter(tmp, planned, max_shard_bytes=max_shard_bytes, sync=sync_files)
         try:
             for name in names:
