@@ -31,6 +31,7 @@ from megatron.core.transformer.experimental_attention_variant.dsa import DSAtten
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
+from ..device_check import check_on_device
 from ..lora import linear_weight
 from . import reference
 from .layout import TokenLayout
@@ -165,7 +166,7 @@ class DSACoreAttention(MegatronModule):
                 f"rows x top-k width), got {tuple(topk.shape)}"
             )
         if bounds:
-            torch._assert_async(
+            check_on_device(
                 topk_in_bounds(topk, layout.starts, layout.ends),
                 f"layer {self.layer_number}: a given DSA top-k index is neither -1 nor inside its query row's causal "
                 "key range (a future key, another sequence's key, or out of range)",
@@ -305,10 +306,10 @@ class GLMAbsorbedMLASelfAttention(AbsorbedMLASelfAttention):
             # row's range at its end (padding) but not start it later (left padding, documents): those need the
             # tilelang backend (RoPE from the mask) or THD packing. Without RoPE (GLM-5.3-Flash) no position is
             # read, so any mask the layout accepts works.
-            torch._assert_async(
+            check_on_device(
                 ((layout.starts.to(torch.int64) == layout.row_starts()) | (layout.ends <= layout.starts)).all(),
                 "the megatron backend takes masks whose allowed keys start at the sequence start (causal, right "
-                "padding); for left padding or documents use THD packing (packed_seq_params) or backend='tilelang'",
+                "padding); for left padding or documents use THD packing or backend='tilelang'",
             )
 
         topk = dsa_topk
