@@ -11,6 +11,12 @@ In memory, with a built megatron-core model (this rank's shards)::
     load_hf_weights(model, "GLM-5.2")          # what megatron_glm5.from_hf_pretrained uses
     export_hf(model, "GLM-5.2-trained")        # gathers over TP/PP/EP through a temporary torch_dist checkpoint
 
+LoRA adapters (:mod:`megatron_glm5.lora`) in HF PEFT format (:mod:`bridge.adapters`)::
+
+    export_peft_adapter(model, "adapter")       # adapter_config.json + adapter_model.safetensors, from every rank
+    load_peft_adapter(model, "adapter")         # adds the adapters if the model has none
+    export_hf(model, "merged", merge_lora=True) # base + LoRA merged into the HF weights
+
 Application layer (it uses both this package and :mod:`megatron_glm5`, which never imports this one):
 :func:`from_hf_pretrained`, the ``megatron-glm5`` command line (:mod:`bridge.cli`) and its demo (:mod:`bridge.demo`).
 
@@ -25,9 +31,11 @@ __all__ = [
     "convert_hf_to_megatron",
     "convert_megatron_to_hf",
     "export_hf",
+    "export_peft_adapter",
     "from_hf_pretrained",
     "load_hf_weights",
     "load_megatron_checkpoint",
+    "load_peft_adapter",
     "roundtrip",
     "verify",
 ]
@@ -42,6 +50,10 @@ def __getattr__(name):
         from . import inmemory
 
         return getattr(inmemory, name)
+    if name in ("export_peft_adapter", "load_peft_adapter"):
+        from . import adapters
+
+        return getattr(adapters, name)
     if name == "from_hf_pretrained":
         from .pretrained import from_hf_pretrained
 

@@ -9,6 +9,9 @@
                          [--seq-len N] [--batch-size N] [--seed N] [--tol X]
     megatron-glm5 rollout-parity --hf-path DIR --batch FILE [--backend megatron|tilelang] [--dtype bf16|fp32]
                          [--device cuda|cpu] [--plot FILE] [--max-kl X]
+    megatron-glm5 lora export --megatron-path DIR --adapter-path DIR [--hf-config PATH]
+    megatron-glm5 lora import --adapter-path DIR --megatron-path DIR --hf-config PATH
+    megatron-glm5 lora merge  --hf-path DIR --adapter-path DIR --out DIR
 
 Exit status: every user error (a bad flag value, a missing or unreadable path, a file where a directory is
 expected, an unwritable output, a TP/PP/EP layout the model cannot take, a malformed checkpoint: a
@@ -177,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "formats need matplotlib)")
     rp.add_argument("--max-kl", type=_positive_float, default=None,
                     help="exit 1 when the KL (replay on if the batch has replay data, else off) exceeds this")
+    _lora_parser(sub)
     return parser
 
 
@@ -211,6 +215,14 @@ def _preflight(args) -> None:
         return
     if args.command == "clean":
         return  # it only lists and removes our own leftovers; bridge.output names anything unusable
+    if args.command == "lora":
+        if args.action == "export":
+            preflight.megatron_checkpoint_dir(args.megatron_path, flag="--megatron-path")
+        elif args.action == "merge":
+            preflight.hf_checkpoint_dir(args.hf_path, flag="--hf-path")
+        output = getattr(args, _OUTPUT_FLAG[_subcommand(args)])
+        preflight.output_dir(output, flag="--" + _OUTPUT_FLAG[_subcommand(args)].replace("_", "-"))
+        return
     if args.command == "rollout-parity":
         from .rollout_parity import check_batch_path, check_plot_path
 
@@ -264,8 +276,14 @@ def _preflight(args) -> None:
 
 
 _PATH_FLAGS = ("hf_path", "megatron_path", "hf_config", "work_dir", "out", "batch", "plot")
-_OUTPUT_FLAG = {"import": "megatron_path", "export": "hf_path", "roundtrip": "work_dir", "demo": "out",
+_OUTPUT_FLAG = {"convert import": "megatron_path", "convert export": "hf_path", "convert roundtrip": "work_dir",
+                "demo": "out", "lora export": "adapter_path", "lora import": "megatron_path", "lora merge": "out",
                 "rollout-parity": "plot"}
+
+
+def _subcommand(args) -> str:
+    action = getattr(args, "action", None)
+    return f"{args.command} {action}" if action else args.command
 _ENVIRONMENT_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR,
                        errno.EISDIR, errno.ENOENT, errno.EEXIST}
 
@@ -291,7 +309,7 @@ def _os_error_line(e: OSError, args) -> str | None:
         return None if owner is None else f"{owner}: {f}: {e.strerror or e}"
     if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):  # no file named: only a full or read-only disk
         return None
-    out = _OUTPUT_FLAG.get(getattr(args, "action", None) or args.command)
+    out = _OUTPUT_FLAG.get(_subcommand(args))
     value = getattr(args, out, None) if out else None
     return (f"--{out.replace('_', '-')} {value}: " if value else "") + f"{e.strerror or e}"
 
@@ -305,6 +323,8 @@ def _run(args) -> int:
         return 0 if run_demo(out_dir=args.out, steps=args.steps, keep=args.keep)["ok"] else 1
     if args.command == "clean":
         return _clean(args.paths, dry_run=args.dry_run)
+    if args.command == "lora":
+        return _run_lora(args)
     if args.command == "verify":
         report = bridge.verify(hf_path=args.hf_path, megatron_path=args.megatron_path, seq_len=args.seq_len,
                                batch_size=args.batch_size, seed=args.seed, tol=args.tol, num_layers=args.num_layers,
@@ -369,6 +389,59 @@ def _clean(paths: Sequence[str], *, dry_run: bool) -> int:
                 print(f"kept {item.path} ({format_bytes(item.nbytes)}; {item.reason})")
         if not items:
             print(f"{path}: no leftovers of interrupted runs")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# megatron-glm5 lora (bridge.lora_convert)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _lora_parser(sub) -> None:
+    lora = sub.add_parser("lora", help="LoRA adapters: Megatron checkpoint <-> HF PEFT, merge into HF weights")
+    lsub = lora.add_subparsers(dest="action", required=True)
+    exp = lsub.add_parser("export", help="Megatron checkpoint with LoRA adapters (adapter-only or full) -> HF PEFT "
+                                         "adapter (adapter_config.json + adapter_model.safetensors)")
+    exp.add_argument("--megatron-path", required=True, help="Megatron-LM save dir or one iter_XXXXXXX dir")
+    exp.add_argument("--adapter-path", required=True, help="output PEFT adapter directory")
+    exp.add_argument("--hf-config", help="the model's config.json, if the checkpoint does not record it")
+    exp.add_argument("--overwrite", action="store_true")
+    imp = lsub.add_parser("import", help="HF PEFT adapter -> adapter-only Megatron checkpoint (torch_dist, "
+                                         "Megatron-LM layout)")
+    imp.add_argument("--adapter-path", required=True, help="PEFT adapter directory")
+    imp.add_argument("--megatron-path", required=True, help="output Megatron checkpoint directory")
+    imp.add_argument("--hf-config", required=True, help="the base model's config.json (or its checkpoint directory)")
+    imp.add_argument("--overwrite", action="store_true")
+    merge = lsub.add_parser("merge", help="HF checkpoint + adapter (PEFT directory or Megatron checkpoint with "
+                                          "adapters) -> merged HF checkpoint, streaming")
+    merge.add_argument("--hf-path", required=True, help="base HF checkpoint")
+    merge.add_argument("--adapter-path", required=True, help="PEFT adapter directory or Megatron checkpoint")
+    merge.add_argument("--out", required=True, help="output HF checkpoint directory")
+    merge.add_argument("--max-shard-size", type=_size, default="5GB")
+    merge.add_argument("--overwrite", action="store_true")
+    merge.add_argument("--no-progress", action="store_true")
+
+
+def _run_lora(args) -> int:
+    from . import lora_convert
+
+    if args.action == "export":
+        r = lora_convert.convert_checkpoint_to_peft(args.megatron_path, args.adapter_path, hf_config=args.hf_config,
+                                                    overwrite=args.overwrite)
+        print(f"exported {r['adapters']} LoRA adapters as {r['tensors']} PEFT tensors ({r['bytes'] / 1e6:.2f} MB; "
+              f"target_modules {r['target_modules']}, target_parameters {r['target_parameters']}) to {r['path']}")
+        return 0
+    if args.action == "import":
+        r = lora_convert.convert_peft_to_checkpoint(adapter_path=args.adapter_path, megatron_path=args.megatron_path,
+                                                    hf_config=args.hf_config, overwrite=args.overwrite)
+        print(f"imported {r['adapters']} LoRA adapters as {r['tensors']} megatron tensors ({r['bytes'] / 1e6:.2f} MB) "
+              f"into {r['path']}")
+        return 0
+    r = lora_convert.merge_adapter_into_hf(hf_path=args.hf_path, adapter_path=args.adapter_path, out_path=args.out,
+                                           max_shard_bytes=args.max_shard_size, overwrite=args.overwrite,
+                                           progress=_progress(args))
+    print(f"merged {r['adapters']} LoRA adapters ({r['adapter_kind']}) into {r['merged_tensors']} of {r['tensors']} "
+          f"HF tensors: {r['path']} ({r['bytes'] / 1e9:.3f} GB, {r['seconds']:.1f} s)")
     return 0
 
 

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import uuid
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -39,7 +38,7 @@ from .megatron_io import (
     write_dist_checkpoint,
     write_tracker,
 )
-from .output import check_output_dir, discard_partial, path_relation, register_writer, write_marker
+from .output import discard_partial, register_writer, staging_dir, write_marker
 from .progress import Progress
 
 HF_CONFIG_ATTR = "glm5_hf_config"  # raw config.json kept on models built by from_hf_pretrained, for export_hf
@@ -54,9 +53,12 @@ def load_hf_weights(model, hf_path: str | Path, *, progress: bool | None = False
     ``num_layers``: ``model`` is the layer-truncated model of :func:`bridge.source.truncate_hf_config` (the first N
     decoder layers, no MTP); the checkpoint is validated whole, only the kept layers' tensors are read, and the
     report's ``skipped`` counts the HF tensors left out on purpose."""
+    from megatron_glm5.lora import base_only
+
     src = open_hf_source(hf_path, num_layers=num_layers)
     mat = Materializer(src)
-    plan = sharded_boxes(model, src.expansion, mat.target_dtype, main_replicas_only=False, keep_data=True)
+    with base_only():  # a LoRA model's adapters are not HF weights: they keep their values
+        plan = sharded_boxes(model, src.expansion, mat.target_dtype, main_replicas_only=False, keep_data=True)
     plan.chunks.sort(key=lambda c: (*mat.source_order(plan.pieces[(c.key, c.offsets)].logical), c.key, c.offsets))
     bar = Progress(total=len(plan.chunks), total_bytes=sum(c.nbytes for c in plan.chunks), desc="load",
                    enabled=progress)
@@ -86,14 +88,23 @@ def export_hf(
     overwrite: bool = False,
     progress: bool | None = False,
     work_dir: str | Path | None = None,
+    merge_lora: bool = False,
 ) -> dict | None:
     """Write ``model`` (collectively, from all ranks) as an HF checkpoint. ``hf_config`` is the model's HF
     ``config.json`` (a dict or path); it defaults to the one recorded by ``from_hf_pretrained``. ``dtype`` defaults
-    to the config's ``dtype`` (the router bias stays fp32). Returns rank 0's report (None on other ranks).
+    to the config's ``dtype`` (the router bias stays fp32). A model with LoRA adapters (:mod:`megatron_glm5.lora`)
+    needs ``merge_lora=True``: every adapted weight is written as ``W + alpha/r * B @ A`` (computed in fp32, one
+    checkpoint box at a time). Returns rank 0's report (None on other ranks).
 
     The output path is checked (free, or with ``overwrite`` an earlier output of this tool or empty) before the
     temporary checkpoint ``.<name>.export-<id>`` is written next to it (or in ``work_dir``, which must not be the
     output or inside it); a process that dies leaves only that directory, which ``megatron-glm5 clean`` finds."""
+    from megatron_glm5.lora import MergedWeights, base_only, lora_modules
+
+    adapted = bool(lora_modules(model))
+    if adapted and not merge_lora:
+        raise BridgeError("the model has LoRA adapters: export_hf(..., merge_lora=True) writes base + adapter "
+                          "merged; bridge.export_peft_adapter writes the adapter alone")
     raw = hf_config if hf_config is not None else getattr(model, HF_CONFIG_ATTR, None)
     if raw is None:
         raise BridgeError("export_hf needs the model's HF config.json: pass hf_config=... (a dict or a path); "
@@ -108,29 +119,20 @@ def export_hf(
     def dtype_of(m):
         return torch.float32 if m.fp32 else (out_dtype or torch.float32)
 
-    plan = sharded_boxes(model, expansion, dtype_of, keep_data=True)
+    with base_only():
+        plan = sharded_boxes(model, expansion, dtype_of, keep_data=True)
+    merged = MergedWeights(model) if adapted else (lambda t: t)
     rank, _ = world()
-    final = Path(hf_path).expanduser().absolute()
-    base = Path(work_dir).expanduser().absolute() if work_dir is not None else final.parent
-    tmp = Path(broadcast_object(str(base / f".{final.name}.export-{uuid.uuid4().hex[:8]}") if rank == 0 else None))
-    error: BridgeError | None = None
+    tmp, error = None, None
     if rank == 0:  # the output checks before the (large) temporary checkpoint is written, not after
         try:
-            relation = path_relation(final, base)
-            if relation in ("is", "contains"):
-                raise BridgeError(f"work_dir {base}: the output path {final} {relation} it; the temporary "
-                                  "checkpoint must live outside the output directory")
-            check_output_dir(final, overwrite=overwrite)
-            try:
-                tmp.mkdir(parents=True)
-                register_writer(tmp)
-            except OSError as e:
-                raise BridgeError(f"{tmp}: cannot create the temporary checkpoint directory ({e})") from None
+            tmp = staging_dir(Path(hf_path), overwrite=overwrite, work_dir=work_dir)
         except BridgeError as e:
             error = e
     all_ok(error is None, str(error))
     if error is not None:
         raise error
+    tmp = Path(broadcast_object(str(tmp) if rank == 0 else None))
     if rank == 0:
         meta = {"format_version": FORMAT_VERSION, "hf_config": raw, "expert_layout": expert_layout,
                 "source_fp8": False, "hf_source": "in-memory model"}
@@ -138,7 +140,7 @@ def export_hf(
         plan.objects[COMMON_STATE_KEY] = common_state(args=args, iteration=0, bridge_meta=meta)
 
     def resolve(chunk):
-        t = plan.tensors[(chunk.key, chunk.offsets)]
+        t = merged(plan.tensors[(chunk.key, chunk.offsets)])
         return t.detach().reshape(chunk.sizes).to(chunk.dtype)
 
     report = None
@@ -149,6 +151,7 @@ def export_hf(
         write_dist_checkpoint(iteration_dir(tmp, 0), plan.chunks, plan.objects, resolve, sync_files=False)
         if rank == 0:
             write_tracker(tmp, 0)
+            final = Path(hf_path).expanduser().absolute()
             report = convert_megatron_to_hf(megatron_path=tmp, hf_path=final, hf_config=raw,
                                             expert_layout=expert_layout, overwrite=overwrite, progress=progress)
             write_marker(final, kind="hf", source="in-memory model (export_hf)")

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from .errors import OutputExistsError
+from .errors import BridgeError, OutputExistsError
 
 MARKER_FILE = ".megatron-glm5-output.json"
 WRITER_PREFIX = ".megatron-glm5-writer."
@@ -467,3 +467,24 @@ def atomic_output_dir(final: str | Path, *, overwrite: bool, kind: str, source: 
 
 __all__ = ["MARKER_FILE", "Leftover", "atomic_output_dir", "check_output_dir", "commit_dir", "find_partials",
            "find_stale_partials", "make_partial_dir", "read_marker", "register_writer", "remove_stale_partials"]
+
+
+def staging_dir(final: Path, *, overwrite: bool, work_dir: str | Path | None = None) -> Path:
+    """A temporary directory ``.<name>.export-<id>`` (next to ``final``, or in ``work_dir``) for an in-memory
+    export's intermediate checkpoint, created only after ``final`` passed :func:`check_output_dir` (so a bad output
+    path fails before anything large is written). Registered with its writer, so a killed run's copy is found by
+    :func:`find_stale_partials`."""
+    final = Path(final).expanduser().absolute()
+    base = Path(work_dir).expanduser().absolute() if work_dir is not None else final.parent
+    relation = path_relation(final, base)
+    if relation in ("is", "contains"):
+        raise BridgeError(f"work_dir {base}: the output path {final} {relation} it; the temporary checkpoint must "
+                          "live outside the output directory")
+    check_output_dir(final, overwrite=overwrite)
+    tmp = base / f".{final.name}.export-{uuid.uuid4().hex[:8]}"
+    try:
+        tmp.mkdir(parents=True)
+        register_writer(tmp)
+    except OSError as e:
+        raise BridgeError(f"{tmp}: cannot create the temporary checkpoint directory ({e})") from None
+    return tmp

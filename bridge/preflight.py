@@ -110,10 +110,22 @@ def output_dir(path: str | Path, *, flag: str | None) -> Path:
         parent = parent.parent
     if not parent.is_dir():
         raise BridgeError(f"{where}: cannot create it: {parent} is a file, not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
+    if not _writable(parent):
         raise BridgeError(f"{where}: cannot create it: {parent} is not writable (read-only file system or "
                           "permission denied)")
     return p
+
+
+def _writable(directory: Path) -> bool:
+    """Whether a directory can be created in ``directory``: tried, not inferred from permission bits (root passes
+    ``os.access`` on read-only file systems such as /proc)."""
+    import tempfile
+
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".megatron-glm5-probe-", dir=directory))
+    except OSError:
+        return False
+    return True
 
 
 def work_dir(path: str | Path, *, flag: str | None) -> Path:
@@ -124,7 +136,7 @@ def work_dir(path: str | Path, *, flag: str | None) -> Path:
     if p.exists():
         if not p.is_dir():
             raise BridgeError(f"{where}: exists and is a file; expected a directory")
-        if not os.access(p, os.W_OK | os.X_OK):
+        if not _writable(p):
             raise BridgeError(f"{where}: directory is not writable (read-only file system or permission denied)")
         return p
     return output_dir(p, flag=flag)

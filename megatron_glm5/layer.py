@@ -43,6 +43,8 @@ from megatron.core.tensor_parallel.random import CheckpointFunction, is_checkpoi
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import deprecate_inference_params
 
+from .device_check import check_on_device
+
 _CHECKPOINT_FRAMES = (CheckpointFunction.forward.__code__, CheckpointFunction.backward.__code__)
 _STASH = "_glm5_dsa_topk"  # attribute of the checkpoint node: {layer module: (topk, fingerprint)}
 FINGERPRINT_GROUPS = 64
@@ -109,7 +111,7 @@ def replayed_topk(layer: torch.nn.Module, attn_input: torch.Tensor, layer_number
     if entry is None:
         return None
     topk, fp = entry
-    torch._assert_async(
+    check_on_device(
         fingerprints_match(fingerprint(attn_input), fp),
         f"layer {layer_number}: the recomputed attention input does not match the one whose DSA top-k is being "
         "replayed (beyond last-bit differences)",

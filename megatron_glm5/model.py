@@ -8,6 +8,7 @@ import torch
 
 from .config import GLM5Architecture, RuntimePolicy, build_transformer_config, gpt_model_kwargs
 from .cpu import attach_cpu_mode, cpu_mode
+from .device_check import check_on_device
 from .dsa.layout import TokenLayout
 from .spec import build_glm5_block_spec, build_glm5_mtp_spec
 
@@ -70,11 +71,10 @@ def check_position_ids(model, args: tuple, kwargs: dict) -> None:
     b, s = position_ids.shape
     layout = TokenLayout.build(s, b, position_ids.device, packed, mask)
     pos = position_ids.reshape(-1).to(torch.int64)
-    torch._assert_async(
+    check_on_device(
         ((pos == layout.positions) | (layout.ends <= layout.starts)).all(),
-        # torch's CUDA assert takes messages of at most 254 characters
-        "position_ids differ from the positions GLM-5.x attention uses (offsets in each sequence, THD document or "
-        "mask range); MLA ignores position_ids: give documents as THD packing or an attention_mask",
+        "position_ids differ from the positions GLM-5.x attention uses (offset in the sequence, THD document or "
+        "mask range; MLA never reads position_ids): pass documents as THD packing or an attention_mask",
     )
 
 

@@ -7,6 +7,17 @@ into Megatron-LM's arguments before validation, so its bookkeeping (layer split,
 model. Passing an architecture flag that contradicts the HF config is an error. ``--glm5-backend`` picks the DSA
 attention backend (``megatron`` or ``tilelang``).
 
+LoRA (:mod:`megatron_glm5.lora`): ``--lora-rank R`` adds adapters in the model provider, after the model is built
+and before Megatron-LM loads a checkpoint, and freezes the base (``--lora-alpha``, ``--lora-dropout``,
+``--lora-target-modules``, ``--lora-exclude-modules``; :func:`apply_lora_args`). Two checkpoint modes:
+
+* ``--lora-base-checkpoint DIR``: the frozen base is read from DIR (a ``torch_dist`` checkpoint without adapters,
+  e.g. from ``megatron-glm5 convert import``) on every start, and ``--save`` / ``--load`` hold the adapters (and
+  their optimizer state) only - small, resumable checkpoints;
+* without it: ``--save`` writes full checkpoints (base + adapters, unchanged base keys) and ``--load`` reads them.
+  A ``--load`` / ``--pretrained-checkpoint`` without adapters is refused with a pointer to
+  ``--lora-base-checkpoint``, the only way adapters may be missing.
+
 Megatron-LM's training loop needs CUDA (it allocates on ``device="cuda"``); on CPU use ``megatron-glm5 demo``.
 """
 
@@ -34,6 +45,20 @@ def add_glm5_args(parser):
     group.add_argument("--glm5-backend", choices=sorted(BACKENDS), default="megatron",
                        help="DSA attention backend: 'megatron' (megatron-core modules and kernels) or 'tilelang' "
                             "(fused TileLangMLASelfAttention)")
+    lora = parser.add_argument_group("megatron-glm5 LoRA")
+    lora.add_argument("--lora-rank", type=int, default=None,
+                      help="add LoRA adapters of this rank (linear_fc1 gets 2x) and freeze the base weights")
+    lora.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha (default: 2 x --lora-rank)")
+    lora.add_argument("--lora-dropout", type=float, default=0.0)
+    lora.add_argument("--lora-target-modules", nargs="+", default=None,
+                      help="HF or megatron-core names (default: q_a_proj q_b_proj kv_a_proj_with_mqa kv_b_proj o_proj "
+                           "gate_proj up_proj down_proj)")
+    lora.add_argument("--lora-exclude-modules", nargs="+", default=[],
+                      help="target names, groups (attention, indexer, dense_mlp, shared_experts, routed_experts, mtp) "
+                           "or regular expressions on module names")
+    lora.add_argument("--lora-base-checkpoint", default=None,
+                      help="torch_dist checkpoint of the frozen base (adapters missing is allowed here only); "
+                           "--save/--load then hold the adapters only")
     return parser
 
 
@@ -136,10 +161,62 @@ def model_provider(arch: GLM5Architecture, backend: str, pre_process=True, post_
 
     from .model import build_model
 
+    args = get_args()
     if config is None:
-        config = core_transformer_config_from_args(get_args(), MLATransformerConfig)
-    return build_model(arch, config=config, backend=backend, vp_stage=vp_stage, pre_process=pre_process,
-                       post_process=post_process)
+        config = core_transformer_config_from_args(args, MLATransformerConfig)
+    model = build_model(arch, config=config, backend=backend, vp_stage=vp_stage, pre_process=pre_process,
+                        post_process=post_process)
+    return apply_lora_args(model, args)
+
+
+def lora_config_from_args(args):
+    """The :class:`~megatron_glm5.lora.LoraConfig` the ``--lora-*`` flags describe, or None without ``--lora-rank``."""
+    from .lora import DEFAULT_TARGET_MODULES, LoraConfig
+
+    if getattr(args, "lora_rank", None) is None:
+        stray = [f for f in ("lora_alpha", "lora_target_modules", "lora_base_checkpoint")
+                 if getattr(args, f, None) is not None]
+        if stray:
+            raise SystemExit(f"megatron-glm5: {', '.join(_flag(f) for f in stray)} without --lora-rank")
+        return None
+    try:
+        return LoraConfig(args.lora_rank, args.lora_alpha if args.lora_alpha is not None else 2.0 * args.lora_rank,
+                          dropout=args.lora_dropout, target_modules=args.lora_target_modules or DEFAULT_TARGET_MODULES,
+                          exclude_modules=args.lora_exclude_modules or ())
+    except ValueError as e:
+        raise SystemExit(f"megatron-glm5: {e}") from None
+
+
+def apply_lora_args(model, args):
+    """The model provider's LoRA hook (a no-op without ``--lora-rank``): load ``--lora-base-checkpoint`` into the
+    freshly built model, add the adapters, and make checkpoints adapter-only when the base has its own checkpoint.
+    Without a base checkpoint, a ``--load`` / ``--pretrained-checkpoint`` that holds no adapters is refused."""
+    from .lora import add_lora
+    from .lora_checkpoint import checkpoint_has_adapters, load_base_checkpoint, use_adapter_only_checkpoints
+
+    config = lora_config_from_args(args)
+    if config is None:
+        return model
+    base = getattr(args, "lora_base_checkpoint", None)
+    if base is not None:
+        load_base_checkpoint(model, base)
+    add_lora(model, config)
+    if base is not None:
+        return use_adapter_only_checkpoints(model)
+    for flag in ("load", "pretrained_checkpoint"):
+        path = getattr(args, flag, None)
+        if path and _has_checkpoint(path) and not checkpoint_has_adapters(path):
+            raise SystemExit(
+                f"megatron-glm5: {_flag(flag)} {path} holds no LoRA adapters: pass it as --lora-base-checkpoint to "
+                "load it as the frozen base (then --save/--load hold the adapters only)")
+    return model
+
+
+def _has_checkpoint(path) -> bool:
+    from pathlib import Path
+
+    p = Path(path)
+    return (p / "latest_checkpointed_iteration.txt").is_file() or (p / ".metadata").is_file()
 
 
 _BATCH_KEYS = (("tokens", torch.int64), ("labels", torch.int64), ("loss_mask", torch.float32),

@@ -44,6 +44,7 @@ from .dsa import reference
 from .dsa.attention import DSACoreAttention, rebuild_down_projections, with_mcore_down_projections
 from .dsa.layout import TokenLayout
 from .dsa.rope import apply_interleaved_rope, rope_cos_sin
+from .lora import linear_weight
 
 @functools.cache
 def _tilelang_available() -> bool:
@@ -114,7 +115,7 @@ class TileLangSparseAttention(DSACoreAttention):
         k, _ = idx.linear_wk(x)
         k = idx.k_norm(k.float())  # fp32 LayerNorm, eps 1e-6
         scale = self.index_heads**-0.5 * self.index_dim**-0.5
-        w = F.linear(x.float(), idx.linear_weights_proj.weight.float()) * scale  # fp32 head weights
+        w = F.linear(x.float(), linear_weight(idx.linear_weights_proj).float()) * scale  # fp32 head weights
         q, w, k = layout.flatten(gather.rows(q)), layout.flatten(gather.rows(w)), layout.flatten_keys(gather.keys(k))
         r = self.rope_dim
         q = torch.cat([apply_interleaved_rope(q[..., :r], *rope_q), q[..., r:]], dim=-1)  # [T_q, Hi, Di]
@@ -131,7 +132,8 @@ class TileLangSparseAttention(DSACoreAttention):
     def forward(self, query: torch.Tensor, kv: torch.Tensor, topk: torch.Tensor, softmax_scale: float,
                 d_v: int) -> torch.Tensor:
         """``query [T, H, D]``, ``kv [T, D]``, ``topk [T, K]`` -> latent output ``[T, H, d_v]``."""
-        if _kernels_apply(query) and query.shape[-1] == 576 and d_v == 512:
+        # GLM-5: d_qk 576 = 512 + 64 RoPE; GLM-5.3-Flash (NoPE): d_qk = d_v = 512, KPool width index_topk + P - 1
+        if _kernels_apply(query) and (query.shape[-1], d_v) in ((576, 512), (512, 512)):
             from . import kernels
 
             return kernels.sparse_mla(query.contiguous(), kv.contiguous(), topk, softmax_scale, d_v,
@@ -159,9 +161,10 @@ class TileLangMLASelfAttention(MLASelfAttention):
 
     def kv_up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(W_kc [H, qk_head_dim, kv_lora_rank], W_vc [H, v_head_dim, kv_lora_rank])`` viewed from
-        ``linear_kv_up_proj.weight`` (per-head rows ``[k_nope | v]``), recomputed on every call."""
+        ``linear_kv_up_proj``'s effective weight (per-head rows ``[k_nope | v]``; a LoRA delta included, see
+        :func:`megatron_glm5.lora.linear_weight`), recomputed on every call."""
         cfg = self.config
-        w = self.linear_kv_up_proj.weight.view(-1, cfg.qk_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        w = linear_weight(self.linear_kv_up_proj).view(-1, cfg.qk_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         return w[:, : cfg.qk_head_dim], w[:, cfg.qk_head_dim :]
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,

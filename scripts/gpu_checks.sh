@@ -2,7 +2,8 @@
 # The GPU work, batched (the H200 machine: no network, bundle in .gpu/):
 #   source .gpu/install.sh && bash scripts/gpu_checks.sh OUT_DIR STEP...
 # Steps: precompile (fill TileLang's disk cache in parallel), kernels (tests/gpu/test_kernels_gpu.py), backends
-# (tests/gpu/test_backends_gpu.py), hardening (tests/gpu/test_hardening_gpu.py), bench_kernels, bench_layer,
+# (tests/gpu/test_backends_gpu.py), hardening (tests/gpu/test_hardening_gpu.py), lora (tests/gpu/test_lora_gpu.py),
+# bench_kernels, bench_flash (KPool selection and NoPE sparse MLA), bench_layer,
 # pretrain_megatron, pretrain_tilelang (python -m megatron_glm5.pretrain), pretrain_gpt_client (Megatron-LM's own
 # pretrain_gpt.py with both specs: the client in shared/clients/megatron_lm, copied into .mlm/ and carried).
 # Each step has its own log and time limit; a failing step does not stop the others.
@@ -21,10 +22,12 @@ run() {  # run NAME SECONDS CMD...
 }
 for step in "$@"; do
   case "$step" in
-    precompile) run precompile 120 python3 scripts/bench/bench_dsa_kernels.py --precompile-only --workers 16 ;;
+    precompile) run precompile 150 python3 scripts/bench/bench_dsa_kernels.py --precompile-only --workers 16 --sections sparse,indexer,kpool,nope ;;
     kernels) run kernels 240 python3 -m pytest tests/gpu/test_kernels_gpu.py -q -s -p no:cacheprovider ;;
     kernels_ws) MEGATRON_GLM5_TEST_FWD_VARIANT=ws run kernels_ws 200 python3 -m pytest tests/gpu/test_kernels_gpu.py -q -s -p no:cacheprovider ;;
     backends) run backends 240 python3 -m pytest tests/gpu/test_backends_gpu.py -q -s -p no:cacheprovider ;;
+    lora) run lora 200 python3 -m pytest tests/gpu/test_lora_gpu.py -q -s -p no:cacheprovider ;;
+    bench_flash) run bench_flash 200 python3 scripts/bench/bench_dsa_kernels.py --sections kpool,nope --out "$OUT_DIR/flash_kernels.md" ;;
     hardening) run hardening 240 python3 -m pytest tests/gpu/test_hardening_gpu.py -q -s -p no:cacheprovider ;;
     pretrain_gpt_client) TAIL=12 run pretrain_gpt_client 420 bash .mlm/run_pretrain_gpt.sh ;;
     bench_kernels) run bench_kernels 300 python3 scripts/bench/bench_dsa_kernels.py --out "$OUT_DIR/kernels.md" ${BENCH_ARGS:-} ;;

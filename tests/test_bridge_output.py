@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import bridge
 from bridge import cli, output
 from bridge.errors import BridgeError, OutputExistsError
 from bridge.megatron_io import BRIDGE_KEY, DistCheckpoint, resolve_checkpoint_dir
@@ -129,7 +130,9 @@ def test_overwrite_refuses_a_file(fixtures, tmp_path, capsys):
     out.write_text("x")
     code, err = _run(capsys, "convert", "import", "--hf-path", make_fixture(fixtures, "glm5"), "--megatron-path",
                      out, "--overwrite", "--no-progress")
-    _one_error(code, err, f"{out}: exists and is not a directory")
+    _one_error(code, err, f"{out}: exists and is a file")  # the CLI's up-front check
+    with pytest.raises(OutputExistsError, match="exists and is not a directory"):  # the library's own
+        bridge.convert_hf_to_megatron(hf_path=make_fixture(fixtures, "glm5"), megatron_path=out, overwrite=True)
     assert out.read_text() == "x"
 
 

@@ -2,8 +2,8 @@
 
 Compilation needs TileLang and nvcc but no GPU: each factory is built at one small shape (other head dims, the
 mma.sync path below 64 heads), at the GLM-5 shape (576 = 512 + 64 RoPE) and, for sparse MLA, at the NoPE shape of
-GLM-5.3-Flash (512 = 512 + 0: no tail), two compiles at a time in spawned workers (~2-3 min on 2 cores, less with
-TileLang's disk cache).
+GLM-5.3-Flash (512 = 512 + 0: no tail); the top-k select also at KPool's 2048 / 4 = 512 pools. Two compiles at a
+time in spawned workers (~2-3 min on 2 cores, less with TileLang's disk cache).
 Numerics are checked on the GPU (``tests/gpu/test_kernels_gpu.py``).
 """
 
@@ -44,6 +44,8 @@ COMPILE_CASES = {
     "indexer_logits_glm": ("megatron_glm5.kernels.indexer_topk", "_jit_logits", (32, 128)),
     "topk_select_small": ("megatron_glm5.kernels.indexer_topk", "_jit_select", (64,)),
     "topk_select_glm": ("megatron_glm5.kernels.indexer_topk", "_jit_select", (2048,)),
+    # KPool (GLM-5.3-Flash): the same indexer kernel scores the pool keys, top-(index_topk // P) = 512 pools
+    "topk_select_kpool": ("megatron_glm5.kernels.indexer_topk", "_jit_select", (512,)),
 }
 
 

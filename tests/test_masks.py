@@ -161,3 +161,13 @@ def test_megatron_lm_document_flags_that_would_be_ignored_are_refused(flags, mes
     check_document_masking(args)
     with pytest.raises(SystemExit, match="reads plain \\[b, s\\] micro-batches"):
         check_data_flags(args)
+
+
+def test_device_check_messages_fit_cuda():
+    """CUDA refuses device-assert messages of 255 bytes or more (the assert itself then fails with another error):
+    the one helper every device check goes through enforces the limit on CPU too."""
+    from megatron_glm5.device_check import check_on_device
+
+    check_on_device(torch.tensor(True), "x" * 254)
+    with pytest.raises(ValueError, match="longer than 254 bytes"):
+        check_on_device(torch.tensor(True), "x" * 255)

@@ -31,6 +31,8 @@ from megatron.core.transformer.experimental_attention_variant.dsa import DSAtten
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
+from ..device_check import check_on_device
+from ..lora import linear_weight
 from . import reference
 from .layout import TokenLayout
 
@@ -164,7 +166,7 @@ class DSACoreAttention(MegatronModule):
                 f"rows x top-k width), got {tuple(topk.shape)}"
             )
         if bounds:
-            torch._assert_async(
+            check_on_device(
                 topk_in_bounds(topk, layout.starts, layout.ends),
                 f"layer {self.layer_number}: a given DSA top-k index is neither -1 nor inside its query row's causal "
                 "key range (a future key, another sequence's key, or out of range)",
@@ -251,6 +253,15 @@ class GLMAbsorbedMLASelfAttention(AbsorbedMLASelfAttention):
     def computes_topk(self) -> bool:
         return self.core_attention.computes_topk
 
+    def _get_kv_up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """megatron-core's ``(W_kc, W_vc)`` per-head views, of ``linear_kv_up_proj``'s effective weight
+        (:func:`megatron_glm5.lora.linear_weight`: a LoRA delta included, with its gradients): absorbed attention
+        reads this weight and never calls the module."""
+        cfg = self.config
+        w = linear_weight(self.linear_kv_up_proj).view(
+            self.num_attention_heads_per_partition, cfg.qk_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        return w[:, : cfg.qk_head_dim], w[:, cfg.qk_head_dim :]
+
     def forward(
         self,
         hidden_states: torch.Tensor,
@@ -295,10 +306,10 @@ class GLMAbsorbedMLASelfAttention(AbsorbedMLASelfAttention):
             # row's range at its end (padding) but not start it later (left padding, documents): those need the
             # tilelang backend (RoPE from the mask) or THD packing. Without RoPE (GLM-5.3-Flash) no position is
             # read, so any mask the layout accepts works.
-            torch._assert_async(
+            check_on_device(
                 ((layout.starts.to(torch.int64) == layout.row_starts()) | (layout.ends <= layout.starts)).all(),
                 "the megatron backend takes masks whose allowed keys start at the sequence start (causal, right "
-                "padding); for left padding or documents use THD packing (packed_seq_params) or backend='tilelang'",
+                "padding); for left padding or documents use THD packing or backend='tilelang'",
             )
 
         topk = dsa_topk

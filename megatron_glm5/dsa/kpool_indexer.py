@@ -10,7 +10,8 @@ transformers' ``Glm5NextTextIndexer``:
 It has no RoPE (GLM-5.3-Flash is NoPE) and never calls the parent's RoPE / top-k forward: :meth:`KPoolIndexer.project`
 gives ``q, k, gate, weights`` for the rows it is handed (each backend decides what to all-gather under sequence
 parallelism), and :func:`kpool_select` turns them into int32 top-k rows of width ``index_topk + P - 1`` with
-:mod:`.kpool` (the torch reference; a GPU kernel comes later).
+:mod:`.kpool` (the torch reference), or on CUDA with bf16 inputs and TileLang installed with
+:func:`megatron_glm5.kernels.kpool_indexer_topk` (the same selection on the indexer + top-k kernels).
 
 Numerics follow transformers 5.24, not GLM-5's indexer: ``weights_proj`` runs in the model dtype (GLM-5 keeps it in
 fp32), ``k_norm`` in the model dtype, scores and the pool softmax in fp32 (inside :mod:`.kpool`).
@@ -22,6 +23,8 @@ ranges (bshd, THD, dense masks with padding or documents, zigzag context paralle
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from typing import Optional
 
 import torch
@@ -109,6 +112,21 @@ def layout_documents(layout: TokenLayout) -> torch.Tensor:
     return torch.unique(torch.cat([ends_all, doc_starts, doc_ends]))
 
 
+@functools.cache
+def _tilelang_available() -> bool:
+    return importlib.util.find_spec("tilelang") is not None
+
+
+def _kernel_applies(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """:func:`megatron_glm5.kernels.kpool_indexer_topk` runs on CUDA bf16 inputs when TileLang is installed (and the
+    indexer shape suits its GEMM); anything else takes the torch reference."""
+    if not (q.is_cuda and _tilelang_available()):
+        return False
+    from megatron_glm5.kernels.kpool_topk import kernel_supports
+
+    return kernel_supports(q, k)
+
+
 @torch.no_grad()
 def kpool_select(
     q: torch.Tensor,
@@ -126,5 +144,10 @@ def kpool_select(
     (key rows), ``ape [P, D]`` -> int32 ``[T_q, index_topk + P - 1]`` (``[T_q, index_topk]`` without the tail) key
     rows, -1 padded; semantics in :mod:`.kpool`. ``documents`` defaults to :func:`layout_documents`."""
     cu = layout_documents(layout) if documents is None else documents
+    if _kernel_applies(q, k):  # CUDA, bf16, TileLang: the kernel path (same result up to fp32 near-ties)
+        from megatron_glm5 import kernels
+
+        return kernels.kpool_indexer_topk(q, k, gate, ape, weights, cu, index_topk=index_topk,
+                                          select_tail=select_tail, starts=layout.starts, ends=layout.ends)
     pools = pool_keys(k, gate, ape, cu)
     return kpool_topk(q, weights, pools, layout.starts, layout.ends, index_topk=index_topk, select_tail=select_tail)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..device_check import check_on_device
 from .masks import key_ranges
 from .reference import causal_bounds, uniform_cu_seqlens
 
@@ -68,7 +69,7 @@ class TokenLayout:
                 cu = packed_seq_params.cu_seqlens_q
             cu = cu.to(device=device, dtype=torch.int32)
             # Checked on the device: a host sync here would stall every layer's launch queue.
-            torch._assert_async(cu[-1] <= seqlen, f"packed_seq_params.cu_seqlens ends past the packed input's "
+            check_on_device(cu[-1] <= seqlen, f"packed_seq_params.cu_seqlens ends past the packed input's "
                                 f"{seqlen} tokens")
         else:
             cu = uniform_cu_seqlens(batch, seqlen, device)

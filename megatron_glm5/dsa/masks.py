@@ -25,6 +25,8 @@ import weakref
 
 import torch
 
+from ..device_check import check_on_device
+
 ROW_CHUNK = 1024
 _MEMO_SIZE = 8
 _memo: dict[tuple, tuple[weakref.ref, int, tuple[torch.Tensor, torch.Tensor]]] = {}
@@ -59,10 +61,10 @@ def _ranges(mask: torch.Tensor, seqlen: int, batch: int) -> tuple[torch.Tensor, 
         ok &= (empty | ((last - first + 1 == count) & (last <= t))).all()
         starts[:, r0:r1] = torch.where(empty, t, first)
         ends[:, r0:r1] = torch.where(empty, t, last + 1)
-    torch._assert_async(
+    check_on_device(
         ok,
         "attention_mask: every row must allow one contiguous range of keys at or before the query (causal, "
-        "block-diagonal or padding masks); give other patterns as THD packing (packed_seq_params)",
+        "document or padding masks); give other patterns as THD packing",
     )
     return starts, ends
 

@@ -1,4 +1,5 @@
-"""TileLang kernels for DSA training: sparse absorbed-MLA forward/backward and the lightning indexer + top-k.
+"""TileLang kernels for DSA training: sparse absorbed-MLA forward/backward, the lightning indexer + top-k and the
+KPool (GLM-5.3-Flash) pool selection built on it.
 
 All kernels use the flattened-token layout of ``megatron_glm5.dsa.reference`` (every token of a micro-batch in one
 axis of ``T`` rows, indices are global rows) and that module is their test oracle. TileLang is imported on first
@@ -9,16 +10,22 @@ Public API:
 * ``sparse_mla(q, kv, indices, softmax_scale, d_v=512, *, deterministic=False) -> out``
 * ``sparse_mla_with_lse(q, kv, indices, softmax_scale, d_v=512, *, deterministic=False) -> (out, lse)``
 * ``indexer_topk(q, k, weights, starts, ends, topk) -> int32 [T, topk]``
+* ``kpool_indexer_topk(q, k, gate, ape, weights, cu_seqlens, *, index_topk, select_tail=True, starts=None,
+  ends=None) -> int32 [T, index_topk + P - 1]`` (oracle: :mod:`megatron_glm5.dsa.kpool`)
 
-GLM-5's softmax scale is 1/16 (``qk_head_dim ** -0.5`` with 192 + 64): always pass it explicitly.
+GLM-5's softmax scale is 1/16 (``qk_head_dim ** -0.5`` with 192 + 64): always pass it explicitly. GLM-5.3-Flash
+(NoPE) uses the same sparse-MLA kernels with ``d_qk = d_v = 512`` (no RoPE tail), scale 1/16 as well.
 """
+
+from typing import Optional
 
 import torch
 
 from megatron_glm5.kernels.indexer_topk import indexer_topk_interface
+from megatron_glm5.kernels.kpool_topk import kpool_select_topk
 from megatron_glm5.kernels.sparse_mla_bwd import sparse_mla_autograd
 
-__all__ = ["indexer_topk", "sparse_mla", "sparse_mla_with_lse"]
+__all__ = ["indexer_topk", "kpool_indexer_topk", "sparse_mla", "sparse_mla_with_lse"]
 
 
 def sparse_mla_with_lse(
@@ -74,3 +81,54 @@ def indexer_topk(
     starts = starts.to(torch.int32).contiguous()
     ends = ends.to(torch.int32).contiguous()
     return indexer_topk_interface(q, k, weights, starts, ends, topk)
+
+
+def kpool_indexer_topk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    gate: torch.Tensor,
+    ape: torch.Tensor,
+    weights: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    index_topk: int,
+    select_tail: bool = True,
+    starts: Optional[torch.Tensor] = None,
+    ends: Optional[torch.Tensor] = None,
+    validate: bool = False,
+) -> torch.Tensor:
+    """KPool indexer selection (GLM-5.3-Flash): pool keys, pool scores, pool top-k, expansion and the tail pool.
+
+    Same contract and output as :func:`megatron_glm5.dsa.kpool.kpool_topk` of
+    :func:`~megatron_glm5.dsa.kpool.pool_keys` (int32 ``[T_q, index_topk + P - 1]``, ``[T_q, index_topk]`` without
+    the tail; pools by descending score, ties to the lower pool, then the tail; -1 padded), computed on the device
+    without host synchronisation (:mod:`megatron_glm5.kernels.kpool_topk`).
+
+    Args:
+        q: ``[T_q, Hi, Di]`` bf16 indexer queries; ``weights`` ``[T_q, Hi]`` head weights with the scales folded in
+            (fp32; other float dtypes are converted).
+        k, gate: ``[T_k, Di]`` bf16 indexer keys and pooling logits; ``ape`` ``[P, Di]`` (``P = index_kpool``).
+        cu_seqlens: int ``[n_docs + 1]`` document boundaries of the key rows (on q's device, or it is copied there).
+        index_topk: token budget of the pools, a multiple of ``P``.
+        starts, ends: int ``[T_q]`` key range ``[starts, ends)`` of each query; ``starts`` must be the first row of
+            the query's document (empty ranges give all -1). Default: causal bounds of ``cu_seqlens`` (``T_q = T_k``).
+        validate: check that the non-empty ranges start at document starts (one host synchronisation).
+    """
+    if starts is None or ends is None:
+        from megatron_glm5.dsa.reference import causal_bounds
+
+        starts, ends = causal_bounds(cu_seqlens.to(q.device), total=q.shape[0])
+    cu = cu_seqlens.to(device=q.device, dtype=torch.int64)
+    return kpool_select_topk(
+        q.contiguous(),
+        k.contiguous(),
+        gate,
+        ape,
+        weights.to(torch.float32).contiguous(),
+        cu,
+        starts.to(device=q.device, dtype=torch.int32).contiguous(),
+        ends.to(device=q.device, dtype=torch.int32).contiguous(),
+        index_topk=index_topk,
+        select_tail=select_tail,
+        validate=validate,
+    )

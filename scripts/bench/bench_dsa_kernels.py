@@ -7,11 +7,19 @@
 (b) indexer + top-k at S in {8K, 32K, 64K}, 32 heads x 128, top-k 2048, causal: ms and peak memory, against
     ``fused_qk_topk_lighting(..., block_size=8192)``.
 
+(c) ``--sections kpool``: the KPool selection of GLM-5.3-Flash (``kernels.kpool_indexer_topk``: 32 x 128 indexer,
+    P = 4, index_topk 2048, causal) against the torch reference ``megatron_glm5.dsa.kpool`` at S in ``--kpool-seqs``.
+(d) ``--sections nope``: NoPE sparse MLA (d_qk = d_v = 512, KPool width 2051, scale 1/16) fwd / bwd at
+    ``--nope-seqs`` x ``--nope-heads`` against the torch reference ``megatron_glm5.dsa.reference.sparse_mla``.
+
 Also cross-checks our outputs against megatron-core's at every benchmarked shape (output cosine, top-k overlap).
 Timing: ``triton.testing.do_bench`` median after one untimed call (JIT compile) and >= 3 warm-up calls.
 
     source .gpu/install.sh && python scripts/bench/bench_dsa_kernels.py --out results.md
     python scripts/bench/bench_dsa_kernels.py --precompile-only --workers 16   # fill TileLang's disk cache in parallel
+    # GLM-5.3-Flash pieces only (KPool selection, NoPE sparse MLA), kernels of those sections only:
+    python scripts/bench/bench_dsa_kernels.py --sections kpool,nope --precompile-only --workers 16
+    python scripts/bench/bench_dsa_kernels.py --sections kpool,nope --out flash.md
 """
 
 from __future__ import annotations
@@ -43,6 +51,21 @@ OUR_KERNELS = (
     + [("megatron_glm5.kernels.indexer_topk", "_jit_logits", (32, 128))]
     + [("megatron_glm5.kernels.indexer_topk", "_jit_select", (k,)) for k in (256, 512, 2048)]
 )
+# GLM-5.3-Flash: NoPE sparse MLA (512 / 512; both forward variants at 64 heads for the tests, the deterministic
+# backward for the tests) and the KPool selection (the 32 x 128 logits kernel, top-(2048 / 4) select).
+D_NOPE, KPOOL_P, KPOOL_WIDTH = 512, 4, TOPK + 4 - 1
+NOPE_KERNELS = (
+    [("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_ws", (h, D_NOPE, D_NOPE, SCALE)) for h in (16, 64)]
+    + [("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_simple", (64, D_NOPE, D_NOPE, SCALE))]
+    + [("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (h, D_NOPE, D_NOPE, SCALE, False)) for h in (16, 64)]
+    + [("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (64, D_NOPE, D_NOPE, SCALE, True))]
+    + [("megatron_glm5.kernels.sparse_mla_bwd", "_jit_delta", (h, D_NOPE)) for h in (16, 64)]
+    + [("megatron_glm5.kernels.sparse_mla_bwd", "_jit_dkv_reduce", (D_NOPE, 1))]
+)
+KPOOL_KERNELS = [
+    ("megatron_glm5.kernels.indexer_topk", "_jit_logits", (32, 128)),
+    ("megatron_glm5.kernels.indexer_topk", "_jit_select", (TOPK // KPOOL_P,)),
+]
 _MC = "megatron.core.transformer.experimental_attention_variant.ops."
 MCORE_KERNELS = (
     [(_MC + "tilelang_sparse_mla_fwd", "_get_sparse_mla_fwd_kernel", (h, 512, 64, TOPK, 1, SCALE, 64, 2, 256)) for h in (16, 64)]
@@ -65,8 +88,17 @@ def _build(case: tuple) -> tuple[str, float, str]:
         return f"{getter}{args}", time.time() - t0, traceback.format_exc(limit=3)
 
 
-def precompile(workers: int, include_mcore: bool = True) -> bool:
-    cases = list(OUR_KERNELS) + (list(MCORE_KERNELS) if include_mcore else [])
+def precompile(workers: int, include_mcore: bool = True, sections: tuple[str, ...] = ("sparse", "indexer")) -> bool:
+    """Build the kernels of ``sections`` in ``workers`` processes (GLM-5 sections: every kernel of the GLM-5 tests
+    and benchmark; ``kpool`` / ``nope``: those of GLM-5.3-Flash). Duplicates are built once."""
+    cases = []
+    if {"sparse", "indexer"} & set(sections):
+        cases += list(OUR_KERNELS) + (list(MCORE_KERNELS) if include_mcore else [])
+    if "nope" in sections:
+        cases += NOPE_KERNELS
+    if "kpool" in sections:
+        cases += KPOOL_KERNELS
+    cases = list(dict.fromkeys(cases))
     ok = True
     with cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
         for name, secs, err in pool.map(_build, cases):
@@ -277,6 +309,166 @@ def bench_indexer(seq: int, mcore: bool) -> dict:
     return row
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# (c) KPool selection, (d) NoPE sparse MLA (GLM-5.3-Flash)
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def timed_few(fn, reps: int = 3) -> float:
+    """Median ms of ``reps`` CUDA-event-timed calls after one untimed call (for slow torch references)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+@torch.no_grad()
+def bench_kpool(seq: int) -> dict:
+    from megatron_glm5.dsa import kpool
+    from megatron_glm5.kernels import kpool_indexer_topk
+    from megatron_glm5.kernels import kpool_topk as kt
+    from megatron_glm5.kernels.indexer_topk import indexer_topk_interface
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(seq)
+    q = torch.randn(seq, 32, 128, device=dev, dtype=torch.bfloat16, generator=g)
+    k = torch.randn(seq, 128, device=dev, dtype=torch.bfloat16, generator=g)
+    gate = torch.randn(seq, 128, device=dev, dtype=torch.bfloat16, generator=g)
+    ape = torch.randn(KPOOL_P, 128, device=dev, dtype=torch.bfloat16, generator=g)
+    w = torch.randn(seq, 32, device=dev, generator=g) * (32**-0.5 * 128**-0.5)
+    cu = torch.tensor([0, seq], dtype=torch.int32, device=dev)
+    starts = torch.zeros(seq, dtype=torch.int32, device=dev)
+    ends = torch.arange(1, seq + 1, dtype=torch.int32, device=dev)
+    row = {"S": seq}
+    ours = lambda: kpool_indexer_topk(q, k, gate, ape, w, cu, index_topk=TOPK, starts=starts, ends=ends)  # noqa: E731
+    ours()
+    out, row["ours_peak_gib"] = _peak(ours)
+    row["ours_ms"] = timed(ours)
+    row["deterministic"] = bool(torch.equal(out, ours()))
+    # split: pool keys (torch), pool scores + top-k (the two kernels), expansion + tail (torch)
+    keys, first_row, dps = kt.pool_keys_fixed(k, gate, ape, cu)
+    lo, hi, sel_k, vis = kt.pool_ranges(starts, ends, cu, dps, KPOOL_P, TOPK // KPOOL_P)
+    pidx = indexer_topk_interface(q, keys, w, lo, hi, TOPK // KPOOL_P)
+    row["keys_ms"] = timed(lambda: kt.pool_keys_fixed(k, gate, ape, cu))
+    row["select_ms"] = timed(lambda: indexer_topk_interface(q, keys, w, lo, hi, TOPK // KPOOL_P))
+    row["expand_ms"] = timed(lambda: kt.expand_pools(pidx, first_row, starts, vis, sel_k, KPOOL_P, KPOOL_WIDTH, True))
+    ref_fn = lambda: kpool.kpool_indexer_topk(q, k, gate, ape, w, cu, index_topk=TOPK)  # noqa: E731
+    want, row["ref_peak_gib"] = _peak(ref_fn)
+    row["ref_ms"] = timed_few(ref_fn)
+    same = (out.sort(-1).values == want.sort(-1).values).all(-1)
+    row["same_set_rows"] = float(same.float().mean())
+    row["bitwise_rows"] = float((out == want).all(-1).float().mean())
+    return row
+
+
+def bench_nope(seq: int, heads: int) -> dict:
+    from megatron_glm5.dsa import reference as ref
+    from megatron_glm5.kernels.sparse_mla_bwd import sparse_mla_autograd
+
+    dev = torch.device("cuda")
+    torch.manual_seed(seq + heads)
+    d = D_NOPE
+    q = torch.randn(seq, heads, d, device=dev, dtype=torch.bfloat16).requires_grad_()
+    kv = torch.randn(seq, d, device=dev, dtype=torch.bfloat16).requires_grad_()
+    idx = causal_random_indices(seq, KPOOL_WIDTH, dev)  # width 2051: no multiple of any block
+    g = torch.randn(seq, heads, d, device=dev, dtype=torch.bfloat16)
+    pairs = int((idx >= 0).sum())
+    f_fwd, f_bwd = 2 * pairs * heads * (d + d), 2 * pairs * heads * (3 * d + 2 * d)
+    row = {"S": seq, "H": heads, "pairs": pairs}
+
+    def ours_fwd():
+        with torch.no_grad():
+            return sparse_mla_autograd(q, kv, idx, SCALE, d)
+
+    out, _ = sparse_mla_autograd(q, kv, idx, SCALE, d)
+    row["ours_fwd_ms"] = timed(ours_fwd)
+    row["ours_bwd_ms"] = timed(lambda: torch.autograd.grad(out, (q, kv), g, retain_graph=True))
+    row["ours_fb_ms"] = timed(lambda: torch.autograd.grad(sparse_mla_autograd(q, kv, idx, SCALE, d)[0], (q, kv), g))
+    row["ours_fwd_tflops"] = f_fwd / row["ours_fwd_ms"] / 1e9
+    row["ours_bwd_tflops"] = f_bwd / row["ours_bwd_ms"] / 1e9
+    out_d = out.detach()
+    # torch reference (bf16 inputs, fp32 math, 256-row chunks): fwd, fwd+bwd; bwd = the difference
+    chunk = 256
+
+    def ref_fwd():
+        with torch.no_grad():
+            return ref.sparse_mla(q, kv, idx, SCALE, d, chunk=chunk)
+
+    def ref_fb():
+        o, _ = ref.sparse_mla(q, kv, idx, SCALE, d, chunk=chunk)
+        torch.autograd.grad(o, (q, kv), g)
+
+    try:
+        o_ref, _ = ref_fwd()
+        row["out_cos_vs_ref"] = cosine(out_d, o_ref)
+        del o_ref
+        row["ref_fwd_ms"] = timed_few(ref_fwd, reps=2)
+        row["ref_fb_ms"] = timed_few(ref_fb, reps=2)
+        row["ref_bwd_ms"] = row["ref_fb_ms"] - row["ref_fwd_ms"]
+    except Exception as err:  # e.g. out of memory: keep our numbers
+        row["ref_error"] = repr(err)[:160]
+    return row
+
+
+def report_flash(kpool_rows: list[dict], nope_rows: list[dict]) -> list[str]:
+    lines = []
+    if kpool_rows:
+        lines += [
+            "",
+            f"## (c) KPool selection (GLM-5.3-Flash: 32 x 128 indexer, P = {KPOOL_P}, index_topk {TOPK}, width "
+            f"{KPOOL_WIDTH}, causal) vs the torch reference `megatron_glm5.dsa.kpool`",
+            "",
+            "| S | ours ms | torch ref ms | speed-up | ours peak GiB | ref peak GiB | split: pool keys / scores+top-k / "
+            "expand ms | rows with the ref's index set | rows bitwise equal | deterministic |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in kpool_rows:
+            if "error" in r:
+                lines.append(f"| {r['S']} | FAILED: {r['error']} |||||||||")
+                continue
+            lines.append(
+                f"| {r['S']} | {r['ours_ms']:.2f} | {r['ref_ms']:.2f} | {r['ref_ms'] / r['ours_ms']:.1f} "
+                f"| {r['ours_peak_gib']:.2f} | {r['ref_peak_gib']:.2f} "
+                f"| {r['keys_ms']:.2f} / {r['select_ms']:.2f} / {r['expand_ms']:.2f} | {r['same_set_rows']:.5f} "
+                f"| {r['bitwise_rows']:.5f} | {r['deterministic']} |"
+            )
+        lines += ["", "Rows whose index set differs from the reference can only be fp32 near-ties at the top-k "
+                  "boundary (the tests exclude and count them)."]
+    if nope_rows:
+        lines += [
+            "",
+            f"## (d) NoPE sparse MLA (GLM-5.3-Flash: d_qk = d_v = {D_NOPE}, width {KPOOL_WIDTH}, scale 1/16, causal "
+            "random indices) vs the torch reference `megatron_glm5.dsa.reference.sparse_mla` (fp32 math)",
+            "",
+            f"TFLOP/s over valid pairs: fwd 2*pairs*H*({D_NOPE}+{D_NOPE}), bwd 2*pairs*H*(3*{D_NOPE}+2*{D_NOPE}).",
+            "",
+            "| S | H | fwd ms (ours / ref) | fwd TFLOP/s (ours) | fwd x | bwd ms (ours / ref) | bwd TFLOP/s (ours) | bwd x "
+            "| fwd+bwd ms (ours / ref) | fwd+bwd x | out cos vs ref |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in nope_rows:
+            if "error" in r:
+                lines.append(f"| {r['S']} | {r['H']} | FAILED: {r['error']} |||||||||")
+                continue
+            rf, rb, rfb = r.get("ref_fwd_ms"), r.get("ref_bwd_ms"), r.get("ref_fb_ms")
+            lines.append(
+                f"| {r['S']} | {r['H']} | {r['ours_fwd_ms']:.2f} / {_f(rf, '{:.1f}')} | {r['ours_fwd_tflops']:.1f} "
+                f"| {_f(rf and rf / r['ours_fwd_ms'], '{:.1f}')} | {r['ours_bwd_ms']:.2f} / {_f(rb, '{:.1f}')} "
+                f"| {r['ours_bwd_tflops']:.1f} | {_f(rb and rb / r['ours_bwd_ms'], '{:.1f}')} "
+                f"| {r['ours_fb_ms']:.2f} / {_f(rfb, '{:.1f}')} | {_f(rfb and rfb / r['ours_fb_ms'], '{:.1f}')} "
+                f"| {_f(r.get('out_cos_vs_ref'), '{:.6f}')} |"
+                + (f" ref: {r['ref_error']}" if "ref_error" in r else "")
+            )
+    return lines
+
+
 def smoke(variant: str) -> int:
     """Every kernel once at a tiny shape against the torch oracle; exit code 0 only if all agree."""
     from megatron_glm5.dsa import reference as ref
@@ -327,18 +519,26 @@ def _f(x, fmt="{:.1f}"):
     return "-" if x is None else fmt.format(x)
 
 
-def report(sparse_rows: list[dict], idx_rows: list[dict], notes: list[str]) -> str:
+def report(sparse_rows: list[dict], idx_rows: list[dict], notes: list[str], kpool_rows: list[dict] = (),
+           nope_rows: list[dict] = ()) -> str:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
         commit = "?"
     import tilelang
 
-    lines = [
+    head = [
         "# DSA kernel benchmark: megatron_glm5.kernels vs megatron-core 0.19.2 (TileLang)",
         "",
         f"- date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S')}; git commit: {commit or '?'} (+ working tree)",
         f"- GPU: {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none'}; torch {torch.__version__}; tilelang {tilelang.__version__}",
+    ]
+    flash = report_flash(list(kpool_rows), list(nope_rows))
+    if not sparse_rows and not idx_rows:  # GLM-5.3-Flash sections only
+        lines = head + ["- bf16; `triton.testing.do_bench` median (ours), median of CUDA-event-timed calls (torch refs)"]
+        lines += flash + ([""] + ["Notes:", ""] + [f"- {n}" for n in notes] if notes else [])
+        return "\n".join(lines) + "\n"
+    lines = head + [
         "- bf16, d_qk 576 / d_v 512, top-k 2048, causal random indices, scale 1/16; `triton.testing.do_bench` median",
         "- TFLOP/s over valid pairs: fwd 2*pairs*H*(576+512), bwd 2*pairs*H*(3*576+2*512); mcore bwd = (fwd+bwd) - fwd",
         "  (it re-runs its forward), ours = backward alone (saved out/LSE). Ratio = ours speed / megatron-core speed.",
@@ -407,6 +607,7 @@ def report(sparse_rows: list[dict], idx_rows: list[dict], notes: list[str]) -> s
                 f"- S={r['S']}: logits {r['logits_ms']:.2f} ms ({f / r['logits_ms'] / 1e9:.0f} TFLOP/s on causal pairs), "
                 f"select {r['select_ms']:.2f} ms"
             )
+    lines += flash
     if notes:
         lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"
@@ -424,17 +625,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fwd-variant", default="auto", choices=["auto", "ws", "simple"])
     ap.add_argument("--smoke", action="store_true", help="tiny run of every kernel, compared to the torch oracle")
     ap.add_argument("--fwd-only", action="store_true", help="sparse MLA: time the forward only")
+    ap.add_argument("--sections", default="sparse,indexer",
+                    help="comma list of sparse (a), indexer (b), kpool (c), nope (d); also what --precompile-only builds")
+    ap.add_argument("--kpool-seqs", default="8192,16384")
+    ap.add_argument("--nope-seqs", default="16384")
+    ap.add_argument("--nope-heads", default="64,16")
     args = ap.parse_args(argv)
     mcore = not args.no_mcore
+    sections = tuple(x for x in args.sections.split(",") if x)
+    unknown = set(sections) - {"sparse", "indexer", "kpool", "nope"}
+    if unknown:
+        ap.error(f"unknown sections {sorted(unknown)}")
     if args.workers or args.precompile_only:
-        ok = precompile(args.workers or os.cpu_count() or 4, include_mcore=mcore)
+        ok = precompile(args.workers or os.cpu_count() or 4, include_mcore=mcore, sections=sections)
         if args.precompile_only:
             return 0 if ok else 1
     torch.backends.cuda.matmul.allow_tf32 = False
     if args.smoke:
         return smoke(args.fwd_variant)
-    sparse_rows, idx_rows, notes = [], [], []
-    for seq in [int(s) for s in args.seqs.split(",") if s]:
+    sparse_rows, idx_rows, kpool_rows, nope_rows, notes = [], [], [], [], []
+    for seq in [int(s) for s in args.seqs.split(",") if s and "sparse" in sections]:
         for heads in [int(h) for h in args.heads.split(",") if h]:
             try:
                 r = bench_sparse(
@@ -446,7 +656,7 @@ def main(argv: list[str] | None = None) -> int:
             print(r, flush=True)
             sparse_rows.append(r)
             torch.cuda.empty_cache()
-    for seq in [int(s) for s in args.indexer_seqs.split(",") if s]:
+    for seq in [int(s) for s in args.indexer_seqs.split(",") if s and "indexer" in sections]:
         try:
             r = bench_indexer(seq, mcore)
         except Exception as err:
@@ -455,9 +665,28 @@ def main(argv: list[str] | None = None) -> int:
         print(r, flush=True)
         idx_rows.append(r)
         torch.cuda.empty_cache()
+    for seq in [int(s) for s in args.kpool_seqs.split(",") if s and "kpool" in sections]:
+        try:
+            r = bench_kpool(seq)
+        except Exception as err:
+            traceback.print_exc()
+            r = {"S": seq, "error": repr(err)[:160]}
+        print(r, flush=True)
+        kpool_rows.append(r)
+        torch.cuda.empty_cache()
+    for seq in [int(s) for s in args.nope_seqs.split(",") if s and "nope" in sections]:
+        for heads in [int(h) for h in args.nope_heads.split(",") if h]:
+            try:
+                r = bench_nope(seq, heads)
+            except Exception as err:
+                traceback.print_exc()
+                r = {"S": seq, "H": heads, "error": repr(err)[:160]}
+            print(r, flush=True)
+            nope_rows.append(r)
+            torch.cuda.empty_cache()
     if args.fwd_variant != "auto":
         notes.append(f"forward kernel variant forced to '{args.fwd_variant}'")
-    text = report(sparse_rows, idx_rows, notes)
+    text = report(sparse_rows, idx_rows, notes, kpool_rows, nope_rows)
     print(text)
     if args.out:
         with open(args.out, "w") as f:

@@ -3,7 +3,8 @@
 * Uniform recompute of 2-layer chunks with top-4 routing: the layer input of a chunk's second layer is recomputed
   through MoE, whose ``scatter_add_`` is not bitwise deterministic on GPU; the replayed top-k is accepted within the
   fingerprint tolerance (the old check required bit-equal inputs and killed the process with a device assert), the
-  indexer runs once per full layer and micro-batch, and gradients equal the no-recompute ones within bf16 noise.
+  indexer runs once per full layer and micro-batch, and gradients differ from the no-recompute ones by no more
+  than two no-recompute runs differ from each other (bf16 routing and top-k non-determinism).
 * GPU defaults: ``from_hf_pretrained`` on CUDA gives a bf16 model on megatron-core's fused TileLang DSA kernels with
   megatron-core's fusions on.
 * The ``tilelang`` backend with fp32 parameters on CUDA runs (one warning, exact torch path) instead of raising
@@ -102,6 +103,7 @@ def test_uniform_recompute_of_two_layer_chunks_with_top4_routing(parallel, backe
         return {n: p.grad.float().clone() for n, p in m.named_parameters() if p.grad is not None}
 
     expected = grads(reference, False)
+    again = grads(reference, False)  # bf16 MoE / top-k non-determinism: the noise floor of this comparison
     calls[0] = 0
     got = grads(model, True)
     torch.cuda.synchronize()  # a failed device-side fingerprint assert surfaces here
@@ -109,9 +111,13 @@ def test_uniform_recompute_of_two_layer_chunks_with_top4_routing(parallel, backe
           f"indexer runs {calls[0]}")
     assert calls[0] == len(arch.full_indexer_layers) * len(mbs)
     assert replays["total"] == len(arch.full_indexer_layers) * len(mbs)
-    worst = max(((got[n] - expected[n]).norm() / expected[n].norm().clamp_min(1e-12)).item() for n in expected)
-    print(f"[{backend}] worst relative gradient difference vs no recompute: {worst:.3e}")
-    assert worst < 5e-2, "recompute must give the no-recompute gradients within bf16 noise"
+    def worst(a, b):
+        return max(((a[n] - b[n]).norm() / b[n].norm().clamp_min(1e-12)).item() for n in b)
+
+    floor, diff = worst(again, expected), worst(got, expected)
+    print(f"[{backend}] worst per-parameter relative gradient difference vs no recompute: {diff:.3e} "
+          f"(two runs without recompute: {floor:.3e})")
+    assert diff <= max(3 * floor, 1e-2), "recompute must give the no-recompute gradients within bf16 run-to-run noise"
 
 
 def test_gpu_defaults_are_the_fast_path(parallel, small_checkpoint):

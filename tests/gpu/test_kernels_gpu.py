@@ -391,3 +391,191 @@ def test_nope_latent_fwd_bwd_matches_reference(variant, deterministic):
           f"dkv cos={ckv:.6f}")
     assert cos >= 0.9999 and lse_err < 2e-3 and cq >= 0.999 and ckv >= 0.999
     assert (out[5] == 0).all() and torch.isinf(lse[5]).all()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# KPool indexer selection (GLM-5.3-Flash): pool keys, pool scores, pool top-k, expansion and the tail
+# --------------------------------------------------------------------------------------------------------------------
+
+KP_HEADS, KP_DIM, KP_POOL, KP_TOPK = 32, 128, 4, 2048  # GLM-5.3-Flash: 32 x 128 indexer, P = 4, index_topk 2048
+
+
+def _kpool_inputs(lengths, seed, *, zero_keys=False):
+    """bf16 q/k/gate/ape and fp32 head weights as the model's ``KPoolIndexer.project`` gives them, THD documents."""
+    total = sum(lengths)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(total, KP_HEADS, KP_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(total, KP_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+    if zero_keys:
+        k.zero_()
+    gate = torch.randn(total, KP_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+    ape = torch.randn(KP_POOL, KP_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(total, KP_HEADS, device="cuda", generator=g) * KP_HEADS**-0.5 * KP_DIM**-0.5
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    return q, k, gate, ape, w, cu
+
+
+def compare_kpool(out, q, k, gate, ape, w, cu, starts, ends, index_topk=KP_TOPK, *, select_tail=True, tie_tol=1e-5):
+    """The kernel path against ``megatron_glm5.dsa.kpool`` on the same bf16 inputs.
+
+    Exact: shape, dtype, the -1 layout, every slot outside the selected pools (the tail and all padding), whole pools
+    (``P`` consecutive rows from a pool start). Per row, the set of selected pools equals the reference's except on
+    rows whose top-k boundary is an fp32 near-tie (the kernel's scores round differently from the reference's
+    einsum); pools come in descending score order. Returns ``(rows checked, rows whose pool set differs, rows
+    bitwise equal to the reference)``.
+    """
+    from megatron_glm5.dsa import kpool
+
+    pool = ape.shape[0]
+    pools = kpool.pool_keys(k, gate, ape, cu)
+    want = kpool.kpool_topk(q, w, pools, starts, ends, index_topk=index_topk, select_tail=select_tail)
+    assert out.shape == want.shape and out.dtype == torch.int32
+    assert torch.equal(out >= 0, want >= 0), "-1 layout (pool slots, tail slots, padding)"
+    max_pools = index_topk // pool
+    visible = (ends - starts).clamp(min=0).long()
+    n_sel = (visible // pool).clamp(max=max_pools)  # pools each row selects (its candidates, at most max_pools)
+    slot = torch.arange(out.shape[1], device=out.device)
+    in_pools = slot[None] < (n_sel * pool)[:, None]
+    assert torch.equal(out[~in_pools], want[~in_pools]), "tail rows and padding"
+    blocks = out[:, : max_pools * pool].view(out.shape[0], max_pools, pool)
+    whole = (blocks == blocks[..., :1] + torch.arange(pool, device=out.device)).all(-1) & (blocks[..., 0] >= 0)
+    selected = torch.arange(max_pools, device=out.device)[None] < n_sel[:, None]
+    assert torch.equal(whole & selected, selected), "every selected pool is P consecutive rows"
+    first_row = pools.first_row
+    doc = torch.searchsorted(cu[1:].long(), starts.long(), right=True).clamp(max=cu.numel() - 2)
+    lo_all = pools.doc_pool_start[doc]
+    checked = mismatched = 0
+    for c0 in range(0, out.shape[0], 1024):
+        c1 = min(out.shape[0], c0 + 1024)
+        got_p = blocks[c0:c1, :, 0]
+        exp_p = want[c0:c1, : max_pools * pool].view(c1 - c0, max_pools, pool)[..., 0]
+        s = ref.indexer_scores(q[c0:c1], pools.keys, w[c0:c1])  # [c, N] fp32 pool scores
+        pid = torch.arange(pools.num_pools, device=out.device)
+        lo = lo_all[c0:c1]
+        cand = (pid[None] >= lo[:, None]) & (pid[None] < (lo + visible[c0:c1] // pool)[:, None])
+        s = s.masked_fill(~cand, float("-inf"))
+        srt = s.sort(dim=-1, descending=True).values
+        n = n_sel[c0:c1]
+        n_cand = cand.sum(-1)
+        kth = srt.gather(1, (n - 1).clamp(min=0)[:, None])[:, 0]
+        nxt = srt.gather(1, n.clamp(max=srt.shape[1] - 1)[:, None])[:, 0]
+        boundary_tie = (n < n_cand) & ((kth - nxt).abs() <= tie_tol * kth.abs().clamp(min=1.0))
+        rows = (n > 0) & ~boundary_tie
+        got_p = torch.where(selected[c0:c1], got_p, -1)
+        exp_p = torch.where(selected[c0:c1], exp_p, -1)
+        differs = (got_p.sort(-1).values != exp_p.sort(-1).values).any(-1)
+        checked += int(rows.sum())
+        mismatched += int((differs & rows).sum())
+        got_id = torch.searchsorted(first_row, got_p.clamp(min=0).long())  # pool ids of the selected pools
+        picked = s.gather(1, got_id.clamp(max=s.shape[1] - 1))
+        ok = selected[c0:c1]  # the selected pools (a tail inside the pool region is not a pool)
+        desc = (picked[:, :-1] >= picked[:, 1:] - 1e-5 * picked[:, :-1].abs().clamp(min=1)) | ~ok[:, 1:]
+        assert desc.all(), "pools in descending score order"
+    exact = int((out == want).all(-1).sum())
+    return checked, mismatched, exact
+
+
+@pytest.mark.parametrize("lengths", [[2501, 6, 1589], [5003, 3, 3186]], ids=["T4096", "T8192"])
+def test_kpool_topk_matches_reference(lengths):
+    """GLM-5.3-Flash shapes, THD with 3 documents (one shorter than P: tail rows only), lengths not multiples of P."""
+    from megatron_glm5.dsa import kpool
+    from megatron_glm5.kernels import kpool_indexer_topk
+    from megatron_glm5.kernels.kpool_topk import pool_keys_fixed
+
+    q, k, gate, ape, w, cu = _kpool_inputs(lengths, seed=len(lengths) + lengths[0])
+    starts, ends = ref.causal_bounds(cu)
+    out = kpool_indexer_topk(q, k, gate, ape, w, cu, index_topk=KP_TOPK)
+    checked, mismatched, exact = compare_kpool(out, q, k, gate, ape, w, cu, starts, ends)
+    again = kpool_indexer_topk(q, k, gate, ape, w, cu, index_topk=KP_TOPK)
+    keys = pool_keys_fixed(k, gate, ape, cu)[0]
+    ref_keys = kpool.pool_keys(k, gate, ape, cu).keys
+    keys_equal = torch.equal(keys[: ref_keys.shape[0]], ref_keys)
+    key_err = (keys[: ref_keys.shape[0]].float() - ref_keys.float()).abs().max().item()
+    print(f"kpool T={sum(lengths)}: rows checked={checked} pool-set mismatches={mismatched} rows bitwise equal="
+          f"{exact}/{out.shape[0]} deterministic={torch.equal(out, again)} pool keys bitwise equal={keys_equal} "
+          f"(max err {key_err:.1e})")
+    assert mismatched == 0 and torch.equal(out, again)
+    assert checked >= 0.95 * out.shape[0]
+    assert key_err <= 1e-2  # at most a bf16 ulp of the keys (expected: bitwise equal)
+
+
+def test_kpool_topk_short_sequence_and_no_tail():
+    """T < index_topk (every row keeps all its candidate pools: no boundary, sets exactly equal); tail on and off."""
+    lengths = [600, 3, 397]
+    q, k, gate, ape, w, cu = _kpool_inputs(lengths, seed=61)
+    starts, ends = ref.causal_bounds(cu)
+    from megatron_glm5.kernels import kpool_indexer_topk
+
+    for tail in (True, False):
+        out = kpool_indexer_topk(q, k, gate, ape, w, cu, index_topk=KP_TOPK, select_tail=tail)
+        checked, mismatched, exact = compare_kpool(out, q, k, gate, ape, w, cu, starts, ends, select_tail=tail)
+        print(f"kpool short T=1000 tail={tail}: rows checked={checked} mismatches={mismatched} exact={exact}")
+        live_with_pools = int(((ends - starts) >= KP_POOL).sum())
+        assert mismatched == 0 and checked == live_with_pools
+        assert out.shape == (1000, KP_TOPK + (KP_POOL - 1 if tail else 0))
+
+
+def test_kpool_topk_exact_ties_equal_reference_bitwise():
+    """Zero keys: every pool scores exactly 0, so the whole output is fixed by the tie rule (lower pool first) and
+    must equal the reference bit for bit, T > index_topk (rows with more candidates than selected pools)."""
+    from megatron_glm5.dsa import kpool
+    from megatron_glm5.kernels import kpool_indexer_topk
+
+    lengths = [2501, 6, 9689]
+    q, k, gate, ape, w, cu = _kpool_inputs(lengths, seed=62, zero_keys=True)
+    out = kpool_indexer_topk(q, k, gate, ape, w, cu, index_topk=KP_TOPK)
+    want = kpool.kpool_indexer_topk(q, k, gate, ape, w, cu, index_topk=KP_TOPK)
+    assert torch.equal(out, want)
+
+
+def test_kpool_select_model_path_uses_the_kernel():
+    """``kpool_select`` (what the GLM-5.3-Flash attention calls) over a THD ``TokenLayout`` on CUDA bf16."""
+    import megatron_glm5.dsa.kpool_indexer as kpi
+    from megatron_glm5.dsa.layout import TokenLayout
+
+    lengths = [1500, 2, 1594]
+    q, k, gate, ape, w, cu = _kpool_inputs(lengths, seed=63)
+
+    class Packed:
+        qkv_format = "thd"
+        cu_seqlens_q = cu
+        cu_seqlens_q_padded = None
+
+    layout = TokenLayout.build(sum(lengths), 1, q.device, Packed())
+    assert kpi._kernel_applies(q, k)
+    out = kpi.kpool_select(q, k, gate, ape, w, layout, index_topk=KP_TOPK, select_tail=True)
+    checked, mismatched, exact = compare_kpool(out, q, k, gate, ape, w, kpi.layout_documents(layout), layout.starts,
+                                               layout.ends)
+    print(f"kpool_select THD: rows checked={checked} mismatches={mismatched} exact={exact}")
+    assert mismatched == 0
+
+
+@pytest.mark.parametrize("heads", [16, 64])
+def test_nope_sparse_mla_on_kpool_indices(heads):
+    """NoPE sparse MLA (512/512, scale 1/16) over real KPool rows: width 2051, -1 slots *inside* a row (between the
+    selected pools and the tail when a document has fewer pools than selected), an all -1 row, THD documents."""
+    from megatron_glm5.dsa import kpool
+
+    lengths = [1203, 3, 1794]
+    iq, ik, gate, ape, w, cu = _kpool_inputs(lengths, seed=64 + heads)
+    idx = kpool.kpool_indexer_topk(iq, ik, gate, ape, w, cu, index_topk=KP_TOPK)
+    idx[7] = -1
+    interior = ((idx[:, :-1] < 0) & (idx[:, 1:] >= 0)).any(-1)
+    assert idx.shape[1] == 2051 and interior.any()
+    t_len, d = idx.shape[0], 512
+    g = torch.Generator(device="cuda").manual_seed(65)
+    q = torch.randn(t_len, heads, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    kv = torch.randn(t_len, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    grad_out = torch.randn(t_len, heads, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    out, lse = sparse_mla_with_lse(q, kv, idx, SCALE, d)
+    out.backward(grad_out)
+    qf, kvf = q.detach().float().requires_grad_(), kv.detach().float().requires_grad_()
+    o_ref, l_ref = ref.sparse_mla(qf, kvf, idx, SCALE, d, chunk=256)
+    o_ref.backward(grad_out.float())
+    cos, lse_err = cosine(out, o_ref), check_lse(lse, l_ref.detach())
+    cq, ckv = cosine(q.grad, qf.grad), cosine(kv.grad, kvf.grad)
+    print(f"NoPE on KPool rows H={heads}: rows with interior -1={int(interior.sum())} fwd cos={cos:.7f} "
+          f"lse_err={lse_err:.2e} dq cos={cq:.6f} dkv cos={ckv:.6f}")
+    assert torch.isfinite(q.grad).all() and torch.isfinite(kv.grad).all()
+    assert cos >= 0.9999 and lse_err < 2e-3 and cq >= 0.999 and ckv >= 0.999
+    assert (out[7] == 0).all() and torch.isinf(lse[7]).all() and (q.grad[7] == 0).all()
