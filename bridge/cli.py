@@ -172,13 +172,13 @@ def _progress(args) -> bool | None:
 
 
 def _hf_arch(path: str, flag: str = "--hf-path"):
-    from megatron_glm5.config import parse_hf_config
+    from megatron_glm5.architectures import parse_architecture
 
     from . import preflight
 
     preflight.hf_checkpoint_dir(path, flag=flag)
     raw = preflight.read_hf_config(path, flag=flag)
-    return raw, parse_hf_config(raw)
+    return raw, parse_architecture(raw)
 
 
 def _preflight(args) -> None:
@@ -224,9 +224,9 @@ def _preflight(args) -> None:
     if args.action == "export":
         preflight.megatron_checkpoint_dir(args.megatron_path)
         if args.hf_config is not None:
-            from megatron_glm5.config import parse_hf_config
+            from megatron_glm5.architectures import parse_architecture
 
-            parse_hf_config(preflight.read_hf_config(args.hf_config, flag="--hf-config"))
+            parse_architecture(preflight.read_hf_config(args.hf_config, flag="--hf-config"))
         preflight.output_dir(args.hf_path, flag="--hf-path")
 
 

@@ -19,18 +19,21 @@ from typing import Any, Mapping
 
 import torch
 
-from megatron_glm5.config import load_hf_config, mcore_kwargs, parse_hf_config
+from megatron_glm5.architectures import is_glm5_next, mcore_kwargs, parse_architecture
+from megatron_glm5.config import load_hf_config
 
 from .boxes import sharded_boxes
 from .convert import convert_megatron_to_hf
 from .source import Materializer, open_hf_source, parse_dtype, truncate_hf_config
 from .errors import BridgeError
 from .launch import barrier, broadcast_object, world
-from .mapping import expand
+from .passthrough import SOURCE_ATTR, passthrough_dir
+from .tables import HFLayout, expand_for
 from .megatron_io import (
     BRIDGE_KEY,
     COMMON_STATE_KEY,
     FORMAT_VERSION,
+    HF_ASSETS_DIR,
     DistCheckpoint,
     common_state,
     iteration_dir,
@@ -72,6 +75,8 @@ def load_hf_weights(model, hf_path: str | Path, *, progress: bool | None = False
     bar.close()
     src.reader.close()
     setattr(model, HF_CONFIG_ATTR, src.raw)
+    if src.passthrough:
+        setattr(model, SOURCE_ATTR, str(src.path))  # export_hf writes the vision tower back from here
     return {"tensors": len(plan.chunks), "bytes": bar.bytes, "expert_layout": src.expansion.expert_layout,
             "skipped": len(src.skipped)}
 
@@ -86,10 +91,16 @@ def export_hf(
     overwrite: bool = False,
     progress: bool | None = False,
     work_dir: str | Path | None = None,
+    passthrough_from: str | Path | None = None,
 ) -> dict | None:
     """Write ``model`` (collectively, from all ranks) as an HF checkpoint. ``hf_config`` is the model's HF
     ``config.json`` (a dict or path); it defaults to the one recorded by ``from_hf_pretrained``. ``dtype`` defaults
-    to the config's ``dtype`` (the router bias stays fp32). Returns rank 0's report (None on other ranks)."""
+    to the config's ``dtype`` (the router bias stays fp32). Returns rank 0's report (None on other ranks).
+
+    GLM-5.3-Flash: the text model is written with transformers' on-disk names (or its in-memory ones with
+    ``expert_layout="fused"``); the vision tower, which the model does not hold, is copied from ``passthrough_from``
+    (an HF checkpoint or a bridge ``hf_assets/passthrough`` directory), by default the one the model was loaded
+    from (``from_hf_pretrained`` / ``load_megatron_checkpoint`` record it)."""
     raw = hf_config if hf_config is not None else getattr(model, HF_CONFIG_ATTR, None)
     if raw is None:
         raise BridgeError("export_hf needs the model's HF config.json: pass hf_config=... (a dict or a path); "
@@ -97,9 +108,14 @@ def export_hf(
     if not isinstance(raw, Mapping):
         raw = load_hf_config(raw)
     raw = dict(raw)
-    arch = parse_hf_config(raw)
+    arch = parse_architecture(raw)
     out_dtype = parse_dtype(dtype) or _config_dtype(raw)
-    expansion = expand(arch, expert_layout=expert_layout)
+    expansion = expand_for(arch, HFLayout(expert_layout))
+    passthrough_from = passthrough_from or getattr(model, SOURCE_ATTR, None)
+    if is_glm5_next(arch) and arch.vision_config is not None and passthrough_from is None:
+        raise BridgeError("export_hf: this GLM-5.3-Flash config has a vision tower, which the Megatron model does not "
+                          "hold; pass passthrough_from=<the HF checkpoint it came from> (models loaded with "
+                          "from_hf_pretrained or load_megatron_checkpoint remember it)")
 
     def dtype_of(m):
         return torch.float32 if m.fp32 else (out_dtype or torch.float32)
@@ -124,7 +140,8 @@ def export_hf(
         if rank == 0:
             write_tracker(tmp, 0)
             report = convert_megatron_to_hf(megatron_path=tmp, hf_path=hf_path, hf_config=raw,
-                                            expert_layout=expert_layout, overwrite=overwrite, progress=progress)
+                                            expert_layout=expert_layout, overwrite=overwrite, progress=progress,
+                                            passthrough_from=passthrough_from)
         barrier()
     finally:
         if rank == 0:
@@ -157,10 +174,14 @@ def load_megatron_checkpoint(megatron_path: str | Path, *, policy=None, backend:
         raw = load_hf_config(hf_config)
     if num_layers is not None:
         raw = truncate_hf_config(raw, num_layers, source=f"{ckpt_dir} (stored HF config)")
-    arch = parse_hf_config(raw)
+    arch = parse_architecture(raw)
     model = build_model(arch, policy or default_cpu_policy(), backend=backend)
     load_into_model(model, ckpt_dir)
     setattr(model, HF_CONFIG_ATTR, raw)
+    extra = next((d for d in (passthrough_dir(ckpt_dir.parent / HF_ASSETS_DIR), passthrough_dir(ckpt_dir / HF_ASSETS_DIR))
+                  if d is not None), None)
+    if extra is not None:
+        setattr(model, SOURCE_ATTR, str(extra))
     return model
 
 
