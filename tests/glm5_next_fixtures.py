@@ -117,7 +117,7 @@ def hf_grads_as_mcore(hf_module: torch.nn.Module, rel_prefix: str, arch, layer_i
         rel = [r.name[len(head):] for r in m.hf]
         if not name.startswith(only) or not all(r in grads for r in rel):
             continue
-        parts = [grads[r] for r in rel]
+        parts = [grads[n] if grads[n] is None or r.row is None else grads[n][r.row] for n, r in zip(rel, m.hf)]
         out[name] = None if any(p is None for p in parts) else m.transform.to_mcore(parts)
     return out
 
