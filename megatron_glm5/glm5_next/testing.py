@@ -90,7 +90,7 @@ def _mtp_tensors(text: Mapping[str, Any], dsa_layer: Mapping[str, torch.Tensor],
     for k in range(text.get("num_nextn_predict_layers", 0) or 0):
         pre = f"{prefix}layers.{n + k}."
         for rel, t in dsa_layer.items():
-            if rel.startswith("hc_"):
+            if rel.startswith(("hc_", "attn_hc.", "ffn_hc.")):  # MTP layers have no mHC
                 continue
             r = torch.randn(t.shape, generator=gen)
             if "compress" in rel:
@@ -107,15 +107,20 @@ def _mtp_tensors(text: Mapping[str, Any], dsa_layer: Mapping[str, torch.Tensor],
 
 
 def write_transformers_checkpoint(out_dir: str | Path, config: Mapping[str, Any] | None = None, *, seed: int = 0,
-                                  dtype: torch.dtype = torch.float32, max_shard_size: str = "400KB") -> Path:
-    """A tiny GLM-5.3-Flash checkpoint written by transformers' ``save_pretrained`` (module docstring), plus the
-    MTP layer. ``config`` is :func:`tiny_flash_config`'s form (default: it)."""
+                                  dtype: torch.dtype = torch.float32, max_shard_size: str = "400KB",
+                                  naming: str = "disk") -> Path:
+    """A tiny GLM-5.3-Flash checkpoint written by transformers (module docstring), plus the MTP layer. ``config`` is
+    :func:`tiny_flash_config`'s form (default: it). ``naming="disk"``: ``save_pretrained``'s files (transformers'
+    on-disk names, per-expert tensors, sharded); ``"memory"``: the model's ``state_dict()`` as is (in-memory module
+    names, fused 3-D experts), one shard, with the ``config.json`` transformers writes."""
     from safetensors.torch import load_file, save_file
     from transformers import Glm5NextConfig
     from transformers.models.glm5_next.modeling_glm5_next import Glm5NextForConditionalGeneration
 
     from megatron_glm5.config import natural_key
 
+    if naming not in ("disk", "memory"):
+        raise ValueError(f"naming: expected 'disk' or 'memory', got {naming!r}")
     config = copy.deepcopy(dict(config or tiny_flash_config()))
     text = dict(config["text_config"])
     mtp = text.pop("num_nextn_predict_layers", 0) or 0
@@ -125,43 +130,52 @@ def write_transformers_checkpoint(out_dir: str | Path, config: Mapping[str, Any]
     randomize(model, seed)
     model = model.to(dtype)
     out = Path(out_dir)
-    model.save_pretrained(out, max_shard_size=max_shard_size)
-    cfg_path = out / "config.json"
-    raw = json.loads(cfg_path.read_text())
-    if mtp:
-        raw["text_config"]["num_nextn_predict_layers"] = mtp
-        cfg_path.write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
-        index_path = out / "model.safetensors.index.json"
+    index_path = out / "model.safetensors.index.json"
+    if naming == "disk":
+        model.save_pretrained(out, max_shard_size=max_shard_size)
         if not index_path.is_file():  # one file: becomes shard 1 of an index
             (out / "model.safetensors").rename(out / "model-00001-of-00001.safetensors")
             names = load_file(out / "model-00001-of-00001.safetensors").keys()
             index_path.write_text(json.dumps({"metadata": {}, "weight_map": {
                 n: "model-00001-of-00001.safetensors" for n in names}}))
-        index = json.loads(index_path.read_text())
-        prefix = "model.language_model."
-        dsa = next(i for i, t in enumerate(text["layer_types"]) if t == "indexed_attention"
-                   and (text.get("indexer_types") or ["full"] * len(text["layer_types"]))[i] == "full"
-                   and text["mlp_layer_types"][i] == "sparse")
-        layer_pre = f"{prefix}layers.{dsa}."
-        files = sorted(set(index["weight_map"].values()))
-        dsa_layer: dict[str, torch.Tensor] = {}
-        for f in files:
-            for name, t in load_file(out / f).items():
-                if name.startswith(layer_pre):
-                    dsa_layer[name[len(layer_pre):]] = t
-        extra = _mtp_tensors({**text, "num_nextn_predict_layers": mtp}, dsa_layer,
-                             torch.Generator().manual_seed(seed + 1), prefix)
-        extra = {k: v.to(dtype).contiguous() for k, v in extra.items()}
-        total = len(files) + 1
-        renamed = {f: f"model-{i + 1:05d}-of-{total:05d}.safetensors" for i, f in enumerate(files)}
-        for old, new in renamed.items():
-            (out / old).rename(out / new)
-        weight_map = {k: renamed[f] for k, f in index["weight_map"].items()}
-        last = f"model-{total:05d}-of-{total:05d}.safetensors"
-        save_file(extra, str(out / last), metadata={"format": "pt"})
-        weight_map.update({k: last for k in extra})
-        index["weight_map"] = dict(sorted(weight_map.items(), key=lambda kv: natural_key(kv[0])))
-        index_path.write_text(json.dumps(index, indent=2) + "\n")
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        model.config.save_pretrained(out)
+        shard = "model-00001-of-00001.safetensors"
+        sd = {k: v.contiguous() for k, v in model.state_dict().items()}
+        save_file(sd, str(out / shard), metadata={"format": "pt"})
+        index_path.write_text(json.dumps({"metadata": {}, "weight_map": {n: shard for n in sd}}))
+    cfg_path = out / "config.json"
+    raw = json.loads(cfg_path.read_text())
+    if not mtp:
+        return out
+    raw["text_config"]["num_nextn_predict_layers"] = mtp
+    cfg_path.write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+    index = json.loads(index_path.read_text())
+    prefix = "model.language_model."
+    kinds = text.get("indexer_types") or ["full"] * len(text["layer_types"])
+    dsa = next(i for i, t in enumerate(text["layer_types"]) if t == "indexed_attention" and kinds[i] == "full"
+               and text["mlp_layer_types"][i] == "sparse")
+    layer_pre = f"{prefix}layers.{dsa}."
+    files = sorted(set(index["weight_map"].values()))
+    dsa_layer: dict[str, torch.Tensor] = {}
+    for f in files:
+        for name, t in load_file(out / f).items():
+            if name.startswith(layer_pre):
+                dsa_layer[name[len(layer_pre):]] = t
+    extra = _mtp_tensors({**text, "num_nextn_predict_layers": mtp}, dsa_layer,
+                         torch.Generator().manual_seed(seed + 1), prefix)
+    extra = {k: v.to(dtype).contiguous() for k, v in extra.items()}
+    total = len(files) + 1
+    renamed = {f: f"model-{i + 1:05d}-of-{total:05d}.safetensors" for i, f in enumerate(files)}
+    for old, new in renamed.items():
+        (out / old).rename(out / new)
+    weight_map = {k: renamed[f] for k, f in index["weight_map"].items()}
+    last = f"model-{total:05d}-of-{total:05d}.safetensors"
+    save_file(extra, str(out / last), metadata={"format": "pt"})
+    weight_map.update({k: last for k in extra})
+    index["weight_map"] = dict(sorted(weight_map.items(), key=lambda kv: natural_key(kv[0])))
+    index_path.write_text(json.dumps(index, indent=2) + "\n")
     return out
 
 
