@@ -1,6 +1,6 @@
 """``megatron-glm5``: a thin command line over keyword-only library functions.
 
-    megatron-glm5 demo [--out DIR] [--steps N] [--keep]
+    megatron-glm5 demo [--out DIR] [--steps N] [--keep] [--model glm5.2|glm5.3-flash]
     megatron-glm5 convert import    --hf-path DIR --megatron-path DIR [--tp N --pp N --ep N --dtype bf16|fp32]
     megatron-glm5 convert export    --megatron-path DIR --hf-path DIR [--hf-config PATH] [--expert-layout ...]
     megatron-glm5 convert roundtrip --hf-path DIR [--tp N --pp N --ep N] [--work-dir DIR --keep]
@@ -110,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", help="work directory (default: a temporary directory)")
     demo.add_argument("--steps", type=_POS, default=4, help="optimizer steps (default 4)")
     demo.add_argument("--keep", action="store_true", help="keep the work directory")
+    demo.add_argument("--model", choices=("glm5.2", "glm5.3-flash"), default="glm5.2",
+                      help="which tiny model: glm5.2 (default) or glm5.3-flash (KDA + NoPE DSA in mHC streams)")
 
     convert = sub.add_parser("convert", help="HF <-> Megatron checkpoint conversion")
     csub = convert.add_subparsers(dest="action", required=True)
@@ -268,7 +270,7 @@ def _run(args) -> int:
     if args.command == "demo":
         from .demo import run_demo
 
-        return 0 if run_demo(out_dir=args.out, steps=args.steps, keep=args.keep)["ok"] else 1
+        return 0 if run_demo(out_dir=args.out, steps=args.steps, keep=args.keep, model_name=args.model)["ok"] else 1
     if args.command == "verify":
         report = bridge.verify(hf_path=args.hf_path, megatron_path=args.megatron_path, seq_len=args.seq_len,
                                batch_size=args.batch_size, seed=args.seed, tol=args.tol, num_layers=args.num_layers,

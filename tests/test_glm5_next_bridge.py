@@ -123,3 +123,20 @@ def test_refusals(disk_checkpoint, tmp_path, model_parallel):
     assert not hasattr(model, "glm5_passthrough_source")
     with pytest.raises(BridgeError, match="vision tower, which the Megatron model does not hold"):
         bridge.export_hf(model, tmp_path / "z", hf_config=json.loads((disk_checkpoint / "config.json").read_text()))
+
+
+def test_demo_glm53_flash(tmp_path, model_parallel):
+    """``megatron-glm5 demo --model glm5.3-flash``: import, bitwise round trip (vision carried), a few training steps
+    with falling loss, export, verify against transformers. The CLI offers exactly the demo's models."""
+    from bridge import cli
+    from bridge.demo import MODELS, run_demo
+
+    demo = next(a for a in cli.build_parser()._subparsers._group_actions[0].choices["demo"]._actions
+                if "--model" in a.option_strings)
+    assert tuple(demo.choices) == MODELS and demo.default == "glm5.2"
+    lines = []
+    result = run_demo(out_dir=tmp_path / "demo", steps=3, model_name="glm5.3-flash", print_fn=lines.append)
+    assert result["ok"], "\n".join(lines)
+    assert result["losses"][-1] < result["losses"][0]
+    assert result["roundtrip"]["bitwise_equal"] == result["roundtrip"]["tensors"] == 250
+    assert "GLM-5.3-Flash" in lines[0] and any("bitwise identical" in ln for ln in lines)
