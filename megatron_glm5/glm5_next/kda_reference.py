@@ -9,7 +9,7 @@ Math (transformers 5.24 ``Glm5NextTextLinearAttention``; per head ``h``, ``d = h
   dt_bias)`` without a lower bound (:func:`kda_gate`); ``beta_t = sigmoid(b_t)`` per head;
 * ``S_t = (I - beta_t k_t k_t^T) diag(exp g_t) S_{t-1} + beta_t k_t v_t^T``, ``S_0 = 0``, ``o_t = S_t^T q_t``
   (:func:`recurrent_kda`, the definition);
-* :func:`chunk_kda` computes the same in chunks of 64 (transformers' and fla's chunk size): within a chunk the
+* all in fp32 (fp64 when q is fp64: an oracle for kernels); :func:`chunk_kda` computes the same in chunks of 64 (transformers' and fla's chunk size): within a chunk the
   delta-rule corrections are one unit-lower-triangular solve (the WY form), between chunks the state is carried.
 
 Layout: ``[B, T, H, d]`` tensors; ``cu_seqlens`` (int ``[N + 1]``, batch 1) makes ``T`` a concatenation of
@@ -83,7 +83,8 @@ def gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
 
 
 def _prepare(q, k, v, g, beta, scale, l2norm_eps):
-    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32  # fp64 in: an fp64 oracle for kernels
+    q, k, v, g, beta = (x.to(acc) for x in (q, k, v, g, beta))
     if l2norm_eps is not None:
         q, k = l2norm(q, l2norm_eps), l2norm(k, l2norm_eps)
     return q * scale, k, v, g, beta
@@ -99,7 +100,7 @@ def recurrent_kda(q, k, v, g, beta, *, scale: float | None = None, l2norm_eps: f
     q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, l2norm_eps)
     b, t, h, dk = k.shape
     starts = {0} if cu_seqlens is None else {int(c) for c in cu_seqlens[:-1].tolist()}
-    out = torch.zeros(b, t, h, v.shape[-1], dtype=torch.float32, device=q.device)
+    out = torch.zeros(b, t, h, v.shape[-1], dtype=q.dtype, device=q.device)
     state = q.new_zeros(b, h, dk, v.shape[-1])
     for i in range(t):
         if i in starts:
