@@ -114,8 +114,8 @@ def run_demo(*, out_dir: str | Path | None = None, steps: int = 4, keep: bool = 
             shutil.rmtree(work, ignore_errors=True)
     total = time.perf_counter() - t_start
     ok = bool(rt["ok"] and par["ok"])
-    _print_table(print_fn, description=description, device=device, work=work if (keep or out_dir) else None, losses=losses,
-                 imp=imp, rt=rt, exp=exp, exp_seconds=exp_seconds, par=par, total=total, ok=ok)
+    _print_table(print_fn, description=description, device=device, work=work if (keep or out_dir) else None,
+                 losses=losses, imp=imp, rt=rt, exp=exp, exp_seconds=exp_seconds, par=par, total=total, ok=ok)
     return {"ok": ok, "losses": losses, "import": imp, "roundtrip": rt, "export": exp, "verify": par,
             "seconds": total, "work_dir": str(work) if (keep or out_dir) else None}
 

@@ -301,7 +301,8 @@ def expand_glm5_next(
 _PASSTHROUGH = re.compile(r"^(model\.)?visual\.")
 _DISK_MARK = re.compile(r"\.hc_(attn|ffn)_(fn|base|scale)$|\.self_attn\.[qkv]_conv1d\.weight$|\.self_attn\.(f_a_proj|"
                         r"f_b_proj)\.weight$|\.self_attn\.(A_log|dt_bias)$")
-_MEMORY_MARK = re.compile(r"\.(attn_hc|ffn_hc)\.(fn|base|scale)$|\.self_attn\.conv1d\.weight$|\.self_attn\.forget_gate\.")
+_MEMORY_MARK = re.compile(r"\.(attn_hc|ffn_hc)\.(fn|base|scale)$|\.self_attn\.conv1d\.weight$"
+                          r"|\.self_attn\.forget_gate\.")
 
 
 def passthrough_names(hf_names: Iterable[str]) -> list[str]:

@@ -178,8 +178,8 @@ def load_megatron_checkpoint(megatron_path: str | Path, *, policy=None, backend:
     model = build_model(arch, policy or default_cpu_policy(), backend=backend)
     load_into_model(model, ckpt_dir)
     setattr(model, HF_CONFIG_ATTR, raw)
-    extra = next((d for d in (passthrough_dir(ckpt_dir.parent / HF_ASSETS_DIR), passthrough_dir(ckpt_dir / HF_ASSETS_DIR))
-                  if d is not None), None)
+    candidates = (passthrough_dir(ckpt_dir.parent / HF_ASSETS_DIR), passthrough_dir(ckpt_dir / HF_ASSETS_DIR))
+    extra = next((d for d in candidates if d is not None), None)
     if extra is not None:
         setattr(model, SOURCE_ATTR, str(extra))
     return model

@@ -76,8 +76,8 @@ def load_hf_model(hf_path: str | Path, *, dtype: torch.dtype = torch.float32, de
         str(hf_path), config=config, dtype=dtype, output_loading_info=True, experts_implementation="eager", **kwargs)
     missing = sorted(k for k in info.get("missing_keys") or () if "visual" not in k)
     if missing:
-        raise BridgeError(f"{hf_path}: transformers found no checkpoint tensor for {len(missing)} text parameters, e.g. "
-                          f"{missing[:5]}")
+        raise BridgeError(f"{hf_path}: transformers found no checkpoint tensor for {len(missing)} text parameters, "
+                          f"e.g. {missing[:5]}")
     return model.eval()
 
 
@@ -214,7 +214,8 @@ def verify_glm5_next(*, hf_path, megatron_path=None, seq_len=None, batch_size: i
     if bf16:
         ok = math.isfinite(max_diff) and replay_mean_rel <= tol and agreement >= BF16_MIN_CHOICE_AGREEMENT
     else:
-        ok = math.isfinite(max_diff) and (max_rel <= tol or (replay_max_rel <= tol and flipped <= FP32_MAX_FLIPPED_ROWS))
+        replay_ok = replay_max_rel <= tol and flipped <= FP32_MAX_FLIPPED_ROWS
+        ok = math.isfinite(max_diff) and (max_rel <= tol or replay_ok)
     return {
         "model_type": arch.model_type,
         "max_abs_logit_diff": max_diff,

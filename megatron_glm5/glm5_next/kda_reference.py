@@ -9,8 +9,9 @@ Math (transformers 5.24 ``Glm5NextTextLinearAttention``; per head ``h``, ``d = h
   dt_bias)`` without a lower bound (:func:`kda_gate`); ``beta_t = sigmoid(b_t)`` per head;
 * ``S_t = (I - beta_t k_t k_t^T) diag(exp g_t) S_{t-1} + beta_t k_t v_t^T``, ``S_0 = 0``, ``o_t = S_t^T q_t``
   (:func:`recurrent_kda`, the definition);
-* all in fp32 (fp64 when q is fp64: an oracle for kernels); :func:`chunk_kda` computes the same in chunks of 64 (transformers' and fla's chunk size): within a chunk the
-  delta-rule corrections are one unit-lower-triangular solve (the WY form), between chunks the state is carried.
+* all in fp32 (fp64 when q is fp64: an oracle for kernels); :func:`chunk_kda` computes the same in chunks of 64
+  (transformers' and fla's chunk size): within a chunk the delta-rule corrections are one unit-lower-triangular solve
+  (the WY form), between chunks the state is carried.
 
 Layout: ``[B, T, H, d]`` tensors; ``cu_seqlens`` (int ``[N + 1]``, batch 1) makes ``T`` a concatenation of
 independent sequences (THD), each starting from ``S = 0`` and a zero conv history. The chunked form runs each
@@ -160,6 +161,7 @@ def _chunk_bshd(q, k, v, g, beta, chunk: int) -> torch.Tensor:
         g_i, g_last = g[:, :, i], g[:, :, i, -1]  # [B, H, C, dk], [B, H, dk]
         v_new = u[:, :, i] - w[:, :, i] @ state
         outs.append((q[:, :, i] * g_i.exp()) @ state + attn[:, :, i] @ v_new)
-        state = state * g_last.exp()[..., None] + (k[:, :, i] * (g_last[:, :, None] - g_i).exp()).transpose(-1, -2) @ v_new
+        k_decayed = k[:, :, i] * (g_last[:, :, None] - g_i).exp()  # each key decayed to the chunk's end
+        state = state * g_last.exp()[..., None] + k_decayed.transpose(-1, -2) @ v_new
     out = torch.stack(outs, dim=2).reshape(b, h, n * chunk, dv)[:, :, :t]
     return out.transpose(1, 2)

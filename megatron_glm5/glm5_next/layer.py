@@ -8,8 +8,8 @@ plain pre-norm residual or wrapped in mHC residual streams (:mod:`.mhc`).
   streams; the layer built with ``expand_streams=True`` (global layer 0) turns the embedding into streams first.
 
 DSA top-k travels through the layer ``context`` as for GLM-5 (:mod:`megatron_glm5.layer`: replay under activation
-recompute, IndexShare); a KDA layer returns the ``context`` it received unchanged, so a "shared" DSA layer gets the top-k
-of the nearest earlier full DSA layer across KDA layers. The MLP's SwiGLU clamp is checked on the built modules.
+recompute, IndexShare); a KDA layer returns the ``context`` it received unchanged, so a "shared" DSA layer gets the
+top-k of the nearest earlier full DSA layer across KDA layers. The MLP's SwiGLU clamp is checked on the built modules.
 """
 
 from __future__ import annotations
