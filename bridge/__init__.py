@@ -1,4 +1,5 @@
-"""HF <-> Megatron checkpoint bridge for GLM-5.x (``glm_moe_dsa``).
+"""HF <-> Megatron checkpoint bridge for GLM-5.x (``glm_moe_dsa``) and GLM-5.3-Flash (``glm5_next``; the table and
+conventions of each family are chosen in :mod:`bridge.tables`).
 
 Streaming checkpoint conversion (bounded memory, any TP/PP/EP)::
 

@@ -1,6 +1,6 @@
 """``megatron-glm5``: a thin command line over keyword-only library functions.
 
-    megatron-glm5 demo [--out DIR] [--steps N] [--keep]
+    megatron-glm5 demo [--out DIR] [--steps N] [--keep] [--model glm5.2|glm5.3-flash]
     megatron-glm5 convert import    --hf-path DIR --megatron-path DIR [--tp N --pp N --ep N --dtype bf16|fp32]
     megatron-glm5 convert export    --megatron-path DIR --hf-path DIR [--hf-config PATH] [--expert-layout ...]
     megatron-glm5 convert roundtrip --hf-path DIR [--tp N --pp N --ep N] [--work-dir DIR --keep]
@@ -116,6 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", help="work directory (default: a temporary directory)")
     demo.add_argument("--steps", type=_POS, default=4, help="optimizer steps (default 4)")
     demo.add_argument("--keep", action="store_true", help="keep the work directory")
+    demo.add_argument("--model", choices=("glm5.2", "glm5.3-flash"), default="glm5.2",
+                      help="which tiny model: glm5.2 (default) or glm5.3-flash (KDA + NoPE DSA in mHC streams)")
 
     convert = sub.add_parser("convert", help="HF <-> Megatron checkpoint conversion")
     csub = convert.add_subparsers(dest="action", required=True)
@@ -194,13 +196,13 @@ def _progress(args) -> bool | None:
 
 
 def _hf_arch(path: str, flag: str = "--hf-path"):
-    from megatron_glm5.config import parse_hf_config
+    from megatron_glm5.architectures import parse_architecture
 
     from . import preflight
 
     preflight.hf_checkpoint_dir(path, flag=flag)
     raw = preflight.read_hf_config(path, flag=flag)
-    return raw, parse_hf_config(raw)
+    return raw, parse_architecture(raw)
 
 
 def _preflight(args) -> None:
@@ -269,9 +271,9 @@ def _preflight(args) -> None:
     if args.action == "export":
         preflight.megatron_checkpoint_dir(args.megatron_path)
         if args.hf_config is not None:
-            from megatron_glm5.config import parse_hf_config
+            from megatron_glm5.architectures import parse_architecture
 
-            parse_hf_config(preflight.read_hf_config(args.hf_config, flag="--hf-config"))
+            parse_architecture(preflight.read_hf_config(args.hf_config, flag="--hf-config"))
         preflight.output_dir(args.hf_path, flag="--hf-path")
 
 
@@ -320,7 +322,7 @@ def _run(args) -> int:
     if args.command == "demo":
         from .demo import run_demo
 
-        return 0 if run_demo(out_dir=args.out, steps=args.steps, keep=args.keep)["ok"] else 1
+        return 0 if run_demo(out_dir=args.out, steps=args.steps, keep=args.keep, model_name=args.model)["ok"] else 1
     if args.command == "clean":
         return _clean(args.paths, dry_run=args.dry_run)
     if args.command == "lora":

@@ -21,7 +21,8 @@ from typing import Mapping
 
 import torch
 
-from megatron_glm5.config import load_hf_config, mcore_kwargs, natural_key, parse_hf_config
+from megatron_glm5.architectures import mcore_kwargs, parse_architecture
+from megatron_glm5.config import load_hf_config, natural_key
 
 from . import hf_io, naming
 from .boxes import build_skeleton, sharded_boxes, verify_written
@@ -36,7 +37,7 @@ from .launch import (
     run_local_ranks,
     world,
 )
-from .mapping import TensorMap, expand
+from .mapping import TensorMap
 from .megatron_io import (
     BRIDGE_KEY,
     COMMON_STATE_KEY,
@@ -51,6 +52,8 @@ from .megatron_io import (
     write_dist_checkpoint,
     write_tracker,
 )
+from .glm5_next_mapping import passthrough_names
+from .passthrough import PASSTHROUGH_DIR, passthrough_dir, write_passthrough
 from .output import (
     atomic_output_dir,
     check_output_dir,
@@ -63,6 +66,7 @@ from .output import (
 from .prefetch import Prefetcher
 from .progress import Progress
 from .source import Materializer, dtype_name, open_hf_source, parse_dtype
+from .tables import HFLayout, expand_for
 from .transforms import dequantize_block_fp8
 
 
@@ -169,8 +173,8 @@ def _import_rank(*, hf_path: str, out: str, tp: int, pp: int, ep: int, dtype: st
     plan.chunks.sort(key=lambda c: (*mat.source_order(plan.pieces[(c.key, c.offsets)].logical), c.key, c.offsets))
     ckpt_dir = iteration_dir(Path(out), iteration)
     if rank == 0:
-        meta = {"format_version": FORMAT_VERSION, "hf_config": src.raw, "expert_layout": src.expansion.expert_layout,
-                "source_fp8": bool(src.fp8_names), "hf_source": str(src.path)}
+        meta = {"format_version": FORMAT_VERSION, "hf_config": src.raw, **src.layout.meta(),
+                "source_fp8": bool(src.fp8_names), "hf_source": str(src.path), "passthrough": len(src.passthrough)}
         args = megatron_args(mcore_kwargs(src.arch), tp=tp, pp=pp, ep=ep)
         plan.objects[COMMON_STATE_KEY] = common_state(args=args, iteration=iteration, bridge_meta=meta)
 
@@ -195,6 +199,9 @@ def _import_rank(*, hf_path: str, out: str, tp: int, pp: int, ep: int, dtype: st
         assets = Path(out) / HF_ASSETS_DIR
         assets.mkdir(exist_ok=True)
         hf_io.copy_assets(src.path, assets)
+        if src.passthrough:  # GLM-5.3-Flash's vision tower, carried through untouched
+            write_passthrough(src.reader, src.passthrough, assets / PASSTHROUGH_DIR, sync=sync_files)
+            src.reader.close()
         write_tracker(Path(out), iteration)
     seconds = time.perf_counter() - t0
     nbytes = sum(c.nbytes for c in plan.chunks)
@@ -259,10 +266,14 @@ def convert_megatron_to_hf(
     overwrite: bool = False,
     progress: bool | None = None,
     sync_files: bool = True,
+    passthrough_from: str | Path | None = None,
 ) -> dict:
     """megatron-core ``torch_dist`` checkpoint -> HF sharded safetensors + index + config.json (+ the source's
     generation config and tokenizer files). ``hf_config`` is needed only for checkpoints not written by this
-    bridge (it stores the source config.json in the checkpoint). ``expert_layout`` defaults to the source's."""
+    bridge (it stores the source config.json in the checkpoint). ``expert_layout`` defaults to the source's (and
+    GLM-5.3-Flash's naming and prefix are the source's). Tensors carried through the import untouched (a vision
+    tower, :mod:`bridge.passthrough`) are written back from ``hf_assets/passthrough``, or from the HF-style directory
+    ``passthrough_from``."""
     t0 = time.perf_counter()
     out_dtype = parse_dtype(dtype)
     ckpt_dir = resolve_checkpoint_dir(megatron_path)
@@ -279,9 +290,17 @@ def convert_megatron_to_hf(
         raw = dict(hf_config)
     else:
         raw = load_hf_config(hf_config)
-    arch = parse_hf_config(raw)
-    layout = expert_layout or meta.get("expert_layout") or "per_expert"
-    expansion = expand(arch, expert_layout=layout)
+    arch = parse_architecture(raw)
+    hf_layout = HFLayout.from_meta(meta, expert_layout=expert_layout)
+    layout = hf_layout.expert_layout
+    expansion = expand_for(arch, hf_layout)
+    assets_dir = next((d for d in (ckpt_dir.parent / HF_ASSETS_DIR, ckpt_dir / HF_ASSETS_DIR) if d.is_dir()), None)
+    extra_dir = Path(passthrough_from) if passthrough_from is not None else passthrough_dir(assets_dir)
+    if meta.get("passthrough") and extra_dir is None:
+        raise CheckpointFormatError(f"{ckpt_dir}: the checkpoint was imported with {meta['passthrough']} vision "
+                                    f"tensors carried in {HF_ASSETS_DIR}/{PASSTHROUGH_DIR}, which is missing")
+    extra = hf_io.HFCheckpointReader(extra_dir) if extra_dir is not None else None
+    extra_names = passthrough_names(extra.names) if extra is not None else []
 
     sources = _logical_sources(ckpt)
     expected = set(expansion.by_mcore)
@@ -307,6 +326,8 @@ def convert_megatron_to_hf(
         for ref, shape in zip(m.hf, m.transform.hf_shapes(m.mcore_shape)):
             full = tuple(shape) if ref.row is None else (ref.stack, *shape)
             planned[ref.name] = hf_io.PlannedTensor(ref.name, full, dtype_of(m))
+    for name in extra_names:  # carried through: dtype and bytes unchanged
+        planned[name] = hf_io.PlannedTensor(name, extra.info(name).shape, extra.info(name).dtype)
     order = sorted(planned, key=natural_key)
     maps = sorted(expansion.maps, key=lambda m: (natural_key(m.hf[0].name), m.hf[0].row or 0))
     total = sum(int(torch.Size(p.shape).numel()) * torch.empty((), dtype=p.dtype).element_size()
@@ -334,12 +355,16 @@ def convert_megatron_to_hf(
                     writer.write(ref.name, part, row=ref.row)
                 bar.update(sum(p.numel() * p.element_size() for p in parts))
                 del parts
+            for name in extra_names:
+                writer.write(name, extra.read(name))
             writer.finish()
         except BaseException:
             writer.abort()
             raise
         finally:
             ahead.close()
+            if extra is not None:
+                extra.close()
         bar.close()
         copied = hf_io.copy_assets(assets_dir, tmp, skip={"config.json"}) if assets_dir else []
         weights_dtype = dtype_of(expansion.by_mcore["embedding.word_embeddings.weight"])

@@ -1,4 +1,7 @@
 """``megatron-glm5 demo``: the whole loop on a tiny random GLM-5.2, offline, in well under a minute on 2 CPU cores.
+``--model glm5.3-flash`` runs it on a tiny GLM-5.3-Flash instead (KDA / full DSA / shared DSA / KDA layers in mHC
+streams, dense and MoE MLPs, an MTP layer and a tiny vision tower that the conversion carries through), written by
+transformers' own ``save_pretrained``.
 
 1. write a tiny GLM-5.2 HF checkpoint (IndexShare ``[full, shared, full, shared]`` + one MTP layer);
 2. import it into a megatron-core ``torch_dist`` checkpoint and check that exporting it back is bitwise identical;
@@ -19,6 +22,32 @@ from pathlib import Path
 import torch
 
 DEMO_SEQ_LEN = 64
+MODELS = ("glm5.2", "glm5.3-flash")
+
+
+def _write_checkpoint(model: str, path: Path) -> tuple[dict, str]:
+    """Write the tiny checkpoint of ``model``; returns (its config.json, a one-line description)."""
+    import json
+
+    if model == "glm5.2":
+        from megatron_glm5.testing import tiny_glm52_config, write_hf_checkpoint
+
+        raw = tiny_glm52_config()
+        write_hf_checkpoint(path, raw, seed=0)
+        return raw, (f"tiny GLM-5.2 ({raw['num_hidden_layers']} layers, IndexShare {'/'.join(raw['indexer_types'])}, "
+                     f"{raw['n_routed_experts']} experts, {raw['num_nextn_predict_layers']} MTP layer)")
+    if model == "glm5.3-flash":
+        from megatron_glm5.glm5_next.testing import write_transformers_checkpoint
+
+        write_transformers_checkpoint(path, seed=0)
+        raw = json.loads((path / "config.json").read_text())
+        t = raw["text_config"]
+        kinds = "/".join("KDA" if lt == "linear_attention" else f"DSA-{it}"
+                         for lt, it in zip(t["layer_types"], t["indexer_types"]))
+        return raw, (f"tiny GLM-5.3-Flash ({t['num_hidden_layers']} layers {kinds} in {t['hc_mult']} mHC streams, "
+                     f"{t['n_routed_experts']} experts, {t['num_nextn_predict_layers']} MTP layer, vision tower "
+                     "carried through)")
+    raise ValueError(f"unknown demo model {model!r}; valid: {list(MODELS)}")
 
 
 def _policy():
@@ -30,14 +59,15 @@ def _policy():
 
 
 def run_demo(*, out_dir: str | Path | None = None, steps: int = 4, keep: bool = False, lr: float = 3e-3,
-             seq_len: int = DEMO_SEQ_LEN, print_fn=print) -> dict:
-    """Run the demo; returns ``{"ok": bool, "losses": [...], "verify": {...}, "roundtrip": {...}, ...}``."""
+             seq_len: int = DEMO_SEQ_LEN, print_fn=print, model_name: str = "glm5.2") -> dict:
+    """Run the demo on ``model_name`` (:data:`MODELS`); returns ``{"ok": bool, "losses": [...], "verify": {...},
+    "roundtrip": {...}, ...}``."""
     import bridge
     from .inmemory import load_megatron_checkpoint
     from megatron.core import parallel_state as ps
 
+    from megatron_glm5.architectures import parse_architecture
     from megatron_glm5.parallel import initialize_model_parallel
-    from megatron_glm5.testing import tiny_glm52_config, write_hf_checkpoint
 
     t_start = time.perf_counter()
     work = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="megatron-glm5-demo-"))
@@ -45,9 +75,10 @@ def run_demo(*, out_dir: str | Path | None = None, steps: int = 4, keep: bool = 
     for sub in ("hf", "megatron", "hf_roundtrip", "hf_trained"):
         shutil.rmtree(work / sub, ignore_errors=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    raw = tiny_glm52_config()
+    if model_name not in MODELS:
+        raise ValueError(f"unknown demo model {model_name!r}; valid: {list(MODELS)}")
     try:
-        write_hf_checkpoint(work / "hf", raw, seed=0)
+        raw, description = _write_checkpoint(model_name, work / "hf")
         imp = bridge.convert_hf_to_megatron(hf_path=work / "hf", megatron_path=work / "megatron", progress=False)
         bridge.convert_megatron_to_hf(megatron_path=work / "megatron", hf_path=work / "hf_roundtrip", progress=False)
         rt = bridge.compare_hf_checkpoints(work / "hf", work / "hf_roundtrip")
@@ -58,7 +89,8 @@ def run_demo(*, out_dir: str | Path | None = None, steps: int = 4, keep: bool = 
         model = load_megatron_checkpoint(work / "megatron", policy=_policy())
         model.to(device).train()
         gen = torch.Generator().manual_seed(0)
-        tokens = torch.randint(0, raw["vocab_size"], (2, seq_len + 1), generator=gen).to(device)
+        vocab = parse_architecture(raw).vocab_size
+        tokens = torch.randint(0, vocab, (2, seq_len + 1), generator=gen).to(device)
         ids, labels = tokens[:, :-1], tokens[:, 1:]
         pos = torch.arange(seq_len, device=device).unsqueeze(0).expand_as(ids)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
@@ -82,16 +114,14 @@ def run_demo(*, out_dir: str | Path | None = None, steps: int = 4, keep: bool = 
             shutil.rmtree(work, ignore_errors=True)
     total = time.perf_counter() - t_start
     ok = bool(rt["ok"] and par["ok"])
-    _print_table(print_fn, raw=raw, device=device, work=work if (keep or out_dir) else None, losses=losses,
-                 imp=imp, rt=rt, exp=exp, exp_seconds=exp_seconds, par=par, total=total, ok=ok)
+    _print_table(print_fn, description=description, device=device, work=work if (keep or out_dir) else None,
+                 losses=losses, imp=imp, rt=rt, exp=exp, exp_seconds=exp_seconds, par=par, total=total, ok=ok)
     return {"ok": ok, "losses": losses, "import": imp, "roundtrip": rt, "export": exp, "verify": par,
             "seconds": total, "work_dir": str(work) if (keep or out_dir) else None}
 
 
-def _print_table(p, *, raw, device, work, losses, imp, rt, exp, exp_seconds, par, total, ok) -> None:
-    kinds = "/".join(raw["indexer_types"])
-    p(f"megatron-glm5 demo: tiny GLM-5.2 ({raw['num_hidden_layers']} layers, IndexShare {kinds}, "
-      f"{raw['n_routed_experts']} experts, {raw['num_nextn_predict_layers']} MTP layer) on {device}, fp32")
+def _print_table(p, *, description, device, work, losses, imp, rt, exp, exp_seconds, par, total, ok) -> None:
+    p(f"megatron-glm5 demo: {description} on {device}, fp32")
     if work is not None:
         p(f"work dir: {work}")
     p("")

@@ -1,54 +1,141 @@
-"""The HF <-> Megatron weight table for GLM-5.3-Flash (HF ``glm5_next``): NoPE DSA (KPool indexer) and MLP / MoE rows.
+"""The HF <-> Megatron weight table for GLM-5.3-Flash (HF ``glm5_next``): every text tensor, MTP included.
 
 A separate table from GLM-5's (:mod:`bridge.mapping`), expanded by the same :class:`~bridge.mapping.RuleExpander`.
 Its rows are GLM-5's where the tensors are the same (their shape functions read fields ``GLM5NextArchitecture``
 has under the same names), plus what GLM-5.3-Flash adds:
 
-* every layer has ``input_layernorm`` / ``post_attention_layernorm`` (``pre_mlp_layernorm``) and a dense MLP or a MoE
-  (router + fp32 score-correction bias, shared expert, routed experts per expert or fused 3-D);
-* a DSA layer (``layer_types[i] == "indexed_attention"``) has GLM-5's MLA rows with a zero rope width
-  (``kv_a_proj_with_mqa`` is ``[kv_lora_rank + 0, hidden]``, ``q_b_proj`` ``heads x 256`` rows);
-* a *full* DSA layer also has GLM-5's indexer rows and the two KPool parameters, ``index_kpool_compress_gate``
-  ``[index_head_dim, hidden]`` -> ``indexer.compress_gate`` and ``index_kpool_compress_ape`` ``[P, index_head_dim]``
-  -> ``indexer.compress_ape``; a shared one has none.
+* every decoder layer has ``input_layernorm`` / ``post_attention_layernorm`` (``pre_mlp_layernorm``), a dense MLP or
+  a MoE (router + fp32 score-correction bias, shared expert, routed experts per expert or fused 3-D) and two mHC
+  blocks (``attn_hc`` / ``ffn_hc`` -> ``attn_hc`` / ``mlp_hc``: ``fn``, fp32 ``base`` and ``scale``);
+* a DSA layer (``layer_types[i] == "indexed_attention"``) has GLM-5's MLA rows with a zero rope width and, when
+  "full", GLM-5's indexer rows plus the two KPool parameters (``index_kpool_compress_gate`` -> ``compress_gate``,
+  ``index_kpool_compress_ape`` -> ``compress_ape``); a shared one has none;
+* a KDA layer (``"linear_attention"``) has the rows of :data:`KDA_RULES` (see :mod:`megatron_glm5.glm5_next.kda`);
+* MTP layer ``k`` is stored after the decoder layers (``layers.{N + k}``): GLM-5's ``enorm`` / ``hnorm`` /
+  ``eh_proj`` / ``shared_head.norm`` rows and a plain (no mHC) full-indexer DSA + MoE layer. transformers neither
+  builds nor loads it; the names are the ones the release is reported to use.
 
-Not here yet (later steps add rows, nothing else): the KDA attention of ``linear_attention`` layers
-(:data:`UNMAPPED_LAYER_PARTS`), the mHC ``attn_hc`` / ``ffn_hc`` parameters of every layer, the MTP layer.
+Two HF namings, chosen per checkpoint (:func:`detect_naming`), independent of the expert layout:
 
-HF names: in-memory ``Glm5NextForConditionalGeneration`` puts the text model under ``model.language_model.`` with
-``lm_head.weight`` at the top (the default ``hf_prefix``); the bare ``Glm5NextTextModel`` has no prefix and no
-``lm_head``. The released on-disk prefix is not verified yet, so it is a parameter.
+* ``"disk"``: what ``save_pretrained`` writes and the release ships (transformers renames on load,
+  ``conversion_mapping.py``): ``self_attn.{f_a_proj, f_b_proj, A_log, dt_bias}``, q/k/v convolutions as three
+  ``self_attn.{q,k,v}_conv1d.weight [D, 1, K]``, mHC as ``hc_attn_{fn,base,scale}`` / ``hc_ffn_*``;
+* ``"memory"``: transformers' module names: ``self_attn.forget_gate.*``, one ``self_attn.conv1d.weight [3D, 1, K]``
+  (q | k | v), ``attn_hc.*`` / ``ffn_hc.*``.
+
+Our convolution weight is ``[3, D, K]`` (q, k, v blocks kept apart so TP can shard each): :data:`STACK3` /
+:data:`SPLIT3` convert it. fp32 rows (kept fp32 whatever the requested dtype, as transformers'
+``_keep_in_fp32_modules_strict``): router weight and bias, KDA ``A_log`` / ``dt_bias`` / convolution, mHC ``base`` /
+``scale``.
+
+Names are relative to ``hf_prefix``: ``Glm5NextForConditionalGeneration`` puts the text model under
+``model.language_model.`` with ``lm_head.weight`` at the top (the default); :func:`detect_prefix` reads it from the
+checkpoint. The vision tower (``model.visual.*``) has no rows: conversion carries it through untouched
+(:func:`passthrough_names`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
-from typing import Iterable, Literal, Sequence
+from typing import Iterable, Literal, Mapping, Sequence
+
+import torch
 
 from megatron_glm5.glm5_next.config import GLM5NextArchitecture
 
-from .mapping import LAYER_RULES, Expansion, ExpertLayout, Rule, RuleExpander, TensorMap
+from . import transforms as T
+from .errors import TensorSetError, format_names
+from .mapping import LAYER_RULES, MTP_INNER, MTP_RULES, Expansion, ExpertLayout, Rule, RuleExpander, TensorMap
 
 AttentionType = Literal["indexed_attention", "linear_attention"]
+Naming = Literal["disk", "memory"]
+NAMINGS = ("disk", "memory")
+DEFAULT_PREFIX = "model.language_model."
 
 
 @dataclass(frozen=True, slots=True)
 class NextLayerKind:
-    """What a GLM-5.3-Flash decoder layer contains. Duck-types :class:`bridge.mapping.LayerKind` (``indexer``,
-    ``mlp``) so GLM-5's row predicates apply unchanged."""
+    """What a GLM-5.3-Flash decoder (or MTP) layer contains. Duck-types :class:`bridge.mapping.LayerKind`
+    (``indexer``, ``mlp``) so GLM-5's row predicates apply unchanged."""
 
     attention: AttentionType
     indexer: Literal["full", "shared"]  # read by DSA layers only
     mlp: Literal["dense", "sparse"]
+    hc: bool = True  # mHC streams (decoder layers); MTP layers have none
 
 
-def _dsa(kind: NextLayerKind) -> bool:
+# --------------------------------------------------------------------------------------------------------------------
+# Transforms of the convolution weight
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class _Stack3(T.Transform):
+    """``q_conv1d, k_conv1d, v_conv1d [D, 1, K]`` <-> ``conv1d.weight [3, D, K]``."""
+
+    name = "stack3"
+    n_hf = 3
+
+    def to_mcore(self, parts):
+        return torch.stack([p.squeeze(1) for p in parts])
+
+    def to_hf(self, t):
+        return [t[i].unsqueeze(1).contiguous() for i in range(3)]
+
+    def mcore_shape(self, hf_shapes):
+        d, _, k = hf_shapes[0]
+        return (3, d, k)
+
+    def hf_shapes(self, mcore_shape):
+        _, d, k = mcore_shape
+        return [(d, 1, k)] * 3
+
+
+class _Split3(T.Transform):
+    """``conv1d.weight [3D, 1, K]`` (q | k | v) <-> ``conv1d.weight [3, D, K]``."""
+
+    name = "split3"
+
+    def to_mcore(self, parts):
+        (t,) = parts
+        return t.reshape(3, t.shape[0] // 3, t.shape[-1])
+
+    def to_hf(self, t):
+        return [t.reshape(t.shape[0] * t.shape[1], 1, t.shape[2]).contiguous()]
+
+    def mcore_shape(self, hf_shapes):
+        (c, _, k), = hf_shapes
+        return (3, c // 3, k)
+
+    def hf_shapes(self, mcore_shape):
+        n, d, k = mcore_shape
+        return [(n * d, 1, k)]
+
+
+STACK3: T.Transform = _Stack3()
+SPLIT3: T.Transform = _Split3()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Rows
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _dsa(kind) -> bool:
     return kind.attention == "indexed_attention"
 
 
-def _full_dsa(kind: NextLayerKind) -> bool:
+def _kda(kind) -> bool:
+    return kind.attention == "linear_attention"
+
+
+def _full_dsa(kind) -> bool:
     return _dsa(kind) and kind.indexer == "full"
+
+
+def _hc(kind) -> bool:
+    return kind.hc
 
 
 def _on_dsa_layers(rule: Rule) -> Rule:
@@ -56,55 +143,137 @@ def _on_dsa_layers(rule: Rule) -> Rule:
     return dataclasses.replace(rule, when=lambda kind, base=rule.when: _dsa(kind) and base(kind))
 
 
+def _h(a):
+    return (a.hidden_size,)
+
+
+def _kda_dim(a):
+    return a.linear_num_heads * a.linear_head_dim
+
+
 GLOBAL_RULES: tuple[Rule, ...] = (
     Rule(("embed_tokens.weight",), "embedding.word_embeddings.weight", (lambda a: (a.vocab_size, a.hidden_size),)),
-    Rule(("norm.weight",), "decoder.final_layernorm.weight", (lambda a: (a.hidden_size,),)),
+    Rule(("norm.weight",), "decoder.final_layernorm.weight", (_h,)),
 )
 LM_HEAD_RULE = Rule(("lm_head.weight",), "output_layer.weight", (lambda a: (a.vocab_size, a.hidden_size),))
 
-# Relative to ``{hf_prefix}layers.{i}.`` / ``decoder.layers.{i}.``.
-LAYER_RULES_NEXT: tuple[Rule, ...] = tuple(
-    _on_dsa_layers(r) if r.hf[0].startswith("self_attn.") else r for r in LAYER_RULES
-) + (
+# KDA rows, relative to ``layers.{i}.`` / ``decoder.layers.{i}.``; (disk name, memory name) where they differ.
+_KDA_COMMON: tuple[Rule, ...] = tuple(
+    Rule((f"self_attn.{hf}.weight",), f"self_attention.{ours}.weight", (shape,), when=_kda)
+    for hf, ours, shape in (
+        ("q_proj", "linear_q", lambda a: (_kda_dim(a), a.hidden_size)),
+        ("k_proj", "linear_k", lambda a: (_kda_dim(a), a.hidden_size)),
+        ("v_proj", "linear_v", lambda a: (_kda_dim(a), a.hidden_size)),
+        ("b_proj", "linear_beta", lambda a: (a.linear_num_heads, a.hidden_size)),
+        ("g_a_proj", "linear_g_down", lambda a: (a.linear_head_dim, a.hidden_size)),
+        ("g_b_proj", "linear_g_up", lambda a: (_kda_dim(a), a.linear_head_dim)),
+        ("o_norm", "out_norm", lambda a: (a.linear_head_dim,)),
+        ("o_proj", "linear_proj", lambda a: (a.hidden_size, _kda_dim(a))),
+    )
+)
+
+
+def _forget_gate_rules(pre: str) -> tuple[Rule, ...]:
+    return (
+        Rule((f"self_attn.{pre}f_a_proj.weight",), "self_attention.linear_f_down.weight",
+             (lambda a: (a.linear_head_dim, a.hidden_size),), when=_kda),
+        Rule((f"self_attn.{pre}f_b_proj.weight",), "self_attention.linear_f_up.weight",
+             (lambda a: (_kda_dim(a), a.linear_head_dim),), when=_kda),
+        Rule((f"self_attn.{pre}A_log",), "self_attention.A_log", (lambda a: (a.linear_num_heads,),), when=_kda,
+             fp32=True),
+        Rule((f"self_attn.{pre}dt_bias",), "self_attention.dt_bias", (lambda a: (_kda_dim(a),),), when=_kda,
+             fp32=True),
+    )
+
+
+def _conv_shape(a):
+    return (_kda_dim(a), 1, a.linear_conv_kernel_dim)
+
+
+def _hc_rules(hf_names: tuple[str, str, str], ours: str) -> tuple[Rule, ...]:
+    rows = lambda a: (2 + a.hc_mult) * a.hc_mult  # noqa: E731
+    fn, base, scale = hf_names
+    return (
+        Rule((fn,), f"{ours}.fn", (lambda a: (rows(a), a.hc_mult * a.hidden_size),), when=_hc),
+        Rule((base,), f"{ours}.base", (lambda a: (rows(a),),), when=_hc, fp32=True),
+        Rule((scale,), f"{ours}.scale", (lambda a: (3,),), when=_hc, fp32=True),
+    )
+
+
+KDA_RULES: dict[Naming, tuple[Rule, ...]] = {
+    "disk": _KDA_COMMON + _forget_gate_rules("") + (
+        Rule(tuple(f"self_attn.{x}_conv1d.weight" for x in "qkv"), "self_attention.conv1d.weight",
+             (_conv_shape,) * 3, STACK3, when=_kda, fp32=True),
+    ),
+    "memory": _KDA_COMMON + _forget_gate_rules("forget_gate.") + (
+        Rule(("self_attn.conv1d.weight",), "self_attention.conv1d.weight",
+             (lambda a: (3 * _kda_dim(a), 1, a.linear_conv_kernel_dim),), SPLIT3, when=_kda, fp32=True),
+    ),
+}
+
+HC_RULES: dict[Naming, tuple[Rule, ...]] = {
+    "disk": _hc_rules(("hc_attn_fn", "hc_attn_base", "hc_attn_scale"), "attn_hc")
+    + _hc_rules(("hc_ffn_fn", "hc_ffn_base", "hc_ffn_scale"), "mlp_hc"),
+    "memory": _hc_rules(("attn_hc.fn", "attn_hc.base", "attn_hc.scale"), "attn_hc")
+    + _hc_rules(("ffn_hc.fn", "ffn_hc.base", "ffn_hc.scale"), "mlp_hc"),
+}
+
+
+def _next_rule(rule: Rule) -> Rule:
+    if rule.hf[0].startswith("self_attn."):
+        return _on_dsa_layers(rule)
+    if rule.hf == ("mlp.gate.weight",):  # transformers keeps the router weight in fp32
+        return dataclasses.replace(rule, fp32=True)
+    return rule
+
+
+# DSA / MLP / MoE rows: GLM-5's, relative to ``layers.{i}.`` / ``decoder.layers.{i}.``
+LAYER_RULES_NEXT: tuple[Rule, ...] = tuple(_next_rule(r) for r in LAYER_RULES) + (
     Rule(("self_attn.indexer.index_kpool_compress_gate",), "self_attention.core_attention.indexer.compress_gate",
          (lambda a: (a.index_head_dim, a.hidden_size),), when=_full_dsa),
     Rule(("self_attn.indexer.index_kpool_compress_ape",), "self_attention.core_attention.indexer.compress_ape",
          (lambda a: (a.index_kpool, a.index_head_dim),), when=_full_dsa),
 )
 
-# HF tensor groups that exist but have no row yet, per layer (relative names): (predicate, prefixes, what adds them)
-UNMAPPED_LAYER_PARTS: tuple[tuple[str, tuple[str, ...], str], ...] = (
-    ("linear_attention", ("self_attn.",), "the KDA layer"),
-    ("all", ("attn_hc.", "ffn_hc."), "mHC"),
-)
+
+def layer_rules(naming: Naming) -> tuple[Rule, ...]:
+    if naming not in NAMINGS:
+        raise ValueError(f"naming: expected one of {list(NAMINGS)}, got {naming!r}")
+    return LAYER_RULES_NEXT + KDA_RULES[naming] + HC_RULES[naming]
 
 
 def layer_kinds(arch: GLM5NextArchitecture) -> tuple[NextLayerKind, ...]:
-    return tuple(NextLayerKind(a, i, m) for a, i, m in zip(arch.layer_types, arch.indexer_types,
-                                                           arch.mlp_layer_types))
+    """Decoder layers per the config, then one plain full-indexer DSA layer per MTP layer (MoE when the model has
+    experts)."""
+    kinds = [NextLayerKind(a, i, m) for a, i, m in zip(arch.layer_types, arch.indexer_types, arch.mlp_layer_types)]
+    mtp_mlp = "sparse" if arch.n_routed_experts else "dense"
+    kinds += [NextLayerKind("indexed_attention", "full", mtp_mlp, hc=False)] * arch.num_nextn_predict_layers
+    return tuple(kinds)
 
 
-def is_unmapped(rel_name: str, kind: NextLayerKind) -> bool:
-    """A layer-relative HF name that belongs to a part of :data:`UNMAPPED_LAYER_PARTS`."""
-    for which, prefixes, _ in UNMAPPED_LAYER_PARTS:
-        if (which == "all" or which == kind.attention) and rel_name.startswith(prefixes):
-            return True
-    return False
+def default_naming(expert_layout: ExpertLayout) -> Naming:
+    """The naming that goes with an expert layout when none is given: per-expert tensors are the on-disk layout,
+    fused 3-D experts transformers' in-memory one."""
+    return "disk" if expert_layout == "per_expert" else "memory"
 
 
 def expand_glm5_next(
     arch: GLM5NextArchitecture,
     *,
     expert_layout: ExpertLayout = "per_expert",
-    hf_prefix: str = "model.language_model.",
+    naming: Naming | None = None,
+    hf_prefix: str = DEFAULT_PREFIX,
     lm_head: bool = True,
     layers: Sequence[int] | None = None,
+    mtp: bool = True,
     fp8_names: Iterable[str] = (),
     fp8_block: Sequence[int] = (128, 128),
 ) -> Expansion:
-    """The rows for ``arch``: embedding, final norm, ``lm_head`` (unless tied or ``lm_head=False``) and, for each
-    decoder layer in ``layers`` (default: all), its norms, MLP / MoE and, on DSA layers, NoPE MLA (+ indexer and
-    KPool on full ones). Megatron names are the logical (TP=PP=EP=1) ones, as in :func:`bridge.mapping.expand`."""
+    """The rows for ``arch``: embedding, final norm, ``lm_head`` (unless tied or ``lm_head=False``), each decoder
+    layer in ``layers`` (default: all) and, with ``mtp``, the MTP layers. ``naming`` defaults to
+    :func:`default_naming`. Megatron names are the logical (TP=PP=EP=1) ones, as in :func:`bridge.mapping.expand`."""
+    naming = naming or default_naming(expert_layout)
+    rules = layer_rules(naming)
     ex = RuleExpander(arch, expert_layout, frozenset(fp8_names), fp8_block)
     kinds = layer_kinds(arch)
     maps: list[TensorMap] = []
@@ -112,8 +281,116 @@ def expand_glm5_next(
         maps += ex.rows(rule, hf_prefix, "")
     if lm_head and not arch.tie_word_embeddings:
         maps += ex.rows(LM_HEAD_RULE, "", "")
-    for i in range(arch.num_hidden_layers) if layers is None else layers:
-        maps += ex.layer(LAYER_RULES_NEXT, kinds[i], f"{hf_prefix}layers.{i}.", f"decoder.layers.{i}.")
+    n = arch.num_hidden_layers
+    for i in range(n) if layers is None else layers:
+        maps += ex.layer(rules, kinds[i], f"{hf_prefix}layers.{i}.", f"decoder.layers.{i}.")
+    for k in range(arch.num_nextn_predict_layers if mtp else 0):
+        hf, mc = f"{hf_prefix}layers.{n + k}.", f"mtp.layers.{k}."
+        for rule in MTP_RULES:
+            maps += ex.rows(rule, hf, mc)
+        maps += ex.layer(rules, kinds[n + k], hf, f"{mc}{MTP_INNER}.")
     by_mcore = {m.mcore: m for m in maps}
     assert len(by_mcore) == len(maps), "duplicate megatron name in the expanded table"
     return Expansion(tuple(maps), expert_layout, kinds, by_mcore)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Reading a checkpoint's conventions, and key accounting
+# --------------------------------------------------------------------------------------------------------------------
+
+_PASSTHROUGH = re.compile(r"^(model\.)?visual\.")
+_DISK_MARK = re.compile(r"\.hc_(attn|ffn)_(fn|base|scale)$|\.self_attn\.[qkv]_conv1d\.weight$|\.self_attn\.(f_a_proj|"
+                        r"f_b_proj)\.weight$|\.self_attn\.(A_log|dt_bias)$")
+_MEMORY_MARK = re.compile(r"\.(attn_hc|ffn_hc)\.(fn|base|scale)$|\.self_attn\.conv1d\.weight$"
+                          r"|\.self_attn\.forget_gate\.")
+
+
+def passthrough_names(hf_names: Iterable[str]) -> list[str]:
+    """The vision tower's tensors (``model.visual.*``): no rows; conversion carries them through untouched."""
+    return sorted(n for n in hf_names if _PASSTHROUGH.match(n))
+
+
+def detect_naming(hf_names: Iterable[str]) -> Naming:
+    """``"disk"`` or ``"memory"`` from the mHC / KDA tensor names (every decoder layer has mHC tensors); an error if
+    both appear."""
+    disk = memory = None
+    for n in hf_names:
+        if disk is None and _DISK_MARK.search(n):
+            disk = n
+        if memory is None and _MEMORY_MARK.search(n):
+            memory = n
+    if disk and memory:
+        raise TensorSetError(
+            f"the checkpoint mixes transformers' on-disk names (e.g. {disk}) and its in-memory module names (e.g. "
+            f"{memory}); expected one naming"
+        )
+    return "memory" if memory else "disk"
+
+
+def detect_prefix(hf_names: Iterable[str]) -> str:
+    """The text model's name prefix: what precedes ``embed_tokens.weight`` (``model.language_model.`` in
+    transformers' ``Glm5NextForConditionalGeneration``)."""
+    found = sorted(n[: -len("embed_tokens.weight")] for n in hf_names
+                   if n.endswith("embed_tokens.weight") and not _PASSTHROUGH.match(n))
+    if len(found) != 1:
+        raise TensorSetError(f"expected exactly one text embedding '...embed_tokens.weight', found {found or 'none'}")
+    return found[0]
+
+
+def account_glm5_next(arch: GLM5NextArchitecture, expansion: Expansion, hf_names: Iterable[str], *, source: str,
+                      hf_prefix: str = DEFAULT_PREFIX) -> tuple[dict[str, str], tuple[str, ...]]:
+    """Check that the HF tensors are exactly the table's plus the vision tower. Returns ``({ignored name: reason},
+    passthrough names)``; raises :class:`TensorSetError` naming what is missing / unexpected, with a specific message
+    for IndexShare mismatches and for MTP tensors the config does not announce."""
+    from .mapping import ignored_reason
+
+    names = set(hf_names)
+    ignored = {n: r for n in names if (r := ignored_reason(n)) is not None}
+    passthrough = tuple(passthrough_names(names))
+    present = names - set(ignored) - set(passthrough)
+    expected = set(expansion.hf_shapes())
+    missing, unexpected = expected - present, present - expected
+    layer_re = re.compile(rf"^{re.escape(hf_prefix)}layers\.(\d+)\.")
+    n = arch.num_hidden_layers
+
+    def layer_of(name: str) -> int | None:
+        m = layer_re.match(name)
+        return int(m.group(1)) if m else None
+
+    beyond = sorted(x for x in unexpected if (i := layer_of(x)) is not None and i >= len(expansion.layer_kinds))
+    if beyond and arch.num_nextn_predict_layers == 0:
+        layers = sorted({layer_of(x) for x in beyond})
+        raise TensorSetError(
+            f"{source}: the checkpoint has tensors of layer(s) {layers} after the {n} decoder layers (an MTP layer, "
+            f"e.g. {beyond[0]}) but config.json announces no MTP layer; add \"num_nextn_predict_layers\": "
+            f"{len(layers)} to the text config",
+            unexpected=beyond,
+        )
+    kinds = expansion.layer_kinds
+    idx_extra = sorted(x for x in unexpected if ".self_attn.indexer." in x and (i := layer_of(x)) is not None
+                       and i < len(kinds) and kinds[i].indexer == "shared")
+    if idx_extra:
+        raise TensorSetError(
+            f"{source}: DSA layer(s) {sorted({layer_of(x) for x in idx_extra})} are 'shared' in config.json's "
+            f"indexer_types ({list(arch.indexer_types)}) and must have no indexer tensors, but the checkpoint has "
+            f"{format_names(idx_extra)}",
+            unexpected=idx_extra,
+        )
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"{len(missing)} missing: {format_names(missing)}")
+        if unexpected:
+            parts.append(f"{len(unexpected)} unexpected (not in the mapping table, not the vision tower, not in "
+                         f"IGNORED_HF_KEYS): {format_names(unexpected)}")
+        raise TensorSetError(
+            f"{source}: the tensors do not match config.json (GLM-5.3-Flash, {n} layers: "
+            f"{len(arch.kda_layers)} KDA / {len(arch.dsa_layers)} DSA, {arch.num_nextn_predict_layers} MTP, "
+            f"{arch.n_routed_experts} experts, {expansion.expert_layout} experts): " + "; ".join(parts),
+            missing=missing, unexpected=unexpected,
+        )
+    return ignored, passthrough
+
+
+def hf_layout_meta(expert_layout: str, naming: str, hf_prefix: str) -> Mapping[str, str]:
+    return {"expert_layout": expert_layout, "hf_naming": naming, "hf_prefix": hf_prefix}

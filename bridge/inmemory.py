@@ -17,18 +17,21 @@ from typing import Any, Mapping
 
 import torch
 
-from megatron_glm5.config import load_hf_config, mcore_kwargs, parse_hf_config
+from megatron_glm5.architectures import is_glm5_next, mcore_kwargs, parse_architecture
+from megatron_glm5.config import load_hf_config
 
 from .boxes import sharded_boxes
 from .convert import convert_megatron_to_hf
 from .source import Materializer, open_hf_source, parse_dtype, truncate_hf_config
 from .errors import BridgeError
 from .launch import all_ok, barrier, broadcast_object, world
-from .mapping import expand
+from .passthrough import SOURCE_ATTR, passthrough_dir
+from .tables import HFLayout, expand_for
 from .megatron_io import (
     BRIDGE_KEY,
     COMMON_STATE_KEY,
     FORMAT_VERSION,
+    HF_ASSETS_DIR,
     DistCheckpoint,
     common_state,
     iteration_dir,
@@ -74,6 +77,8 @@ def load_hf_weights(model, hf_path: str | Path, *, progress: bool | None = False
     bar.close()
     src.reader.close()
     setattr(model, HF_CONFIG_ATTR, src.raw)
+    if src.passthrough:
+        setattr(model, SOURCE_ATTR, str(src.path))  # export_hf writes the vision tower back from here
     return {"tensors": len(plan.chunks), "bytes": bar.bytes, "expert_layout": src.expansion.expert_layout,
             "skipped": len(src.skipped)}
 
@@ -89,16 +94,22 @@ def export_hf(
     progress: bool | None = False,
     work_dir: str | Path | None = None,
     merge_lora: bool = False,
+    passthrough_from: str | Path | None = None,
 ) -> dict | None:
     """Write ``model`` (collectively, from all ranks) as an HF checkpoint. ``hf_config`` is the model's HF
     ``config.json`` (a dict or path); it defaults to the one recorded by ``from_hf_pretrained``. ``dtype`` defaults
-    to the config's ``dtype`` (the router bias stays fp32). A model with LoRA adapters (:mod:`megatron_glm5.lora`)
-    needs ``merge_lora=True``: every adapted weight is written as ``W + alpha/r * B @ A`` (computed in fp32, one
-    checkpoint box at a time). Returns rank 0's report (None on other ranks).
+    to the config's ``dtype`` (the router bias stays fp32). Returns rank 0's report (None on other ranks).
+    A model with LoRA adapters (:mod:`megatron_glm5.lora`) needs ``merge_lora=True``: every adapted weight is
+    written as ``W + alpha/r * B @ A`` (computed in fp32, one checkpoint box at a time).
 
     The output path is checked (free, or with ``overwrite`` an earlier output of this tool or empty) before the
     temporary checkpoint ``.<name>.export-<id>`` is written next to it (or in ``work_dir``, which must not be the
-    output or inside it); a process that dies leaves only that directory, which ``megatron-glm5 clean`` finds."""
+    output or inside it); a process that dies leaves only that directory, which ``megatron-glm5 clean`` finds.
+
+    GLM-5.3-Flash: the text model is written with transformers' on-disk names (or its in-memory ones with
+    ``expert_layout="fused"``); the vision tower, which the model does not hold, is copied from ``passthrough_from``
+    (an HF checkpoint or a bridge ``hf_assets/passthrough`` directory), by default the one the model was loaded
+    from (``from_hf_pretrained`` / ``load_megatron_checkpoint`` record it)."""
     from megatron_glm5.lora import MergedWeights, base_only, lora_modules
 
     adapted = bool(lora_modules(model))
@@ -112,9 +123,14 @@ def export_hf(
     if not isinstance(raw, Mapping):
         raw = load_hf_config(raw)
     raw = dict(raw)
-    arch = parse_hf_config(raw)
+    arch = parse_architecture(raw)
     out_dtype = parse_dtype(dtype) or _config_dtype(raw)
-    expansion = expand(arch, expert_layout=expert_layout)
+    expansion = expand_for(arch, HFLayout(expert_layout))
+    passthrough_from = passthrough_from or getattr(model, SOURCE_ATTR, None)
+    if is_glm5_next(arch) and arch.vision_config is not None and passthrough_from is None:
+        raise BridgeError("export_hf: this GLM-5.3-Flash config has a vision tower, which the Megatron model does not "
+                          "hold; pass passthrough_from=<the HF checkpoint it came from> (models loaded with "
+                          "from_hf_pretrained or load_megatron_checkpoint remember it)")
 
     def dtype_of(m):
         return torch.float32 if m.fp32 else (out_dtype or torch.float32)
@@ -152,8 +168,9 @@ def export_hf(
         if rank == 0:
             write_tracker(tmp, 0)
             final = Path(hf_path).expanduser().absolute()
-            report = convert_megatron_to_hf(megatron_path=tmp, hf_path=final, hf_config=raw,
-                                            expert_layout=expert_layout, overwrite=overwrite, progress=progress)
+            report = convert_megatron_to_hf(megatron_path=tmp, hf_path=hf_path, hf_config=raw,
+                                            expert_layout=expert_layout, overwrite=overwrite, progress=progress,
+                                            passthrough_from=passthrough_from)
             write_marker(final, kind="hf", source="in-memory model (export_hf)")
         barrier()
     finally:
@@ -188,10 +205,14 @@ def load_megatron_checkpoint(megatron_path: str | Path, *, policy=None, backend:
         raw = load_hf_config(hf_config)
     if num_layers is not None:
         raw = truncate_hf_config(raw, num_layers, source=f"{ckpt_dir} (stored HF config)")
-    arch = parse_hf_config(raw)
+    arch = parse_architecture(raw)
     model = build_model(arch, policy or default_cpu_policy(), backend=backend)
     load_into_model(model, ckpt_dir)
     setattr(model, HF_CONFIG_ATTR, raw)
+    candidates = (passthrough_dir(ckpt_dir.parent / HF_ASSETS_DIR), passthrough_dir(ckpt_dir / HF_ASSETS_DIR))
+    extra = next((d for d in candidates if d is not None), None)
+    if extra is not None:
+        setattr(model, SOURCE_ATTR, str(extra))
     return model
 
 

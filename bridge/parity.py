@@ -67,7 +67,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from megatron_glm5.config import parse_hf_config
 
 from .errors import BridgeError
 from .preflight import hf_checkpoint_dir, read_hf_config
@@ -355,10 +354,17 @@ def verify(
 
     from megatron_glm5.parallel import initialize_model_parallel
 
+    from megatron_glm5.architectures import is_glm5_next, parse_architecture
+
     t0 = time.perf_counter()
     hf_checkpoint_dir(hf_path, flag="--hf-path")
     raw = read_hf_config(hf_path)
-    arch = parse_hf_config(raw)
+    arch = parse_architecture(raw)
+    if is_glm5_next(arch):  # GLM-5.3-Flash: its own reference model and choices (bridge.parity_next)
+        from .parity_next import verify_glm5_next
+
+        return verify_glm5_next(hf_path=hf_path, megatron_path=megatron_path, seq_len=seq_len, batch_size=batch_size,
+                                seed=seed, tol=tol, model=model, num_layers=num_layers, dtype=dtype, device=device)
     if raw.get("quantization_config"):
         raise BridgeError(f"--hf-path {hf_path}: verify needs an unquantised HF checkpoint (this one is FP8); export "
                           "one with `megatron-glm5 convert import` + `convert export` first")

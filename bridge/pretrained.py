@@ -37,7 +37,8 @@ def from_hf_pretrained(
     from .inmemory import load_hf_weights
     from .source import truncate_hf_config
 
-    from megatron_glm5.config import RuntimePolicy, load_hf_config, parse_hf_config
+    from megatron_glm5.architectures import parse_architecture
+    from megatron_glm5.config import RuntimePolicy, load_hf_config
     from megatron_glm5.model import build_model
     from megatron_glm5.parallel import initialize_model_parallel
 
@@ -47,7 +48,7 @@ def from_hf_pretrained(
     raw = load_hf_config(hf_path)
     if num_layers is not None:
         raw = truncate_hf_config(raw, num_layers, source=f"{hf_path}/config.json")
-    arch = parse_hf_config(raw)
+    arch = parse_architecture(raw)
     if not ps.model_parallel_is_initialized():
         initialize_model_parallel()
     if policy is None:

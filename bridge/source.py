@@ -13,12 +13,14 @@ from pathlib import Path
 
 import torch
 
-from megatron_glm5.config import GLM5Architecture, load_hf_config, parse_hf_config
+from megatron_glm5.architectures import Architecture, parse_architecture
+from megatron_glm5.config import load_hf_config
 
 from . import hf_io
 from .errors import BridgeError, CheckpointFormatError
-from .mapping import Expansion, TensorMap, account_hf_names, check_hf_shapes, detect_expert_layout, expand
+from .mapping import Expansion, TensorMap, check_hf_shapes
 from .prefetch import Prefetcher
+from .tables import HFLayout, account_for, detect_layout, expand_for, truncate_config
 from .transforms import dequantize_block_fp8
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -53,16 +55,18 @@ class HFSource:
 
     path: Path
     raw: dict
-    arch: GLM5Architecture
+    arch: Architecture
     reader: hf_io.HFCheckpointReader
     expansion: Expansion
     ignored: dict[str, str]
     fp8_names: frozenset[str]
     fp8_block: tuple[int, int]
     skipped: dict[str, str] = field(default_factory=dict)
+    layout: HFLayout = HFLayout()
+    passthrough: tuple[str, ...] = ()  # HF tensors carried through conversion untouched (GLM-5.3-Flash's vision)
 
 
-def check_num_layers(num_layers: int, arch: GLM5Architecture, *, source: str = "config.json") -> None:
+def check_num_layers(num_layers: int, arch: Architecture, *, source: str = "config.json") -> None:
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= arch.num_hidden_layers:
         raise BridgeError(f"--num-layers {num_layers}: expected 1 <= N <= num_hidden_layers ({arch.num_hidden_layers} "
                           f"in {source})")
@@ -73,19 +77,15 @@ def truncate_hf_config(raw: dict, num_layers: int, *, source: str = "config.json
     without MTP: what a layer-truncated check (``verify --num-layers``) builds. The IndexShare and dense/MoE
     patterns become explicit lists cut to ``num_layers`` (``indexer_types[:N]``, ``mlp_layer_types[:N]``), so they
     cannot be re-derived differently for the shorter model; everything else is unchanged."""
-    arch = parse_hf_config(raw)
+    arch = parse_architecture(raw)
     check_num_layers(num_layers, arch, source=source)
-    cfg = dict(raw)
-    cfg.pop("index_topk_pattern", None)
-    cfg.update(num_hidden_layers=num_layers, indexer_types=list(arch.indexer_types[:num_layers]),
-               mlp_layer_types=list(arch.mlp_layer_types[:num_layers]), num_nextn_predict_layers=0)
-    return cfg
+    return truncate_config(raw, num_layers)
 
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def _skip_reason(name: str, arch: GLM5Architecture, num_layers: int) -> str:
+def _skip_reason(name: str, arch: Architecture, num_layers: int) -> str:
     m = _LAYER.match(name)
     i = int(m.group(1)) if m else None
     if i is not None and i >= arch.num_hidden_layers:
@@ -109,11 +109,11 @@ def open_hf_source(hf_path: str | Path, *, num_layers: int | None = None) -> HFS
     if not (path / "config.json").is_file():
         raise CheckpointFormatError(f"{path}: missing config.json")
     raw = load_hf_config(path)
-    arch = parse_hf_config(raw)
+    arch = parse_architecture(raw)
     if num_layers is not None:
         check_num_layers(num_layers, arch, source=str(path / "config.json"))
     reader = hf_io.HFCheckpointReader(path)
-    layout = detect_expert_layout(reader.names)
+    layout = detect_layout(arch, reader.names)
     fp8 = frozenset(n for n, i in reader.tensors.items() if i.dtype in FP8_DTYPES)
     if fp8 and not arch.is_fp8:
         raise CheckpointFormatError(
@@ -121,18 +121,19 @@ def open_hf_source(hf_path: str | Path, *, num_layers: int | None = None) -> HFS
             "quantization_config; expected block-FP8 metadata ('quant_method': 'fp8', 'weight_block_size')"
         )
     block = tuple((arch.quantization or {}).get("weight_block_size") or (128, 128))
-    expansion = expand(arch, expert_layout=layout, fp8_names=fp8, fp8_block=block)
-    ignored = account_hf_names(arch, expansion, reader.names, source=str(path))
+    expansion = expand_for(arch, layout, fp8_names=fp8, fp8_block=block)
+    ignored, passthrough = account_for(arch, expansion, reader.names, source=str(path), layout=layout)
     check_hf_shapes(expansion, reader.shapes(), source=str(path))
     if num_layers is None:
-        return HFSource(path, raw, arch, reader, expansion, ignored, fp8, block)
+        return HFSource(path, raw, arch, reader, expansion, ignored, fp8, block, layout=layout, passthrough=passthrough)
     full_arch, full_names = arch, expansion.hf_shapes()
     raw = truncate_hf_config(raw, num_layers, source=str(path / "config.json"))
-    arch = parse_hf_config(raw)
-    expansion = expand(arch, expert_layout=layout, fp8_names=fp8, fp8_block=block)
+    arch = parse_architecture(raw)
+    expansion = expand_for(arch, layout, fp8_names=fp8, fp8_block=block)
     kept = expansion.hf_shapes()
     skipped = {n: _skip_reason(n, full_arch, num_layers) for n in full_names if n not in kept}
-    return HFSource(path, raw, arch, reader, expansion, ignored, fp8, block, skipped)
+    skipped.update({n: "vision tower: not part of the text model" for n in passthrough})
+    return HFSource(path, raw, arch, reader, expansion, ignored, fp8, block, skipped, layout=layout)
 
 
 class Materializer:

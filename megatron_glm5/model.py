@@ -24,7 +24,9 @@ def build_model(
     post_process: bool | None = None,
     indexer_types: Sequence[str] | None = None,
 ):
-    """A GPTModel for this rank's pipeline stage (megatron-core parallel state must be initialised).
+    """A GPTModel for this rank's pipeline stage (megatron-core parallel state must be initialised). A GLM-5.3-Flash
+    architecture (:class:`~megatron_glm5.glm5_next.config.GLM5NextArchitecture`) is built by
+    :func:`megatron_glm5.glm5_next.model.build_model`.
 
     ``config`` overrides the ``MLATransformerConfig`` built from ``arch`` and ``policy`` (Megatron-LM builds its own
     from flags); ``indexer_types`` defaults to the architecture's IndexShare pattern. On a machine without CUDA the
@@ -34,6 +36,13 @@ def build_model(
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_model import GPTModel
 
+    from .glm5_next.config import GLM5NextArchitecture
+
+    if isinstance(arch, GLM5NextArchitecture):  # GLM-5.3-Flash: its own block (KDA, mHC) and config
+        from .glm5_next.model import build_model as build_glm5_next_model
+
+        return build_glm5_next_model(arch, policy, backend=backend, config=config, vp_stage=vp_stage,
+                                     pre_process=pre_process, post_process=post_process, indexer_types=indexer_types)
     config = config if config is not None else build_transformer_config(arch, policy)
     if pre_process is None:
         pre_process = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)

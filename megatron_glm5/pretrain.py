@@ -5,7 +5,9 @@ Every Megatron-LM flag works as with ``pretrain_gpt.py`` (parallelism, batch siz
 ``config.json`` or the checkpoint directory holding it) through :mod:`megatron_glm5.config`: its values are written
 into Megatron-LM's arguments before validation, so its bookkeeping (layer split, FLOP counts, vocab) agrees with the
 model. Passing an architecture flag that contradicts the HF config is an error. ``--glm5-backend`` picks the DSA
-attention backend (``megatron`` or ``tilelang``).
+attention backend (``megatron`` or ``tilelang``). A GLM-5.3-Flash config (``glm5_next``) trains the same way; its KPool,
+KDA and mHC fields, which Megatron-LM has no flags for, go straight into the model config (:func:`glm5_next_config`).
+Not yet with pipeline parallelism (the mHC streams would cross stage boundaries; refused when the model is built).
 
 LoRA (:mod:`megatron_glm5.lora`): ``--lora-rank R`` adds adapters in the model provider, after the model is built
 and before Megatron-LM loads a checkpoint, and freezes the base (``--lora-alpha``, ``--lora-dropout``,
@@ -29,7 +31,8 @@ from typing import Any
 
 import torch
 
-from .config import GLM5Architecture, architecture_kwargs, gpt_model_kwargs, load_hf_config, parse_hf_config
+from .architectures import Architecture, is_glm5_next, parse_architecture
+from .config import architecture_kwargs, gpt_model_kwargs, load_hf_config
 from .spec import BACKENDS
 
 # megatron-core config field -> Megatron-LM argument name, where they differ.
@@ -66,10 +69,37 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def architecture_args(arch: GLM5Architecture) -> dict[str, Any]:
-    """Megatron-LM argument values that describe ``arch``."""
-    values = {_ARG_NAMES.get(k, k): v for k, v in architecture_kwargs(arch).items() if k not in _DERIVED_ARGS}
-    model = gpt_model_kwargs(arch)
+def _family_kwargs(arch: Architecture) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(megatron-core config kwargs, GPTModel kwargs) of either family."""
+    if is_glm5_next(arch):
+        from .glm5_next.mcore_config import architecture_kwargs as next_kwargs
+        from .glm5_next.model import gpt_model_kwargs as next_model_kwargs
+
+        return next_kwargs(arch), next_model_kwargs(arch)
+    return architecture_kwargs(arch), gpt_model_kwargs(arch)
+
+
+def _config_only_fields() -> set[str]:
+    """GLM-5.3-Flash config fields with no Megatron-LM argument (KPool, KDA, mHC, clamped-SwiGLU details): they
+    reach the model config in :func:`model_provider`, not through Megatron-LM's arguments."""
+    import dataclasses
+
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from .glm5_next.mcore_config import GLM5NextTransformerConfig
+
+    base = {f.name for f in dataclasses.fields(MLATransformerConfig)}
+    return {f.name for f in dataclasses.fields(GLM5NextTransformerConfig)} - base
+
+
+def architecture_args(arch: Architecture, args=None) -> dict[str, Any]:
+    """Megatron-LM argument values that describe ``arch``. For GLM-5.3-Flash, fields Megatron-LM has no argument for
+    (``args`` given: any it lacks) are left to :func:`model_provider`."""
+    kwargs, model = _family_kwargs(arch)
+    values = {_ARG_NAMES.get(k, k): v for k, v in kwargs.items() if k not in _DERIVED_ARGS}
+    if is_glm5_next(arch):
+        skip = _config_only_fields()
+        values = {k: v for k, v in values.items() if k not in skip and (args is None or hasattr(args, k))}
     values.update(
         swiglu=True,
         untie_embeddings_and_output_weights=not model["share_embeddings_and_output_weights"],
@@ -81,11 +111,11 @@ def architecture_args(arch: GLM5Architecture) -> dict[str, Any]:
     return values
 
 
-def apply_architecture(args, arch: GLM5Architecture, argv: list[str]) -> list[str]:
+def apply_architecture(args, arch: Architecture, argv: list[str]) -> list[str]:
     """Write ``arch`` into Megatron-LM's parsed ``args``; refuse explicit flags that disagree. Returns the names of
     the arguments that were changed (for the start-up log)."""
     changed, conflicts = [], []
-    for name, value in architecture_args(arch).items():
+    for name, value in architecture_args(arch, args if is_glm5_next(arch) else None).items():
         if not hasattr(args, name):
             raise RuntimeError(f"Megatron-LM has no argument '{name}' (megatron-core version mismatch?)")
         current = getattr(args, name)
@@ -152,7 +182,7 @@ def check_data_flags(args) -> None:
         raise SystemExit(f"megatron-glm5: {e}") from None
 
 
-def model_provider(arch: GLM5Architecture, backend: str, pre_process=True, post_process=True, vp_stage=None,
+def model_provider(arch: Architecture, backend: str, pre_process=True, post_process=True, vp_stage=None,
                    config=None, pg_collection=None):
     """Megatron-LM model provider: megatron-core GPTModel with the GLM-5.x block spec."""
     from megatron.core.transformer.transformer_config import MLATransformerConfig
@@ -163,7 +193,9 @@ def model_provider(arch: GLM5Architecture, backend: str, pre_process=True, post_
 
     args = get_args()
     if config is None:
-        config = core_transformer_config_from_args(args, MLATransformerConfig)
+        config = core_transformer_config_from_args(get_args(), MLATransformerConfig)
+        if is_glm5_next(arch):
+            config = glm5_next_config(config, arch)
     model = build_model(arch, config=config, backend=backend, vp_stage=vp_stage, pre_process=pre_process,
                         post_process=post_process)
     return apply_lora_args(model, args)
@@ -217,6 +249,21 @@ def _has_checkpoint(path) -> bool:
 
     p = Path(path)
     return (p / "latest_checkpointed_iteration.txt").is_file() or (p / ".metadata").is_file()
+
+
+def glm5_next_config(config, arch):
+    """Megatron-LM's ``MLATransformerConfig`` (built from its arguments: parallelism, precision, recompute, ...) as
+    a ``GLM5NextTransformerConfig`` with the whole GLM-5.3-Flash architecture (KPool, KDA, mHC included: Megatron-LM
+    has no arguments for them)."""
+    import dataclasses
+
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from .glm5_next.mcore_config import GLM5NextTransformerConfig, architecture_kwargs as next_kwargs
+
+    kw = {f.name: getattr(config, f.name) for f in dataclasses.fields(MLATransformerConfig) if f.init}
+    kw.update(next_kwargs(arch))
+    return GLM5NextTransformerConfig(**kw)
 
 
 _BATCH_KEYS = (("tokens", torch.int64), ("labels", torch.int64), ("loss_mask", torch.float32),
@@ -334,7 +381,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("megatron-glm5 pretrain runs Megatron-LM's training loop, which needs CUDA; "
                          "on CPU try `megatron-glm5 demo`")
     args = parse_args(extra_args_provider=add_glm5_args)
-    arch = parse_hf_config(load_hf_config(args.hf_config))
+    arch = parse_architecture(load_hf_config(args.hf_config))
     if args.tokenizer_type is None and args.mock_data:
         args.tokenizer_type = "NullTokenizer"
     apply_architecture(args, arch, argv)

@@ -100,3 +100,28 @@ def load_from_hf(layer: torch.nn.Module, hf_layer_state: Mapping[str, torch.Tens
 def hf_layer_state(module: torch.nn.Module, rel_prefix: str) -> dict[str, torch.Tensor]:
     """``module``'s parameters and buffers under ``rel_prefix`` (e.g. ``"self_attn."``), detached."""
     return {rel_prefix + n: t.detach() for n, t in module.state_dict().items()}
+
+
+def hf_grads_as_mcore(hf_module: torch.nn.Module, rel_prefix: str, arch, layer_idx: int,
+                      only: str = "") -> dict[str, torch.Tensor | None]:
+    """``hf_module``'s parameter gradients (its names under ``rel_prefix``, e.g. ``"self_attn."``) as our logical
+    parameters of decoder layer ``layer_idx`` (through the bridge rows, in-memory naming); rows outside
+    ``hf_module`` or not starting with ``only`` are left out. None where transformers has no gradient."""
+    from bridge.glm5_next_mapping import expand_glm5_next
+
+    exp = expand_glm5_next(arch, expert_layout="fused", hf_prefix="", lm_head=False, layers=[layer_idx], mtp=False)
+    grads = {rel_prefix + n: p.grad for n, p in hf_module.named_parameters()}
+    head, out = f"layers.{layer_idx}.", {}
+    for m in exp.maps:
+        name = m.mcore[len(f"decoder.layers.{layer_idx}."):]
+        rel = [r.name[len(head):] for r in m.hf]
+        if not name.startswith(only) or not all(r in grads for r in rel):
+            continue
+        parts = [grads[n] if grads[n] is None or r.row is None else grads[n][r.row] for n, r in zip(rel, m.hf)]
+        out[name] = None if any(p is None for p in parts) else m.transform.to_mcore(parts)
+    return out
+
+
+def rel_diff(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max(1, max |want|)."""
+    return ((got - want).abs().max() / want.abs().max().clamp_min(1.0)).item()

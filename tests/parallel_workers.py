@@ -150,7 +150,7 @@ def parallel_case(rank: int, world: int, *, raw: dict, weights: str, grads_out: 
     """Load the reference weights at (TP, PP, EP), run the micro-batches, save gradients as a dist checkpoint."""
     from megatron.core import dist_checkpointing
 
-    from megatron_glm5.config import parse_hf_config
+    from megatron_glm5.architectures import parse_architecture as parse_hf_config  # GLM-5.x and GLM-5.3-Flash
     from megatron_glm5.model import build_model, default_cpu_policy
     from megatron_glm5.parallel import initialize_model_parallel
 
@@ -171,7 +171,7 @@ def reference_run(raw: dict, weights_dir: str):
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    from megatron_glm5.config import parse_hf_config
+    from megatron_glm5.architectures import parse_architecture as parse_hf_config  # GLM-5.x and GLM-5.3-Flash
     from megatron_glm5.model import build_model, default_cpu_policy
     from megatron_glm5.parallel import initialize_model_parallel
 
@@ -192,7 +192,7 @@ def load_sharded_grads(raw: dict, grads_dir: str) -> dict[str, torch.Tensor]:
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    from megatron_glm5.config import parse_hf_config
+    from megatron_glm5.architectures import parse_architecture as parse_hf_config  # GLM-5.x and GLM-5.3-Flash
     from megatron_glm5.model import build_model, default_cpu_policy
     from megatron_glm5.parallel import initialize_model_parallel
 

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 # Adding a flag is a deliberate change: update this table (torchtitan's test_no_new_cli_options idea).
 FROZEN_FLAGS = {
-    "demo": ["--keep", "--out", "--steps"],
+    "demo": ["--keep", "--model", "--out", "--steps"],
     "convert import": ["--dtype", "--ep", "--hf-path", "--iteration", "--megatron-path", "--no-progress",
                        "--overwrite", "--pp", "--tp"],
     "convert export": ["--dtype", "--expert-layout", "--hf-config", "--hf-path", "--max-shard-size",

@@ -133,8 +133,11 @@ def test_other_refusals_name_the_field():
         build_glm5_next_layer_spec(cfg, DSA, "dense", backend="flash")
     with pytest.raises(ValueError, match=r"mlp_type: expected one of \['dense', 'sparse'\], got 'moe'"):
         build_glm5_next_layer_spec(cfg, DSA, "moe")
-    with pytest.raises(NotImplementedError, match="must return the layer context"):
-        build_glm5_next_layer_spec(cfg, KDA, "dense")
+    from megatron_glm5.glm5_next.kda import KimiDeltaAttention
+
+    assert build_glm5_next_layer_spec(cfg, KDA, "dense").submodules.self_attention.module is KimiDeltaAttention
+    with pytest.raises(GLM5ConfigError, match="hyper_connections needs hc_mult >= 1"):
+        build_glm5_next_layer_spec(dataclasses.replace(cfg, hc_mult=0), KDA, "dense", hyper_connections=True)
 
 
 @pytest.mark.parametrize("flag", ["bias_activation_fusion", "use_te_activation_func", "moe_shared_expert_overlap",
@@ -188,12 +191,18 @@ def test_stage_whose_first_dsa_layer_is_shared_is_refused():
 
 
 def test_block_spec_pipeline_split(model_parallel):
+    """With mHC streams (the real model) pipeline parallelism is refused, naming why; the IndexShare stage rule is
+    checked on plain layers (``hc_mult=0``)."""
     raw = tiny_raw()
     arch = parse_glm5_next_config(raw)
-    cfg = mcore_config(raw, pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=1)
+    with pytest.raises(GLM5ConfigError, match="pipeline parallelism .* not supported for GLM-5.3-Flash yet: its mHC"):
+        build_glm5_next_block_spec(mcore_config(raw, pipeline_model_parallel_size=2), layer_types=arch.layer_types,
+                                   indexer_types=arch.indexer_types, pp_rank=0)
+    cfg = dataclasses.replace(mcore_config(raw, pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=1),
+                              hc_mult=0)
     with pytest.raises(GLM5ConfigError, match="decoder layer 1"):  # stage 1 = layers 1..3, layer 1 is shared
         build_glm5_next_block_spec(cfg, layer_types=arch.layer_types, indexer_types=arch.indexer_types, pp_rank=1)
-    even = mcore_config(raw, pipeline_model_parallel_size=2)
+    even = dataclasses.replace(mcore_config(raw, pipeline_model_parallel_size=2), hc_mult=0)
     for rank in (0, 1):
         block = build_glm5_next_block_spec(even, layer_types=arch.layer_types, indexer_types=arch.indexer_types,
                                            pp_rank=rank)

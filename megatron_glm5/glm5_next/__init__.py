@@ -4,13 +4,20 @@ clamped-SwiGLU MoE. Importing the package loads nothing heavy and patches nothin
 * :mod:`.config`: raw ``config.json`` -> frozen :class:`~.config.GLM5NextArchitecture`.
 * :mod:`.swiglu`: megatron-core settings for the clamped SwiGLU and a check for the paths that drop the clamp.
 * :mod:`.mcore_config`: the architecture -> ``GLM5NextTransformerConfig`` (megatron-core ``MLATransformerConfig`` +
-  KPool fields) for the NoPE DSA and MLP/MoE layers.
+  KPool, KDA and mHC fields).
 * :mod:`.attention`: NoPE DSA core attentions with the KPool indexer, for both backends.
-* :mod:`.spec`: layer / block specs (NoPE DSA + dense MLP / MoE), IndexShare sources across non-DSA layers.
+* :mod:`.kda_reference` / :mod:`.kda`: KDA linear attention (torch reference; megatron-core module with TP-sharded
+  heads, flash-linear-attention's kernel when installed).
+* :mod:`.mhc`: the mHC residual streams (hyper-connection coefficients, Sinkhorn, stream-mean final norm).
+* :mod:`.layer` / :mod:`.spec`: the decoder layer (KDA or DSA mixer, dense or MoE MLP, plain or mHC residual), layer /
+  block / MTP specs, IndexShare sources across KDA layers.
+* :mod:`.model`: the GPTModel builder (:func:`megatron_glm5.model.build_model` dispatches to it); :mod:`.testing`:
+  tiny checkpoints written by transformers.
 * The KPool indexer lives with the other DSA code: :mod:`megatron_glm5.dsa.kpool` (torch reference) and
   :mod:`megatron_glm5.dsa.kpool_indexer` (the megatron-core module and its selection over a token layout).
 
-KDA layers and the mHC residual streams are not implemented yet.
+Not yet: pipeline parallelism (the mHC streams would cross stage boundaries), context parallelism for KDA, an
+inference cache.
 """
 
 from .config import GLM5NextArchitecture, parse_glm5_next_config

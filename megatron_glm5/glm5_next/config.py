@@ -181,6 +181,11 @@ class GLM5NextArchitecture:
     def kda_o_norm_eps(self) -> float:
         return self.rms_norm_eps
 
+    @property
+    def is_fp8(self) -> bool:
+        """A block-FP8 checkpoint (``quantization_config.quant_method == "fp8"``)."""
+        return bool(self.quantization) and self.quantization.get("quant_method") == "fp8"
+
     # ---- per-layer views ----
 
     @property

@@ -1,7 +1,8 @@
-"""GLM-5.3-Flash architecture -> megatron-core ``MLATransformerConfig`` kwargs for its NoPE DSA and MLP/MoE layers.
+"""GLM-5.3-Flash architecture -> megatron-core ``MLATransformerConfig`` kwargs (+ our KPool, KDA and mHC fields).
 
-The glm5_next counterpart of :mod:`megatron_glm5.config`'s steps 2-3, for the pieces megatron-core can express (the
-KDA and mHC fields come with the layers that read them). Same three visible sections:
+The glm5_next counterpart of :mod:`megatron_glm5.config`'s steps 2-3. megatron-core has no field for KPool, KDA or
+mHC: :class:`GLM5NextTransformerConfig` adds them (``dsa_indexer_kpool*``, ``kda_*``, ``hc_*``). Same three visible
+sections:
 
 1. ``_DIRECT_FIELDS``: a 1:1 ``(GLM5NextArchitecture field, megatron-core field)`` table, checked for duplicate
    targets at import.
@@ -45,6 +46,9 @@ from .config import GLM5NextArchitecture, parse_glm5_next_config
 from .swiglu import clamped_swiglu_kwargs
 
 
+KDA_KERNELS = ("auto", "torch", "fla")
+
+
 @dataclass
 class GLM5NextTransformerConfig(MLATransformerConfig):
     """megatron-core's ``MLATransformerConfig`` plus the KPool indexer's pool settings (no megatron-core field)."""
@@ -56,8 +60,41 @@ class GLM5NextTransformerConfig(MLATransformerConfig):
     """Append the query's incomplete tail pool (HF ``index_kpool_always_select_tail``): top-k width
     ``dsa_indexer_topk + dsa_indexer_kpool - 1``."""
 
+    kda_num_heads: int = 0
+    """KDA (linear-attention) heads (HF ``linear_num_heads``); q, k and v all have ``kda_num_heads`` heads."""
+
+    kda_head_dim: int = 0
+    """KDA head width for q, k and v (HF ``linear_head_dim``)."""
+
+    kda_conv_kernel_dim: int = 4
+    """Width of KDA's causal depthwise short convolution (HF ``linear_conv_kernel_dim``)."""
+
+    kda_lower_bound: float | None = -5.0
+    """KDA "safe gate" lower bound of the per-channel log-decay (HF ``linear_lower_bound``); None: softplus gate."""
+
+    kda_qk_l2norm_eps: float = 1e-6
+    """eps of KDA's per-head q/k L2 norm (``x / sqrt(|x|^2 + eps)``; hard-coded in transformers and fla)."""
+
+    kda_kernel: str = "auto"
+    """KDA recurrence kernel (runtime policy): ``"torch"`` (:mod:`~megatron_glm5.glm5_next.kda_reference`), ``"fla"``
+    (flash-linear-attention's ``chunk_kda``, CUDA) or ``"auto"`` (fla for CUDA tensors when it is installed)."""
+
+    hc_mult: int = 0
+    """mHC residual streams per token (HF ``hc_mult``); 0 builds plain pre-norm residual layers."""
+
+    hc_eps: float = 1e-6
+    """mHC floor added to the pre weights, the mixing matrix and every Sinkhorn denominator (HF ``hc_eps``)."""
+
+    hc_sinkhorn_iters: int = 20
+    """Sinkhorn-Knopp iterations of the mHC mixing matrix (HF ``hc_sinkhorn_iters``)."""
+
     def __post_init__(self):
         super().__post_init__()
+        if self.kda_kernel not in KDA_KERNELS:
+            raise GLM5ConfigError(f"kda_kernel: expected one of {list(KDA_KERNELS)}, found {self.kda_kernel!r}")
+        if self.hc_mult < 0 or self.hc_sinkhorn_iters < 1:
+            raise GLM5ConfigError(f"hc_mult / hc_sinkhorn_iters: expected >= 0 / >= 1, found {self.hc_mult} / "
+                                  f"{self.hc_sinkhorn_iters}")
         if self.dsa_indexer_kpool < 1:
             raise GLM5ConfigError(f"dsa_indexer_kpool: expected a positive pool size, found {self.dsa_indexer_kpool}")
         if self.dsa_indexer_topk is not None and self.dsa_indexer_topk % self.dsa_indexer_kpool:
@@ -96,6 +133,14 @@ _DIRECT_FIELDS: tuple[tuple[str, str], ...] = (
     ("num_experts_per_tok", "moe_router_topk"),
     ("moe_intermediate_size", "moe_ffn_hidden_size"),
     ("routed_scaling_factor", "moe_router_topk_scaling_factor"),
+    ("linear_num_heads", "kda_num_heads"),
+    ("linear_head_dim", "kda_head_dim"),
+    ("linear_conv_kernel_dim", "kda_conv_kernel_dim"),
+    ("linear_lower_bound", "kda_lower_bound"),
+    ("kda_qk_l2norm_eps", "kda_qk_l2norm_eps"),
+    ("hc_mult", "hc_mult"),
+    ("hc_eps", "hc_eps"),
+    ("hc_sinkhorn_iters", "hc_sinkhorn_iters"),
 )
 _targets = [t for _, t in _DIRECT_FIELDS]
 assert len(_targets) == len(set(_targets)), "duplicate megatron-core target in _DIRECT_FIELDS"
@@ -152,23 +197,25 @@ def architecture_kwargs(arch: GLM5NextArchitecture) -> dict[str, Any]:
 
 
 def mcore_kwargs(
-    arch: GLM5NextArchitecture | Mapping[str, Any], policy: RuntimePolicy | None = None
+    arch: GLM5NextArchitecture | Mapping[str, Any], policy: RuntimePolicy | None = None, *, kda_kernel: str = "auto"
 ) -> dict[str, Any]:
     """All :class:`GLM5NextTransformerConfig` kwargs: the architecture's (a raw ``config.json`` dict is parsed first),
-    then the policy's. The clamped SwiGLU's ``bias_activation_fusion=False`` overrides the policy's fusions."""
+    then the policy's. The clamped SwiGLU's ``bias_activation_fusion=False`` overrides the policy's fusions.
+    ``kda_kernel`` picks the KDA recurrence kernel (``GLM5NextTransformerConfig.kda_kernel``)."""
     if not isinstance(arch, GLM5NextArchitecture):
         arch = parse_glm5_next_config(arch)
     a = architecture_kwargs(arch)
     r = runtime_kwargs(policy or RuntimePolicy())
     r.pop("bias_activation_fusion")  # the fused bias-SwiGLU takes no clamp (pitfalls)
+    r["kda_kernel"] = kda_kernel
     overlap = set(a) & set(r)
     assert not overlap, f"architecture and runtime kwargs overlap: {sorted(overlap)}"
     return {**a, **r}
 
 
 def build_transformer_config(
-    arch: GLM5NextArchitecture | Mapping[str, Any], policy: RuntimePolicy | None = None
+    arch: GLM5NextArchitecture | Mapping[str, Any], policy: RuntimePolicy | None = None, *, kda_kernel: str = "auto"
 ) -> GLM5NextTransformerConfig:
     """Instantiate :class:`GLM5NextTransformerConfig` (megatron-core's own validation runs in ``__post_init__``)."""
-    return GLM5NextTransformerConfig(**mcore_kwargs(arch, policy))
+    return GLM5NextTransformerConfig(**mcore_kwargs(arch, policy, kda_kernel=kda_kernel))
 

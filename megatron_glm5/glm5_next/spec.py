@@ -3,19 +3,20 @@
 :func:`build_glm5_next_layer_spec` builds one decoder layer from its four per-layer choices:
 
 * ``layer_type`` (HF ``layer_types[i]``): ``"indexed_attention"`` = NoPE MLA DSA with the KPool indexer
-  (:mod:`.attention`). ``"linear_attention"`` (KDA) is refused until the KDA layer exists;
+  (:mod:`.attention`), ``"linear_attention"`` = KDA (:mod:`.kda`);
 * ``mlp_type`` (HF ``mlp_layer_types[i]``): ``"dense"`` = megatron-core ``MLP``, ``"sparse"`` = ``MoELayer`` (sigmoid
   router with expert bias, routed experts, one shared expert), both with the clamped SwiGLU;
 * ``indexer_type`` (HF ``indexer_types[i]``): ``"full"`` layers own a KPool indexer, ``"shared"`` layers reuse the
   top-k of the nearest earlier full DSA layer and own no indexer parameters;
 * ``backend``: ``"megatron"`` (megatron-core AbsorbedMLA) or ``"tilelang"`` (our fused TileLang path).
 
-The layer is a plain pre-norm residual layer (:class:`GLM5NextTransformerLayer`); the mHC residual streams of the
-real model wrap it in a later step.
+The layer (:class:`~.layer.GLM5NextTransformerLayer`) is a plain pre-norm residual layer, or with
+``hyper_connections=True`` (what :func:`build_glm5_next_block_spec` builds when ``config.hc_mult > 0``) both sublayers
+are wrapped in mHC streams (:mod:`.mhc`). :func:`build_glm5_next_mtp_spec` gives the MTP block (plain layers).
 
 Top-k passing: a DSA layer takes the incoming top-k and returns its own through the layer ``context`` slot (see
 :mod:`megatron_glm5.layer`); a "shared" layer attends with the incoming one. Any layer without DSA attention (the
-KDA layers to come) must return the ``context`` it received, unchanged, so the top-k reaches the next DSA layer
+KDA layers) must return the ``context`` it received, unchanged, so the top-k reaches the next DSA layer
 across it: the source of a shared layer is the nearest earlier *full DSA* layer (:func:`topk_sources`), not the
 previous decoder layer (transformers 5.24 only passes it between adjacent layers). A pipeline stage starts with no
 top-k, so its first DSA layer must be full (:func:`validate_stage_layers`).
@@ -45,13 +46,15 @@ from megatron.core.transformer.transformer_layer import TransformerLayerSubmodul
 from megatron_glm5.config import INDEXER_K_NORM_EPS, GLM5ConfigError
 from megatron_glm5.dsa.attention import GLMAbsorbedMLASelfAttention
 from megatron_glm5.dsa.kpool_indexer import KPoolIndexer
-from megatron_glm5.layer import GLMTransformerLayer
 from megatron_glm5.providers import default_provider
 from megatron_glm5.spec import _local_layer_ids, _mla_fields, check_runtime_dependencies
 from megatron_glm5.tilelang_attention import TileLangMLASelfAttention
 
 from .attention import GLM5NextSparseAttention, TileLangGLM5NextSparseAttention
-from .swiglu import ClampedSwiGLUError, check_clamped_swiglu, check_clamped_swiglu_modules
+from .kda import KDASubmodules, KimiDeltaAttention
+from .layer import GLM5NextTransformerLayer
+from .mhc import StreamMeanNorm
+from .swiglu import ClampedSwiGLUError, check_clamped_swiglu
 
 LAYER_TYPES = ("indexed_attention", "linear_attention")
 MLP_TYPES = ("dense", "sparse")
@@ -130,15 +133,6 @@ def check_glm5_next_numerics(config) -> None:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-class GLM5NextTransformerLayer(GLMTransformerLayer):
-    """GLM-5.x DSA layer (top-k through ``context``) whose MLP is checked, once built, to apply the SwiGLU clamp:
-    a fused class chosen by a spec (``TEFusedMLP`` ...) is invisible in the config."""
-
-    def __init__(self, config, *args, **kwargs):
-        super().__init__(config, *args, **kwargs)
-        check_clamped_swiglu_modules(self.mlp, config.activation_func_clamp_value)
-
-
 def kpool_indexer_spec(provider) -> ModuleSpec:
     """megatron-core ``DSAIndexer`` submodules (replicated projections and ``k_norm``) + KPool parameters."""
     return ModuleSpec(
@@ -172,6 +166,22 @@ def nope_dsa_attention_spec(indexer_type: str, backend: str, provider) -> Module
     )
 
 
+def kda_attention_spec(provider) -> ModuleSpec:
+    """The mixer of a ``linear_attention`` (KDA) layer: column-parallel q/k/v/beta and up-projections, replicated
+    low-rank down-projections, row-parallel output (:mod:`.kda`)."""
+    column = provider.column_parallel_linear()
+    return ModuleSpec(
+        module=KimiDeltaAttention,
+        submodules=KDASubmodules(
+            linear_q=column, linear_k=column, linear_v=column,
+            linear_f_down=provider.linear(), linear_f_up=column,
+            linear_beta=column,
+            linear_g_down=provider.linear(), linear_g_up=column,
+            linear_proj=provider.row_parallel_linear(),
+        ),
+    )
+
+
 def mlp_spec(config, mlp_type: str, provider) -> Callable:
     """Dense ``MLP`` or ``MoELayer`` with megatron-core's unfused (clamping) GLU: never the TE op fuser."""
     if _choice(mlp_type, MLP_TYPES, "mlp_type") == "sparse":
@@ -183,22 +193,27 @@ def mlp_spec(config, mlp_type: str, provider) -> Callable:
 
 
 def build_glm5_next_layer_spec(config, layer_type: str, mlp_type: str, indexer_type: str = "full",
-                               backend: str = "megatron", provider=None) -> ModuleSpec:
-    """One GLM-5.3-Flash decoder layer (module docstring). ``config`` is checked by
-    :func:`check_glm5_next_numerics` and :func:`megatron_glm5.spec.check_runtime_dependencies`."""
+                               backend: str = "megatron", provider=None, *, hyper_connections: bool = False,
+                               expand_streams: bool = False) -> ModuleSpec:
+    """One GLM-5.3-Flash decoder layer (module docstring). ``hyper_connections``: wrap both sublayers in mHC streams
+    (the decoder layers of the real model; ``expand_streams`` on its first layer), else a plain pre-norm layer (the
+    MTP layer, single-layer fixtures). ``config`` is checked by :func:`check_glm5_next_numerics` and
+    :func:`megatron_glm5.spec.check_runtime_dependencies`."""
     check_glm5_next_numerics(config)
     check_runtime_dependencies(config)
-    if _choice(layer_type, LAYER_TYPES, "layer_type") == "linear_attention":
-        raise NotImplementedError(
-            "layer_type 'linear_attention' (KDA) has no megatron implementation yet; a KDA layer must return the "
-            "layer context (the DSA top-k) it receives unchanged"
-        )
     provider = provider or default_provider()
+    if _choice(layer_type, LAYER_TYPES, "layer_type") == "linear_attention":
+        mixer = kda_attention_spec(provider)
+    else:
+        mixer = nope_dsa_attention_spec(indexer_type, backend, provider)
+    if hyper_connections and config.hc_mult < 1:
+        raise GLM5ConfigError(f"hyper_connections needs hc_mult >= 1 in the config, found {config.hc_mult}")
     return ModuleSpec(
         module=GLM5NextTransformerLayer,
+        params={"hyper_connections": hyper_connections, "expand_streams": expand_streams},
         submodules=TransformerLayerSubmodules(
             input_layernorm=provider.layer_norm(rms_norm=True),
-            self_attention=nope_dsa_attention_spec(indexer_type, backend, provider),
+            self_attention=mixer,
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=provider.layer_norm(rms_norm=True),
             mlp=mlp_spec(config, mlp_type, provider),
@@ -265,12 +280,29 @@ def _mlp_types(config) -> tuple[str, ...]:
     return tuple("sparse" if f else "dense" for f in freq)
 
 
+def check_pipeline_support(config) -> None:
+    """mHC streams are ``hc_mult`` times wider than megatron-core's pipeline schedules send between stages
+    (``[s, b, hidden_size]``): refused until the stage boundary carries them."""
+    pp = config.pipeline_model_parallel_size
+    vpp = config.virtual_pipeline_model_parallel_size
+    if config.hc_mult and (pp > 1 or (vpp or 1) > 1):
+        raise GLM5ConfigError(
+            f"pipeline parallelism (pipeline_model_parallel_size={pp}, virtual={vpp}) is not supported for "
+            f"GLM-5.3-Flash yet: its mHC residual streams ([s, b, hc_mult * hidden] = {config.hc_mult} x "
+            f"{config.hidden_size}) would have to cross stage boundaries, and megatron-core's schedules send "
+            "[s, b, hidden_size]; use tensor / expert / data parallelism"
+        )
+
+
 def build_glm5_next_block_spec(config, *, layer_types: Sequence[str], indexer_types: Sequence[str],
                                backend: str = "megatron", vp_stage: int | None = None, pp_rank: int | None = None,
                                provider=None) -> TransformerBlockSubmodules:
     """This pipeline stage's decoder layers. ``layer_types`` / ``indexer_types`` are the architecture's
-    (``GLM5NextArchitecture``); the MLP types come from ``config.moe_layer_freq``."""
+    (``GLM5NextArchitecture``); the MLP types come from ``config.moe_layer_freq``. With ``config.hc_mult > 0`` every
+    layer carries mHC streams (the first expands the embedding into them) and the final norm is
+    :class:`~.mhc.StreamMeanNorm`."""
     check_glm5_next_numerics(config)
+    check_pipeline_support(config)
     n = config.num_layers
     for name, seq in (("layer_types", layer_types), ("indexer_types", indexer_types)):
         if len(seq) != n:
@@ -279,6 +311,26 @@ def build_glm5_next_block_spec(config, *, layer_types: Sequence[str], indexer_ty
     validate_stage_layers(layer_types, indexer_types, local)
     provider = provider or default_provider()
     mlps = _mlp_types(config)
-    layers = [build_glm5_next_layer_spec(config, layer_types[i], mlps[i], indexer_types[i], backend, provider)
+    hc = config.hc_mult > 0
+    layers = [build_glm5_next_layer_spec(config, layer_types[i], mlps[i], indexer_types[i], backend, provider,
+                                         hyper_connections=hc, expand_streams=hc and i == 0)
               for i in local]
-    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=provider.layer_norm(rms_norm=True))
+    final_norm = StreamMeanNorm if hc else provider.layer_norm(rms_norm=True)
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=final_norm)
+
+
+def build_glm5_next_mtp_spec(config, *, backend: str = "megatron", provider=None):
+    """MTP block spec (None without MTP): each MTP layer's inner layer is a plain pre-norm NoPE-DSA layer with its
+    own (full) KPool indexer and the MoE MLP, without mHC: it takes the decoder output after the final norm."""
+    if not config.mtp_num_layers:
+        return None
+    from megatron.core.transformer.multi_token_prediction import (
+        MultiTokenPredictionBlockSubmodules,
+        get_mtp_layer_spec_for_backend,
+    )
+
+    provider = provider or default_provider()
+    inner = build_glm5_next_layer_spec(config, "indexed_attention", "sparse" if config.num_moe_experts else "dense",
+                                       "full", backend, provider)
+    layer = get_mtp_layer_spec_for_backend(mtp_model_layer_spec=inner, backend=provider)
+    return MultiTokenPredictionBlockSubmodules(layer_specs=[layer] * config.mtp_num_layers)

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# GLM-5.3-Flash on the GPU machine. flash-linear-attention (fla, the KDA kernel) is an optional dependency: its two
+# pure-Python wheels (and einops, which fla-core requires) are downloaded on a machine with network and carried to
+# the GPU machine, which has none.
+#
+#   here (network):  bash scripts/gpu_glm5_next.sh fetch
+#                    -> .whl/fla/{flash_linear_attention-0.6.0,fla_core-0.6.0,einops-*}.whl  (.whl/ is git-ignored)
+#   GPU machine:     source .gpu/install.sh && bash scripts/gpu_glm5_next.sh run OUT_DIR [STEP...]
+#                    (the device tool: command as above, carry=[".gpu", ".whl"])
+#
+# run installs the wheels into $FLA_SITE (default /tmp/fla-site, --no-deps: torch and triton are the machine's) and
+# puts it on PYTHONPATH. fla's TileLang KDA backward backend is switched off (FLA_TILELANG=0, its Triton path is what
+# transformers and these checks measure; export FLA_TILELANG=1 to try it).
+# Steps (default: tests, about 3 minutes on one H200):
+#   tests              tests/gpu/test_glm5_next_gpu.py: fla chunk_kda vs the torch / fp64 reference (fwd + grads,
+#                      bshd + varlen, fp32 + bf16), KDA layer fla vs torch, the fla logit-gap diagnosis, 20 training
+#                      steps of small_flash_config on both attention backends
+#   pretrain_megatron  python -m megatron_glm5.pretrain --hf-config <small GLM-5.3-Flash> (Megatron-LM loop, mock data,
+#   pretrain_tilelang  20 iterations, bf16): examples/pretrain_glm53_flash_tiny.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+WHEELS=.whl/fla
+case "${1:-}" in
+  fetch)
+    mkdir -p "$WHEELS"
+    python3 -m pip download --no-deps -d "$WHEELS" flash-linear-attention==0.6.0 fla-core==0.6.0 einops
+    ls -l "$WHEELS"
+    exit 0 ;;
+  run) shift ;;
+  *) echo "usage: $0 fetch | run OUT_DIR [tests|pretrain_megatron|pretrain_tilelang ...]" >&2; exit 2 ;;
+esac
+OUT_DIR=$1; shift
+mkdir -p "$OUT_DIR"
+export FLA_SITE=${FLA_SITE:-/tmp/fla-site}
+if [ ! -f "$FLA_SITE/.installed" ]; then
+  ls "$WHEELS"/*.whl > /dev/null || { echo "no wheels in $WHEELS: run '$0 fetch' on a machine with network" >&2; exit 1; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$FLA_SITE" "$WHEELS"/*.whl && touch "$FLA_SITE/.installed"
+fi
+export PYTHONPATH="$PWD:$FLA_SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TORCHDYNAMO_DISABLE=1
+export FLA_TILELANG=${FLA_TILELANG:-0}
+python3 -c "import fla, torch, triton; from fla.ops.kda import chunk_kda; print('fla', fla.__version__, '| torch', torch.__version__, '| triton', triton.__version__)"
+run() {  # run NAME SECONDS CMD...
+  local name=$1 secs=$2; shift 2
+  local t0=$SECONDS
+  timeout "$secs" "$@" > "$OUT_DIR/$name.log" 2>&1
+  local rc=$?
+  echo "===== [gpu_glm5_next] $name: rc=$rc in $((SECONDS - t0)) s"
+  tail -n "${TAIL:-40}" "$OUT_DIR/$name.log"
+}
+for step in "${@:-tests}"; do
+  case "$step" in
+    tests) run tests 300 python3 -m pytest tests/gpu/test_glm5_next_gpu.py -q -s -p no:cacheprovider ;;
+    pretrain_megatron) run pretrain_megatron 200 bash examples/pretrain_glm53_flash_tiny.sh megatron ;;
+    pretrain_tilelang) run pretrain_tilelang 200 bash examples/pretrain_glm53_flash_tiny.sh tilelang ;;
+    *) echo "unknown step $step" ;;
+  esac
+done
