@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+from megatron_glm5.parallel import destroy_model_parallel
 
 DEMO_SEQ_LEN = 64
 MODELS = ("glm5.2", "glm5.3-flash")
@@ -108,7 +109,7 @@ def run_demo(*, out_dir: str | Path | None = None, steps: int = 4, keep: bool = 
         exp_seconds = time.perf_counter() - t_exp
         par = bridge.verify(hf_path=work / "hf_trained", model=model, seq_len=seq_len)
         if created:
-            ps.destroy_model_parallel()
+            destroy_model_parallel()
     finally:
         if not keep and out_dir is None:
             shutil.rmtree(work, ignore_errors=True)

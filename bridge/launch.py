@@ -15,7 +15,7 @@ import traceback
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-from megatron_glm5.parallel import free_port
+from megatron_glm5.parallel import destroy_model_parallel, free_port
 
 from . import errors
 from .errors import BridgeError
@@ -159,7 +159,7 @@ def model_parallel(tp: int, pp: int, ep: int) -> Iterator[None]:
         yield
     finally:
         if created:
-            ps.destroy_model_parallel()
+            destroy_model_parallel()
 
 
 _QUIET_LOGGERS = ("megatron", "torch.utils.cpp_extension")

@@ -119,6 +119,34 @@ def replayed_topk(layer: torch.nn.Module, attn_input: torch.Tensor, layer_number
     return topk
 
 
+def dsa_attention(layer, x: torch.Tensor, context: Optional[torch.Tensor], attention_mask, packed_seq_params, *,
+                  build_hint: str):
+    """``layer.self_attention`` on the normalised input ``x`` with the top-k dataflow of this module's docstring: a
+    full layer computes its top-k (or takes back the one it stashed, in a recompute) and stashes it in a checkpoint's
+    first pass; a shared layer uses the incoming ``context``. Returns ``(out, bias, topk to pass on)``."""
+    attention = layer.self_attention
+    if attention.computes_topk:
+        topk_in = replayed_topk(layer, x, layer.layer_number) if in_recompute(layer.training) else None
+    else:
+        if context is None:
+            raise RuntimeError(
+                f"layer {layer.layer_number} is an IndexShare 'shared' layer but received no top-k: an earlier "
+                f"'full' layer must run in the same pipeline stage and pass it through the layer 'context' (build the "
+                f"model with {build_hint})"
+            )
+        topk_in = context
+    out, bias, topk = attention(
+        x,
+        attention_mask=attention_mask,
+        packed_seq_params=packed_seq_params,
+        dsa_topk=topk_in,
+        dsa_topk_trusted=True,  # this model's own: the previous full layer's, or this layer's first pass
+    )
+    if attention.computes_topk and in_first_pass(layer.training):
+        stash_topk(layer, topk, x)
+    return out, bias, topk
+
+
 class GLMTransformerLayer(TransformerLayer):
     """``TransformerLayer`` with DSA top-k routed through ``context`` (see module docstring)."""
 
@@ -153,30 +181,11 @@ class GLMTransformerLayer(TransformerLayer):
         inference_context = deprecate_inference_params(inference_context, inference_params)
         if inference_context is not None:
             raise NotImplementedError("GLM-5.x DSA layers support training and forward only, not an inference cache")
-        attention = self.self_attention
         residual = hidden_states
         x = self.input_layernorm(hidden_states)
 
-        if attention.computes_topk:
-            topk_in = replayed_topk(self, x, self.layer_number) if in_recompute(self.training) else None
-        else:
-            if context is None:
-                raise RuntimeError(
-                    f"layer {self.layer_number} is an IndexShare 'shared' layer but received no top-k: the previous "
-                    "'full' layer must run earlier in the same pipeline stage and pass it through the layer "
-                    "'context' (build the model with megatron_glm5.spec.get_glm5_spec)"
-                )
-            topk_in = context
-
-        out, bias, topk = attention(
-            x,
-            attention_mask=attention_mask,
-            packed_seq_params=packed_seq_params,
-            dsa_topk=topk_in,
-            dsa_topk_trusted=True,  # this model's own: the previous full layer's, or this layer's first pass
-        )
-        if attention.computes_topk and in_first_pass(self.training):
-            stash_topk(self, topk, x)
+        out, bias, topk = dsa_attention(self, x, context, attention_mask, packed_seq_params,
+                                        build_hint="megatron_glm5.spec.get_glm5_spec")
 
         with self.bias_dropout_add_exec_handler():
             hidden_states = self.self_attn_bda(self.training, self.config.bias_dropout_fusion)(

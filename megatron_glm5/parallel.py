@@ -65,7 +65,7 @@ def initialize_model_parallel(
         if have != want:
             raise RuntimeError(
                 f"megatron-core parallel state is already initialised with (TP, PP, EP) = {have}, but {want} was "
-                "requested; call megatron.core.parallel_state.destroy_model_parallel() first"
+                "requested; call megatron_glm5.parallel.destroy_model_parallel() first"
             )
         return
     ps.initialize_model_parallel(
@@ -76,3 +76,20 @@ def initialize_model_parallel(
         context_parallel_size=context_parallel_size,
     )
     seed_model_parallel(seed)
+
+
+def destroy_model_parallel() -> None:
+    """megatron-core's ``destroy_model_parallel`` plus the process groups it created: megatron-core only forgets them,
+    and each gloo group keeps its I/O threads alive, so a process that builds models repeatedly (tests, conversions,
+    a launcher re-sharding) would accumulate thousands of threads."""
+    from megatron.core import parallel_state as ps
+
+    if dist.is_initialized():
+        seen: set[int] = set()
+        for value in vars(ps).values():
+            for group in value if isinstance(value, (list, tuple)) else (value,):
+                if (isinstance(group, dist.ProcessGroup) and group is not dist.GroupMember.WORLD
+                        and id(group) not in seen):
+                    seen.add(id(group))
+                    dist.destroy_process_group(group)
+    ps.destroy_model_parallel()

@@ -5,6 +5,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from megatron_glm5.parallel import destroy_model_parallel
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
@@ -27,7 +28,7 @@ def main() -> None:
         from megatron.core import parallel_state as ps
 
         if ps.model_parallel_is_initialized():
-            ps.destroy_model_parallel()
+            destroy_model_parallel()
     finally:
         dist.destroy_process_group()
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from megatron_glm5.cpu import disable_cpu_mode, enable_cpu_mode
+from megatron_glm5.parallel import destroy_model_parallel
 
 
 # tests/gpu needs a CUDA device (it runs on the GPU machine: `pytest tests/gpu`); CI is CPU-only and does not collect it.
@@ -53,9 +54,9 @@ def model_parallel(gloo_world):
 
     def init(**sizes):
         if ps.model_parallel_is_initialized():
-            ps.destroy_model_parallel()
+            destroy_model_parallel()
         initialize_model_parallel(**sizes)
 
     init()
     yield init
-    ps.destroy_model_parallel()
+    destroy_model_parallel()

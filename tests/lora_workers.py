@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from tests.parallel_workers import load_weights, make_batches, tensor_sharded_state_dict, train_step_grads
+from megatron_glm5.parallel import destroy_model_parallel
 
 LORA = dict(r=4, alpha=8, init_lora_weights=False, seed=3)  # B random: A gets a gradient on step 1
 
@@ -28,14 +29,14 @@ def save_reference_weights(raw: dict, weights_dir: str) -> None:
     from megatron_glm5.parallel import initialize_model_parallel
 
     if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+        destroy_model_parallel()
     initialize_model_parallel()
     try:
         torch.manual_seed(0)
         model = build_model(parse_hf_config(raw), default_cpu_policy())
         dist_checkpointing.save(model.sharded_state_dict(), weights_dir)
     finally:
-        ps.destroy_model_parallel()
+        destroy_model_parallel()
 
 
 def _build(raw, weights, tp, ep, backend, pp=1):
@@ -63,7 +64,7 @@ def lora_case(rank: int, world: int, *, raw: dict, weights: str, out: str, tp: i
     from megatron_glm5.parallel import initialize_model_parallel
 
     if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+        destroy_model_parallel()
     initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                               pipeline_model_parallel_size=pp)
     try:
@@ -110,7 +111,7 @@ def lora_case(rank: int, world: int, *, raw: dict, weights: str, out: str, tp: i
                 "replicated_checked": replicated, "expert_allreduce": expert_flags, "dense_allreduce": dense_flags,
                 "peft_loss": peft_loss}
     finally:
-        ps.destroy_model_parallel()
+        destroy_model_parallel()
 
 
 def load_adapter_grads(raw: dict, grads_dir: str) -> dict[str, torch.Tensor]:
@@ -124,7 +125,7 @@ def load_adapter_grads(raw: dict, grads_dir: str) -> dict[str, torch.Tensor]:
     from megatron_glm5.parallel import initialize_model_parallel
 
     if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+        destroy_model_parallel()
     initialize_model_parallel()
     try:
         model = add_lora(build_model(parse_hf_config(raw), default_cpu_policy()), LoraConfig(**LORA))
@@ -132,7 +133,7 @@ def load_adapter_grads(raw: dict, grads_dir: str) -> dict[str, torch.Tensor]:
         sharded = _lora_only(tensor_sharded_state_dict(model, values))
         return dict(dist_checkpointing.load(sharded, grads_dir))
     finally:
-        ps.destroy_model_parallel()
+        destroy_model_parallel()
 
 
 def load_adapters_single_process(raw: dict, ckpt_dir: str, backend: str) -> dict[str, torch.Tensor]:
@@ -147,7 +148,7 @@ def load_adapters_single_process(raw: dict, ckpt_dir: str, backend: str) -> dict
     from megatron_glm5.parallel import initialize_model_parallel
 
     if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+        destroy_model_parallel()
     initialize_model_parallel()
     try:
         model = add_lora(build_model(parse_hf_config(raw), default_cpu_policy(), backend=backend),
@@ -156,4 +157,4 @@ def load_adapters_single_process(raw: dict, ckpt_dir: str, backend: str) -> dict
         return {f"{m.lora_name}.lora_{f}.weight": getattr(m, f"lora_{f}").weight.detach().clone()
                 for m in lora_modules(model) for f in ("A", "B")}
     finally:
-        ps.destroy_model_parallel()
+        destroy_model_parallel()

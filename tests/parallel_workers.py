@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from megatron_glm5.parallel import destroy_model_parallel
 
 SEQ = 48
 
@@ -176,7 +177,7 @@ def reference_run(raw: dict, weights_dir: str):
     from megatron_glm5.parallel import initialize_model_parallel
 
     if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+        destroy_model_parallel()
     initialize_model_parallel()
     try:
         torch.manual_seed(0)
@@ -184,13 +185,12 @@ def reference_run(raw: dict, weights_dir: str):
         dist_checkpointing.save(model.sharded_state_dict(), weights_dir)
         return train_step_grads(model, make_batches(raw["vocab_size"]), vocab=raw["vocab_size"])
     finally:
-        ps.destroy_model_parallel()
+        destroy_model_parallel()
 
 
 def load_sharded_grads(raw: dict, grads_dir: str) -> dict[str, torch.Tensor]:
     """Re-assemble a (TP/EP/PP-sharded) gradient checkpoint into single-process tensors by parameter name."""
     from megatron.core import dist_checkpointing
-    from megatron.core import parallel_state as ps
 
     from megatron_glm5.architectures import parse_architecture as parse_hf_config  # GLM-5.x and GLM-5.3-Flash
     from megatron_glm5.model import build_model, default_cpu_policy
@@ -204,7 +204,7 @@ def load_sharded_grads(raw: dict, grads_dir: str) -> dict[str, torch.Tensor]:
         state = dist_checkpointing.load(sharded, grads_dir)
         return {n: state[n] for n in params}
     finally:
-        ps.destroy_model_parallel()
+        destroy_model_parallel()
 
 
 def grad_errors(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[str, float]:

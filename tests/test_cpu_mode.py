@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from megatron_glm5.cpu import cpu_mode, cpu_mode_needed
 

@@ -22,6 +22,7 @@ from megatron_glm5.rl.replay import capture_choices
 from megatron_glm5.testing import load_hf_reference_model, match_norm_eps, tiny_glm52_config, write_hf_checkpoint
 from tests.distributed import run_torchrun
 from tests.test_rl_logprobs import packed_batch, reference_logprobs
+from megatron_glm5.parallel import destroy_model_parallel
 
 pytestmark = pytest.mark.slow
 TOL = 1e-5
@@ -32,7 +33,6 @@ BATCHES = ((40, 9, 31), (40, 9, 30))
 def setup(tmp_path_factory, gloo_world):
     """Checkpoint, per batch: transformers' log-probs / entropies and the single-process model's choices and
     log-probs (saved for the workers)."""
-    from megatron.core import parallel_state as ps
 
     from megatron_glm5.parallel import initialize_model_parallel
 
@@ -55,7 +55,7 @@ def setup(tmp_path_factory, gloo_world):
             saved.append((ids, cu, choices))
             refs.append(dict(lp=ref_lp, ent=ref_ent, replay=single))
     finally:
-        ps.destroy_model_parallel()
+        destroy_model_parallel()
     choices_path = str(tmp / "choices.pt")
     torch.save(saved, choices_path)
     return str(path), choices_path, refs

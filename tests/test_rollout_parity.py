@@ -19,13 +19,13 @@ from megatron_glm5 import from_hf_pretrained
 from megatron_glm5.rl.replay import capture_choices
 from megatron_glm5.testing import load_hf_reference_model, tiny_glm52_config, write_hf_checkpoint
 from tests.test_rl_logprobs import packed_batch
+from megatron_glm5.parallel import destroy_model_parallel
 
 RESPONSE = (30, 8, 20)  # rollout log-probs for the last R tokens of each sample (the "response")
 
 
 @pytest.fixture(scope="module")
 def rollout(tmp_path_factory, gloo_world):
-    from megatron.core import parallel_state as ps
 
     from megatron_glm5.parallel import initialize_model_parallel
 
@@ -38,7 +38,7 @@ def rollout(tmp_path_factory, gloo_world):
     try:
         choices = capture_choices(from_hf_pretrained(path), ids, cu)
     finally:
-        ps.destroy_model_parallel()
+        destroy_model_parallel()
     samples = []
     cu_l = cu.tolist()
     for i, (s, r) in enumerate(zip(seqs, RESPONSE)):

@@ -22,7 +22,7 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import deprecate_inference_params, make_viewless_tensor
 
-from megatron_glm5.layer import in_first_pass, in_recompute, replayed_topk, stash_topk
+from megatron_glm5.layer import dsa_attention
 
 from .mhc import HyperConnection, expand_streams
 from .swiglu import check_clamped_swiglu_modules
@@ -60,21 +60,8 @@ class GLM5NextTransformerLayer(TransformerLayer):
         if not self.is_dsa:  # KDA: the top-k passes through
             out, bias = attention(x, attention_mask=attention_mask, packed_seq_params=packed_seq_params)
             return out, bias, context
-        if attention.computes_topk:
-            topk_in = replayed_topk(self, x, self.layer_number) if in_recompute(self.training) else None
-        else:
-            if context is None:
-                raise RuntimeError(
-                    f"layer {self.layer_number} is an IndexShare 'shared' DSA layer but received no top-k: an earlier "
-                    "'full' DSA layer must run in the same pipeline stage (build the model with "
-                    "megatron_glm5.glm5_next.spec.build_glm5_next_block_spec)"
-                )
-            topk_in = context
-        out, bias, topk = attention(x, attention_mask=attention_mask, packed_seq_params=packed_seq_params,
-                                    dsa_topk=topk_in, dsa_topk_trusted=True)
-        if attention.computes_topk and in_first_pass(self.training):
-            stash_topk(self, topk, x)
-        return out, bias, topk
+        return dsa_attention(self, x, context, attention_mask, packed_seq_params,
+                             build_hint="megatron_glm5.glm5_next.spec.build_glm5_next_block_spec")
 
     def _forward_attention(
         self,

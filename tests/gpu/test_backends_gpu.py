@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from megatron_glm5.parallel import destroy_model_parallel
 
 pytestmark = pytest.mark.gpu
 
@@ -33,7 +34,7 @@ def models():
     from megatron_glm5.testing import small_glm52_config
 
     if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+        destroy_model_parallel()
     initialize_model_parallel()
     arch = parse_hf_config(small_glm52_config())
     policy = RuntimePolicy(params_dtype=torch.bfloat16, dsa_kernel_backend="tilelang", use_cpu_initialization=True)
@@ -48,7 +49,7 @@ def models():
 
     tile = fresh("tilelang")
     yield arch, mega, tile, fresh
-    ps.destroy_model_parallel()
+    destroy_model_parallel()
 
 
 def _batch(arch, seed, batch=2):

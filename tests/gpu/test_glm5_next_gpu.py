@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from megatron_glm5.parallel import destroy_model_parallel
 
 pytestmark = pytest.mark.gpu
 
@@ -100,10 +101,10 @@ def parallel():
     from megatron_glm5.parallel import initialize_model_parallel
 
     if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+        destroy_model_parallel()
     initialize_model_parallel()
     yield
-    ps.destroy_model_parallel()
+    destroy_model_parallel()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

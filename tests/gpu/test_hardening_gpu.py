@@ -17,6 +17,7 @@ import warnings
 
 import pytest
 import torch
+from megatron_glm5.parallel import destroy_model_parallel
 
 pytestmark = pytest.mark.gpu
 SEQ = 1024  # > index_topk 256 of small_glm52_config
@@ -29,10 +30,10 @@ def parallel():
     from megatron_glm5.parallel import initialize_model_parallel
 
     if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+        destroy_model_parallel()
     initialize_model_parallel()
     yield
-    ps.destroy_model_parallel()
+    destroy_model_parallel()
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS ini
 
 import pytest
 import torch
+from megatron_glm5.parallel import destroy_model_parallel
 
 pytestmark = pytest.mark.gpu
 LENGTHS = (1100, 700, 300)  # index_topk of small_glm52_config is 256
@@ -34,10 +35,10 @@ def parallel():
     from megatron_glm5.parallel import initialize_model_parallel
 
     if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+        destroy_model_parallel()
     initialize_model_parallel()
     yield
-    ps.destroy_model_parallel()
+    destroy_model_parallel()
 
 
 def _step(path, ids, cu, adv, replay):
