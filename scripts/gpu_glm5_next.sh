@@ -49,7 +49,7 @@ run() {  # run NAME SECONDS CMD...
 }
 for step in "${@:-tests}"; do
   case "$step" in
-    tests) run tests 300 python3 -m pytest tests/gpu/test_glm5_next_gpu.py -q -s -p no:cacheprovider ;;
+    tests) run tests ${TESTS_LIMIT:-300} python3 -m pytest tests/gpu/test_glm5_next_gpu.py -v -s -p no:cacheprovider ;;
     pretrain_megatron) run pretrain_megatron 200 bash examples/pretrain_glm53_flash_tiny.sh megatron ;;
     pretrain_tilelang) run pretrain_tilelang 200 bash examples/pretrain_glm53_flash_tiny.sh tilelang ;;
     *) echo "unknown step $step" ;;
