@@ -199,17 +199,20 @@ def test_fla_logit_gap_is_kernel_rounding_amplified_by_selection_flips(parallel)
     assert replay_gap <= max(1e-2 * scale, 1e-3), "a gap that survives the replay is not a selection flip"
 
 
+@pytest.mark.parametrize("kda_kernel", ["torch", "fla"])
 @pytest.mark.parametrize("backend", ["megatron", "tilelang"])
-def test_train_20_steps_falling_loss(parallel, backend):
+def test_train_20_steps_falling_loss(parallel, backend, kda_kernel):
     from megatron_glm5.config import RuntimePolicy
     from megatron_glm5.glm5_next.config import parse_glm5_next_config
     from megatron_glm5.glm5_next.model import build_model
     from megatron_glm5.glm5_next.testing import small_flash_config
 
+    if kda_kernel == "fla":
+        _fla()
     arch = parse_glm5_next_config({"model_type": "glm5_next", **small_flash_config()})
     torch.manual_seed(0)
     model = build_model(arch, RuntimePolicy(params_dtype=torch.bfloat16, use_cpu_initialization=True),
-                        backend=backend).cuda().train()
+                        backend=backend, kda_kernel=kda_kernel).cuda().train()
     gen = torch.Generator().manual_seed(1)
     seq = 1024  # > index_topk 256
     batches = [torch.randint(0, arch.vocab_size, (2, seq + 1), generator=gen).cuda() for _ in range(2)]
@@ -224,6 +227,6 @@ def test_train_20_steps_falling_loss(parallel, backend):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         losses.append(loss.item())
-    print(f"\n{backend}: losses " + " ".join(f"{x:.3f}" for x in losses))
+    print(f"\n{backend} (KDA {kda_kernel}): losses " + " ".join(f"{x:.3f}" for x in losses))
     assert all(torch.isfinite(torch.tensor(losses)))
     assert sum(losses[-5:]) / 5 < losses[0] - 0.5, losses
