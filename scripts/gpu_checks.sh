@@ -5,7 +5,9 @@
 # (tests/gpu/test_backends_gpu.py), hardening (tests/gpu/test_hardening_gpu.py), lora (tests/gpu/test_lora_gpu.py),
 # bench_kernels, bench_flash (KPool selection and NoPE sparse MLA), bench_layer,
 # pretrain_megatron, pretrain_tilelang (python -m megatron_glm5.pretrain), pretrain_gpt_client (Megatron-LM's own
-# pretrain_gpt.py with both specs: the client in shared/clients/megatron_lm, copied into .mlm/ and carried).
+# pretrain_gpt.py with both specs: the client in shared/clients/megatron_lm, copied into .mlm/ and carried),
+# bench_step (whole training steps of the GLM-5-shaped one-GPU slice through that pretrain_gpt.py: our kernels vs
+# megatron-core's, report in OUT_DIR/step.md; needs .mlm/; run precompile first; BENCH_STEP_ARGS adds flags).
 # Each step has its own log and time limit; a failing step does not stop the others.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,6 +33,7 @@ for step in "$@"; do
     hardening) run hardening 240 python3 -m pytest tests/gpu/test_hardening_gpu.py -q -s -p no:cacheprovider ;;
     pretrain_gpt_client) TAIL=12 run pretrain_gpt_client 420 bash .mlm/run_pretrain_gpt.sh ;;
     bench_kernels) run bench_kernels 300 python3 scripts/bench/bench_dsa_kernels.py --out "$OUT_DIR/kernels.md" ${BENCH_ARGS:-} ;;
+    bench_step) TAIL=40 run bench_step 480 python3 scripts/bench/bench_step.py --out "$OUT_DIR/step.md" --timeout 200 ${BENCH_STEP_ARGS:-} ;;
     bench_layer) run bench_layer 180 python3 scripts/bench/bench_glm5_layer.py --out "$OUT_DIR/layer.md" ;;
     pretrain_megatron) run pretrain_megatron 150 bash examples/pretrain_glm5_tiny.sh megatron ;;
     pretrain_tilelang) run pretrain_tilelang 150 bash examples/pretrain_glm5_tiny.sh tilelang ;;
