@@ -590,10 +590,13 @@ class RuntimeEnvironment:
 class RuntimePolicy:
     """How to run the model: parallelism, precision, recompute, kernels. Never changes what the model is.
 
-    ``dsa_kernel_backend="auto"`` and ``fusions=None`` are decided by :func:`resolve_policy` for the machine: on CUDA
-    megatron-core's fused TileLang DSA kernels (when importable and the model is bf16) and megatron-core's torch
-    fusions (bias-SwiGLU, bias-dropout-add; apex's gradient-accumulation fusion when installed); on CPU the torch
-    paths. The choice is logged."""
+    ``dsa_kernel_backend="auto"``, ``fusions=None`` and ``moe_grouped_gemm="auto"`` are decided by
+    :func:`resolve_policy` for the machine: on CUDA megatron-core's fused TileLang DSA kernels (when importable and the
+    model is bf16), megatron-core's torch fusions (bias-SwiGLU, bias-dropout-add; apex's gradient-accumulation fusion
+    when installed) and, for bf16 without Transformer Engine, grouped-GEMM routed experts
+    (:class:`~megatron_glm5.moe.grouped_experts.TorchGroupedMLP`, same parameters and checkpoint layout as
+    ``SequentialMLP``); on CPU the torch paths and ``SequentialMLP``. The choice is logged. With Transformer Engine
+    ``"auto"`` keeps ``SequentialMLP`` (LoRA adapts it); ``"on"`` then selects megatron-core's ``TEGroupedMLP``."""
 
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
@@ -613,7 +616,7 @@ class RuntimePolicy:
     recompute_num_layers: int | None = None
     recompute_modules: list[str] | None = None
     moe_token_dispatcher_type: Literal["allgather", "alltoall"] = "allgather"
-    moe_grouped_gemm: bool = False
+    moe_grouped_gemm: Literal["auto", "on", "off"] = "auto"  # megatron-core's; "auto": CUDA + bf16, no TE
     moe_aux_loss_coeff: float = 0.0
     moe_router_load_balancing_type: str = "none"
     moe_router_bias_update_rate: float = 0.0  # RL keeps the expert bias frozen
@@ -636,6 +639,10 @@ class RuntimePolicy:
             )
         if self.dsa_indexer_loss_coeff < 0:
             raise ValueError(f"RuntimePolicy.dsa_indexer_loss_coeff: expected >= 0, got {self.dsa_indexer_loss_coeff}")
+        if self.moe_grouped_gemm not in ("auto", "on", "off"):
+            raise ValueError(
+                f"RuntimePolicy.moe_grouped_gemm: expected 'auto', 'on' or 'off', got {self.moe_grouped_gemm!r}"
+            )
 
 
 _log = logging.getLogger("megatron_glm5")
@@ -644,20 +651,24 @@ _logged: set[str] = set()  # each distinct resolution is logged once per process
 
 def resolve_policy(policy: RuntimePolicy, env: RuntimeEnvironment | None = None) -> RuntimePolicy:
     """``policy`` with its ``"auto"`` choices made for ``env`` (detected when None) and logged."""
-    if policy.dsa_kernel_backend != "auto" and policy.fusions is not None:
+    if policy.dsa_kernel_backend != "auto" and policy.fusions is not None and policy.moe_grouped_gemm != "auto":
         return policy
     env = env or RuntimeEnvironment.detect()
     backend = policy.dsa_kernel_backend
     if backend == "auto":
         backend = "tilelang" if (env.mcore_tilelang_kernels and policy.params_dtype == torch.bfloat16) else "none"
     fusions = env.cuda if policy.fusions is None else policy.fusions
-    resolved = dataclasses.replace(policy, dsa_kernel_backend=backend, fusions=fusions)
+    grouped = policy.moe_grouped_gemm
+    if grouped == "auto":  # TorchGroupedMLP: torch's grouped_mm runs bf16 on CUDA (elsewhere it would loop anyway)
+        grouped = "on" if env.cuda and policy.params_dtype == torch.bfloat16 and not env.transformer_engine else "off"
+    resolved = dataclasses.replace(policy, dsa_kernel_backend=backend, fusions=fusions, moe_grouped_gemm=grouped)
     why = ("CUDA, megatron-core TileLang DSA kernels importable, bf16" if backend == "tilelang"
            else "no CUDA" if not env.cuda else "no megatron-core TileLang DSA kernels" if not env.mcore_tilelang_kernels
            else f"params_dtype {policy.params_dtype} (the fused kernels are bf16-only)")
     message = (f"megatron-glm5 runtime: dsa_kernel_backend={backend!r} ({why}), torch fusions "
                f"{'on' if fusions else 'off'}, apex gradient-accumulation fusion "
-               f"{'on' if fusions and env.apex_gradient_accumulation_fusion else 'off'}")
+               f"{'on' if fusions and env.apex_gradient_accumulation_fusion else 'off'}, grouped-GEMM experts "
+               f"{grouped}")
     if message not in _logged:
         _logged.add(message)
         _log.info(message)
@@ -690,7 +701,7 @@ def runtime_kwargs(policy: RuntimePolicy, env: RuntimeEnvironment | None = None)
         recompute_method=policy.recompute_method,
         recompute_num_layers=policy.recompute_num_layers,
         moe_token_dispatcher_type=policy.moe_token_dispatcher_type,
-        moe_grouped_gemm=policy.moe_grouped_gemm,
+        moe_grouped_gemm=policy.moe_grouped_gemm == "on",
         moe_aux_loss_coeff=policy.moe_aux_loss_coeff,
         moe_router_load_balancing_type=policy.moe_router_load_balancing_type,
         moe_router_bias_update_rate=policy.moe_router_bias_update_rate,

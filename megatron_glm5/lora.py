@@ -60,9 +60,14 @@ own linears (:mod:`megatron_glm5.lora_layers`); HF PEFT is only the file format 
 * Transformer Engine linears (``TELinear`` duplicated, ``TEColumnParallelLinear``, ``TERowParallelLinear``) are
   mapped to the same kinds; TE is not installed where this is tested, so that path is untested.
 
+* Grouped-GEMM routed experts without TE (``moe_grouped_gemm``:
+  :class:`~megatron_glm5.moe.grouped_experts.TorchGroupedMLP`) have ``SequentialMLP``'s per-expert linears and take
+  adapters the same way; once adapted they run the per-expert loop (the grouped GEMMs would skip the adapters).
+
 Refused: ``qk_clip`` (it rewrites ``.weight`` and would clip only the base), ``cache_mla_latents`` (caches the
-absorbed weight once), TP > 1 without sequence parallelism (megatron-core's AbsorbedMLA requires it too), grouped-GEMM
-experts (``moe_grouped_gemm``), a model already wrapped in DDP (call ``add_lora`` before wrapping), ``add_lora`` twice.
+absorbed weight once), TP > 1 without sequence parallelism (megatron-core's AbsorbedMLA requires it too),
+Transformer Engine's ``TEGroupedMLP`` experts (``moe_grouped_gemm`` with TE), a model already wrapped in DDP (call
+``add_lora`` before wrapping), ``add_lora`` twice.
 """
 
 from __future__ import annotations
@@ -363,8 +368,6 @@ def _check_config(config) -> None:
     if config.tensor_model_parallel_size > 1 and not config.sequence_parallel:
         raise NotImplementedError("LoRA at tensor_model_parallel_size > 1 needs sequence_parallel=True "
                                   "(megatron-core's AbsorbedMLA requires it as well)")
-    if getattr(config, "moe_grouped_gemm", False):
-        raise NotImplementedError("LoRA on grouped-GEMM experts is not supported; build with moe_grouped_gemm=False")
 
 
 def _embedding_output_requires_grad(module, args, output):

@@ -14,17 +14,26 @@ provider here fills those gaps from public constructors, without patching megatr
   when their input is sequence-sharded (as ``TENorm`` does).
 * ``replicated_norm()`` -> the same norm without that tag, for the indexer ``k_norm``, which runs on the all-gathered
   sequence on every TP rank.
+* ``grouped_mlp_modules(True)`` (``moe_grouped_gemm``) -> :class:`~megatron_glm5.moe.grouped_experts.TorchGroupedMLP`
+  over the same per-expert linears ``SequentialMLP`` gets (``grouped_mlp_modules(False)``, unchanged), where
+  megatron-core's local provider silently ignores the flag. With Transformer Engine the TE provider keeps
+  megatron-core's ``TEGroupedMLP`` (TE's grouped GEMM, fp8; parameters ``linear_fc1.weight{e}``, dist-checkpoint keys
+  as ``SequentialMLP``'s). The choice is logged once.
 
 Neither provider fuses a norm into the next linear, so parameter names are identical with and without TE.
 """
 
 from __future__ import annotations
 
+import logging
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from megatron.core.extensions.transformer_engine import HAVE_TE
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.post_training.modelopt.layers import Linear as _ModeloptLinear
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 
@@ -82,8 +91,30 @@ class ReplicatedTorchNorm(TorchNorm):
         super().__init__(config, hidden_size, eps, sequence_parallel=False)
 
 
+_log = logging.getLogger("megatron_glm5")
+_logged: set[str] = set()
+
+
+def grouped_experts(sequential: partial, moe_use_grouped_gemm: bool) -> partial:
+    """The routed-experts builder: ``sequential`` (a provider's ``SequentialMLP`` partial) as is, or
+    ``TorchGroupedMLP`` over the same submodules (same parameters and checkpoint layout) for ``moe_grouped_gemm``."""
+    from .moe.grouped_experts import TorchGroupedMLP
+
+    if sequential.func is not SequentialMLP:
+        raise TypeError(f"expected megatron-core's SequentialMLP experts builder, got {sequential.func!r}")
+    chosen = partial(TorchGroupedMLP, *sequential.args, **sequential.keywords) if moe_use_grouped_gemm else sequential
+    message = f"megatron-glm5 MoE experts: {chosen.func.__name__} (moe_grouped_gemm={bool(moe_use_grouped_gemm)})"
+    if message not in _logged:
+        _logged.add(message)
+        _log.info(message)
+    return chosen
+
+
 class GLMLocalSpecProvider(LocalSpecProvider):
     """megatron-core's local provider plus what the GLM-5.x DSA spec needs (see module docstring)."""
+
+    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool):
+        return grouped_experts(super().grouped_mlp_modules(False), moe_use_grouped_gemm)
 
     def linear(self) -> type:
         return DuplicatedLinear

@@ -147,8 +147,9 @@ def _finalize_grads(model, pp: int) -> None:
 
 
 def parallel_case(rank: int, world: int, *, raw: dict, weights: str, grads_out: str, tp: int, pp: int, ep: int,
-                  vocab: int, backend: str = "megatron", cp: int = 1) -> dict:
-    """Load the reference weights at (TP, PP, EP), run the micro-batches, save gradients as a dist checkpoint."""
+                  vocab: int, backend: str = "megatron", cp: int = 1, moe_grouped_gemm: str = "off") -> dict:
+    """Load the reference weights at (TP, PP, EP), run the micro-batches, save gradients as a dist checkpoint.
+    ``moe_grouped_gemm="on"``: routed experts are ``TorchGroupedMLP`` (the reference runs ``SequentialMLP``)."""
     from megatron.core import dist_checkpointing
 
     from megatron_glm5.architectures import parse_architecture as parse_hf_config  # GLM-5.x and GLM-5.3-Flash
@@ -158,12 +159,14 @@ def parallel_case(rank: int, world: int, *, raw: dict, weights: str, grads_out: 
     initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                               expert_model_parallel_size=ep, context_parallel_size=cp)
     policy = default_cpu_policy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                expert_model_parallel_size=ep, context_parallel_size=cp)
+                                expert_model_parallel_size=ep, context_parallel_size=cp,
+                                moe_grouped_gemm=moe_grouped_gemm)
     model = build_model(parse_hf_config(raw), policy, backend=backend)
     load_weights(model, weights)
     loss, grads = train_step_grads(model, make_batches(vocab), vocab=vocab)
     dist_checkpointing.save(tensor_sharded_state_dict(model, grads), grads_out)
-    return {"loss": loss, "layers": len(model.decoder.layers)}
+    experts = sorted({type(m).__name__ for n, m in model.named_modules() if n.endswith("mlp.experts")})
+    return {"loss": loss, "layers": len(model.decoder.layers), "experts": experts}
 
 
 def reference_run(raw: dict, weights_dir: str):

@@ -257,5 +257,5 @@ def test_runtime_policy_auto_choices_follow_the_machine(caplog):
     assert runtime_kwargs(RuntimePolicy(params_dtype=torch.float32), gpu)["dsa_kernel_backend"] == "none"
     kw = runtime_kwargs(RuntimePolicy(), cpu)
     assert kw["dsa_kernel_backend"] == "none" and not kw["bias_activation_fusion"]
-    explicit = RuntimePolicy(dsa_kernel_backend="none", fusions=False)
+    explicit = RuntimePolicy(dsa_kernel_backend="none", fusions=False, moe_grouped_gemm="off")
     assert resolve_policy(explicit, gpu) is explicit

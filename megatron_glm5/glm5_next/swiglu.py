@@ -15,7 +15,8 @@ docstring, which says the clamp is "only used when activation_func is quick_gelu
   router probabilities multiply the GLU output through ``per_token_scale``, ``mlp.py:336-339``); and
   ``SharedExpertMLP.forward`` (``transformer/moe/shared_experts.py:195-197`` calls ``MLP.forward``);
 * ``TEGroupedMLP``'s ``bias_act_func`` (``transformer/moe/experts.py:858-878``): grouped-GEMM routed experts without
-  the op fuser.
+  the op fuser; and :class:`~megatron_glm5.moe.grouped_experts.TorchGroupedMLP` (``moe_grouped_gemm`` without TE),
+  which runs ``MLP``'s activation code.
 
 Paths that ignore ``activation_func_clamp_value`` for SiLU without any error from megatron-core (config flag ->
 where):
@@ -138,7 +139,8 @@ def check_clamped_swiglu_modules(model: torch.nn.Module, limit: float) -> None:
                 f"module '{where}' ({cls}) runs the Transformer Engine op-fuser path (te.ops.ScaledSwiGLU, no clamp); "
                 "set use_transformer_engine_op_fuser=False"
             )
-        if cls in ("MLP", "SharedExpertMLP", "SequentialMLP", "TEGroupedMLP") and hasattr(module, "config"):
+        if cls in ("MLP", "SharedExpertMLP", "SequentialMLP", "TorchGroupedMLP", "TEGroupedMLP") \
+                and hasattr(module, "config"):
             try:
                 check_clamped_swiglu(module.config, limit)
             except ClampedSwiGLUError as e:

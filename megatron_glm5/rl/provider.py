@@ -21,7 +21,8 @@ Arguments read (Megatron-LM / slime / miles names; all optional except ``hf_chec
   ``context_parallel_size``, ``sequence_parallel``, ``decoder_first_pipeline_num_layers``,
   ``decoder_last_pipeline_num_layers``; precision: ``params_dtype`` or ``bf16`` / ``fp16``; ``recompute_granularity``,
   ``recompute_method``, ``recompute_num_layers``, ``recompute_modules``; ``moe_token_dispatcher_type``,
-  ``moe_grouped_gemm``; ``deterministic_mode``.
+  ``moe_grouped_gemm`` (Megatron-LM's ``--moe-grouped-gemm``: grouped-GEMM routed experts when given, else
+  ``SequentialMLP``, as in Megatron-LM); ``deterministic_mode``.
 
 megatron-core's parallel state must be initialised (the launchers do it before building models).
 """
@@ -84,7 +85,7 @@ def policy_from_args(args) -> RuntimePolicy:
         recompute_num_layers=get("recompute_num_layers"),
         recompute_modules=get("recompute_modules"),
         moe_token_dispatcher_type=get("moe_token_dispatcher_type", "allgather"),
-        moe_grouped_gemm=bool(get("moe_grouped_gemm", False)),
+        moe_grouped_gemm="on" if get("moe_grouped_gemm", False) else "off",
         deterministic_mode=bool(get("deterministic_mode", False)),
         use_cpu_initialization=bool(get("use_cpu_initialization", not torch.cuda.is_available())),
     )

@@ -1,0 +1,324 @@
+"""Routed experts as two grouped GEMMs (``torch.nn.functional.grouped_mm``), stored exactly like ``SequentialMLP``.
+
+Why: without Transformer Engine, megatron-core 0.19.2 runs routed experts through ``SequentialMLP``. It calls
+``tokens_per_expert.tolist()``, which is a host sync when the counts are on the device. Then it loops in Python over
+the local experts, with two GEMMs and an activation per expert, so many small experts leave the GPU idle between
+launches. megatron-core's grouped module, ``TEGroupedMLP``, needs Transformer Engine (and names its parameters
+``linear_fc1.weight{e}``, which LoRA does not adapt). The legacy ``GroupedMLP`` (the ``grouped_gemm`` package) is gone
+in 0.19.2, and ``LocalSpecProvider`` silently ignores ``moe_grouped_gemm``. The local provider of
+:mod:`megatron_glm5.providers` builds this module instead; with TE, ``TEGroupedMLP`` stays.
+
+What: :class:`TorchGroupedMLP` *is* a ``SequentialMLP``. It has the same ``local_experts.{i}.linear_fc1`` /
+``linear_fc2`` submodules, parameter names, ``state_dict`` and (inherited) ``sharded_state_dict``. So dist
+checkpoints written with either class load into the other, and LoRA and the HF bridge see the same per-expert
+linears. Only ``forward`` differs::
+
+    offs = cumsum(tokens_per_expert)       # int32 on the device; no host sync
+    h = grouped_mm(x, stack(W1)^T, offs)   # [T, 2F/etp]: [gate | up] of this expert-TP rank (megatron's fc1 layout)
+    a = act(h) * probs                     # megatron MLP's activation code; fp32 probs, cast back to h's dtype
+    y = grouped_mm(a, stack(W2)^T, offs)   # [T, H]: partial sums over expert TP, reduced by the dispatcher
+
+* **Expert TP.** megatron-core builds the expert linears with ``is_expert=True`` on the expert-TP group and leaves
+  their communication to the token dispatcher. Each rank therefore multiplies its own shards: fc1 ``[2F/etp, H]``
+  holding ``[gate shard; up shard]`` (the stride-2 layout that ``sharded_state_dict`` re-shards) and fc2
+  ``[H, F/etp]``. This module multiplies the same shards, with no collectives of its own.
+* **Router probabilities.** The dispatcher passes the permuted probs (fp32) to the experts. A ``SequentialMLP``
+  expert multiplies them into the activation output (``MLP``'s ``per_token_scale``), and so does this module.
+  ``moe_apply_probs_on_input`` (top-1 only) scales the input instead, as ``SequentialMLP`` does.
+* **Weights are stacked, not saved.** ``grouped_mm`` needs one ``[E, N, K]`` tensor, but the experts' parameters are
+  separate tensors. Under megatron-core's distributed optimizer they are views into its flat buffer, at no uniform
+  stride. So they are copied into one stacked tensor for each GEMM in forward, and copied again in backward. Keeping
+  the stacked copies for backward would hold a second copy of every layer's expert weights until backward. Per
+  layer and step this costs two read+write passes over the local expert weights. For example, 16 experts at hidden
+  6144 and ffn 2048 in bf16 are 1.2 GB, which means about 5 GB of traffic, estimated at ~1.3 ms from H200 bandwidth.
+  That is small next to the GEMMs (~4.9 TFLOP forward at 8K tokens top-8).
+  ``scripts/bench/bench_grouped_experts.py`` measures it.
+* **Zero-token experts** get an exact zero weight gradient. Some GPUs leave empty groups of ``grouped_mm``'s
+  weight-gradient form unwritten (pytorch/pytorch#172439, B200), so this module zeroes them explicitly. With host
+  counts (megatron's dispatchers) it touches only the empty experts; with device counts it applies one mask. A rank
+  with no tokens at all skips the GEMMs but still returns zero weight gradients, so every expert parameter gets a
+  gradient (megatron's DDP buckets count on it).
+* **Megatron DDP with ``overlap_param_gather``** waits for a parameter's all-gather in a forward pre-hook on the module
+  that owns the parameter: the per-expert linears, whose ``forward`` this module does not call. Their plain forward
+  pre-hooks (and the expert MLPs') therefore run here, called with no inputs, before the weights are read. A hook
+  that returns a replacement input is refused.
+
+Paths: ``grouped_mm`` runs where torch provides it. That is CUDA bf16 (sm >= 80; CUTLASS kernels on Hopper), and on
+CPU whatever the installed torch accepts (torch 2.14: fp32, bf16 and fp16, per group the same result as a per-expert
+matmul, which the CPU tests use). Anything else runs ``SequentialMLP``'s own forward, logged once per reason:
+
+* fp32 or fp16 on CUDA;
+* dimensions that break ``grouped_mm``'s 16-byte stride rule;
+* expert linears replaced after the build (LoRA), or carrying forward, keyword or backward hooks;
+* GTP-sharded weights;
+* ``impl="sequential"``.
+
+Refused at build, with the flag named: expert biases (``add_bias_linear``), fp8/fp4, ``use_te_activation_func``,
+``delay_wgrad_compute``, and ``bias_activation_fusion`` with an activation megatron-core cannot fuse with probs.
+Gradient-accumulation fusion is not used: weight gradients come back as ``.grad``, which megatron-core's DDP adds to
+``main_grad``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Literal, Sequence
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.fusions.fused_bias_geglu import quick_gelu, weighted_bias_quick_geglu_impl
+from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
+from megatron.core.transformer.moe.experts import SequentialMLP
+
+Impl = Literal["auto", "grouped_mm", "sequential"]
+IMPLS: tuple[str, ...] = ("auto", "grouped_mm", "sequential")
+
+# torch.nn.functional.grouped_mm is the public wrapper of torch._grouped_mm (the only name in older releases).
+_grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
+
+_log = logging.getLogger("megatron_glm5")
+_logged: set[str] = set()  # each distinct message once per process
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        _log.info(message)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# What torch's grouped_mm runs
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _cpu_grouped_mm(dtype: torch.dtype) -> bool:
+    """Whether this torch's CPU ``grouped_mm`` accepts ``dtype`` (a tiny probe, once per dtype)."""
+    try:
+        x, w = torch.zeros(8, 8, dtype=dtype), torch.zeros(2, 8, 8, dtype=dtype)
+        _grouped_mm(x, w, offs=torch.tensor([4, 8], dtype=torch.int32))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+@functools.cache
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.nn.functional.grouped_mm`` runs ``dtype`` on ``device``. On CUDA: bf16 on sm >= 80 (torch's
+    documented contract; fp16 only on sm 9x-11x with cuBLASLt >= 13.3, not used here). On CPU: whatever the installed
+    torch accepts (2.14: fp32, bf16, fp16)."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return dtype == torch.bfloat16 and _cuda_capability(index) >= (8, 0)
+    if device.type == "cpu":
+        return _cpu_grouped_mm(dtype)
+    return False
+
+
+def _aligned(dims: Sequence[int], dtype: torch.dtype) -> bool:
+    """``grouped_mm`` needs every non-unit stride of its operands to be a multiple of 16 bytes."""
+    return all(d * dtype.itemsize % 16 == 0 for d in dims)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Grouped linear: y[rows of e] = x[rows of e] @ W_e^T
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _zero_empty_groups(dw: torch.Tensor, empty) -> torch.Tensor:
+    """Zero the weight gradients of zero-token experts: ``empty`` is a tuple of indices (host counts: only those
+    slices are written) or a bool ``[E]`` device mask (device counts: one masked pass, no sync)."""
+    if isinstance(empty, torch.Tensor):
+        return dw.masked_fill_(empty[:, None, None], 0)
+    for e in empty:
+        dw[e].zero_()
+    return dw
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """``y[offs[e-1]:offs[e]] = x[offs[e-1]:offs[e]] @ weights[e]^T`` for ``E`` weights ``[N, K]`` (``nn.Linear``
+    layout). ``x``: ``[T, K]``, rows sorted by expert; ``offs``: int32 ``[E]`` row ends, ``offs[-1] == T``; ``empty``:
+    the zero-token experts (see :func:`_zero_empty_groups`). Returns ``[T, N]``. The stacked ``[E, N, K]`` copy of the
+    weights is made again in backward instead of being saved (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, offs: torch.Tensor, empty, *weights: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()  # grouped_mm's stride rule; a no-op for the dispatcher's tokens and the activation
+        ctx.save_for_backward(x, offs, *weights)
+        ctx.empty = empty
+        if x.shape[0] == 0:  # a rank with no tokens: grouped_mm rejects an empty contraction in backward
+            return x.new_empty(0, weights[0].shape[0])
+        return _grouped_mm(x, torch.stack(weights).transpose(1, 2), offs=offs)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, offs, *weights = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[0], any(ctx.needs_input_grad[3:])
+        dx, dws = None, [None] * len(weights)
+        if x.shape[0] == 0:
+            if need_x:
+                dx = torch.zeros_like(x)
+            if need_w:
+                dws = [torch.zeros_like(w) for w in weights]
+            return dx, None, None, *dws
+        dy = dy.contiguous()
+        if need_x:
+            dx = _grouped_mm(dy, torch.stack(weights), offs=offs)  # [T, K]
+        if need_w:
+            dw = _grouped_mm(dy.t(), x, offs=offs)  # [E, N, K]: per group dy_e^T @ x_e
+            dws = list(_zero_empty_groups(dw, ctx.empty).unbind(0))
+        return dx, None, None, *dws
+
+
+def grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], offs: torch.Tensor, empty=()) -> torch.Tensor:
+    """Differentiable grouped ``x @ W_e^T`` (see :class:`_GroupedLinear`)."""
+    return _GroupedLinear.apply(x, offs, empty, *weights)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The experts module
+# --------------------------------------------------------------------------------------------------------------------
+
+
+class TorchGroupedMLP(SequentialMLP):
+    """``SequentialMLP`` (same submodules, parameters and checkpoint layout) whose forward runs every local expert in
+    two ``torch.nn.functional.grouped_mm`` calls (module docstring). ``impl``: ``"auto"`` (grouped where torch runs
+    it, else ``SequentialMLP.forward``), ``"grouped_mm"`` (raise where it cannot run), ``"sequential"``."""
+
+    def __init__(self, num_local_experts: int, config, submodules, pg_collection=None, name: str | None = None,
+                 impl: Impl = "auto"):
+        super().__init__(num_local_experts, config, submodules, pg_collection=pg_collection, name=name)
+        if impl not in IMPLS:
+            raise ValueError(f"TorchGroupedMLP impl: expected one of {list(IMPLS)}, got {impl!r}")
+        self.impl = impl
+        cfg = self.config
+        bad = [f"{flag}={value!r} ({why})" for flag, value, why in (
+            ("add_bias_linear", cfg.add_bias_linear, "expert biases; GLM-5.x experts have none"),
+            ("fp8", cfg.fp8, "quantized GEMMs"),
+            ("fp4", cfg.fp4, "quantized GEMMs"),
+            ("use_te_activation_func", cfg.use_te_activation_func, "a Transformer Engine activation module"),
+            ("delay_wgrad_compute", cfg.delay_wgrad_compute, "weight gradients are computed in backward here"),
+        ) if value]
+        if cfg.bias_activation_fusion and not (cfg.gated_linear_unit and cfg.activation_func in (F.silu, quick_gelu)):
+            bad.append("bias_activation_fusion=True with an activation other than SwiGLU / quick-GEGLU (megatron-core "
+                       "fuses only those with the router probabilities)")
+        if bad:
+            raise ValueError("TorchGroupedMLP (moe_grouped_gemm=True without Transformer Engine) does not support "
+                             + "; ".join(bad) + "; turn these off or build with moe_grouped_gemm=False")
+        self.activation_recompute = (cfg.recompute_granularity == "selective"
+                                     and "moe_act" in (cfg.recompute_modules or ()))
+        first = self.local_experts[0]
+        self._linear_types = (type(first.linear_fc1), type(first.linear_fc2))
+
+    def extra_repr(self) -> str:
+        return f"num_local_experts={self.num_local_experts}, impl={self.impl!r}"
+
+    # ---- path choice -----------------------------------------------------------------------------------------------
+
+    def _sequential_reason(self, x: torch.Tensor) -> str | None:
+        """Why this forward cannot run the grouped GEMMs (None when it can)."""
+        if self.impl == "sequential":
+            return "impl='sequential'"
+        fc1, fc2 = self._linear_types
+        modules = []
+        for expert in self.local_experts:
+            if type(expert.linear_fc1) is not fc1 or type(expert.linear_fc2) is not fc2:
+                return "its expert linears were replaced after the build (e.g. LoRA adapters)"
+            modules += (expert, expert.linear_fc1, expert.linear_fc2)
+        for m in modules:
+            if m._forward_hooks or m._forward_pre_hooks_with_kwargs or m._backward_hooks or m._backward_pre_hooks:
+                return "its expert modules carry forward / keyword / backward hooks the grouped path would skip"
+            if getattr(m, "gtp_remat_size", 1) > 1:
+                return "its expert weights are GTP-sharded (gtp_weight_remat_size > 1)"
+        w1, w2 = self.local_experts[0].linear_fc1.weight, self.local_experts[0].linear_fc2.weight
+        if not grouped_mm_supported(x.device, x.dtype):
+            return f"torch grouped_mm does not run {x.dtype} on {x.device.type}"
+        if (w1.dtype, w1.device, w2.dtype, w2.device) != (x.dtype, x.device, x.dtype, x.device):
+            return f"the expert weights ({w1.dtype} on {w1.device}) differ from the tokens ({x.dtype} on {x.device})"
+        if not _aligned((*w1.shape, *w2.shape), x.dtype):
+            return f"weight shapes {tuple(w1.shape)} / {tuple(w2.shape)} break grouped_mm's 16-byte stride rule"
+        return None
+
+    def _run_pre_hooks(self) -> None:
+        """The expert modules' plain forward pre-hooks (megatron DDP's wait for the parameter all-gather under
+        ``overlap_param_gather``): their ``forward`` is not called on the grouped path."""
+        for expert in self.local_experts:
+            for m in (expert, expert.linear_fc1, expert.linear_fc2):
+                for hook in tuple(m._forward_pre_hooks.values()):
+                    if hook(m, ()) is not None:
+                        raise RuntimeError(f"TorchGroupedMLP: a forward pre-hook on {type(m).__name__} rewrites its "
+                                           "input, which the grouped GEMM cannot apply; build with "
+                                           "moe_grouped_gemm=False")
+
+    # ---- forward ---------------------------------------------------------------------------------------------------
+
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
+                permuted_probs: torch.Tensor):
+        """``permuted_local_hidden_states``: ``[T, H]`` rows sorted by local expert; ``tokens_per_expert``: ``[E]``
+        counts summing to ``T`` (host or device); ``permuted_probs``: ``[T]`` router probs. Returns
+        ``(output [T, H], None)`` like ``SequentialMLP``."""
+        x, probs = permuted_local_hidden_states, permuted_probs
+        reason = self._sequential_reason(x)
+        if reason is not None:
+            if self.impl == "grouped_mm":
+                raise RuntimeError(f"TorchGroupedMLP(impl='grouped_mm') cannot run: {reason}")
+            _log_once(f"megatron-glm5 MoE experts: TorchGroupedMLP runs SequentialMLP's per-expert loop ({reason})")
+            return super().forward(x, tokens_per_expert, probs)
+        _log_once(f"megatron-glm5 MoE experts: torch grouped_mm ({x.dtype}, {x.device.type})")
+        if self.config.moe_apply_probs_on_input:  # as SequentialMLP: scale the input, then probs of 1
+            if self.config.moe_router_topk != 1:
+                raise ValueError("moe_apply_probs_on_input only works with moe_router_topk=1")
+            x = (probs.unsqueeze(-1) * x).to(x.dtype)
+            probs = torch.ones_like(probs)
+        self._run_pre_hooks()
+        offs, empty = _offsets(tokens_per_expert, x.device)
+        w1 = [e.linear_fc1.weight for e in self.local_experts]
+        w2 = [e.linear_fc2.weight for e in self.local_experts]
+        h = grouped_linear(x, w1, offs, empty)  # [T, 2F/etp]
+        if self.activation_recompute:  # "moe_act" in recompute_modules: as TEGroupedMLP
+            # fp8=None: megatron-core's CheckpointWithoutOutput treats any non-None value, False included, as fp8
+            self.activation_checkpoint = tensor_parallel.CheckpointWithoutOutput(fp8=self.config.fp8)
+            a = self.activation_checkpoint.checkpoint(self._activation, h, probs)
+            y = grouped_linear(a, w2, offs, empty)
+            self.activation_checkpoint.discard_output_and_register_recompute(y)
+        else:
+            y = grouped_linear(self._activation(h, probs), w2, offs, empty)  # [T, H]
+        return y, None
+
+    def _activation(self, h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """megatron-core ``MLP.forward``'s activation with ``per_token_scale=probs`` (``transformer/mlp.py``), without
+        bias: the fused weighted SwiGLU / quick-GEGLU under ``bias_activation_fusion``, else the GLU with its clamp
+        and linear offset, times the probs, cast back to ``h``'s dtype."""
+        cfg = self.config
+        if cfg.bias_activation_fusion:
+            if cfg.activation_func == F.silu:
+                return weighted_bias_swiglu_impl(h, None, probs.unsqueeze(-1), cfg.activation_func_fp8_input_store)
+            return weighted_bias_quick_geglu_impl(h, None, probs.unsqueeze(-1), cfg.activation_func_fp8_input_store,
+                                                  cfg.glu_linear_offset, cfg.activation_func_clamp_value)
+        if cfg.gated_linear_unit:
+            gate, up = torch.chunk(h, 2, dim=-1)
+            if (limit := cfg.activation_func_clamp_value) is not None:
+                gate = gate.clamp(min=None, max=limit)
+                up = up.clamp(min=-limit, max=limit)
+            a = cfg.activation_func(gate) * (up + cfg.glu_linear_offset)
+        else:
+            a = cfg.activation_func(h)
+        return (a * probs.unsqueeze(-1)).to(a.dtype)
+
+
+def _offsets(tokens_per_expert: torch.Tensor, device: torch.device):
+    """(int32 row ends on ``device``, zero-token experts). Host counts (megatron-core's dispatchers) are summed on the
+    host and copied from pinned memory without a stream sync; device counts stay on the device (no host sync)."""
+    offs = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32)
+    if tokens_per_expert.device.type == "cpu":
+        empty = tuple(i for i, c in enumerate(tokens_per_expert.tolist()) if c == 0)
+        if device.type == "cuda":
+            offs = offs.pin_memory().to(device, non_blocking=True)
+        return offs, empty
+    return offs.to(device), tokens_per_expert.to(device) == 0
