@@ -103,6 +103,10 @@ VARIANTS = {
         Variant("mcore-kernels", "get_glm5_spec", ("--dsa-kernel-backend", "tilelang"),
                 "(b) megatron backend + megatron-core's TileLang DSA kernels"),
         Variant("megatron-torch", "get_glm5_spec", (), "(c) megatron backend, no DSA kernels (torch paths)"),
+        Variant("tilelang-grouped", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
+                "(a) with grouped-GEMM experts (`TorchGroupedMLP`)"),
+        Variant("mcore-kernels-grouped", "get_glm5_spec", ("--dsa-kernel-backend", "tilelang", "--moe-grouped-gemm"),
+                "(b) with grouped-GEMM experts (`TorchGroupedMLP`)"),
     )
 }
 DEFAULT_VARIANTS = "tilelang,mcore-kernels"
@@ -1001,6 +1005,8 @@ def parse_args(argv: list[str] | None = None):
                         "--extra-args=--moe-grouped-gemm (a lone flag after a space reads as an option)")
     p.add_argument("--profile-step", type=int, default=5, help="iteration the profiled run records (default 5)")
     p.add_argument("--no-profile", action="store_true", help="skip the profiled runs")
+    p.add_argument("--profile-variants", default=None,
+                   help="comma-separated subset of --variants that get a profiled run (default: all of them)")
     p.add_argument("--out", default="bench_step.md",
                    help="markdown report (rewritten after each run; a .json with the raw numbers next to it); "
                         "logs and traces go to its folder")
@@ -1017,6 +1023,10 @@ def parse_args(argv: list[str] | None = None):
     unknown = [v for v in args.variant_list if v not in VARIANTS]
     if unknown or not args.variant_list:
         p.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    args.profile_list = (args.variant_list if args.profile_variants is None
+                         else [v.strip() for v in args.profile_variants.split(",") if v.strip()])
+    if not set(args.profile_list) <= set(args.variant_list):
+        p.error(f"--profile-variants {args.profile_list} must be among --variants {args.variant_list}")
     if args.seq is None:
         args.seq = 512 if args.cpu_check else 8192
     if not 0 <= args.skip < args.iters:
@@ -1046,7 +1056,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in results:
             print(f"\n# {r.variant.name}: {r.variant.description}")
             print(shlex.join(torchrun_cmd(args.python, args.mlm, 29500, r.argv)))
-            if not args.no_profile:
+            if not args.no_profile and r.variant.name in args.profile_list:
                 pargv = pretrain_argv(r.variant, seq=args.seq, iters=args.iters, scale_down=args.scale_down,
                                       extra=args.extra, profile_step=args.profile_step,
                                       tb_dir=log_dir / f"bench_step_{r.variant.name}_prof" / "tb")
@@ -1097,6 +1107,8 @@ def main(argv: list[str] | None = None) -> int:
                 write()
             if not args.no_profile:
                 for r in results:
+                    if r.variant.name not in args.profile_list:
+                        continue
                     if r.main is not None and r.main.ok:  # a failed timed run would fail its profile too
                         run_variant_profile(r, args, env, log_dir)
                         write()
