@@ -32,8 +32,8 @@ def build_model(
     ``config`` overrides the ``MLATransformerConfig`` built from ``arch`` and ``policy`` (Megatron-LM builds its own
     from flags); ``indexer_types`` defaults to the architecture's IndexShare pattern. Activation offload
     (:mod:`megatron_glm5.offload`) is on when ``policy.activation_offload`` is, or megatron-core's
-    ``fine_grained_activation_offloading`` names an attention module in ``offload_modules``. On a machine without CUDA the
-    model is built in :func:`~megatron_glm5.cpu.cpu_mode` and runs its forward with TorchDynamo off
+    ``fine_grained_activation_offloading`` names an attention module in ``offload_modules``. On a machine without
+    CUDA the model is built in :func:`~megatron_glm5.cpu.cpu_mode` and runs its forward with TorchDynamo off
     (:func:`~megatron_glm5.cpu.attach_cpu_mode`); nothing else of the process changes.
     """
     from megatron.core import parallel_state as ps

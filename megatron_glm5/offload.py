@@ -44,12 +44,13 @@ How this window works:
   the top-k a shared layer saves again) only while the very same storage object is alive and unmodified (weak
   reference + version counter), so a freed address that the allocator hands out again can never alias it.
 * **Streams.** D2H: on a side stream that first waits for the current stream (the producer), into pinned host memory
-  (PyTorch's caching host allocator); ``record_stream`` keeps the device block from being reused before the copy
-  ends. H2D: synchronous on the consuming stream at the first unpack of a copy (waiting for its D2H event), and the
-  first unpack in a window prefetches the previous non-empty window of the same block call on a side stream, so
-  layer ``L-1``'s reload overlaps layer ``L``'s backward. The reloaded storage serves every later unpack of the copy
-  and lives as long as the copy, i.e. until the last node that saved it has run: as long as it would without
-  offload, from its reload on.
+  from PyTorch's caching host allocator (which rounds each block up to a power of two: budget host memory
+  accordingly); ``record_stream`` keeps the device block from being reused before the copy ends. H2D: synchronous
+  on the consuming stream at the first unpack of a copy (after its D2H event), which in practice happens only for
+  the last layer of each micro-batch's backward: the first unpack in a window prefetches the previous non-empty
+  window of the same block call on a side stream, so layer ``L-1``'s reload overlaps layer ``L``'s backward. The
+  reloaded storage serves every later unpack of the copy and lives as long as the copy, i.e. until the last node
+  that saved it has run: as long as it would without offload, from its reload on.
 * **DSA top-k.** The top-k kept on a checkpoint's node for the recompute replay (:mod:`megatron_glm5.layer`) is held
   through the window (:func:`hold` / :func:`release`), so it leaves the device too, and it is the same copy as the
   top-k a later chunk or shared layer saves. It is replicated over tensor parallelism (every TP rank runs the whole
@@ -372,6 +373,8 @@ class _Window:
 
     def offloadable(self, t: torch.Tensor) -> bool:
         if type(t) is not torch.Tensor or t.layout is not torch.strided or t.device.type != _host_device_type():
+            return False
+        if t.is_conj() or t.is_neg():  # lazy views whose bit a storage copy would drop
             return False
         if _is_weight(t) or getattr(t, "_do_not_offload", False) or getattr(t, "_TE_do_not_offload", False):
             return False

@@ -141,6 +141,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--host-budget-gb", type=float, default=None,
                    help="stop the offload search before the host copies would exceed this (default 70%% of RAM)")
+    p.add_argument("--settings", choices=["both", "no-offload", "offload"], default="both",
+                   help="run one setting only (e.g. to split the benchmark across two time-limited runs)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -151,7 +153,8 @@ def main() -> None:
     initialize_model_parallel()
     budget = _host_budget_gb(args.host_budget_gb)
     results = {}
-    for offload_on in (False, True):
+    chosen = {"both": (False, True), "no-offload": (False,), "offload": (True,)}[args.settings]
+    for offload_on in chosen:
         label = "offload" if offload_on else "no offload"
         print(f"[{label}] building the model", flush=True)
         model = build(offload_on, args.recompute, args.backend)
@@ -176,6 +179,9 @@ def main() -> None:
         "| tokens | no offload: peak GB | offload: peak GB | offload: host GB |",
         "|---|---|---|---|",
     ]
+    empty = dict(best=None, rows=[], times={seq: None for seq in args.time_seqs})
+    for label in ("no offload", "offload"):
+        results.setdefault(label, empty)  # a setting not run (--settings): its cells show "-"
     by_seq: dict[int, dict] = {}
     for label in ("no offload", "offload"):
         for seq, r in results[label]["rows"]:
@@ -190,13 +196,21 @@ def main() -> None:
         a, b = by_seq[seq].get("no offload"), by_seq[seq].get("offload")
         lines.append(f"| {seq} | {cell(a, 'peak_gb')} | {cell(b, 'peak_gb')} | "
                      f"{cell(b, 'host_gb') if b is not None else '-'} |")
-    lines += ["", f"Longest sequence: **{results['no offload']['best']}** tokens without offload, "
-                  f"**{results['offload']['best']}** with offload.", "",
+    def best(label):
+        return "not run" if results[label]["best"] is None else f"**{results[label]['best']}** tokens"
+
+    def ms(label, seq):
+        if results[label]["best"] is None:
+            return "-"
+        t = results[label]["times"][seq]
+        return f"{t:.0f}" if t else "OOM"
+
+    lines += ["", f"Longest sequence: {best('no offload')} without offload, {best('offload')} with offload.", "",
               "| tokens | step ms, no offload | step ms, offload | offload cost |", "|---|---|---|---|"]
     for seq in args.time_seqs:
         a, b = results["no offload"]["times"][seq], results["offload"]["times"][seq]
         cost = f"{(b / a - 1) * 100:+.0f}%" if a and b else "-"
-        lines.append(f"| {seq} | {f'{a:.0f}' if a else 'OOM'} | {f'{b:.0f}' if b else 'OOM'} | {cost} |")
+        lines.append(f"| {seq} | {ms('no offload', seq)} | {ms('offload', seq)} | {cost} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
