@@ -121,7 +121,7 @@ class OffloadLog:
     copies: list[dict[str, Any]] = field(default_factory=list)  # one per host copy: window, bytes, dtype, shape, ...
     reused: int = 0  # packs served by an existing copy (views of one storage, the top-k saved again)
     loads: int = 0  # H2D reloads (synchronous or prefetched)
-    prefetches: int = 0
+    prefetches: int = 0  # reloads started ahead, on the side stream, for the next window of the backward
 
     @property
     def bytes_offloaded(self) -> int:
@@ -248,19 +248,22 @@ class _HostCopy:
         return self.hi - self.lo
 
     def prefetch(self) -> None:
-        """Start the H2D copy on the side stream (CUDA only; the TP gather, if any, waits for the first use)."""
-        if self.device.type != "cuda" or self.prefetched is not None or self.loaded is not None:
+        """Start the H2D copy on the side stream (the TP gather, if any, waits for the first use). Without CUDA the
+        copy is made at once, so CPU tests run the prefetch path too."""
+        if self.prefetched is not None or self.loaded is not None:
             return
-        current = torch.cuda.current_stream(self.device)
         buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)  # allocated on the consumer stream
-        _, h2d = _side_streams(self.device)
-        h2d.wait_stream(current)
-        h2d.wait_event(self.ready)
-        with torch.cuda.stream(h2d):
-            buffer[self.lo:self.hi].copy_(self.host, non_blocking=True)
-            self.prefetch_ready = torch.cuda.Event()
-            self.prefetch_ready.record(h2d)
-        buffer.record_stream(h2d)
+        if self.device.type == "cuda":
+            _, h2d = _side_streams(self.device)
+            h2d.wait_stream(torch.cuda.current_stream(self.device))
+            h2d.wait_event(self.ready)
+            with torch.cuda.stream(h2d):
+                buffer[self.lo:self.hi].copy_(self.host, non_blocking=True)
+                self.prefetch_ready = torch.cuda.Event()
+                self.prefetch_ready.record(h2d)
+            buffer.record_stream(h2d)
+        else:
+            buffer[self.lo:self.hi].copy_(self.host)
         self.prefetched = buffer
         _note("prefetches")
 
@@ -272,7 +275,8 @@ class _HostCopy:
             return self.loaded
         if self.prefetched is not None:
             buffer, self.prefetched = self.prefetched, None
-            torch.cuda.current_stream(self.device).wait_event(self.prefetch_ready)
+            if self.prefetch_ready is not None:
+                torch.cuda.current_stream(self.device).wait_event(self.prefetch_ready)
         elif self.device.type == "cuda":
             buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
             torch.cuda.current_stream(self.device).wait_event(self.ready)

@@ -114,6 +114,7 @@ def test_offload_is_bitwise_and_moves_layer_inputs(model_parallel, indexer_calls
         "the indexer must run once per full layer and micro-batch"
     assert log.bytes_offloaded > 0
     assert log.loads == len(log.copies), "every copy comes back exactly once"
+    assert 0 < log.prefetches < log.loads, "earlier windows are prefetched, the first one of a backward is not"
     copied = {(c["data_ptr"], c["nbytes"]) for c in log.copies}
     for number, ptr, nbytes in inputs:
         if number in chunk_first_layers:
@@ -209,6 +210,24 @@ def test_settings_come_from_the_policy_or_megatron_core_flags():
     assert activation_offload_for(config) == ActivationOffload(min_numel=7)
     with pytest.raises(ValueError, match="activation_offload_min_numel"):
         RuntimePolicy(activation_offload_min_numel=-1)
+
+
+def test_megatron_lm_flags_reach_the_layer_specs(model_parallel):
+    """``pretrain_gpt.py --spec ... --fine-grained-activation-offloading --offload-modules core_attn`` builds every
+    GLM layer (MTP included) with the window; without an attention-side name, none."""
+    from megatron_glm5.config import build_transformer_config
+    from megatron_glm5.spec import build_glm5_block_spec, build_glm5_mtp_spec
+
+    arch = parse_hf_config(tiny_glm52_config())
+    config = build_transformer_config(arch, default_cpu_policy())
+    config.fine_grained_activation_offloading, config.offload_modules = True, ["core_attn"]
+    config.min_offloaded_tensor_size = 4096
+    specs = build_glm5_block_spec(config, indexer_types=arch.indexer_types).layer_specs
+    specs.append(build_glm5_mtp_spec(config).layer_specs[0].submodules.mtp_model_layer)
+    assert all(s.params["activation_offload"] == ActivationOffload(min_numel=4096) for s in specs)
+    config.offload_modules = ["moe_act"]
+    assert all("activation_offload" not in s.params
+               for s in build_glm5_block_spec(config, indexer_types=arch.indexer_types).layer_specs)
 
 
 @pytest.mark.slow
