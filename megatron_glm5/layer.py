@@ -174,6 +174,9 @@ class GLMTransformerLayer(TransformerLayer):
             raise NotImplementedError(
                 "GLM-5.x layers do not support recompute of the input layernorm or CPU offloading yet"
             )
+        if activation_offload is not None and getattr(self.config, "cuda_graph_impl", "none") not in (None, "none"):
+            raise NotImplementedError("activation offload moves tensors at run time and cannot be captured in a CUDA "
+                                      "graph: use cuda_graph_impl='none' with it")
 
     def forward(self, *args, **kwargs):
         """megatron-core's layer forward, inside this call's offload window when offload is on: a window of its own
@@ -183,19 +186,20 @@ class GLMTransformerLayer(TransformerLayer):
         settings = self.activation_offload
         if settings is None or not self.training or in_recompute(True):
             return super().forward(*args, **kwargs)
+        offload.warn_if_unscoped()
         hidden_states = _layer_arg("hidden_states", args, kwargs)
         context = _layer_arg("context", args, kwargs)
         if in_first_pass(True):
-            scope = offload.chunk_window(settings, _checkpoint_node(), name=f"chunk from layer {self.layer_number}",
-                                         inputs=(hidden_states, context))
+            window = offload.chunk_window(settings, _checkpoint_node(), name=f"chunk from layer {self.layer_number}",
+                                          inputs=(hidden_states, context))
         elif torch.is_grad_enabled():
             # the layer's other inputs (mask, RoPE, padding mask) stay: the caller keeps them alive anyway
             keep = [v for k, v in kwargs.items() if k not in ("hidden_states", "context")]
             keep += [a for i, a in enumerate(args) if i >= len(_LAYER_ARGS) or _LAYER_ARGS[i] == "attention_mask"]
-            scope = offload.window(settings, name=f"layer {self.layer_number}", module=self, keep=tuple(keep))
+            window = offload.window(settings, name=f"layer {self.layer_number}", module=self, keep=tuple(keep))
         else:
             return super().forward(*args, **kwargs)
-        with scope:
+        with window:
             return super().forward(*args, **kwargs)
 
     def _forward_attention(

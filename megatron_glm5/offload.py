@@ -62,6 +62,7 @@ How this window works:
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -443,6 +444,19 @@ class _Scope:
 
 def _current_scope() -> Optional[_Scope]:
     return _tls.scopes[-1] if _tls.scopes else None
+
+
+_warned_unscoped = False
+
+
+def warn_if_unscoped() -> None:
+    """Warn once when a layer opens its window outside any block scope (a model not built by ``build_model``)."""
+    global _warned_unscoped
+    if not _tls.scopes and not _warned_unscoped:
+        _warned_unscoped = True
+        warnings.warn("activation offload: a GLM layer runs outside a block scope, so its reloads are not prefetched "
+                      "and full-recompute checkpoint inputs stay on the device; call megatron_glm5.offload.attach("
+                      "model) on models not built by megatron_glm5.model.build_model", stacklevel=3)
 
 
 def _enter_scope(module, args) -> None:
