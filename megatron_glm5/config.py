@@ -624,6 +624,12 @@ class RuntimePolicy:
     perform_initialization: bool = True
     init_model_with_meta_device: bool = False
     deterministic_mode: bool = False
+    # Per-layer saved-tensor offload to pinned host memory (megatron_glm5.offload), applied by our layers and
+    # translated by offload.activation_offload_for; never megatron-core's fine_grained_activation_offloading, whose
+    # manager needs CUDA streams and Transformer Engine and never reaches DSA attention.
+    activation_offload: bool = False
+    activation_offload_min_numel: int = 1 << 20  # smaller storages stay on the device (elements)
+    activation_offload_shard_topk: bool = True  # TP ranks keep 1/TP of the (replicated) DSA top-k on the host
 
     def __post_init__(self) -> None:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
@@ -643,6 +649,9 @@ class RuntimePolicy:
             raise ValueError(
                 f"RuntimePolicy.moe_grouped_gemm: expected 'auto', 'on' or 'off', got {self.moe_grouped_gemm!r}"
             )
+        if self.activation_offload_min_numel < 0:
+            raise ValueError(
+                f"RuntimePolicy.activation_offload_min_numel: expected >= 0, got {self.activation_offload_min_numel}")
 
 
 _log = logging.getLogger("megatron_glm5")

@@ -25,7 +25,9 @@ layer, and the recompute of the same node takes it back (:func:`stash_topk` / :f
   no step has to "start clean" and there is nothing to reset;
 * each entry carries a fingerprint of the attention input, compared within a tolerance on device
   (``torch._assert_async``) when it is replayed: recomputed inputs may differ in the last bits (MoE's
-  ``scatter_add_`` is not bitwise deterministic on GPU) but another micro-batch's input fails the check.
+  ``scatter_add_`` is not bitwise deterministic on GPU) but another micro-batch's input fails the check;
+* with activation offload on (:mod:`megatron_glm5.offload`) the kept top-k is held through the layer's offload window:
+  it waits on the host (each TP rank keeping its share) and comes back when the recompute replays it.
 
 megatron-core gives a checkpointed function no handle on its node, so the node is found as the ``ctx`` local of the
 innermost ``CheckpointFunction.forward`` / ``.backward`` frame on this thread's stack (a read-only lookup of a few
@@ -43,6 +45,7 @@ from megatron.core.tensor_parallel.random import CheckpointFunction, is_checkpoi
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import deprecate_inference_params
 
+from . import offload
 from .device_check import check_on_device
 
 _CHECKPOINT_FRAMES = (CheckpointFunction.forward.__code__, CheckpointFunction.backward.__code__)
@@ -99,7 +102,7 @@ def stash_topk(layer: torch.nn.Module, topk: torch.Tensor, attn_input: torch.Ten
     if stash is None:
         stash = {}
         setattr(node, _STASH, stash)
-    stash[layer] = (topk, fingerprint(attn_input))
+    stash[layer] = (offload.hold(topk), fingerprint(attn_input))
     return True
 
 
@@ -110,7 +113,8 @@ def replayed_topk(layer: torch.nn.Module, attn_input: torch.Tensor, layer_number
     entry = getattr(node, _STASH, {}).pop(layer, None) if node is not None else None
     if entry is None:
         return None
-    topk, fp = entry
+    held, fp = entry
+    topk = offload.release(held)
     check_on_device(
         fingerprints_match(fingerprint(attn_input), fp),
         f"layer {layer_number}: the recomputed attention input does not match the one whose DSA top-k is being "
@@ -147,17 +151,56 @@ def dsa_attention(layer, x: torch.Tensor, context: Optional[torch.Tensor], atten
     return out, bias, topk
 
 
-class GLMTransformerLayer(TransformerLayer):
-    """``TransformerLayer`` with DSA top-k routed through ``context`` (see module docstring)."""
+_LAYER_ARGS = ("hidden_states", "attention_mask", "context")  # TransformerLayer.forward's leading parameters
 
-    def __init__(self, *args, **kwargs):
+
+def _layer_arg(name: str, args: tuple, kwargs: dict):
+    if name in kwargs:
+        return kwargs[name]
+    i = _LAYER_ARGS.index(name)
+    return args[i] if len(args) > i else None
+
+
+class GLMTransformerLayer(TransformerLayer):
+    """``TransformerLayer`` with DSA top-k routed through ``context`` (see module docstring), and optionally an
+    activation-offload window around each call (``activation_offload``, :mod:`megatron_glm5.offload`)."""
+
+    def __init__(self, *args, activation_offload: Optional[offload.ActivationOffload] = None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.activation_offload = activation_offload
         if not hasattr(self.self_attention, "computes_topk"):
             raise TypeError(f"GLMTransformerLayer needs a GLM DSA attention, got {type(self.self_attention).__name__}")
         if self.recompute_input_layernorm or self.config.cpu_offloading:
             raise NotImplementedError(
                 "GLM-5.x layers do not support recompute of the input layernorm or CPU offloading yet"
             )
+        if activation_offload is not None and getattr(self.config, "cuda_graph_impl", "none") not in (None, "none"):
+            raise NotImplementedError("activation offload moves tensors at run time and cannot be captured in a CUDA "
+                                      "graph: use cuda_graph_impl='none' with it")
+
+    def forward(self, *args, **kwargs):
+        """megatron-core's layer forward, inside this call's offload window when offload is on: a window of its own
+        in a forward that builds a graph, the checkpoint chunk's window in the first pass of full recompute (what
+        the checkpoint keeps: the chunk's layer input and incoming top-k, plus the top-k kept for the replay), none
+        in the recompute (what it saves is used at once) or without gradients."""
+        settings = self.activation_offload
+        if settings is None or not self.training or in_recompute(True):
+            return super().forward(*args, **kwargs)
+        offload.warn_if_unscoped()
+        hidden_states = _layer_arg("hidden_states", args, kwargs)
+        context = _layer_arg("context", args, kwargs)
+        if in_first_pass(True):
+            window = offload.chunk_window(settings, _checkpoint_node(), name=f"chunk from layer {self.layer_number}",
+                                          inputs=(hidden_states, context))
+        elif torch.is_grad_enabled():
+            # the layer's other inputs (mask, RoPE, padding mask) stay: the caller keeps them alive anyway
+            keep = [v for k, v in kwargs.items() if k not in ("hidden_states", "context")]
+            keep += [a for i, a in enumerate(args) if i >= len(_LAYER_ARGS) or _LAYER_ARGS[i] == "attention_mask"]
+            window = offload.window(settings, name=f"layer {self.layer_number}", module=self, keep=tuple(keep))
+        else:
+            return super().forward(*args, **kwargs)
+        with window:
+            return super().forward(*args, **kwargs)
 
     def _forward_attention(
         self,

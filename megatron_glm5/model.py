@@ -10,6 +10,7 @@ from .config import GLM5Architecture, RuntimePolicy, build_transformer_config, g
 from .cpu import attach_cpu_mode, cpu_mode
 from .device_check import check_on_device
 from .dsa.layout import TokenLayout
+from .offload import activation_offload_for, attach
 from .spec import build_glm5_block_spec, build_glm5_mtp_spec
 
 
@@ -29,8 +30,10 @@ def build_model(
     :func:`megatron_glm5.glm5_next.model.build_model`.
 
     ``config`` overrides the ``MLATransformerConfig`` built from ``arch`` and ``policy`` (Megatron-LM builds its own
-    from flags); ``indexer_types`` defaults to the architecture's IndexShare pattern. On a machine without CUDA the
-    model is built in :func:`~megatron_glm5.cpu.cpu_mode` and runs its forward with TorchDynamo off
+    from flags); ``indexer_types`` defaults to the architecture's IndexShare pattern. Activation offload
+    (:mod:`megatron_glm5.offload`) is on when ``policy.activation_offload`` is, or megatron-core's
+    ``fine_grained_activation_offloading`` names an attention module in ``offload_modules``. On a machine without
+    CUDA the model is built in :func:`~megatron_glm5.cpu.cpu_mode` and runs its forward with TorchDynamo off
     (:func:`~megatron_glm5.cpu.attach_cpu_mode`); nothing else of the process changes.
     """
     from megatron.core import parallel_state as ps
@@ -49,8 +52,10 @@ def build_model(
     if post_process is None:
         post_process = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     types = tuple(indexer_types) if indexer_types is not None else arch.indexer_types
-    block = build_glm5_block_spec(config, backend=backend, vp_stage=vp_stage, indexer_types=types)
-    mtp = build_glm5_mtp_spec(config, backend=backend)
+    offload = activation_offload_for(config, policy)
+    block = build_glm5_block_spec(config, backend=backend, vp_stage=vp_stage, indexer_types=types,
+                                  activation_offload=offload)
+    mtp = build_glm5_mtp_spec(config, backend=backend, activation_offload=offload)
     with cpu_mode():
         model = GPTModel(
             config=config,
@@ -63,6 +68,8 @@ def build_model(
         )
     if config.context_parallel_size == 1:  # under CP, position ids are each rank's zigzag shard
         model.register_forward_pre_hook(check_position_ids, with_kwargs=True)
+    if offload is not None:  # block scopes: prefetch order, and the checkpoint inputs under full recompute
+        attach(model)
     return attach_cpu_mode(model)
 
 

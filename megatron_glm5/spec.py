@@ -40,6 +40,7 @@ from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from .config import INDEXER_K_NORM_EPS, GLM5ConfigError, load_hf_config, resolve_indexer_types
 from .dsa.attention import GLMAbsorbedMLASelfAttention, GLMSparseAttention
 from .layer import GLMTransformerLayer
+from .offload import ActivationOffload, activation_offload_for
 from .providers import default_provider
 from .tilelang_attention import TileLangMLASelfAttention, TileLangSparseAttention
 
@@ -281,7 +282,8 @@ def _local_layer_ids(config, vp_stage: int | None, pp_rank: int | None = None) -
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _layer_spec(config, provider, backend: AttentionBackend, indexer_type: str, moe: bool) -> ModuleSpec:
+def _layer_spec(config, provider, backend: AttentionBackend, indexer_type: str, moe: bool,
+                offload: ActivationOffload | None = None) -> ModuleSpec:
     if moe:
         mlp = get_moe_module_spec_for_backend(
             backend=provider, num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm
@@ -290,6 +292,7 @@ def _layer_spec(config, provider, backend: AttentionBackend, indexer_type: str, 
         mlp = get_mlp_module_spec_for_backend(backend=provider, num_experts=None)
     return ModuleSpec(
         module=GLMTransformerLayer,
+        params={"activation_offload": offload} if offload is not None else {},
         submodules=TransformerLayerSubmodules(
             input_layernorm=provider.layer_norm(rms_norm=True),
             self_attention=backend.build(config, provider, indexer_type),
@@ -318,8 +321,11 @@ def build_glm5_block_spec(
     indexer_types: Sequence[str] | None = None,
     provider=None,
     pp_rank: int | None = None,
+    activation_offload: ActivationOffload | None = None,
 ) -> TransformerBlockSubmodules:
-    """This stage's decoder block spec (see module docstring). ``pp_rank`` defaults to megatron-core's."""
+    """This stage's decoder block spec (see module docstring). ``pp_rank`` defaults to megatron-core's.
+    ``activation_offload``: the layers' offload window (:mod:`megatron_glm5.offload`); None takes it from
+    megatron-core's ``fine_grained_activation_offloading`` / ``offload_modules`` (Megatron-LM's flags)."""
     check_glm5_numerics(config)
     check_runtime_dependencies(config)
     args = _megatron_lm_args()
@@ -335,16 +341,19 @@ def build_glm5_block_spec(
     local = _local_layer_ids(config, vp_stage, pp_rank)
     validate_stage_layers(types, local, config)
     moe = _moe_pattern(config)
-    layers = [_layer_spec(config, provider, chosen, types[i], bool(moe[i])) for i in local]
+    offload = activation_offload if activation_offload is not None else activation_offload_for(config)
+    layers = [_layer_spec(config, provider, chosen, types[i], bool(moe[i]), offload) for i in local]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=provider.layer_norm(rms_norm=True))
 
 
-def build_glm5_mtp_spec(config, *, backend: str = "megatron", provider=None):
+def build_glm5_mtp_spec(config, *, backend: str = "megatron", provider=None,
+                        activation_offload: ActivationOffload | None = None):
     """MTP block spec: each MTP layer is a full MoE decoder layer with its own indexer (never shared)."""
     if not config.mtp_num_layers:
         return None
     provider = provider or default_provider()
-    inner = _layer_spec(config, provider, get_backend(backend), "full", bool(config.num_moe_experts))
+    offload = activation_offload if activation_offload is not None else activation_offload_for(config)
+    inner = _layer_spec(config, provider, get_backend(backend), "full", bool(config.num_moe_experts), offload)
     layer = get_mtp_layer_spec_for_backend(mtp_model_layer_spec=inner, backend=provider)
     return MultiTokenPredictionBlockSubmodules(layer_specs=[layer] * config.mtp_num_layers)
 

@@ -40,6 +40,7 @@ from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
 
+from . import offload
 from .dsa import reference
 from .dsa.attention import DSACoreAttention, rebuild_down_projections, with_mcore_down_projections
 from .dsa.layout import TokenLayout
@@ -216,6 +217,7 @@ class TileLangMLASelfAttention(MLASelfAttention):
         topk = dsa_topk
         if topk is None:
             topk = self.core_attention.compute_topk(x, q_c, layout, rope_q, rope_k, gather)
+            offload.mark_replicated(topk, self.pg_collection.tp)  # every TP rank ran the whole indexer
         else:
             self.core_attention.check_topk(topk, layout, bounds=not dsa_topk_trusted)
 

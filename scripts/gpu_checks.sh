@@ -3,6 +3,7 @@
 #   source .gpu/install.sh && bash scripts/gpu_checks.sh OUT_DIR STEP...
 # Steps: precompile (fill TileLang's disk cache in parallel), kernels (tests/gpu/test_kernels_gpu.py), backends
 # (tests/gpu/test_backends_gpu.py), hardening (tests/gpu/test_hardening_gpu.py), lora (tests/gpu/test_lora_gpu.py),
+# offload (tests/gpu/test_offload_gpu.py), bench_offload (longest sequence with / without activation offload),
 # bench_kernels, bench_flash (KPool selection and NoPE sparse MLA), bench_layer,
 # pretrain_megatron, pretrain_tilelang (python -m megatron_glm5.pretrain), pretrain_gpt_client (Megatron-LM's own
 # pretrain_gpt.py with both specs: the client in shared/clients/megatron_lm, copied into .mlm/ and carried),
@@ -31,6 +32,8 @@ for step in "$@"; do
     lora) run lora 200 python3 -m pytest tests/gpu/test_lora_gpu.py -q -s -p no:cacheprovider ;;
     bench_flash) run bench_flash 200 python3 scripts/bench/bench_dsa_kernels.py --sections kpool,nope --out "$OUT_DIR/flash_kernels.md" ;;
     hardening) run hardening 240 python3 -m pytest tests/gpu/test_hardening_gpu.py -q -s -p no:cacheprovider ;;
+    offload) run offload 300 python3 -m pytest tests/gpu/test_offload_gpu.py -q -s -p no:cacheprovider ;;
+    bench_offload) run bench_offload 590 python3 scripts/bench/bench_offload.py --out "$OUT_DIR/offload.md" ${BENCH_ARGS:-} ;;
     pretrain_gpt_client) TAIL=12 run pretrain_gpt_client 420 bash .mlm/run_pretrain_gpt.sh ;;
     bench_kernels) run bench_kernels 300 python3 scripts/bench/bench_dsa_kernels.py --out "$OUT_DIR/kernels.md" ${BENCH_ARGS:-} ;;
     bench_step) TAIL=40 run bench_step 480 python3 scripts/bench/bench_step.py --out "$OUT_DIR/step.md" --timeout 200 ${BENCH_STEP_ARGS:-} ;;

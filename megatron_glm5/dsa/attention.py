@@ -31,6 +31,7 @@ from megatron.core.transformer.experimental_attention_variant.dsa import DSAtten
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
+from .. import offload
 from ..device_check import check_on_device
 from ..lora import linear_weight
 from . import reference
@@ -315,6 +316,7 @@ class GLMAbsorbedMLASelfAttention(AbsorbedMLASelfAttention):
         topk = dsa_topk
         if topk is None:
             topk = self.core_attention.compute_topk(hidden_states, q_compressed, packed_seq_params, layout)
+            offload.mark_replicated(topk, self.pg_collection.tp)  # every TP rank ran the whole indexer
         else:
             self.core_attention.check_topk(topk, layout, bounds=not dsa_topk_trusted)
 

@@ -12,6 +12,7 @@ from typing import Sequence
 
 from megatron_glm5.config import RuntimePolicy
 from megatron_glm5.cpu import attach_cpu_mode, cpu_mode
+from megatron_glm5.offload import activation_offload_for
 
 from .config import GLM5NextArchitecture
 from .mcore_config import build_transformer_config
@@ -47,6 +48,10 @@ def build_model(
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     config = config if config is not None else build_transformer_config(arch, policy, kda_kernel=kda_kernel)
+    if activation_offload_for(config, policy) is not None:
+        raise NotImplementedError(
+            "activation offload (RuntimePolicy.activation_offload, or --fine-grained-activation-offloading with an "
+            "attention module in --offload-modules) is implemented for GLM-5.x layers, not GLM-5.3-Flash yet")
     if pre_process is None:
         pre_process = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     if post_process is None:
