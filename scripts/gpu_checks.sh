@@ -32,6 +32,8 @@ for step in "$@"; do
     lora) run lora 200 python3 -m pytest tests/gpu/test_lora_gpu.py -q -s -p no:cacheprovider ;;
     bench_flash) run bench_flash 200 python3 scripts/bench/bench_dsa_kernels.py --sections kpool,nope --out "$OUT_DIR/flash_kernels.md" ;;
     hardening) run hardening 240 python3 -m pytest tests/gpu/test_hardening_gpu.py -q -s -p no:cacheprovider ;;
+    grouped) run grouped 120 python3 -m pytest tests/gpu/test_grouped_experts_gpu.py -q -s -p no:cacheprovider ;;
+    bench_grouped) run bench_grouped 120 python3 scripts/bench/bench_grouped_experts.py --out "$OUT_DIR/grouped.md" ;;
     offload) run offload 300 python3 -m pytest tests/gpu/test_offload_gpu.py -q -s -p no:cacheprovider ;;
     bench_offload) run bench_offload 590 python3 scripts/bench/bench_offload.py --out "$OUT_DIR/offload.md" ${BENCH_ARGS:-} ;;
     pretrain_gpt_client) TAIL=12 run pretrain_gpt_client 420 bash .mlm/run_pretrain_gpt.sh ;;
