@@ -19,9 +19,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import json
 import os
 import statistics
 import subprocess
+import sys
+import tempfile
 import time
 
 import torch
@@ -144,16 +147,33 @@ def main() -> None:
     p.add_argument("--settings", choices=["both", "no-offload", "offload"], default="both",
                    help="run one setting only (e.g. to split the benchmark across two time-limited runs)")
     p.add_argument("--out", default=None)
+    p.add_argument("--results-json", default=None, help=argparse.SUPPRESS)  # one setting's results, for "both"
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_offload.py needs a CUDA device")
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     from megatron_glm5.parallel import destroy_model_parallel, initialize_model_parallel
 
-    initialize_model_parallel()
     budget = _host_budget_gb(args.host_budget_gb)
     results = {}
-    chosen = {"both": (False, True), "no-offload": (False,), "offload": (True,)}[args.settings]
+    if args.settings == "both":
+        # each setting in its own process: a model deleted in-process did not give all of its memory back (the
+        # second setting's peaks read 26 GB high on the H200)
+        for setting, label in (("no-offload", "no offload"), ("offload", "offload")):
+            with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+                argv = [a for a in sys.argv[1:] if not a.startswith(("--out=", "--settings="))]
+                for flag in ("--out", "--settings"):
+                    while flag in argv:
+                        i = argv.index(flag)
+                        del argv[i:i + 2]
+                subprocess.run([sys.executable, __file__, *argv, "--settings", setting, "--results-json", tmp.name],
+                               check=True)
+                got = json.load(open(tmp.name))
+            results[label] = dict(best=got["best"], rows=[(seq, r) for seq, r in got["rows"]],
+                                  times={int(k): v for k, v in got["times"].items()})
+    else:
+        initialize_model_parallel()
+    chosen = {"both": (), "no-offload": (False,), "offload": (True,)}[args.settings]
     for offload_on in chosen:
         label = "offload" if offload_on else "no offload"
         print(f"[{label}] building the model", flush=True)
@@ -165,7 +185,13 @@ def main() -> None:
         results[label] = dict(best=best, rows=rows, times=times)
         del model
         release()
-    destroy_model_parallel()
+    if chosen:
+        destroy_model_parallel()
+    if args.results_json:
+        (label,) = results
+        with open(args.results_json, "w") as f:
+            json.dump(results[label], f)
+        return
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = [
