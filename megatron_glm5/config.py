@@ -668,8 +668,10 @@ def resolve_policy(policy: RuntimePolicy, env: RuntimeEnvironment | None = None)
         backend = "tilelang" if (env.mcore_tilelang_kernels and policy.params_dtype == torch.bfloat16) else "none"
     fusions = env.cuda if policy.fusions is None else policy.fusions
     grouped = policy.moe_grouped_gemm
-    if grouped == "auto":  # TorchGroupedMLP: torch's grouped_mm runs bf16 on CUDA (elsewhere it would loop anyway)
-        grouped = "on" if env.cuda and policy.params_dtype == torch.bfloat16 and not env.transformer_engine else "off"
+    if grouped == "auto":  # TorchGroupedMLP: torch's grouped_mm runs bf16 on CUDA (elsewhere it would loop anyway);
+        # deterministic_mode keeps SequentialMLP, whose bitwise run-to-run equality is what was verified on the GPU
+        grouped = ("on" if env.cuda and policy.params_dtype == torch.bfloat16 and not env.transformer_engine
+                   and not policy.deterministic_mode else "off")
     resolved = dataclasses.replace(policy, dsa_kernel_backend=backend, fusions=fusions, moe_grouped_gemm=grouped)
     why = ("CUDA, megatron-core TileLang DSA kernels importable, bf16" if backend == "tilelang"
            else "no CUDA" if not env.cuda else "no megatron-core TileLang DSA kernels" if not env.mcore_tilelang_kernels

@@ -387,6 +387,9 @@ def test_policy_auto_turns_grouped_gemm_on_for_cuda_bf16_without_te():
     cpu = RuntimeEnvironment(cuda=False, mcore_tilelang_kernels=False, apex_gradient_accumulation_fusion=False)
     assert resolve_policy(RuntimePolicy(), gpu).moe_grouped_gemm == "on"
     assert resolve_policy(RuntimePolicy(), gpu_te).moe_grouped_gemm == "off"
+    # deterministic mode keeps the GPU-verified bitwise-reproducible SequentialMLP unless asked otherwise
+    assert resolve_policy(RuntimePolicy(deterministic_mode=True), gpu).moe_grouped_gemm == "off"
+    assert resolve_policy(RuntimePolicy(deterministic_mode=True, moe_grouped_gemm="on"), gpu).moe_grouped_gemm == "on"
     assert resolve_policy(RuntimePolicy(moe_grouped_gemm="on"), gpu_te).moe_grouped_gemm == "on"
     assert runtime_kwargs(RuntimePolicy(), gpu)["moe_grouped_gemm"] is True
     assert runtime_kwargs(RuntimePolicy(params_dtype=torch.float32), gpu)["moe_grouped_gemm"] is False
