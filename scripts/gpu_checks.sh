@@ -38,7 +38,7 @@ for step in "$@"; do
     bench_offload) run bench_offload 590 python3 scripts/bench/bench_offload.py --out "$OUT_DIR/offload.md" ${BENCH_ARGS:-} ;;
     pretrain_gpt_client) TAIL=12 run pretrain_gpt_client 420 bash .mlm/run_pretrain_gpt.sh ;;
     bench_kernels) run bench_kernels 300 python3 scripts/bench/bench_dsa_kernels.py --out "$OUT_DIR/kernels.md" ${BENCH_ARGS:-} ;;
-    bench_step) TAIL=40 run bench_step 480 python3 scripts/bench/bench_step.py --out "$OUT_DIR/step.md" --timeout 200 ${BENCH_STEP_ARGS:-} ;;
+    bench_step) TAIL=40 run bench_step 560 python3 scripts/bench/bench_step.py --out "$OUT_DIR/step.md" --timeout 120 --profile-variants tilelang,tilelang-grouped ${BENCH_STEP_ARGS:-} ;;
     bench_layer) run bench_layer 180 python3 scripts/bench/bench_glm5_layer.py --out "$OUT_DIR/layer.md" ;;
     pretrain_megatron) run pretrain_megatron 150 bash examples/pretrain_glm5_tiny.sh megatron ;;
     pretrain_tilelang) run pretrain_tilelang 150 bash examples/pretrain_glm5_tiny.sh tilelang ;;

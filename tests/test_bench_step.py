@@ -279,7 +279,8 @@ def fake_runs(tmp_path, monkeypatch):
     mlm = tmp_path / "mlm"
     mlm.mkdir()
     (mlm / "pretrain_gpt.py").write_text("")
-    return ["--mlm", str(mlm), "--out", str(tmp_path / "out" / "step.md"), "--iters", "6", "--skip", "2"]
+    return ["--mlm", str(mlm), "--out", str(tmp_path / "out" / "step.md"), "--iters", "6", "--skip", "2",
+            "--variants", "tilelang,mcore-kernels"]
 
 
 def test_main_writes_the_report(fake_runs, tmp_path):

@@ -109,7 +109,7 @@ VARIANTS = {
                 "(b) with grouped-GEMM experts (`TorchGroupedMLP`)"),
     )
 }
-DEFAULT_VARIANTS = "tilelang,mcore-kernels"
+DEFAULT_VARIANTS = "tilelang,mcore-kernels,tilelang-grouped"
 BASELINE = "mcore-kernels"  # the ratio column is speed relative to this one
 
 # The slice, as Megatron-LM flags. GLM numerics flags as in the client's glm5_flags.sh.
