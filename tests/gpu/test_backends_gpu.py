@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from megatron_glm5.parallel import destroy_model_parallel
 
 pytestmark = pytest.mark.gpu
 
@@ -25,17 +24,11 @@ SEQ = 1024  # > index_topk 256 of small_glm52_config
 
 
 @pytest.fixture(scope="module")
-def models():
-    from megatron.core import parallel_state as ps
-
+def models(parallel):
     from megatron_glm5.config import RuntimePolicy, parse_hf_config
     from megatron_glm5.model import build_model
-    from megatron_glm5.parallel import initialize_model_parallel
     from megatron_glm5.testing import small_glm52_config
 
-    if ps.model_parallel_is_initialized():
-        destroy_model_parallel()
-    initialize_model_parallel()
     arch = parse_hf_config(small_glm52_config())
     policy = RuntimePolicy(params_dtype=torch.bfloat16, dsa_kernel_backend="tilelang", use_cpu_initialization=True)
     torch.manual_seed(0)
@@ -49,7 +42,6 @@ def models():
 
     tile = fresh("tilelang")
     yield arch, mega, tile, fresh
-    destroy_model_parallel()
 
 
 def _batch(arch, seed, batch=2):

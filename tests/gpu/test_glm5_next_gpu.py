@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from megatron_glm5.parallel import destroy_model_parallel
 
 pytestmark = pytest.mark.gpu
 
@@ -92,19 +91,6 @@ def test_fla_chunk_kda_matches_torch_reference(dtype, varlen):
           + ", ".join(f"{k} {v:.1e}" for k, v in ref_errs.items()))
     assert max(ref_errs.values()) <= 1e-4
     assert max(fla_errs.values()) <= bound, fla_errs
-
-
-@pytest.fixture(scope="module")
-def parallel():
-    from megatron.core import parallel_state as ps
-
-    from megatron_glm5.parallel import initialize_model_parallel
-
-    if ps.model_parallel_is_initialized():
-        destroy_model_parallel()
-    initialize_model_parallel()
-    yield
-    destroy_model_parallel()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -20,24 +20,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_glm5.parallel import destroy_model_parallel
 
 pytestmark = pytest.mark.gpu
 
 COUNTS = [300, 0, 517, 128, 64, 1, 700, 256, 0, 333, 412, 90, 150, 222, 48, 379]  # 16 experts, two empty
-
-
-@pytest.fixture(scope="module")
-def parallel():
-    from megatron.core import parallel_state as ps
-
-    from megatron_glm5.parallel import initialize_model_parallel
-
-    if ps.model_parallel_is_initialized():
-        destroy_model_parallel()
-    initialize_model_parallel()
-    yield
-    destroy_model_parallel()
 
 
 def _experts(dtype=torch.bfloat16):

@@ -17,23 +17,9 @@ import warnings
 
 import pytest
 import torch
-from megatron_glm5.parallel import destroy_model_parallel
 
 pytestmark = pytest.mark.gpu
 SEQ = 1024  # > index_topk 256 of small_glm52_config
-
-
-@pytest.fixture(scope="module")
-def parallel():
-    from megatron.core import parallel_state as ps
-
-    from megatron_glm5.parallel import initialize_model_parallel
-
-    if ps.model_parallel_is_initialized():
-        destroy_model_parallel()
-    initialize_model_parallel()
-    yield
-    destroy_model_parallel()
 
 
 @pytest.fixture(scope="module")

@@ -11,23 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_glm5.parallel import destroy_model_parallel
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 SEQ = 8192
-
-
-@pytest.fixture(scope="module")
-def parallel():
-    from megatron.core import parallel_state as ps
-
-    from megatron_glm5.parallel import initialize_model_parallel
-
-    if ps.model_parallel_is_initialized():
-        destroy_model_parallel()
-    initialize_model_parallel()
-    yield
-    destroy_model_parallel()
 
 
 def _step(model, ids, pos) -> tuple[int, dict[str, torch.Tensor]]:

@@ -22,23 +22,9 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS ini
 
 import pytest
 import torch
-from megatron_glm5.parallel import destroy_model_parallel
 
 pytestmark = pytest.mark.gpu
 LENGTHS = (1100, 700, 300)  # index_topk of small_glm52_config is 256
-
-
-@pytest.fixture(scope="module")
-def parallel():
-    from megatron.core import parallel_state as ps
-
-    from megatron_glm5.parallel import initialize_model_parallel
-
-    if ps.model_parallel_is_initialized():
-        destroy_model_parallel()
-    initialize_model_parallel()
-    yield
-    destroy_model_parallel()
 
 
 def _step(path, ids, cu, adv, replay):
