@@ -60,3 +60,26 @@ def model_parallel(gloo_world):
     init()
     yield init
     destroy_model_parallel()
+
+
+@pytest.fixture
+def indexer_calls(monkeypatch):
+    """Count indexer runs of both backends (test-only instrumentation): ``calls[0]``."""
+    from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexer
+
+    from megatron_glm5.tilelang_attention import TileLangSparseAttention
+
+    calls = [0]
+
+    def counting(cls, name):
+        original = getattr(cls, name)
+
+        def counted(self, *args, **kwargs):
+            calls[0] += 1
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, name, counted)
+
+    counting(DSAIndexer, "forward_before_topk")  # the megatron backend's indexer
+    counting(TileLangSparseAttention, "compute_topk")  # the tilelang backend's indexer
+    return calls

@@ -11,14 +11,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexer
 
 from megatron_glm5 import offload
 from megatron_glm5.config import RuntimePolicy, parse_hf_config
 from megatron_glm5.model import build_model, default_cpu_policy
 from megatron_glm5.offload import ActivationOffload, activation_offload_for
 from megatron_glm5.testing import tiny_glm52_config
-from megatron_glm5.tilelang_attention import TileLangSparseAttention
 
 from .distributed import run_torchrun
 
@@ -27,25 +25,6 @@ FULL_1 = dict(recompute_granularity="full", recompute_method="uniform", recomput
 FULL_2 = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)
 BLOCK_1 = dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=1)
 SELECTIVE = dict(recompute_granularity="selective", recompute_modules=["core_attn"])
-
-
-@pytest.fixture
-def indexer_calls(monkeypatch):
-    """Count indexer runs of both backends (test-only instrumentation)."""
-    calls = [0]
-
-    def counting(cls, name):
-        original = getattr(cls, name)
-
-        def counted(self, *args, **kwargs):
-            calls[0] += 1
-            return original(self, *args, **kwargs)
-
-        monkeypatch.setattr(cls, name, counted)
-
-    counting(DSAIndexer, "forward_before_topk")
-    counting(TileLangSparseAttention, "compute_topk")
-    return calls
 
 
 def _pair(backend: str, recompute: dict, **config):

@@ -10,35 +10,14 @@ import weakref
 
 import pytest
 import torch
-from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexer
 
 from megatron_glm5.config import parse_hf_config
 from megatron_glm5.layer import fingerprint, fingerprints_match
 from megatron_glm5.model import build_model, default_cpu_policy
 from megatron_glm5.testing import tiny_glm52_config
-from megatron_glm5.tilelang_attention import TileLangSparseAttention
 
 SEQ = 48  # > index_topk (16): DSA is sparse
 BACKENDS = ["megatron", "tilelang"]
-
-
-@pytest.fixture
-def indexer_calls(monkeypatch):
-    """Count indexer runs of both backends (test-only instrumentation)."""
-    calls = [0]
-
-    def counting(cls, name):
-        original = getattr(cls, name)
-
-        def counted(self, *args, **kwargs):
-            calls[0] += 1
-            return original(self, *args, **kwargs)
-
-        monkeypatch.setattr(cls, name, counted)
-
-    counting(DSAIndexer, "forward_before_topk")  # the megatron backend's indexer
-    counting(TileLangSparseAttention, "compute_topk")  # the tilelang backend's indexer
-    return calls
 
 
 def _grads(model, microbatches, interleaved: bool) -> dict[str, torch.Tensor]:

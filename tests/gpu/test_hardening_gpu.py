@@ -32,14 +32,11 @@ def small_checkpoint(tmp_path_factory):
 
 
 @pytest.mark.parametrize("backend", ["megatron", "tilelang"])
-def test_uniform_recompute_of_two_layer_chunks_with_top4_routing(parallel, backend, monkeypatch):
-    from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexer
-
+def test_uniform_recompute_of_two_layer_chunks_with_top4_routing(parallel, backend, monkeypatch, indexer_calls):
     from megatron_glm5 import layer as layer_mod
     from megatron_glm5.config import RuntimePolicy, parse_hf_config
     from megatron_glm5.model import build_model
     from megatron_glm5.testing import small_glm52_config
-    from megatron_glm5.tilelang_attention import TileLangSparseAttention
 
     # every layer MoE and layers 0-2 full: chunk [0, 1]'s second layer is a full layer whose input is recomputed
     # through layer 0's MoE
@@ -52,15 +49,7 @@ def test_uniform_recompute_of_two_layer_chunks_with_top4_routing(parallel, backe
                                             recompute_num_layers=2), backend=backend).cuda()
     model.load_state_dict(reference.state_dict())
 
-    calls, replays = [0], {"total": 0, "inexact": 0}
-    for cls, name in ((DSAIndexer, "forward_before_topk"), (TileLangSparseAttention, "compute_topk")):
-        original = getattr(cls, name)
-
-        def counted(self, *a, _orig=original, **k):
-            calls[0] += 1
-            return _orig(self, *a, **k)
-
-        monkeypatch.setattr(cls, name, counted)
+    calls, replays = indexer_calls, {"total": 0, "inexact": 0}
     original_replay = layer_mod.replayed_topk
 
     def watching(layer, attn_input, layer_number):
