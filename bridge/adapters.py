@@ -503,8 +503,9 @@ def export_peft_adapter(model, out_dir: str | Path, *, hf_config: Mapping | str 
     rank 0's report (None on other ranks)."""
     from megatron_glm5.lora import lora_config
 
-    from .launch import all_ok, barrier, broadcast_object, world
-    from .output import discard_partial, staging_dir
+    from .inmemory import shared_staging_dir
+    from .launch import barrier, world
+    from .output import discard_partial
 
     raw, arch = _model_arch(model, hf_config)
     config = lora_config(model)
@@ -512,16 +513,7 @@ def export_peft_adapter(model, out_dir: str | Path, *, hf_config: Mapping | str 
         raise BridgeError("the model has no LoRA adapters (megatron_glm5.lora.add_lora)")
     rank, _ = world()
     out = Path(out_dir)
-    tmp, error = None, None
-    if rank == 0:
-        try:
-            tmp = staging_dir(out, overwrite=overwrite, work_dir=work_dir)
-        except BridgeError as e:
-            error = e
-    all_ok(error is None, str(error))
-    if error is not None:
-        raise error
-    tmp = Path(broadcast_object(str(tmp) if rank == 0 else None))
+    tmp = shared_staging_dir(out, overwrite=overwrite, work_dir=work_dir)
     report = None
     try:
         write_adapter_checkpoint(model, tmp, hf_config=raw)

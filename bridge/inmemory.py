@@ -47,6 +47,22 @@ from .progress import Progress
 HF_CONFIG_ATTR = "glm5_hf_config"  # raw config.json kept on models built by from_hf_pretrained, for export_hf
 
 
+def shared_staging_dir(final: Path, *, overwrite: bool, work_dir: str | Path | None) -> Path:
+    """Rank 0 checks ``final`` and makes its hidden staging directory (:func:`~bridge.output.staging_dir`); every
+    rank gets the path, or the same error (no rank is left waiting in a later collective)."""
+    rank, _ = world()
+    tmp, error = None, None
+    if rank == 0:
+        try:
+            tmp = staging_dir(final, overwrite=overwrite, work_dir=work_dir)
+        except BridgeError as e:
+            error = e
+    all_ok(error is None, str(error))
+    if error is not None:
+        raise error
+    return Path(broadcast_object(str(tmp) if rank == 0 else None))
+
+
 @torch.no_grad()
 def load_hf_weights(model, hf_path: str | Path, *, progress: bool | None = False,
                     num_layers: int | None = None) -> dict:
@@ -139,16 +155,8 @@ def export_hf(
         plan = sharded_boxes(model, expansion, dtype_of, keep_data=True)
     merged = MergedWeights(model) if adapted else (lambda t: t)
     rank, _ = world()
-    tmp, error = None, None
-    if rank == 0:  # the output checks before the (large) temporary checkpoint is written, not after
-        try:
-            tmp = staging_dir(Path(hf_path), overwrite=overwrite, work_dir=work_dir)
-        except BridgeError as e:
-            error = e
-    all_ok(error is None, str(error))
-    if error is not None:
-        raise error
-    tmp = Path(broadcast_object(str(tmp) if rank == 0 else None))
+    # the output checks before the (large) temporary checkpoint is written, not after
+    tmp = shared_staging_dir(Path(hf_path), overwrite=overwrite, work_dir=work_dir)
     if rank == 0:
         meta = {"format_version": FORMAT_VERSION, "hf_config": raw, "expert_layout": expert_layout,
                 "source_fp8": False, "hf_source": "in-memory model"}
