@@ -104,12 +104,15 @@ class TileLangSparseAttention(DSACoreAttention):
         self.index_dim = config.dsa_indexer_head_dim
         self.rope_dim = config.qk_pos_emb_head_dim
 
-    @torch.no_grad()
-    def compute_topk(self, x: torch.Tensor, q_c: torch.Tensor, layout: TokenLayout, rope_q, rope_k,
-                     gather: "SequenceGather") -> torch.Tensor:
-        """Indexer on this rank's rows (``x [s_l, b, h]``, normalised ``q_c [s_l, b, q_lora]``), its compact outputs
-        gathered along the sequence, then causal top-k: int32 ``[T_q, index_topk]`` key rows, -1 tail padding."""
+    def indexer_rows(self, x: torch.Tensor, q_c: torch.Tensor, layout: TokenLayout, rope_q, rope_k,
+                     gather: "SequenceGather") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Indexer on this rank's rows (``x [s_l, b, h]``, normalised ``q_c [s_l, b, q_lora]``, both detached: the LM
+        loss never reaches the indexer), its compact outputs gathered along the sequence (autograd-aware) and
+        flattened: ``(q [T_q, Hi, Di], k [T_k, Di], w [T_q, Hi] fp32)``, RoPE applied."""
+        if self.indexer is None:
+            raise RuntimeError(f"layer {self.layer_number} is an IndexShare 'shared' layer and has no indexer")
         idx = self.indexer
+        x, q_c = x.detach(), q_c.detach()
         s_l, b = x.shape[:2]
         q, _ = idx.linear_wq_b(q_c)
         q = q.view(s_l, b, self.index_heads, self.index_dim)
@@ -121,6 +124,11 @@ class TileLangSparseAttention(DSACoreAttention):
         r = self.rope_dim
         q = torch.cat([apply_interleaved_rope(q[..., :r], *rope_q), q[..., r:]], dim=-1)  # [T_q, Hi, Di]
         k = torch.cat([apply_interleaved_rope(k[..., :r], *rope_k), k[..., r:]], dim=-1).to(q.dtype)  # [T_k, Di]
+        return q, k, w
+
+    @torch.no_grad()
+    def select(self, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+        """Causal top-k of flattened indexer rows: int32 ``[T_q, index_topk]`` key rows, -1 tail padding."""
         if _kernels_apply(q):
             from . import kernels
 
@@ -129,6 +137,22 @@ class TileLangSparseAttention(DSACoreAttention):
         else:
             topk = reference.indexer_topk(q, k, w, layout.starts, layout.ends, self.index_topk)
         return reference.pad_topk(topk, self.index_topk)
+
+    @torch.no_grad()
+    def compute_topk(self, x: torch.Tensor, q_c: torch.Tensor, layout: TokenLayout, rope_q, rope_k,
+                     gather: "SequenceGather") -> torch.Tensor:
+        """Indexer (no gradient) then causal top-k."""
+        return self.select(*self.indexer_rows(x, q_c, layout, rope_q, rope_k, gather), layout)
+
+    def topk_and_loss(self, x, q_c, layout: TokenLayout, rope_q, rope_k, gather: "SequenceGather",
+                      query: torch.Tensor, kv: torch.Tensor,
+                      topk: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A training call with the indexer loss on: the top-k (selected here, or ``topk`` replayed by activation
+        recompute) and the loss (:meth:`indexer_loss`)."""
+        q, k, w = self.indexer_rows(x, q_c, layout, rope_q, rope_k, gather)
+        if topk is None:
+            topk = self.select(q.detach(), k.detach(), w.detach(), layout)
+        return topk, self.indexer_loss(q, k, w, query, kv, topk, layout)
 
     def forward(self, query: torch.Tensor, kv: torch.Tensor, topk: torch.Tensor, softmax_scale: float,
                 d_v: int) -> torch.Tensor:
@@ -214,18 +238,24 @@ class TileLangMLASelfAttention(MLASelfAttention):
         query = torch.cat([torch.einsum("thd,hdc->thc", q_nope, w_kc), q_pe], dim=-1)  # [T_q, H, 576]
         kv_full = torch.cat([layout.flatten_keys(c), k_pe], dim=-1)  # [T_k, 576]
 
-        topk = dsa_topk
-        if topk is None:
-            topk = self.core_attention.compute_topk(x, q_c, layout, rope_q, rope_k, gather)
+        sparse = self.core_attention
+        topk, loss = dsa_topk, None
+        if topk is not None:
+            sparse.check_topk(topk, layout, bounds=not dsa_topk_trusted)
+        if sparse.loss_active():
+            topk, loss = sparse.topk_and_loss(x, q_c, layout, rope_q, rope_k, gather, query, kv_full, topk)
+        elif topk is None:
+            topk = sparse.compute_topk(x, q_c, layout, rope_q, rope_k, gather)
+        if dsa_topk is None:
             offload.mark_replicated(topk, self.pg_collection.tp)  # every TP rank ran the whole indexer
-        else:
-            self.core_attention.check_topk(topk, layout, bounds=not dsa_topk_trusted)
 
-        core = (lambda q_, kv_, t_: self.core_attention(q_, kv_, t_, self.softmax_scale, cfg.kv_lora_rank))
-        if self.checkpoint_core_attention and self.training:
+        core = (lambda q_, kv_, t_: sparse(q_, kv_, t_, self.softmax_scale, cfg.kv_lora_rank))
+        if sparse.loss.warmup:  # dense main attention, frozen: only the indexer trains
+            latent = sparse.dense_latent(query, kv_full, layout, cfg.kv_lora_rank)
+        elif self.checkpoint_core_attention and self.training:
             latent = tensor_parallel.checkpoint(core, False, query, kv_full, topk)
         else:
             latent = core(query, kv_full, topk)  # [T, H, kv_lora_rank]
         out = torch.einsum("thc,hdc->thd", latent, w_vc.to(latent.dtype)).reshape(layout.num_rows, -1)
         output, bias = self.linear_proj(layout.unflatten(out))
-        return output, bias, topk
+        return sparse.attach_loss(output, loss), bias, topk
