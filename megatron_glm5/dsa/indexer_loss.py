@@ -135,6 +135,26 @@ def _dense_target_chunk(query_c: torch.Tensor, kv_window: torch.Tensor, valid: t
     return _normalise_(_all_reduce(probs, tp_group))
 
 
+@torch.no_grad()
+def sparse_index_scores(qi: torch.Tensor, ki: torch.Tensor, w: torch.Tensor, topk: torch.Tensor, *,
+                        budget_bytes: int = DEFAULT_BUDGET_BYTES) -> torch.Tensor:
+    """Index scores of each row's selected keys, fp32 ``[T, K]``: ``sum_h w[t, h] * relu(qi[t, h] . ki[topk[t, k]])``,
+    ``-inf`` on -1 slots (the oracle of the fused kernel)."""
+    t_total, hi, di = qi.shape
+    k = topk.shape[1]
+    acc = _acc(qi.dtype)
+    out = torch.empty(t_total, k, dtype=acc, device=qi.device)
+    chunk = _rows_per_chunk(k * (di + 2 * hi), budget_bytes)
+    ki_acc = ki.to(acc)
+    for c0 in range(0, t_total, chunk):
+        c1 = min(t_total, c0 + chunk)
+        idx = topk[c0:c1].long()
+        valid = idx >= 0
+        _, score = _scores(qi[c0:c1].to(acc), _gather_rows(ki_acc, idx, valid), w[c0:c1].to(acc), shared_keys=False)
+        out[c0:c1] = score.masked_fill_(~valid, float("-inf"))
+    return out
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Index scores and their gradient, per chunk
 # --------------------------------------------------------------------------------------------------------------------
