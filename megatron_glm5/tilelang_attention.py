@@ -144,27 +144,52 @@ class TileLangSparseAttention(DSACoreAttention):
         """Indexer (no gradient) then causal top-k."""
         return self.select(*self.indexer_rows(x, q_c, layout, rope_q, rope_k, gather), layout)
 
-    def topk_and_loss(self, x, q_c, layout: TokenLayout, rope_q, rope_k, gather: "SequenceGather",
-                      query: torch.Tensor, kv: torch.Tensor,
-                      topk: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """A training call with the indexer loss on: the top-k (selected here, or ``topk`` replayed by activation
-        recompute) and the loss (:meth:`indexer_loss`)."""
-        q, k, w = self.indexer_rows(x, q_c, layout, rope_q, rope_k, gather)
-        if topk is None:
-            topk = self.select(q.detach(), k.detach(), w.detach(), layout)
-        return topk, self.indexer_loss(q, k, w, query, kv, topk, layout)
+    def indexer_loss(self, qi, ki, w, query, kv, topk, layout: TokenLayout, lse: Optional[torch.Tensor] = None):
+        """The sparse loss on our fused kernels when they take the shapes (the target from the attention's own LSE
+        ``lse [T, H]`` when given, else from a no-grad attention forward), otherwise the torch oracle
+        (:meth:`DSACoreAttention.indexer_loss`: the dense warm-up loss, CPU, fp32)."""
+        if not (self.loss.sparse and _fused_indexer_loss_applies(qi, query, topk)):
+            return super().indexer_loss(qi, ki, w, query, kv, topk, layout)
+        from . import kernels
+        from .dsa import indexer_loss
+
+        query, kv = query.detach().contiguous(), kv.detach().contiguous()
+        if lse is None:
+            with torch.no_grad():
+                lse = kernels.sparse_mla_with_lse(query, kv, topk, self.softmax_scale, self.config.kv_lora_rank)[1]
+        target = kernels.sparse_attention_target(query, kv, topk, lse, self.softmax_scale)
+        tp = self.pg_collection.tp if self.config.tensor_model_parallel_size > 1 else None
+        if tp is not None:
+            torch.distributed.all_reduce(target, group=tp)
+        target.div_(target.sum(-1, keepdim=True).clamp_min(indexer_loss.TARGET_EPS))
+        rw = indexer_loss.row_weights(indexer_loss.valid_query_rows(layout.starts, layout.ends), self.loss.coeff,
+                                      self.loss.per_token)
+        return kernels.fused_sparse_indexer_loss(qi.contiguous(), ki.contiguous(), w.float().contiguous(), topk,
+                                                 target, rw)
 
     def forward(self, query: torch.Tensor, kv: torch.Tensor, topk: torch.Tensor, softmax_scale: float,
-                d_v: int) -> torch.Tensor:
-        """``query [T, H, D]``, ``kv [T, D]``, ``topk [T, K]`` -> latent output ``[T, H, d_v]``."""
+                d_v: int, *, with_lse: bool = False):
+        """``query [T, H, D]``, ``kv [T, D]``, ``topk [T, K]`` -> latent output ``[T, H, d_v]`` (and, with
+        ``with_lse``, the natural-log LSE ``[T, H]`` fp32 the sparse indexer loss's target reuses)."""
         # GLM-5: d_qk 576 = 512 + 64 RoPE; GLM-5.3-Flash (NoPE): d_qk = d_v = 512, KPool width index_topk + P - 1
         if _kernels_apply(query) and (query.shape[-1], d_v) in ((576, 512), (512, 512)):
             from . import kernels
 
-            return kernels.sparse_mla(query.contiguous(), kv.contiguous(), topk, softmax_scale, d_v,
-                                      deterministic=self.config.deterministic_mode)
-        out, _ = reference.sparse_mla(query, kv, topk, softmax_scale, d_v)
-        return out
+            out, lse = kernels.sparse_mla_with_lse(query.contiguous(), kv.contiguous(), topk, softmax_scale, d_v,
+                                                   deterministic=self.config.deterministic_mode)
+        else:
+            out, lse = reference.sparse_mla(query, kv, topk, softmax_scale, d_v)
+        return (out, lse.detach()) if with_lse else out
+
+
+def _fused_indexer_loss_applies(qi: torch.Tensor, query: torch.Tensor, topk: torch.Tensor) -> bool:
+    """Our fused sparse indexer-loss kernels take these tensors (CUDA, bf16, shapes they support)."""
+    if not _kernels_apply(query):
+        return False
+    from . import kernels
+
+    supported = getattr(kernels, "indexer_loss_supported", None)
+    return supported is not None and supported(qi, query, topk)
 
 
 class TileLangMLASelfAttention(MLASelfAttention):
@@ -239,11 +264,13 @@ class TileLangMLASelfAttention(MLASelfAttention):
         kv_full = torch.cat([layout.flatten_keys(c), k_pe], dim=-1)  # [T_k, 576]
 
         sparse = self.core_attention
-        topk, loss = dsa_topk, None
+        topk, indexer, lse = dsa_topk, None, None
         if topk is not None:
             sparse.check_topk(topk, layout, bounds=not dsa_topk_trusted)
-        if sparse.loss_active():
-            topk, loss = sparse.topk_and_loss(x, q_c, layout, rope_q, rope_k, gather, query, kv_full, topk)
+        if sparse.loss_active():  # the indexer with gradients (its loss follows the attention: it reuses the LSE)
+            indexer = sparse.indexer_rows(x, q_c, layout, rope_q, rope_k, gather)
+            if topk is None:
+                topk = sparse.select(*(t.detach() for t in indexer), layout)
         elif topk is None:
             topk = sparse.compute_topk(x, q_c, layout, rope_q, rope_k, gather)
         if dsa_topk is None:
@@ -254,8 +281,11 @@ class TileLangMLASelfAttention(MLASelfAttention):
             latent = sparse.dense_latent(query, kv_full, layout, cfg.kv_lora_rank)
         elif self.checkpoint_core_attention and self.training:
             latent = tensor_parallel.checkpoint(core, False, query, kv_full, topk)
+        elif indexer is not None and sparse.loss.sparse:
+            latent, lse = sparse(query, kv_full, topk, self.softmax_scale, cfg.kv_lora_rank, with_lse=True)
         else:
             latent = core(query, kv_full, topk)  # [T, H, kv_lora_rank]
+        loss = None if indexer is None else sparse.indexer_loss(*indexer, query, kv_full, topk, layout, lse=lse)
         out = torch.einsum("thc,hdc->thd", latent, w_vc.to(latent.dtype)).reshape(layout.num_rows, -1)
         output, bias = self.linear_proj(layout.unflatten(out))
         return sparse.attach_loss(output, loss), bias, topk

@@ -197,3 +197,32 @@ def test_glm5_next_refuses_the_loss(model_parallel):
     arch = parse_architecture({"model_type": "glm5_next", **tiny_flash_config()["text_config"]})
     with pytest.raises(NotImplementedError, match="indexer loss"):
         build_model(arch, default_cpu_policy(**SPARSE))
+
+
+def test_warmup_spec_freezes_a_model_built_by_someone_else(model_parallel, capsys):
+    """Megatron-LM's ``pretrain_gpt.py --spec ... get_glm5_warmup_spec`` builds the GPTModel itself: parameters
+    registered after the spec call are frozen except the indexers', until the first warm-up forward disarms it."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from megatron_glm5.config import build_transformer_config, gpt_model_kwargs
+    from megatron_glm5.cpu import cpu_mode
+    from megatron_glm5.dsa.indexer_training import warmup_freeze
+    from megatron_glm5.spec import get_glm5_warmup_spec
+
+    raw = tiny_glm52_config(num_nextn_predict_layers=0)
+    arch = parse_hf_config(raw)
+    config = build_transformer_config(arch, default_cpu_policy(dsa_indexer_loss_coeff=1.0))
+    spec = get_glm5_warmup_spec(config)
+    assert warmup_freeze.armed
+    try:
+        with cpu_mode():
+            model = GPTModel(config=config, transformer_layer_spec=spec, **gpt_model_kwargs(arch))
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        assert trainable == {n for n, _ in model.named_parameters() if ".indexer." in n} and trainable
+        _run(model, _batches(raw, n=1))
+        assert not warmup_freeze.armed
+        assert "parameter tensors train (the indexers)" in capsys.readouterr().out
+        torch.nn.Linear(2, 2)  # disarmed: later modules are left alone
+        assert all(p.requires_grad for p in torch.nn.Linear(2, 2).parameters())
+    finally:
+        warmup_freeze.disarm()

@@ -194,10 +194,15 @@ class WarmupFreeze:
             return
         self._handle.remove()
         self._handle = None
+        params = {id(p): p for m in self._modules for p in m.parameters(recurse=False)}
         for m in self._modules:
             if hasattr(m, "frozen_expert_bias"):
                 m.frozen_expert_bias = True
         self._modules = []
+        trainable = sum(p.requires_grad for p in params.values())
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            print(f"megatron-glm5: indexer warm-up: {trainable} of {len(params)} parameter tensors train (the "
+                  "indexers); the rest is frozen", flush=True)
 
 
 warmup_freeze = WarmupFreeze()
