@@ -361,5 +361,5 @@ def merged_reference(adapters: AdapterSet, expansion, base: Mapping[str, torch.T
     return out
 
 
-__all__ = ["adapters_from_checkpoint", "convert_checkpoint_to_peft", "convert_peft_to_checkpoint", "export_peft_adapter",
-           "hf_delta_plan", "merge_adapter_into_hf", "merged_reference", "read_adapter"]
+__all__ = ["adapters_from_checkpoint", "convert_checkpoint_to_peft", "convert_peft_to_checkpoint",
+           "export_peft_adapter", "hf_delta_plan", "merge_adapter_into_hf", "merged_reference", "read_adapter"]

@@ -201,7 +201,8 @@ def reference_for(arch) -> HFReference:
     """The transformers reference of ``arch``'s family."""
     family = family_of_architecture(arch)
     if family.name not in REFERENCES:
-        raise BridgeError(f"verify: no transformers reference is registered for {family.title} (bridge.parity_reference)")
+        raise BridgeError(f"verify: no transformers reference is registered for {family.title} "
+                          "(bridge.parity_reference.REFERENCES)")
     return REFERENCES[family.name]
 
 
