@@ -126,10 +126,6 @@ class LayerInventory:
         """Global decoder MoE layers (every pipeline stage), from megatron-core's ``moe_layer_freq``."""
         return moe_layer_pattern(self.config)
 
-    def layer_name(self, key: int) -> str:
-        n = self.num_layers
-        return f"{key}" if key < n else f"MTP {key - n} (payload layer {key})"
-
 
 def moe_layer_pattern(config) -> tuple[int, ...]:
     """Decoder layers that are MoE layers, from megatron-core's ``moe_layer_freq`` (an int: every freq-th layer;
