@@ -1,0 +1,745 @@
+"""Fused TileLang kernels of the sparse DSA indexer KL loss, and the autograd function that ties them together.
+
+Contract (flattened-token layout of ``megatron_glm5.dsa.reference``: every token of a micro-batch is one row of ``T``,
+indices are global key rows, ``-1`` marks an unused slot; a slot is valid iff ``0 <= idx < S``, an invalid slot is
+never read). Test oracle: ``megatron_glm5.dsa.indexer_loss`` (``sparse_index_scores``, ``sparse_target`` with
+``lse=``, ``sparse_indexer_loss``).
+
+* :func:`sparse_index_scores` ``(qi [T, Hi, Di] bf16, ki [S, Di] bf16, w [T, Hi] fp32, topk [T, K] int32)`` ->
+  fp32 ``[T, K]``: ``sum_h w[t, h] * relu(qi[t, h] . ki[topk[t, k]])``, ``-inf`` on invalid slots.
+* :func:`sparse_attention_target` ``(query [T, H, D] bf16, kv [S, D] bf16, topk [T, K] int32, lse [T, H] fp32,
+  softmax_scale)`` -> fp32 ``[T, K]``: the **unnormalised** head sum ``sum_h exp(scale * q[t, h] . kv[topk[t, k]] -
+  lse[t, h])``; 0 on invalid slots, and a head whose ``lse`` is ``+inf`` (a row without a valid slot, as
+  ``sparse_mla_with_lse`` returns it) contributes 0. The caller all-reduces it over TP and L1-normalises it.
+* :func:`fused_sparse_indexer_loss` ``(qi, ki, w, topk, target, rw)`` -> fp32 scalar: exactly the contract of
+  ``indexer_loss.sparse_indexer_loss`` (normalised ``target [T, K]``, row weights ``rw [T]``; differentiable in
+  ``qi``, ``ki``, ``w`` only; gradients in the inputs' dtypes).
+* :func:`indexer_loss_supported` ``(qi, query, topk)``: whether these kernels accept the tensors (else use the oracle).
+
+Slots are independent: a key repeated in two slots of a row gets its value in each slot (as the sparse attention,
+whose softmax and LSE count it twice) and its gradient twice.
+
+Kernels (one CTA per query row; the selected key rows are gathered with guarded ``cp.async`` into two shared-memory
+stages, the next block loading while this one computes; -1 slots are zero-filled without a memory read; blocks past
+a row's last valid slot (``row_valid_len``) are skipped and their outputs written as constants):
+
+1. ``index_scores``: 128 threads, 64-slot blocks. ``z [Hp, 64] = qi[t] ki_blk^T`` (bf16 MMA, fp32 accumulate; heads
+   padded to ``Hp = max(16, next_pow2(Hi)) <= 64`` with zero queries and zero weights), ``relu(z) * w``, head sum.
+   Gather-bound: ``K * Di * 2`` bytes per row (512 KB at K = 2048) for ``2 * K * Hi * Di`` FLOPs.
+2. ``attention_target``: grid ``(T, ceil(H / 64))``, 32-slot blocks, 128 threads (16-head block) or 256 (32 / 64);
+   ``s [Hb, 32] = q[t] kv_blk^T`` over all ``D`` channels (split 256 + 256 + RoPE tail 64 like the sparse-MLA
+   kernels; NoPE ``D = 512`` has no tail), ``exp2(s * scale * log2e - lse * log2e)``, head sum. It is the QK half of
+   the sparse-MLA forward with the LSE already known (no online softmax, one pass), so it costs about one gather of
+   ``K x D`` bf16 per row: gather-bound like the forward at 16 heads. With more than 64 heads each 64-head block
+   writes a partial ``[T, K]`` and the interface adds them (fixed order).
+3. ``index_score_bwd``: from ``dscore [T, K]`` (times a device scalar ``grad``): recompute ``z``, then
+   ``dw[h] = sum_k ds * relu(z)`` (fp32), ``dz = ds * w * (z > 0)`` (bf16 in shared memory, as flash-attention's dS),
+   ``dqi = dz ki_blk`` accumulated in registers over the row's blocks (one bf16 store per row), and
+   ``dki[idx] += dz^T qi`` with fp32 atomics (``atomicAdd`` on float2) into an ``[S, Di]`` fp32 buffer, cast once
+   to bf16. 128 threads up to 32 index heads, 256 at 64. ``dki`` is therefore not bitwise reproducible run to run
+   (fp32 summation order); ``dqi`` and ``dw`` are.
+
+The loss glue between kernel 1 and 3 is torch, chunked over rows (``[rows, K]`` temporaries of ``GLUE_CHUNK_BYTES``):
+masked log-softmax of the scores over the valid slots, ``KL_t = sum_k p (log max(p, 1e-10) - log_pred)``, loss
+``sum_t rw_t KL_t`` and ``dscore = rw * (softmax(score) * sum(p) - p)`` (0 on invalid slots), written over the score
+buffer and saved for the backward (4 bytes per slot: 256 MB at 32K x 2048).
+
+Provenance: the gather (guarded ``cp.async``, two stages, per-row block count) is the one of our
+``sparse_mla_bwd``; the per-row indexer-backward shape (score gradient -> dq, dw by row, dk by atomics) follows the
+facts of megatron-core 0.19.2 ``ops/tilelang_indexer_bwd.py`` (itself from tile-ai/tilelang
+``examples/dsa_sparse_finetune/indexer_bwd.py``), rewritten: bf16 operands instead of fp32 shared tiles, pipelined
+``cp.async`` gathers, blocks past the valid length skipped, any ``Hi <= 64``, any K (no power-of-two padding),
+vectorised atomics straight from the MMA fragments, and the incoming gradient folded in on the device.
+megatron-core's ``indexer_bwd_interface`` stays selectable (``bwd_impl="mcore"``) as a cross-check.
+
+No ``from __future__ import annotations`` here: TileLang evaluates the nested prim_funcs' annotations.
+"""
+
+import functools
+from typing import Literal
+
+import torch
+
+from megatron_glm5.kernels._common import LOG2E, check_tensor, next_power_of_2, row_valid_len, tilelang_modules
+from megatron_glm5.kernels.sparse_mla_fwd import head_block
+
+TARGET_EPS = 1e-10  # megatron-core's INDEXER_LOSS_EPS (= megatron_glm5.dsa.indexer_loss.TARGET_EPS)
+GLUE_CHUNK_BYTES = 64 << 20  # per [rows, K] fp32 temporary of the torch loss glue
+MAX_INDEX_HEADS = 64
+BwdImpl = Literal["ours", "mcore"]
+
+
+def index_head_block(heads: int) -> int:
+    """Padded index-head count of the kernels' MMA tiles (the M dimension): 16, 32 or 64."""
+    return max(16, next_power_of_2(heads))
+
+
+def _index_threads(heads: int, backward: bool) -> int:
+    return 256 if backward and index_head_block(heads) >= 64 else 128
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# TileLang factories
+# --------------------------------------------------------------------------------------------------------------------
+
+_PASS_CONFIGS = ("TL_DISABLE_TMA_LOWER", "TL_DISABLE_WARP_SPECIALIZED")
+
+
+def _pass_configs(tilelang) -> dict:
+    return {getattr(tilelang.PassConfigKey, k): True for k in _PASS_CONFIGS}
+
+
+def _index_gather_macro(T, dim: int, block_s: int, threads: int, with_grad: bool):
+    """``gather(KI, Idx, DS, gs, t, t_kv, topk, tx, k_s, idx_s, ds_s, blk)``: cp.async the block's key rows into
+    ``k_s`` (zero-fill for invalid slots, no read), the slot's key (or -1) into ``idx_s`` and, with ``with_grad``,
+    its score gradient times ``gs`` (0 on invalid slots) into ``ds_s``; commits one cp.async group."""
+    lanes = dim // 8  # 16 bytes (8 bf16) per cp.async
+    rows_per_pass = threads // lanes
+
+    @T.macro
+    def gather(KI, Idx, DS, gs, t, t_kv, topk, tx, k_s, idx_s, ds_s, blk):
+        lane = tx % lanes
+        for r in T.unroll(block_s // rows_per_pass):
+            row = r * rows_per_pass + tx // lanes
+            slot = blk * block_s + row
+            idx = T.if_then_else(slot < topk, Idx[t, T.min(slot, topk - 1)], -1)
+            valid = (idx >= 0) and (idx < t_kv)
+            if lane == 0:
+                idx_s[row] = T.if_then_else(valid, idx, -1)
+                if with_grad:
+                    ds_s[row] = T.if_then_else(valid, DS[t, T.min(slot, topk - 1)] * gs, 0)
+            T.ptx_cp_async(
+                T.access_ptr(k_s[row, lane * 8], "w", 8),
+                T.access_ptr(KI[T.if_then_else(valid, idx, 0), lane * 8], "r", 8),
+                8,
+                predicate=valid,
+            )
+        T.ptx_commit_group()
+
+    return gather
+
+
+@functools.cache
+def _jit_index_scores():
+    tilelang, T = tilelang_modules()
+
+    @tilelang.jit(out_idx=[5], pass_configs=_pass_configs(tilelang))  # non-negative: see _common.OUT_IDX_NOTE
+    def sparse_index_scores_kernel(heads: int, dim: int, block_s: int = 64, threads: int = 128):
+        """``Score[t, k] = sum_h W[t, h] relu(QI[t, h] . KI[Idx[t, k]])``, -inf on invalid slots."""
+        block_h = index_head_block(heads)
+        if heads > MAX_INDEX_HEADS or dim % 64 or dim > 256 or block_s % (threads // (dim // 8)):
+            raise ValueError(f"index scores kernel needs heads <= 64, dim a multiple of 64 up to 256 and block_s a "
+                             f"multiple of threads / (dim / 8); got heads={heads}, dim={dim}, block_s={block_s}")
+        bs = block_s
+        t_len = T.dynamic("t_len")
+        t_kv = T.dynamic("t_kv")
+        topk = T.dynamic("topk")
+        bf16, f32, i32 = T.bfloat16, T.float32, T.int32
+        gather = _index_gather_macro(T, dim, bs, threads, with_grad=False)
+
+        @T.macro
+        def block_step(Score, t, topk, q_s, w_s, k_s, idx_s, acc, sc, blk):
+            T.gemm(q_s, k_s, acc, transpose_B=True, clear_accum=True)
+            for h, j in T.Parallel(block_h, bs):
+                acc[h, j] = T.max(acc[h, j], 0) * w_s[h]
+            T.reduce_sum(acc, sc, dim=0)
+            for j in T.Parallel(bs):
+                if blk * bs + j < topk:
+                    Score[t, blk * bs + j] = T.if_then_else(idx_s[j] >= 0, sc[j], -T.infinity(f32))
+
+        @T.prim_func
+        def main(
+            QI: T.Tensor([t_len, heads, dim], bf16),
+            KI: T.Tensor([t_kv, dim], bf16),
+            W: T.Tensor([t_len, heads], f32),
+            Idx: T.Tensor([t_len, topk], i32),
+            VLen: T.Tensor([t_len], i32),
+            Score: T.Tensor([t_len, topk], f32),
+        ):
+            with T.Kernel(t_len, threads=threads) as t:
+                q_s = T.alloc_shared([block_h, dim], bf16)
+                w_s = T.alloc_shared([block_h], f32)
+                k0 = T.alloc_shared([bs, dim], bf16)
+                k1 = T.alloc_shared([bs, dim], bf16)
+                idx0 = T.alloc_shared([bs], i32)
+                idx1 = T.alloc_shared([bs], i32)
+                acc = T.alloc_fragment([block_h, bs], f32)
+                sc = T.alloc_fragment([bs], f32)
+
+                tx = T.get_thread_binding()
+                n_blk = T.ceildiv(VLen[t], bs)
+                # Padded heads: zero queries and zero weights, so they add nothing.
+                for h, d in T.Parallel(block_h, dim):
+                    q_s[h, d] = T.if_then_else(h < heads, QI[t, T.min(h, heads - 1), d], 0)
+                for h in T.Parallel(block_h):
+                    w_s[h] = T.if_then_else(h < heads, W[t, T.min(h, heads - 1)], 0)
+                # Slots of the skipped tail blocks (all invalid): -inf.
+                for it in T.serial(T.ceildiv(T.max(topk - n_blk * bs, 0), threads)):
+                    slot = n_blk * bs + it * threads + tx
+                    if slot < topk:
+                        Score[t, slot] = -T.infinity(f32)
+                if n_blk > 0:
+                    gather(KI, Idx, None, None, t, t_kv, topk, tx, k0, idx0, None, 0)
+                for ip in T.serial(T.ceildiv(n_blk, 2)):
+                    if 2 * ip + 1 < n_blk:
+                        gather(KI, Idx, None, None, t, t_kv, topk, tx, k1, idx1, None, 2 * ip + 1)
+                        T.ptx_wait_group(1)
+                    else:
+                        T.ptx_wait_group(0)
+                    T.sync_threads()
+                    T.fence_proxy_async()
+                    block_step(Score, t, topk, q_s, w_s, k0, idx0, acc, sc, 2 * ip)
+                    T.sync_threads()
+                    if 2 * ip + 1 < n_blk:
+                        if 2 * ip + 2 < n_blk:
+                            gather(KI, Idx, None, None, t, t_kv, topk, tx, k0, idx0, None, 2 * ip + 2)
+                            T.ptx_wait_group(1)
+                        else:
+                            T.ptx_wait_group(0)
+                        T.sync_threads()
+                        T.fence_proxy_async()
+                        block_step(Score, t, topk, q_s, w_s, k1, idx1, acc, sc, 2 * ip + 1)
+                        T.sync_threads()
+
+        return main
+
+    return sparse_index_scores_kernel
+
+
+@functools.cache
+def _jit_index_bwd():
+    tilelang, T = tilelang_modules()
+
+    @tilelang.jit(pass_configs=_pass_configs(tilelang))
+    def sparse_index_score_bwd_kernel(heads: int, dim: int, block_s: int = 64, threads: int = 0):
+        """``dQI``, ``dW`` per row and ``dKI += `` (fp32 atomics) from ``DS * GradScale[0]``."""
+        block_h = index_head_block(heads)
+        if threads == 0:
+            threads = 256 if block_h >= 64 else 128
+        if heads > MAX_INDEX_HEADS or dim % 64 or dim > 256 or block_s % (threads // (dim // 8)):
+            raise ValueError(f"index backward kernel needs heads <= 64, dim a multiple of 64 up to 256 and block_s a "
+                             f"multiple of threads / (dim / 8); got heads={heads}, dim={dim}, block_s={block_s}")
+        bs = block_s
+        t_len = T.dynamic("t_len")
+        t_kv = T.dynamic("t_kv")
+        topk = T.dynamic("topk")
+        bf16, f32, i32 = T.bfloat16, T.float32, T.int32
+        gather = _index_gather_macro(T, dim, bs, threads, with_grad=True)
+
+        @T.macro
+        def block_step(dKI, q_s, w_s, k_s, idx_s, ds_s, dz_s, acc_z, acc_dw, dw_blk, acc_dq, acc_dk, dw_acc):
+            T.gemm(q_s, k_s, acc_z, transpose_B=True, clear_accum=True)
+            for h, j in T.Parallel(block_h, bs):
+                acc_dw[h, j] = ds_s[j] * T.max(acc_z[h, j], 0)
+                acc_z[h, j] = T.if_then_else(acc_z[h, j] > 0, ds_s[j] * w_s[h], 0)
+            T.reduce_sum(acc_dw, dw_blk, dim=1)
+            for h in T.Parallel(block_h):
+                dw_acc[h] = dw_acc[h] + dw_blk[h]
+            T.copy(acc_z, dz_s)
+            T.gemm(dz_s, k_s, acc_dq)  # dqi [Hp, Di] += dz [Hp, bs] ki [bs, Di]
+            T.gemm(dz_s, q_s, acc_dk, transpose_A=True, clear_accum=True)  # dk [bs, Di] = dz^T qi
+            for j, d in T.Parallel(bs, dim):
+                if idx_s[j] >= 0:
+                    T.atomic_add(dKI[idx_s[j], d], acc_dk[j, d])
+
+        @T.prim_func
+        def main(
+            QI: T.Tensor([t_len, heads, dim], bf16),
+            KI: T.Tensor([t_kv, dim], bf16),
+            W: T.Tensor([t_len, heads], f32),
+            Idx: T.Tensor([t_len, topk], i32),
+            VLen: T.Tensor([t_len], i32),
+            DS: T.Tensor([t_len, topk], f32),
+            GradScale: T.Tensor([1], f32),
+            dQI: T.Tensor([t_len, heads, dim], bf16),
+            dW: T.Tensor([t_len, heads], f32),
+            dKI: T.Tensor([t_kv, dim], f32),
+        ):
+            with T.Kernel(t_len, threads=threads) as t:
+                q_s = T.alloc_shared([block_h, dim], bf16)
+                w_s = T.alloc_shared([block_h], f32)
+                k0 = T.alloc_shared([bs, dim], bf16)
+                k1 = T.alloc_shared([bs, dim], bf16)
+                idx0 = T.alloc_shared([bs], i32)
+                idx1 = T.alloc_shared([bs], i32)
+                ds0 = T.alloc_shared([bs], f32)
+                ds1 = T.alloc_shared([bs], f32)
+                dz_s = T.alloc_shared([block_h, bs], bf16)
+                acc_z = T.alloc_fragment([block_h, bs], f32)
+                acc_dw = T.alloc_fragment([block_h, bs], f32)
+                dw_blk = T.alloc_fragment([block_h], f32)
+                dw_acc = T.alloc_fragment([block_h], f32)
+                acc_dq = T.alloc_fragment([block_h, dim], f32)
+                acc_dk = T.alloc_fragment([bs, dim], f32)
+
+                tx = T.get_thread_binding()
+                n_blk = T.ceildiv(VLen[t], bs)
+                gs = GradScale[0]
+                for h, d in T.Parallel(block_h, dim):
+                    q_s[h, d] = T.if_then_else(h < heads, QI[t, T.min(h, heads - 1), d], 0)
+                for h in T.Parallel(block_h):
+                    w_s[h] = T.if_then_else(h < heads, W[t, T.min(h, heads - 1)], 0)
+                T.clear(acc_dq)
+                T.clear(dw_acc)
+                if n_blk > 0:
+                    gather(KI, Idx, DS, gs, t, t_kv, topk, tx, k0, idx0, ds0, 0)
+                for ip in T.serial(T.ceildiv(n_blk, 2)):
+                    if 2 * ip + 1 < n_blk:
+                        gather(KI, Idx, DS, gs, t, t_kv, topk, tx, k1, idx1, ds1, 2 * ip + 1)
+                        T.ptx_wait_group(1)
+                    else:
+                        T.ptx_wait_group(0)
+                    T.sync_threads()
+                    T.fence_proxy_async()
+                    block_step(dKI, q_s, w_s, k0, idx0, ds0, dz_s, acc_z, acc_dw, dw_blk, acc_dq, acc_dk, dw_acc)
+                    T.sync_threads()
+                    if 2 * ip + 1 < n_blk:
+                        if 2 * ip + 2 < n_blk:
+                            gather(KI, Idx, DS, gs, t, t_kv, topk, tx, k0, idx0, ds0, 2 * ip + 2)
+                            T.ptx_wait_group(1)
+                        else:
+                            T.ptx_wait_group(0)
+                        T.sync_threads()
+                        T.fence_proxy_async()
+                        block_step(dKI, q_s, w_s, k1, idx1, ds1, dz_s, acc_z, acc_dw, dw_blk, acc_dq, acc_dk, dw_acc)
+                        T.sync_threads()
+
+                for h, d in T.Parallel(block_h, dim):
+                    if h < heads:
+                        dQI[t, h, d] = T.cast(acc_dq[h, d], bf16)
+                for h in T.Parallel(block_h):
+                    if h < heads:
+                        dW[t, h] = dw_acc[h]
+
+        return main
+
+    return sparse_index_score_bwd_kernel
+
+
+@functools.cache
+def _jit_target():
+    tilelang, T = tilelang_modules()
+
+    @tilelang.jit(out_idx=[5], pass_configs=_pass_configs(tilelang))  # non-negative: see _common.OUT_IDX_NOTE
+    def sparse_attention_target_kernel(heads: int, d_qk: int, softmax_scale: float, block_s: int = 32,
+                                       threads: int = 0):
+        """``Out[hb, t, k] = sum_{h in head block hb} exp2(scale*log2e * Q[t,h] . KV[Idx[t,k]] - log2e * Lse[t,h])``."""
+        block_h, n_hblk = head_block(heads)
+        if threads == 0:
+            threads = 256 if block_h >= 32 else 128
+        d_tail = d_qk % 128  # GLM-5: the 64 RoPE channels of 576; NoPE (512): none
+        dh = (d_qk - d_tail) // 2
+        has_tail = d_tail > 0
+        rows_per_pass = threads // 8
+        if d_qk % 64 or dh % 64 or block_s % rows_per_pass:
+            raise ValueError(f"attention target kernel needs d_qk a multiple of 64 (and >= 128) and block_s a multiple "
+                             f"of threads / 8; got d_qk={d_qk}, block_s={block_s}, threads={threads}")
+        scale_log2 = softmax_scale * LOG2E
+        bs = block_s
+        t_len = T.dynamic("t_len")
+        t_kv = T.dynamic("t_kv")
+        topk = T.dynamic("topk")
+        bf16, f32, i32 = T.bfloat16, T.float32, T.int32
+
+        @T.macro
+        def load_q(Q, t, h0, tx, buf, col0, width):
+            n_vec = block_h * (width // 8)
+            for it in T.unroll((n_vec + threads - 1) // threads):
+                ch = it * threads + tx
+                if ch < n_vec:
+                    h = ch // (width // 8)
+                    c = (ch % (width // 8)) * 8
+                    for v in T.vectorized(8):
+                        buf[h, c + v] = T.if_then_else(h0 + h < heads, Q[t, T.min(h0 + h, heads - 1), col0 + c + v], 0)
+
+        @T.macro
+        def gather(KV, Idx, t, t_kv, topk, tx, kv_l, kv_r, kt, idx_s, blk):
+            # 8 lanes per KV row, 16 B per cp.async; an invalid slot is a zero-fill (nothing read).
+            lane = tx % 8
+            for r in T.unroll(bs // rows_per_pass):
+                row = r * rows_per_pass + tx // 8
+                slot = blk * bs + row
+                idx = T.if_then_else(slot < topk, Idx[t, T.min(slot, topk - 1)], -1)
+                valid = (idx >= 0) and (idx < t_kv)
+                src = T.if_then_else(valid, idx, 0)
+                if lane == 0:
+                    idx_s[row] = T.if_then_else(valid, idx, -1)
+                for c in T.unroll(dh // 64):
+                    col = c * 64 + lane * 8
+                    T.ptx_cp_async(
+                        T.access_ptr(kv_l[row, col], "w", 8), T.access_ptr(KV[src, col], "r", 8), 8, predicate=valid
+                    )
+                    T.ptx_cp_async(
+                        T.access_ptr(kv_r[row, col], "w", 8),
+                        T.access_ptr(KV[src, dh + col], "r", 8),
+                        8,
+                        predicate=valid,
+                    )
+                if has_tail:
+                    for c in T.unroll(d_tail // 64):
+                        col = c * 64 + lane * 8
+                        T.ptx_cp_async(
+                            T.access_ptr(kt[row, col], "w", 8),
+                            T.access_ptr(KV[src, 2 * dh + col], "r", 8),
+                            8,
+                            predicate=valid,
+                        )
+            T.ptx_commit_group()
+
+        @T.macro
+        def block_step(Out, t, hb, topk, q_l, q_r, q_t, kv_l, kv_r, kt, idx_s, lse_s, acc, tsum, blk):
+            for h, j in T.Parallel(block_h, bs):
+                acc[h, j] = T.if_then_else(idx_s[j] >= 0, 0, -T.infinity(f32))
+            T.gemm(q_l, kv_l, acc, transpose_B=True)
+            T.gemm(q_r, kv_r, acc, transpose_B=True)
+            if has_tail:
+                T.gemm(q_t, kt, acc, transpose_B=True)
+            for h, j in T.Parallel(block_h, bs):
+                acc[h, j] = T.exp2(acc[h, j] * scale_log2 - lse_s[h])
+            T.reduce_sum(acc, tsum, dim=0)
+            for j in T.Parallel(bs):
+                if blk * bs + j < topk:
+                    Out[hb, t, blk * bs + j] = tsum[j]
+
+        @T.prim_func
+        def main(
+            Q: T.Tensor([t_len, heads, d_qk], bf16),
+            KV: T.Tensor([t_kv, d_qk], bf16),
+            Idx: T.Tensor([t_len, topk], i32),
+            VLen: T.Tensor([t_len], i32),
+            Lse: T.Tensor([t_len, heads], f32),
+            Out: T.Tensor([n_hblk, t_len, topk], f32),
+        ):
+            with T.Kernel(t_len, n_hblk, threads=threads) as (t, hb):
+                q_l = T.alloc_shared([block_h, dh], bf16)
+                q_r = T.alloc_shared([block_h, dh], bf16)
+                q_t = T.alloc_shared([block_h, d_tail], bf16) if has_tail else None
+                kv0_l = T.alloc_shared([bs, dh], bf16)
+                kv0_r = T.alloc_shared([bs, dh], bf16)
+                kt0 = T.alloc_shared([bs, d_tail], bf16) if has_tail else None
+                kv1_l = T.alloc_shared([bs, dh], bf16)
+                kv1_r = T.alloc_shared([bs, dh], bf16)
+                kt1 = T.alloc_shared([bs, d_tail], bf16) if has_tail else None
+                idx0 = T.alloc_shared([bs], i32)
+                idx1 = T.alloc_shared([bs], i32)
+                lse_s = T.alloc_shared([block_h], f32)
+                acc = T.alloc_fragment([block_h, bs], f32)
+                tsum = T.alloc_fragment([bs], f32)
+
+                tx = T.get_thread_binding()
+                h0 = hb * block_h
+                n_blk = T.ceildiv(VLen[t], bs)
+                load_q(Q, t, h0, tx, q_l, 0, dh)
+                load_q(Q, t, h0, tx, q_r, dh, dh)
+                if has_tail:
+                    load_q(Q, t, h0, tx, q_t, 2 * dh, d_tail)
+                for h in T.Parallel(block_h):
+                    # Padded heads: lse = +inf, so exp2(... - inf) = 0 and they add nothing; so does an empty row's.
+                    lse_s[h] = T.if_then_else(h0 + h < heads, Lse[t, T.min(h0 + h, heads - 1)] * LOG2E, T.infinity(f32))
+                for it in T.serial(T.ceildiv(T.max(topk - n_blk * bs, 0), threads)):
+                    slot = n_blk * bs + it * threads + tx
+                    if slot < topk:
+                        Out[hb, t, slot] = 0
+                if n_blk > 0:
+                    gather(KV, Idx, t, t_kv, topk, tx, kv0_l, kv0_r, kt0, idx0, 0)
+                for ip in T.serial(T.ceildiv(n_blk, 2)):
+                    if 2 * ip + 1 < n_blk:
+                        gather(KV, Idx, t, t_kv, topk, tx, kv1_l, kv1_r, kt1, idx1, 2 * ip + 1)
+                        T.ptx_wait_group(1)
+                    else:
+                        T.ptx_wait_group(0)
+                    T.sync_threads()
+                    T.fence_proxy_async()
+                    block_step(Out, t, hb, topk, q_l, q_r, q_t, kv0_l, kv0_r, kt0, idx0, lse_s, acc, tsum, 2 * ip)
+                    T.sync_threads()
+                    if 2 * ip + 1 < n_blk:
+                        if 2 * ip + 2 < n_blk:
+                            gather(KV, Idx, t, t_kv, topk, tx, kv0_l, kv0_r, kt0, idx0, 2 * ip + 2)
+                            T.ptx_wait_group(1)
+                        else:
+                            T.ptx_wait_group(0)
+                        T.sync_threads()
+                        T.fence_proxy_async()
+                        block_step(Out, t, hb, topk, q_l, q_r, q_t, kv1_l, kv1_r, kt1, idx1, lse_s, acc, tsum,
+                                   2 * ip + 1)
+                        T.sync_threads()
+
+        return main
+
+    return sparse_attention_target_kernel
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Checked interfaces
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def check_index_args(qi: torch.Tensor, ki: torch.Tensor, w: torch.Tensor, topk: torch.Tensor) -> None:
+    """Validate the indexer-side tensors: ``qi [T, Hi, Di]`` bf16, ``ki [S, Di]`` bf16, ``w [T, Hi]`` fp32,
+    ``topk [T, K]`` int32, all contiguous on one device; ``1 <= Hi <= 64``, ``Di`` a multiple of 64 up to 256."""
+    check_tensor("qi", qi, dtype=torch.bfloat16, ndim=3)
+    check_tensor("ki", ki, dtype=torch.bfloat16, ndim=2, device=qi.device)
+    check_tensor("w", w, dtype=torch.float32, ndim=2, device=qi.device)
+    check_tensor("topk", topk, dtype=torch.int32, ndim=2, device=qi.device)
+    t_len, heads, dim = qi.shape
+    if ki.shape[1] != dim:
+        raise ValueError(f"ki must be [S, {dim}] like qi's last dim, got {tuple(ki.shape)}")
+    if tuple(w.shape) != (t_len, heads):
+        raise ValueError(f"w must be [T={t_len}, Hi={heads}] like qi, got {tuple(w.shape)}")
+    if topk.shape[0] != t_len:
+        raise ValueError(f"topk must be [T={t_len}, K] like qi, got {tuple(topk.shape)}")
+    if not 1 <= heads <= MAX_INDEX_HEADS:
+        raise ValueError(f"index heads must be in [1, {MAX_INDEX_HEADS}], got {heads}")
+    if dim % 64 or not 64 <= dim <= 256:
+        raise ValueError(f"index head dim must be a multiple of 64 in [64, 256] (GLM-5: 128), got {dim}")
+    if topk.shape[1] == 0:
+        raise ValueError("topk must have at least one slot (K >= 1)")
+
+
+def check_target_args(query: torch.Tensor, kv: torch.Tensor, topk: torch.Tensor, lse: torch.Tensor) -> None:
+    """Validate the attention-side tensors: ``query [T, H, D]`` bf16 (``1 <= H <= 128``, ``D`` a multiple of 64 in
+    [128, 576]: GLM-5 576, NoPE 512), ``kv [S, D]`` bf16, ``topk [T, K]`` int32, ``lse [T, H]`` fp32."""
+    check_tensor("query", query, dtype=torch.bfloat16, ndim=3)
+    check_tensor("kv", kv, dtype=torch.bfloat16, ndim=2, device=query.device)
+    check_tensor("topk", topk, dtype=torch.int32, ndim=2, device=query.device)
+    check_tensor("lse", lse, dtype=torch.float32, ndim=2, device=query.device)
+    t_len, heads, d_qk = query.shape
+    if kv.shape[1] != d_qk:
+        raise ValueError(f"kv must be [S, {d_qk}] like query's last dim, got {tuple(kv.shape)}")
+    if topk.shape[0] != t_len:
+        raise ValueError(f"topk must be [T={t_len}, K] like query, got {tuple(topk.shape)}")
+    if tuple(lse.shape) != (t_len, heads):
+        raise ValueError(f"lse must be [T={t_len}, H={heads}] like query, got {tuple(lse.shape)}")
+    if not 1 <= heads <= 128:
+        raise ValueError(f"attention heads per rank must be in [1, 128], got {heads}")
+    if d_qk % 64 or not 128 <= d_qk <= 576:
+        raise ValueError(f"query/kv dim must be a multiple of 64 in [128, 576] (GLM-5: 576, NoPE: 512), got {d_qk}")
+    if topk.shape[1] == 0:
+        raise ValueError("topk must have at least one slot (K >= 1)")
+
+
+def sparse_index_scores_interface(
+    qi: torch.Tensor, ki: torch.Tensor, w: torch.Tensor, topk: torch.Tensor, *, valid_len: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Kernel 1 (strict dtypes, see :func:`check_index_args`): fp32 ``[T, K]``, -inf on invalid slots.
+    ``valid_len`` (``row_valid_len(topk)``) may be passed in when the caller has it."""
+    check_index_args(qi, ki, w, topk)
+    t_len, heads, dim = qi.shape
+    if t_len == 0:
+        return torch.empty(0, topk.shape[1], dtype=torch.float32, device=qi.device)
+    if valid_len is None:
+        valid_len = row_valid_len(topk)
+    kernel = _jit_index_scores()(heads, dim)
+    return kernel(qi, ki, w, topk, valid_len)
+
+
+def sparse_attention_target_interface(
+    query: torch.Tensor,
+    kv: torch.Tensor,
+    topk: torch.Tensor,
+    lse: torch.Tensor,
+    softmax_scale: float,
+    *,
+    valid_len: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Kernel 2 (strict dtypes, see :func:`check_target_args`): the unnormalised head-summed probabilities, fp32
+    ``[T, K]``."""
+    check_target_args(query, kv, topk, lse)
+    t_len, heads, d_qk = query.shape
+    if t_len == 0:
+        return torch.empty(0, topk.shape[1], dtype=torch.float32, device=query.device)
+    if valid_len is None:
+        valid_len = row_valid_len(topk)
+    kernel = _jit_target()(heads, d_qk, float(softmax_scale))
+    out = kernel(query, kv, topk, valid_len, lse)  # [n_hblk, T, K]
+    return out[0] if out.shape[0] == 1 else out.sum(0)
+
+
+def index_score_bwd_interface(
+    qi: torch.Tensor,
+    ki: torch.Tensor,
+    w: torch.Tensor,
+    topk: torch.Tensor,
+    dscore: torch.Tensor,
+    grad_scale: torch.Tensor | None = None,
+    *,
+    valid_len: torch.Tensor | None = None,
+    impl: BwdImpl = "ours",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Kernel 3: gradients of ``score = sum_h w relu(qi . ki[topk])`` given ``d score = dscore * grad_scale``
+    (``grad_scale`` a 1-element fp32 device tensor, default 1): ``(dqi [T, Hi, Di] bf16, dki [S, Di] bf16,
+    dw [T, Hi] fp32)``. ``impl="mcore"`` runs megatron-core 0.19.2's ``indexer_bwd_interface`` instead (needs
+    ``Hi % 8 == 0``; pads K to a power of two)."""
+    check_index_args(qi, ki, w, topk)
+    check_tensor("dscore", dscore, dtype=torch.float32, ndim=2, device=qi.device)
+    if dscore.shape != topk.shape:
+        raise ValueError(f"dscore must be shaped like topk {tuple(topk.shape)}, got {tuple(dscore.shape)}")
+    t_len, heads, dim = qi.shape
+    if grad_scale is None:
+        grad_scale = torch.ones(1, dtype=torch.float32, device=qi.device)
+    grad_scale = grad_scale.reshape(1).to(device=qi.device, dtype=torch.float32).contiguous()
+    if impl == "mcore":
+        from megatron.core.transformer.experimental_attention_variant.ops.tilelang_indexer_bwd import (
+            indexer_bwd_interface,
+            is_supported_indexer_bwd_head_count,
+        )
+
+        if not is_supported_indexer_bwd_head_count(heads):
+            raise ValueError(f"bwd_impl='mcore' needs index heads <= 64 and a multiple of 8, got {heads}")
+        dq, dw, dk = indexer_bwd_interface(qi, w, ki, topk, dscore * grad_scale)
+        return dq, dk, dw
+    if impl != "ours":
+        raise ValueError(f"impl must be 'ours' or 'mcore', got {impl!r}")
+    dk_acc = torch.zeros(ki.shape, dtype=torch.float32, device=qi.device)
+    dq = torch.empty_like(qi)
+    dw = torch.empty_like(w)
+    if t_len == 0:
+        return dq, dk_acc.to(ki.dtype), dw
+    if valid_len is None:
+        valid_len = row_valid_len(topk)
+    kernel = _jit_index_bwd()(heads, dim)
+    kernel(qi, ki, w, topk, valid_len, dscore, grad_scale, dq, dw, dk_acc)
+    return dq, dk_acc.to(ki.dtype), dw
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Loss glue (torch, chunked over rows) and autograd
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def kl_loss_and_dscore_(
+    score: torch.Tensor,
+    target: torch.Tensor,
+    rw: torch.Tensor,
+    topk: torch.Tensor,
+    n_keys: int,
+    *,
+    chunk_rows: int | None = None,
+) -> torch.Tensor:
+    """The KL value ``sum_t rw_t sum_k p (log max(p, eps) - log_softmax(score))`` over the valid slots
+    (``0 <= topk < n_keys``), fp32 0-dim; ``score [T, K]`` fp32 (-inf on invalid slots) is overwritten in place by
+    ``dscore = rw * (softmax(score) * sum(p) - p)`` (0 on invalid slots). Rows without a valid slot give 0."""
+    t_len, width = score.shape
+    rows = chunk_rows or max(1, GLUE_CHUNK_BYTES // (4 * max(1, width)))
+    total = torch.zeros((), dtype=torch.float32, device=score.device)
+    for c0 in range(0, t_len, rows):
+        c1 = min(t_len, c0 + rows)
+        s = score[c0:c1]
+        idx = topk[c0:c1]
+        valid = (idx >= 0) & (idx < n_keys)
+        tgt = target[c0:c1].to(torch.float32)
+        r = rw[c0:c1].to(torch.float32)
+        lse = torch.logsumexp(s.masked_fill(~valid, float("-inf")), dim=-1, keepdim=True)
+        lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+        log_pred = s.masked_fill(~valid, float("-inf")).sub_(lse)
+        terms = tgt.clamp_min(TARGET_EPS).log_().sub_(log_pred).mul_(tgt).masked_fill_(~valid, 0.0)
+        total += (terms.sum(-1) * r).sum()
+        del terms
+        pred = log_pred.exp_()  # 0 on invalid slots
+        s.copy_(pred.mul_(tgt.sum(-1, keepdim=True)).sub_(tgt).mul_(r[:, None]).masked_fill_(~valid, 0.0))
+    return total
+
+
+class SparseIndexerLoss(torch.autograd.Function):
+    """``loss = sum_t rw_t KL(target_t || softmax(score_t))`` over each row's valid slots, with ``score`` from
+    kernel 1; saves ``dscore [T, K]`` fp32 (not the scores) and runs kernel 3 in the backward.
+
+    Same contract as ``megatron_glm5.dsa.indexer_loss.sparse_indexer_loss`` (the oracle): ``qi [T, Hi, Di]`` and
+    ``ki [S, Di]`` bf16, ``w [T, Hi]`` (any float dtype; fp32 inside), ``topk [T, K]`` int32 (int64 converted),
+    ``target [T, K]`` the normalised target (fp32; no gradient), ``rw [T]`` row weights (no gradient). Returns an
+    fp32 scalar; gradients reach ``qi``, ``ki``, ``w`` only, in their own dtypes.
+    """
+
+    @staticmethod
+    def forward(ctx, qi, ki, w, topk, target, rw, bwd_impl):  # noqa: D102
+        w32 = w.detach().to(torch.float32).contiguous()
+        topk32 = topk.to(torch.int32).contiguous()
+        if target.shape != topk.shape:
+            raise ValueError(f"target must be shaped like topk {tuple(topk.shape)}, got {tuple(target.shape)}")
+        if rw.shape != (qi.shape[0],):
+            raise ValueError(f"rw must be [T={qi.shape[0]}], got {tuple(rw.shape)}")
+        valid_len = row_valid_len(topk32)
+        score = sparse_index_scores_interface(qi, ki, w32, topk32, valid_len=valid_len)
+        loss = kl_loss_and_dscore_(score, target.detach(), rw.detach(), topk32, ki.shape[0])
+        ctx.save_for_backward(qi, ki, w32, topk32, valid_len, score)  # score now holds dscore
+        ctx.w_dtype = w.dtype
+        ctx.bwd_impl = bwd_impl
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):  # noqa: D102
+        qi, ki, w32, topk, valid_len, dscore = ctx.saved_tensors
+        dqi, dki, dw = index_score_bwd_interface(
+            qi, ki, w32, topk, dscore, grad.detach(), valid_len=valid_len, impl=ctx.bwd_impl
+        )
+        return dqi.to(qi.dtype), dki.to(ki.dtype), dw.to(ctx.w_dtype), None, None, None, None
+
+
+def fused_sparse_indexer_loss(
+    qi: torch.Tensor,
+    ki: torch.Tensor,
+    w: torch.Tensor,
+    topk: torch.Tensor,
+    target: torch.Tensor,
+    rw: torch.Tensor,
+    *,
+    bwd_impl: BwdImpl = "ours",
+) -> torch.Tensor:
+    """Sparse indexer KL loss with the fused kernels; the contract of
+    ``megatron_glm5.dsa.indexer_loss.sparse_indexer_loss`` (see :class:`SparseIndexerLoss`)."""
+    return SparseIndexerLoss.apply(qi, ki, w, topk, target.detach(), rw.detach(), bwd_impl)
+
+
+def sparse_index_scores(qi: torch.Tensor, ki: torch.Tensor, w: torch.Tensor, topk: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[T, K]``: ``sum_h w[t, h] * relu(qi[t, h] . ki[topk[t, k]])``, -inf on invalid slots (no autograd).
+    ``w`` of any float dtype and int64 ``topk`` are converted."""
+    return sparse_index_scores_interface(qi, ki, w.to(torch.float32).contiguous(), topk.to(torch.int32).contiguous())
+
+
+def sparse_attention_target(
+    query: torch.Tensor, kv: torch.Tensor, topk: torch.Tensor, lse: torch.Tensor, softmax_scale: float
+) -> torch.Tensor:
+    """fp32 ``[T, K]``: ``sum_h exp(softmax_scale * query[t, h] . kv[topk[t, k]] - lse[t, h])``, unnormalised (the
+    caller all-reduces over TP, then L1-normalises); 0 on invalid slots and for heads with ``lse = +inf``. ``lse`` is
+    the natural-log LSE of ``sparse_mla_with_lse`` over the same ``topk`` (any float dtype; int64 ``topk``
+    converted). No autograd (the target is a constant of the loss)."""
+    return sparse_attention_target_interface(
+        query, kv, topk.to(torch.int32).contiguous(), lse.detach().to(torch.float32).contiguous(), softmax_scale
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Dispatch
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def indexer_loss_supported(qi: torch.Tensor, query: torch.Tensor | None = None, topk: torch.Tensor | None = None) -> bool:
+    """Whether the fused kernels accept these tensors (else use ``megatron_glm5.dsa.indexer_loss``): TileLang
+    importable, CUDA device of compute capability >= 9.0 (SM90), bf16 ``qi [T, Hi, Di]`` with ``1 <= Hi <= 64`` and
+    ``Di`` a multiple of 64 in [64, 256]; bf16 ``query [T, H, D]`` with ``1 <= H <= 128`` and ``D`` a multiple of 64
+    in [128, 576] (GLM-5 576, NoPE 512); integer ``topk [T, K]`` (int32, or int64 that the wrappers convert),
+    ``K >= 1``, ``T`` equal everywhere. ``ki``, ``w``, ``kv`` and ``lse`` are checked by the calls themselves."""
+    if not isinstance(qi, torch.Tensor) or not qi.is_cuda or qi.dtype != torch.bfloat16 or qi.ndim != 3:
+        return False
+    t_len, heads, dim = qi.shape
+    if not 1 <= heads <= MAX_INDEX_HEADS or dim % 64 or not 64 <= dim <= 256:
+        return False
+    if query is not None:
+        if not query.is_cuda or query.dtype != torch.bfloat16 or query.ndim != 3 or query.shape[0] != t_len:
+            return False
+        if not 1 <= query.shape[1] <= 128 or query.shape[2] % 64 or not 128 <= query.shape[2] <= 576:
+            return False
+    if topk is not None:
+        if not topk.is_cuda or topk.dtype not in (torch.int32, torch.int64) or topk.ndim != 2:
+            return False
+        if topk.shape[0] != t_len or topk.shape[1] < 1:
+            return False
+    if torch.cuda.get_device_capability(qi.device)[0] < 9:
+        return False
+    try:
+        tilelang_modules()
+    except ImportError:
+        return False
+    return True
