@@ -525,8 +525,8 @@ def sparse_index_scores_interface(
     ``valid_len`` (``row_valid_len(topk)``) may be passed in when the caller has it."""
     check_index_args(qi, ki, w, topk)
     t_len, heads, dim = qi.shape
-    if t_len == 0:
-        return torch.empty(0, topk.shape[1], dtype=torch.float32, device=qi.device)
+    if t_len == 0 or ki.shape[0] == 0:  # no row, or no key to select: every slot is invalid
+        return torch.full(topk.shape, float("-inf"), dtype=torch.float32, device=qi.device)
     if valid_len is None:
         valid_len = row_valid_len(topk)
     kernel = _jit_index_scores()(heads, dim)
@@ -546,8 +546,8 @@ def sparse_attention_target_interface(
     ``[T, K]``."""
     check_target_args(query, kv, topk, lse)
     t_len, heads, d_qk = query.shape
-    if t_len == 0:
-        return torch.empty(0, topk.shape[1], dtype=torch.float32, device=query.device)
+    if t_len == 0 or kv.shape[0] == 0:
+        return torch.zeros(topk.shape, dtype=torch.float32, device=query.device)
     if valid_len is None:
         valid_len = row_valid_len(topk)
     kernel = _jit_target()(heads, d_qk, float(softmax_scale))
@@ -591,10 +591,10 @@ def index_score_bwd_interface(
     if impl != "ours":
         raise ValueError(f"impl must be 'ours' or 'mcore', got {impl!r}")
     dk_acc = torch.zeros(ki.shape, dtype=torch.float32, device=qi.device)
+    if t_len == 0 or ki.shape[0] == 0:
+        return torch.zeros_like(qi), dk_acc.to(ki.dtype), torch.zeros_like(w)
     dq = torch.empty_like(qi)
     dw = torch.empty_like(w)
-    if t_len == 0:
-        return dq, dk_acc.to(ki.dtype), dw
     if valid_len is None:
         valid_len = row_valid_len(topk)
     kernel = _jit_index_bwd()(heads, dim)
