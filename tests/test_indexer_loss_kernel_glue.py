@@ -22,7 +22,7 @@ def _fake_scores(qi, ki, w, topk, *, valid_len=None):
     return il.sparse_index_scores(qi, ki, w, topk)
 
 
-def _fake_bwd(qi, ki, w, topk, dscore, grad_scale=None, *, valid_len=None, impl="ours"):
+def _fake_bwd(qi, ki, w, topk, dscore, grad_scale=None, *, valid_len=None, deterministic=False, impl="ours"):
     """Kernel 3's oracle: autograd of ``score = sum_h w relu(qi . ki[topk])`` (fp32) against ``dscore * grad``."""
     with torch.enable_grad():  # autograd runs backward functions with grad mode off
         qf, kf, wf = (x.detach().float().requires_grad_() for x in (qi, ki, w))

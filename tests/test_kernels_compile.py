@@ -48,12 +48,12 @@ COMPILE_CASES = {
     # KPool (GLM-5.3-Flash): the same indexer kernel scores the pool keys, top-(index_topk // P) = 512 pools
     "topk_select_kpool": ("megatron_glm5.kernels.indexer_topk", "_jit_select", (512,)),
     # sparse indexer KL loss: index scores (8 x 64 small; GLM-5's 32 x 128), the indexer backward at GLM-5's shape
-    # and at 64 index heads (256 threads, wgmma), the attention target at 16 heads (mma.sync) x 576 and 64 heads
-    # (wgmma) x 512 (NoPE: no tail)
+    # (fp32 atomics) and deterministic at 64 index heads (256 threads), the attention target at 16 heads (mma.sync)
+    # x 576 and 64 heads (wgmma) x 512 (NoPE: no tail)
     "index_scores_small": ("megatron_glm5.kernels.indexer_loss", "_jit_index_scores", (8, 64)),
     "index_scores_glm": ("megatron_glm5.kernels.indexer_loss", "_jit_index_scores", (32, 128)),
     "index_bwd_glm": ("megatron_glm5.kernels.indexer_loss", "_jit_index_bwd", (32, 128)),
-    "index_bwd_64": ("megatron_glm5.kernels.indexer_loss", "_jit_index_bwd", (64, 128)),
+    "index_bwd_64_deterministic": ("megatron_glm5.kernels.indexer_loss", "_jit_index_bwd", (64, 128, True)),
     "attention_target_glm": ("megatron_glm5.kernels.indexer_loss", "_jit_target", (16, 576, 1 / 16)),
     "attention_target_nope": ("megatron_glm5.kernels.indexer_loss", "_jit_target", (64, 512, 1 / 16)),
 }

@@ -35,9 +35,14 @@ a row's last valid slot (``row_valid_len``) are skipped and their outputs writte
 3. ``index_score_bwd``: from ``dscore [T, K]`` (times a device scalar ``grad``): recompute ``z``, then
    ``dw[h] = sum_k ds * relu(z)`` (fp32), ``dz = ds * w * (z > 0)`` (bf16 in shared memory, as flash-attention's dS),
    ``dqi = dz ki_blk`` accumulated in registers over the row's blocks (one bf16 store per row), and
-   ``dki[idx] += dz^T qi`` with fp32 atomics (``atomicAdd`` on float2) into an ``[S, Di]`` fp32 buffer, cast once
-   to bf16. 128 threads up to 32 index heads, 256 at 64. ``dki`` is therefore not bitwise reproducible run to run
-   (fp32 summation order); ``dqi`` and ``dw`` are.
+   ``dki[idx] += dz^T qi`` with fp32 atomics (``atomicAdd`` on float2, straight from the MMA fragment) into an
+   ``[S, Di]`` fp32 buffer, cast once to bf16. 128 threads up to 32 index heads, 256 at 64. That ``dki`` is not
+   bitwise reproducible run to run (fp32 summation order); ``dqi``, ``dw`` and the loss are.
+   ``deterministic=True``: no float atomics. Rows run in chunks; each (row, slot) stores its ``Di``-wide fp32
+   contribution to a partial buffer ``[rows, K, Di]`` (``DETERMINISTIC_PARTIAL_BYTES``, 2 GiB: ~2K rows at
+   K = 2048), then ``sparse_mla_bwd``'s fixed-order reduction sums each key's contributions in (row, slot) order
+   (from a stable sort of the chunk's indices). Bitwise reproducible; costs one write and one read of the partial
+   buffer (``4 K Di`` bytes per row: 1 MiB at K = 2048) and a sort per chunk.
 
 The loss glue between kernel 1 and 3 is torch, chunked over rows (``[rows, K]`` temporaries of ``GLUE_CHUNK_BYTES``):
 masked log-softmax of the scores over the valid slots, ``KL_t = sum_k p (log max(p, 1e-10) - log_pred)``, loss
@@ -60,11 +65,19 @@ from typing import Literal
 
 import torch
 
-from megatron_glm5.kernels._common import LOG2E, check_tensor, next_power_of_2, row_valid_len, tilelang_modules
+from megatron_glm5.kernels._common import (
+    LOG2E,
+    check_tensor,
+    multiprocessor_count,
+    next_power_of_2,
+    row_valid_len,
+    tilelang_modules,
+)
 from megatron_glm5.kernels.sparse_mla_fwd import head_block
 
 TARGET_EPS = 1e-10  # megatron-core's INDEXER_LOSS_EPS (= megatron_glm5.dsa.indexer_loss.TARGET_EPS)
 GLUE_CHUNK_BYTES = 64 << 20  # per [rows, K] fp32 temporary of the torch loss glue
+DETERMINISTIC_PARTIAL_BYTES = 2 << 30  # the deterministic backward's per-chunk partial dki buffer
 MAX_INDEX_HEADS = 64
 BwdImpl = Literal["ours", "mcore"]
 
@@ -211,8 +224,11 @@ def _jit_index_bwd():
     tilelang, T = tilelang_modules()
 
     @tilelang.jit(pass_configs=_pass_configs(tilelang))
-    def sparse_index_score_bwd_kernel(heads: int, dim: int, block_s: int = 64, threads: int = 0):
-        """``dQI``, ``dW`` per row and ``dKI += `` (fp32 atomics) from ``DS * GradScale[0]``."""
+    def sparse_index_score_bwd_kernel(heads: int, dim: int, deterministic: bool = False, block_s: int = 64,
+                                      threads: int = 0):
+        """``dQI``, ``dW`` per row and ``dKI`` from ``DS * GradScale[0]``. ``dKI`` is an fp32 ``[S, Di]`` buffer
+        that fp32 atomics add into, or (``deterministic``) a per-slot partial buffer ``[n_rows, 1, K, Di]`` of the
+        launch's rows (row ``bx`` is token ``RowOffset[0] + bx``), summed afterwards in a fixed order."""
         block_h = index_head_block(heads)
         if threads == 0:
             threads = 256 if block_h >= 64 else 128
@@ -223,11 +239,14 @@ def _jit_index_bwd():
         t_len = T.dynamic("t_len")
         t_kv = T.dynamic("t_kv")
         topk = T.dynamic("topk")
+        n_rows = T.dynamic("n_rows")
         bf16, f32, i32 = T.bfloat16, T.float32, T.int32
         gather = _index_gather_macro(T, dim, bs, threads, with_grad=True)
+        dk_shape = [n_rows, 1, topk, dim] if deterministic else [t_kv, dim]
+        grid_rows = n_rows if deterministic else t_len
 
         @T.macro
-        def block_step(dKI, q_s, w_s, k_s, idx_s, ds_s, dz_s, acc_z, acc_dw, dw_blk, acc_dq, acc_dk, dw_acc):
+        def block_step(dKI, bx, blk, q_s, w_s, k_s, idx_s, ds_s, dz_s, acc_z, acc_dw, dw_blk, acc_dq, acc_dk, dw_acc):
             T.gemm(q_s, k_s, acc_z, transpose_B=True, clear_accum=True)
             for h, j in T.Parallel(block_h, bs):
                 acc_dw[h, j] = ds_s[j] * T.max(acc_z[h, j], 0)
@@ -238,9 +257,14 @@ def _jit_index_bwd():
             T.copy(acc_z, dz_s)
             T.gemm(dz_s, k_s, acc_dq)  # dqi [Hp, Di] += dz [Hp, bs] ki [bs, Di]
             T.gemm(dz_s, q_s, acc_dk, transpose_A=True, clear_accum=True)  # dk [bs, Di] = dz^T qi
-            for j, d in T.Parallel(bs, dim):
-                if idx_s[j] >= 0:
-                    T.atomic_add(dKI[idx_s[j], d], acc_dk[j, d])
+            if deterministic:
+                for j, d in T.Parallel(bs, dim):
+                    if blk * bs + j < topk:
+                        dKI[bx, 0, blk * bs + j, d] = acc_dk[j, d]
+            else:
+                for j, d in T.Parallel(bs, dim):
+                    if idx_s[j] >= 0:
+                        T.atomic_add(dKI[idx_s[j], d], acc_dk[j, d])
 
         @T.prim_func
         def main(
@@ -251,11 +275,12 @@ def _jit_index_bwd():
             VLen: T.Tensor([t_len], i32),
             DS: T.Tensor([t_len, topk], f32),
             GradScale: T.Tensor([1], f32),
+            RowOffset: T.Tensor([1], i32),
             dQI: T.Tensor([t_len, heads, dim], bf16),
             dW: T.Tensor([t_len, heads], f32),
-            dKI: T.Tensor([t_kv, dim], f32),
+            dKI: T.Tensor(dk_shape, f32),
         ):
-            with T.Kernel(t_len, threads=threads) as t:
+            with T.Kernel(grid_rows, threads=threads) as bx:
                 q_s = T.alloc_shared([block_h, dim], bf16)
                 w_s = T.alloc_shared([block_h], f32)
                 k0 = T.alloc_shared([bs, dim], bf16)
@@ -273,6 +298,7 @@ def _jit_index_bwd():
                 acc_dk = T.alloc_fragment([bs, dim], f32)
 
                 tx = T.get_thread_binding()
+                t = RowOffset[0] + bx
                 n_blk = T.ceildiv(VLen[t], bs)
                 gs = GradScale[0]
                 for h, d in T.Parallel(block_h, dim):
@@ -291,7 +317,8 @@ def _jit_index_bwd():
                         T.ptx_wait_group(0)
                     T.sync_threads()
                     T.fence_proxy_async()
-                    block_step(dKI, q_s, w_s, k0, idx0, ds0, dz_s, acc_z, acc_dw, dw_blk, acc_dq, acc_dk, dw_acc)
+                    block_step(dKI, bx, 2 * ip, q_s, w_s, k0, idx0, ds0, dz_s, acc_z, acc_dw, dw_blk, acc_dq, acc_dk,
+                               dw_acc)
                     T.sync_threads()
                     if 2 * ip + 1 < n_blk:
                         if 2 * ip + 2 < n_blk:
@@ -301,7 +328,8 @@ def _jit_index_bwd():
                             T.ptx_wait_group(0)
                         T.sync_threads()
                         T.fence_proxy_async()
-                        block_step(dKI, q_s, w_s, k1, idx1, ds1, dz_s, acc_z, acc_dw, dw_blk, acc_dq, acc_dk, dw_acc)
+                        block_step(dKI, bx, 2 * ip + 1, q_s, w_s, k1, idx1, ds1, dz_s, acc_z, acc_dw, dw_blk, acc_dq,
+                                   acc_dk, dw_acc)
                         T.sync_threads()
 
                 for h, d in T.Parallel(block_h, dim):
@@ -564,12 +592,14 @@ def index_score_bwd_interface(
     grad_scale: torch.Tensor | None = None,
     *,
     valid_len: torch.Tensor | None = None,
+    deterministic: bool = False,
     impl: BwdImpl = "ours",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Kernel 3: gradients of ``score = sum_h w relu(qi . ki[topk])`` given ``d score = dscore * grad_scale``
     (``grad_scale`` a 1-element fp32 device tensor, default 1): ``(dqi [T, Hi, Di] bf16, dki [S, Di] bf16,
-    dw [T, Hi] fp32)``. ``impl="mcore"`` runs megatron-core 0.19.2's ``indexer_bwd_interface`` instead (needs
-    ``Hi % 8 == 0``; pads K to a power of two)."""
+    dw [T, Hi] fp32)``. ``deterministic=True``: dki without float atomics (module docstring), bitwise reproducible.
+    ``impl="mcore"`` runs megatron-core 0.19.2's ``indexer_bwd_interface`` instead (needs ``Hi % 8 == 0``; pads K
+    to a power of two; fp32 atomics)."""
     check_index_args(qi, ki, w, topk)
     check_tensor("dscore", dscore, dtype=torch.float32, ndim=2, device=qi.device)
     if dscore.shape != topk.shape:
@@ -586,6 +616,8 @@ def index_score_bwd_interface(
 
         if not is_supported_indexer_bwd_head_count(heads):
             raise ValueError(f"bwd_impl='mcore' needs index heads <= 64 and a multiple of 8, got {heads}")
+        if deterministic:
+            raise ValueError("bwd_impl='mcore' has no deterministic mode (it adds dki with fp32 atomics)")
         dq, dw, dk = indexer_bwd_interface(qi, w, ki, topk, dscore * grad_scale)
         return dq, dk, dw
     if impl != "ours":
@@ -597,9 +629,39 @@ def index_score_bwd_interface(
     dw = torch.empty_like(w)
     if valid_len is None:
         valid_len = row_valid_len(topk)
-    kernel = _jit_index_bwd()(heads, dim)
-    kernel(qi, ki, w, topk, valid_len, dscore, grad_scale, dq, dw, dk_acc)
+    kernel = _jit_index_bwd()(heads, dim, bool(deterministic))
+    if not deterministic:
+        row0 = torch.zeros(1, dtype=torch.int32, device=qi.device)
+        kernel(qi, ki, w, topk, valid_len, dscore, grad_scale, row0, dq, dw, dk_acc)
+        return dq, dk_acc.to(ki.dtype), dw
+
+    # Deterministic: per chunk of rows, each (row, slot) writes its Di-wide contribution (no atomics); then every key
+    # sums its contributions in (row, slot) order, from a stable sort of the chunk's indices.
+    from megatron_glm5.kernels.sparse_mla_bwd import _jit_dkv_reduce
+
+    t_kv, width = ki.shape[0], topk.shape[1]
+    chunk = deterministic_chunk_rows(width, dim, qi.device)
+    partial = torch.empty(min(chunk, t_len), 1, width, dim, dtype=torch.float32, device=qi.device)
+    reduce = _jit_dkv_reduce()(dim, 1, 128)
+    key_range = torch.arange(t_kv + 1, dtype=torch.int64, device=qi.device)
+    for c0 in range(0, t_len, chunk):
+        c1 = min(t_len, c0 + chunk)
+        row0 = torch.full((1,), c0, dtype=torch.int32, device=qi.device)
+        kernel(qi, ki, w, topk, valid_len, dscore, grad_scale, row0, dq, dw, partial[: c1 - c0])
+        keys = topk[c0:c1].reshape(-1).to(torch.int64)
+        keys = torch.where((keys >= 0) & (keys < t_kv), keys, t_kv)  # invalid slots sort past every key
+        sorted_keys, order = torch.sort(keys, stable=True)
+        offsets = torch.searchsorted(sorted_keys, key_range, out_int32=True)
+        reduce(partial[: c1 - c0], order.to(torch.int32), offsets, dk_acc)
     return dq, dk_acc.to(ki.dtype), dw
+
+
+def deterministic_chunk_rows(width: int, dim: int, device: torch.device) -> int:
+    """Rows per deterministic backward chunk: the fp32 partial buffer ``[rows, K, Di]`` stays near
+    ``DETERMINISTIC_PARTIAL_BYTES``; a whole number of waves of one CTA per SM when larger than one wave."""
+    rows = max(1, DETERMINISTIC_PARTIAL_BYTES // (width * dim * 4))
+    sms = multiprocessor_count(device)
+    return rows // sms * sms if rows > sms else rows
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -652,7 +714,7 @@ class SparseIndexerLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, qi, ki, w, topk, target, rw, bwd_impl):  # noqa: D102
+    def forward(ctx, qi, ki, w, topk, target, rw, deterministic, bwd_impl):  # noqa: D102
         w32 = w.detach().to(torch.float32).contiguous()
         topk32 = topk.to(torch.int32).contiguous()
         if target.shape != topk.shape:
@@ -664,6 +726,7 @@ class SparseIndexerLoss(torch.autograd.Function):
         loss = kl_loss_and_dscore_(score, target.detach(), rw.detach(), topk32, ki.shape[0])
         ctx.save_for_backward(qi, ki, w32, topk32, valid_len, score)  # score now holds dscore
         ctx.w_dtype = w.dtype
+        ctx.deterministic = deterministic
         ctx.bwd_impl = bwd_impl
         return loss
 
@@ -672,9 +735,10 @@ class SparseIndexerLoss(torch.autograd.Function):
     def backward(ctx, grad):  # noqa: D102
         qi, ki, w32, topk, valid_len, dscore = ctx.saved_tensors
         dqi, dki, dw = index_score_bwd_interface(
-            qi, ki, w32, topk, dscore, grad.detach(), valid_len=valid_len, impl=ctx.bwd_impl
+            qi, ki, w32, topk, dscore, grad.detach(), valid_len=valid_len, deterministic=ctx.deterministic,
+            impl=ctx.bwd_impl,
         )
-        return dqi.to(qi.dtype), dki.to(ki.dtype), dw.to(ctx.w_dtype), None, None, None, None
+        return dqi.to(qi.dtype), dki.to(ki.dtype), dw.to(ctx.w_dtype), None, None, None, None, None
 
 
 def fused_sparse_indexer_loss(
@@ -685,11 +749,14 @@ def fused_sparse_indexer_loss(
     target: torch.Tensor,
     rw: torch.Tensor,
     *,
+    deterministic: bool = False,
     bwd_impl: BwdImpl = "ours",
 ) -> torch.Tensor:
     """Sparse indexer KL loss with the fused kernels; the contract of
-    ``megatron_glm5.dsa.indexer_loss.sparse_indexer_loss`` (see :class:`SparseIndexerLoss`)."""
-    return SparseIndexerLoss.apply(qi, ki, w, topk, target.detach(), rw.detach(), bwd_impl)
+    ``megatron_glm5.dsa.indexer_loss.sparse_indexer_loss`` (see :class:`SparseIndexerLoss`). The loss, ``dqi`` and
+    ``dw`` are bitwise reproducible run to run; ``dki`` too with ``deterministic=True`` (no float atomics; costs a
+    write and a read of a ``[rows, K, Di]`` fp32 partial buffer per chunk of rows, and a sort of the indices)."""
+    return SparseIndexerLoss.apply(qi, ki, w, topk, target.detach(), rw.detach(), bool(deterministic), bwd_impl)
 
 
 def sparse_index_scores(qi: torch.Tensor, ki: torch.Tensor, w: torch.Tensor, topk: torch.Tensor) -> torch.Tensor:

@@ -38,9 +38,12 @@ DI = 128
 
 # Every kernel this file builds (module, getter, args): index scores / backward at Hi in {32, 8, 64}; the attention
 # target at (16, 576) GLM-5 TP4, (64, 512) NoPE, (128, 576) two head blocks, (8, 576) padded heads; the sparse-MLA
-# forward (16, 576) for a real LSE; megatron-core's indexer backward (32 heads, K 512) as a cross-check.
+# forward (16, 576) for a real LSE; the deterministic backward (32 heads) and its reduction; megatron-core's indexer
+# backward (32 heads, K 512) as a cross-check.
 KERNELS = (
     [("megatron_glm5.kernels.indexer_loss", g, (hi, DI)) for g in ("_jit_index_scores", "_jit_index_bwd") for hi in (32, 8, 64)]
+    + [("megatron_glm5.kernels.indexer_loss", "_jit_index_bwd", (32, DI, True))]
+    + [("megatron_glm5.kernels.sparse_mla_bwd", "_jit_dkv_reduce", (DI, 1, 128))]
     + [("megatron_glm5.kernels.indexer_loss", "_jit_target", (h, d, SCALE)) for h, d in ((16, 576), (64, 512), (128, 576), (8, 576))]
     + [("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_ws", (16, 576, 512, SCALE))]
     + [("megatron.core.transformer.experimental_attention_variant.ops.tilelang_indexer_bwd", "_get_indexer_bwd_kernel",
@@ -262,19 +265,27 @@ def test_fused_loss_and_gradients_match_oracle(t_len, hi, k):
 
 
 def test_loss_determinism_and_mcore_backward_cross_check():
-    """dqi, dw and the loss are bitwise reproducible (per-row CTAs, fixed order); dki uses fp32 atomics (reported,
-    not required). megatron-core's ``indexer_bwd_interface`` on the same dscore agrees with ours."""
+    """dqi, dw and the loss are bitwise reproducible (per-row CTAs, fixed order); dki with fp32 atomics need not be
+    (reported), with ``deterministic=True`` it is, and it equals the atomic one within fp32 rounding (then bf16).
+    megatron-core's ``indexer_bwd_interface`` on the same dscore agrees with ours."""
     x = _loss_case(1000, 32, 512, seed=7)
     runs = [_run(kil.fused_sparse_indexer_loss, *x, 1.0) for _ in range(2)]
     same_loss = torch.equal(runs[0][0], runs[1][0])
     same_dq = torch.equal(runs[0][1][0], runs[1][1][0])
     same_dw = torch.equal(runs[0][1][2], runs[1][1][2])
     same_dk = torch.equal(runs[0][1][1], runs[1][1][1])
+    det = [_run(lambda *a: kil.fused_sparse_indexer_loss(*a, deterministic=True), *x, 1.0) for _ in range(2)]
+    det_same = all(torch.equal(a, b) for a, b in zip(det[0][1], det[1][1]))
+    det_vs_atomic = max_rel(det[0][1][1], runs[0][1][1])
     mc = _run(lambda *a: kil.fused_sparse_indexer_loss(*a, bwd_impl="mcore"), *x, 1.0)
     errs = [(n, max_rel(a, b), cosine(a, b)) for n, a, b in zip(("dqi", "dki", "dw"), runs[0][1], mc[1])]
-    print(f"determinism: loss={same_loss} dqi={same_dq} dw={same_dw} dki(atomics)={same_dk}; ours vs mcore bwd: "
+    print(f"determinism: loss={same_loss} dqi={same_dq} dw={same_dw} dki(atomics)={same_dk}; deterministic=True: "
+          f"all grads bitwise equal={det_same}, dki vs atomic max_rel={det_vs_atomic:.2e}; ours vs mcore bwd: "
           + "; ".join(f"{n} max_rel={e:.2e} cos={c:.6f}" for n, e, c in errs))
     assert same_loss and same_dq and same_dw
+    assert det_same, "deterministic=True: bitwise equal gradients"
+    assert torch.equal(det[0][1][0], runs[0][1][0]) and torch.equal(det[0][1][2], runs[0][1][2]), "same dqi, dw"
+    assert det_vs_atomic <= 1e-2, "deterministic dki = atomic dki up to fp32 summation order and bf16 rounding"
     assert torch.equal(runs[0][0], mc[0]), "same forward"
     for n, e, c in errs:
         assert e <= 2e-2 and c >= 0.999, n
