@@ -103,10 +103,10 @@ def causal_topk(t_len: int, k: int, *, seed: int, edge_cases: bool = True) -> to
     if edge_cases:
         out[5] = -1
         out[t_len - 3] = -1
-        holes = torch.arange(700, min(t_len, 720), device="cuda")
+        holes = torch.arange(min(700, t_len), min(t_len, 720), device="cuda")
         out[holes, 3] = -1  # mid-row holes: valid slots follow
         out[holes, k // 2] = -1
-        dup = torch.arange(900, min(t_len, 920), device="cuda")
+        dup = torch.arange(min(900, t_len), min(t_len, 920), device="cuda")
         out[dup, 7] = out[dup, 2]  # the same key in two slots of a row
     return out.contiguous()
 
@@ -169,7 +169,8 @@ def test_index_scores_match_oracle(t_len, hi, k):
     err = max_rel(got[valid], want[valid])
     print(f"index scores T={t_len} Hi={hi} K={k}: max_rel_err={err:.2e}")
     assert err <= 1e-4
-    assert torch.equal(got[900:920, 7], got[900:920, 2]), "a duplicated key scores the same in both slots"
+    # a duplicated key scores the same in both slots (up to the last bits of the head reduction's lane order)
+    torch.testing.assert_close(got[900:920, 7], got[900:920, 2], rtol=1e-5, atol=1e-6)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -193,7 +194,8 @@ def _check_target(got, query, kv, idx, lse, name):
           f"{(norm - want).abs().max().item():.2e} (tolerance ratio {err:.3f})")
     assert sum_err <= 1e-3, f"{name}: unnormalised rows must sum to H (each head's softmax sums to 1)"
     torch.testing.assert_close(norm, want, rtol=1e-3, atol=1e-7, msg=lambda m: f"{name}: {m}")
-    assert torch.equal(got[900:920, 7], got[900:920, 2]), f"{name}: a duplicated key gets its value in both slots"
+    torch.testing.assert_close(got[900:920, 7], got[900:920, 2], rtol=1e-5, atol=1e-9,
+                               msg=lambda m: f"{name}: a duplicated key gets its value in both slots: {m}")
 
 
 def test_attention_target_glm_shape_with_sparse_mla_lse():
