@@ -47,10 +47,9 @@ COMPILE_CASES = {
     "topk_select_glm": ("megatron_glm5.kernels.indexer_topk", "_jit_select", (2048,)),
     # KPool (GLM-5.3-Flash): the same indexer kernel scores the pool keys, top-(index_topk // P) = 512 pools
     "topk_select_kpool": ("megatron_glm5.kernels.indexer_topk", "_jit_select", (512,)),
-    # sparse indexer KL loss: index scores (8 x 64 small; GLM-5's 32 x 128), the indexer backward at GLM-5's shape
-    # (fp32 atomics) and deterministic at 64 index heads (256 threads), the attention target at 16 heads (mma.sync)
-    # x 576 and 64 heads (wgmma) x 512 (NoPE: no tail)
-    "index_scores_small": ("megatron_glm5.kernels.indexer_loss", "_jit_index_scores", (8, 64)),
+    # sparse indexer KL loss (5 kernels, ~75 s of 2 contended cores cold): index scores at GLM-5's 32 x 128, the
+    # indexer backward there (fp32 atomics) and deterministic at 64 index heads (256 threads), the attention target
+    # at 16 heads (mma.sync) x 576 and 64 heads (wgmma) x 512 (NoPE: no tail)
     "index_scores_glm": ("megatron_glm5.kernels.indexer_loss", "_jit_index_scores", (32, 128)),
     "index_bwd_glm": ("megatron_glm5.kernels.indexer_loss", "_jit_index_bwd", (32, 128)),
     "index_bwd_64_deterministic": ("megatron_glm5.kernels.indexer_loss", "_jit_index_bwd", (64, 128, True)),
