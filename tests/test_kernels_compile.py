@@ -47,7 +47,7 @@ COMPILE_CASES = {
     "topk_select_glm": ("megatron_glm5.kernels.indexer_topk", "_jit_select", (2048,)),
     # KPool (GLM-5.3-Flash): the same indexer kernel scores the pool keys, top-(index_topk // P) = 512 pools
     "topk_select_kpool": ("megatron_glm5.kernels.indexer_topk", "_jit_select", (512,)),
-    # sparse indexer KL loss (5 kernels, ~75 s of 2 contended cores cold): index scores at GLM-5's 32 x 128, the
+    # sparse indexer KL loss (5 kernels, ~20-30 s each cold on 2 cores): index scores at GLM-5's 32 x 128, the
     # indexer backward there (fp32 atomics) and deterministic at 64 index heads (256 threads), the attention target
     # at 16 heads (mma.sync) x 576 and 64 heads (wgmma) x 512 (NoPE: no tail)
     "index_scores_glm": ("megatron_glm5.kernels.indexer_loss", "_jit_index_scores", (32, 128)),
