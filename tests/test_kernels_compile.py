@@ -24,6 +24,7 @@ from megatron_glm5.kernels.sparse_mla_fwd import head_block, sparse_mla_fwd_inte
 
 indexer_mod = importlib.import_module("megatron_glm5.kernels.indexer_topk")  # the package exports a same-named function
 loss_mod = importlib.import_module("megatron_glm5.kernels.indexer_loss")
+target_mod = importlib.import_module("megatron_glm5.kernels.sparse_attention_target")
 
 SM90 = '{"kind": "cuda", "arch": "sm_90a"}'
 
@@ -53,8 +54,8 @@ COMPILE_CASES = {
     "index_scores_glm": ("megatron_glm5.kernels.indexer_loss", "_jit_index_scores", (32, 128)),
     "index_bwd_glm": ("megatron_glm5.kernels.indexer_loss", "_jit_index_bwd", (32, 128)),
     "index_bwd_64_deterministic": ("megatron_glm5.kernels.indexer_loss", "_jit_index_bwd", (64, 128, True)),
-    "attention_target_glm": ("megatron_glm5.kernels.indexer_loss", "_jit_target", (16, 576, 1 / 16)),
-    "attention_target_nope": ("megatron_glm5.kernels.indexer_loss", "_jit_target", (64, 512, 1 / 16)),
+    "attention_target_glm": ("megatron_glm5.kernels.sparse_attention_target", "_jit_target", (16, 576, 1 / 16)),
+    "attention_target_nope": ("megatron_glm5.kernels.sparse_attention_target", "_jit_target", (64, 512, 1 / 16)),
 }
 
 
@@ -216,7 +217,7 @@ def test_indexer_loss_target_interface_rejects():
     kv = torch.zeros(8, 576, dtype=torch.bfloat16)
     idx = torch.full((8, 64), -1, dtype=torch.int32)
     lse = torch.zeros(8, 16)
-    f = loss_mod.sparse_attention_target_interface
+    f = target_mod.sparse_attention_target_interface
     with pytest.raises(TypeError, match="lse must be torch.float32"):
         f(q, kv, idx, lse.double(), 1 / 16)
     with pytest.raises(ValueError, match=r"lse must be \[T=8, H=16\]"):

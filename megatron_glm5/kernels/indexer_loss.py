@@ -19,6 +19,13 @@ never read). Test oracle: ``megatron_glm5.dsa.indexer_loss`` (``sparse_index_sco
 Slots are independent: a key repeated in two slots of a row gets its value in each slot (as the sparse attention,
 whose softmax and LSE count it twice) and its gradient twice.
 
+Preconditions (checked, errors name the argument, the expected and the found value): CUDA SM90 device, every tensor
+contiguous on one device; ``qi``/``ki``/``query``/``kv`` bf16, ``w``/``lse``/``target``/``rw`` fp32 (the public
+wrappers convert other float dtypes, and int64 ``topk`` to int32); ``1 <= Hi <= 64``, ``Di`` a multiple of 64 in
+[64, 256] (GLM-5: 32 x 128); ``1 <= H <= 128`` heads per rank, ``D`` a multiple of 64 in [128, 576] (GLM-5 576,
+NoPE 512); any ``T``, ``S`` and ``K >= 1`` (no padding of K needed; tail -1 padding costs nothing). ``softmax_scale``
+is a compile-time constant of the target kernel (one build per scale; GLM-5 always 1/16).
+
 Kernels (one CTA per query row; the selected key rows are gathered with guarded ``cp.async`` into two shared-memory
 stages, the next block loading while this one computes; -1 slots are zero-filled without a memory read; blocks past
 a row's last valid slot (``row_valid_len``) are skipped and their outputs written as constants):
@@ -26,12 +33,8 @@ a row's last valid slot (``row_valid_len``) are skipped and their outputs writte
 1. ``index_scores``: 128 threads, 64-slot blocks. ``z [Hp, 64] = qi[t] ki_blk^T`` (bf16 MMA, fp32 accumulate; heads
    padded to ``Hp = max(16, next_pow2(Hi)) <= 64`` with zero queries and zero weights), ``relu(z) * w``, head sum.
    Gather-bound: ``K * Di * 2`` bytes per row (512 KB at K = 2048) for ``2 * K * Hi * Di`` FLOPs.
-2. ``attention_target``: grid ``(T, ceil(H / 64))``, 32-slot blocks, 128 threads (16-head block) or 256 (32 / 64);
-   ``s [Hb, 32] = q[t] kv_blk^T`` over all ``D`` channels (split 256 + 256 + RoPE tail 64 like the sparse-MLA
-   kernels; NoPE ``D = 512`` has no tail), ``exp2(s * scale * log2e - lse * log2e)``, head sum. It is the QK half of
-   the sparse-MLA forward with the LSE already known (no online softmax, one pass), so it costs about one gather of
-   ``K x D`` bf16 per row: gather-bound like the forward at 16 heads. With more than 64 heads each 64-head block
-   writes a partial ``[T, K]`` and the interface adds them (fixed order).
+2. ``attention_target`` (its own module, :mod:`megatron_glm5.kernels.sparse_attention_target`, re-exported here):
+   grid ``(T, ceil(H / 64))``, 32-slot blocks; ``exp(scale * q . kv - lse)`` summed over heads in one gather pass.
 3. ``index_score_bwd``: from ``dscore [T, K]`` (times a device scalar ``grad``): recompute ``z``, then
    ``dw[h] = sum_k ds * relu(z)`` (fp32), ``dz = ds * w * (z > 0)`` (bf16 in shared memory, as flash-attention's dS),
    ``dqi = dz ki_blk`` accumulated in registers over the row's blocks (one bf16 store per row), and
@@ -66,14 +69,13 @@ from typing import Literal
 import torch
 
 from megatron_glm5.kernels._common import (
-    LOG2E,
     check_tensor,
     multiprocessor_count,
     next_power_of_2,
     row_valid_len,
     tilelang_modules,
 )
-from megatron_glm5.kernels.sparse_mla_fwd import head_block
+from megatron_glm5.kernels.sparse_attention_target import sparse_attention_target  # noqa: F401 (re-exported)
 
 TARGET_EPS = 1e-10  # megatron-core's INDEXER_LOSS_EPS (= megatron_glm5.dsa.indexer_loss.TARGET_EPS)
 GLUE_CHUNK_BYTES = 64 << 20  # per [rows, K] fp32 temporary of the torch loss glue
@@ -85,10 +87,6 @@ BwdImpl = Literal["ours", "mcore"]
 def index_head_block(heads: int) -> int:
     """Padded index-head count of the kernels' MMA tiles (the M dimension): 16, 32 or 64."""
     return max(16, next_power_of_2(heads))
-
-
-def _index_threads(heads: int, backward: bool) -> int:
-    return 256 if backward and index_head_block(heads) >= 64 else 128
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -344,159 +342,6 @@ def _jit_index_bwd():
     return sparse_index_score_bwd_kernel
 
 
-@functools.cache
-def _jit_target():
-    tilelang, T = tilelang_modules()
-
-    @tilelang.jit(out_idx=[5], pass_configs=_pass_configs(tilelang))  # non-negative: see _common.OUT_IDX_NOTE
-    def sparse_attention_target_kernel(heads: int, d_qk: int, softmax_scale: float, block_s: int = 32,
-                                       threads: int = 0):
-        """``Out[hb, t, k] = sum_{h in head block hb} exp2(scale*log2e * Q[t,h] . KV[Idx[t,k]] - log2e * Lse[t,h])``."""
-        block_h, n_hblk = head_block(heads)
-        if threads == 0:
-            threads = 256 if block_h >= 32 else 128
-        d_tail = d_qk % 128  # GLM-5: the 64 RoPE channels of 576; NoPE (512): none
-        dh = (d_qk - d_tail) // 2
-        has_tail = d_tail > 0
-        rows_per_pass = threads // 8
-        if d_qk % 64 or dh % 64 or block_s % rows_per_pass:
-            raise ValueError(f"attention target kernel needs d_qk a multiple of 64 (and >= 128) and block_s a multiple "
-                             f"of threads / 8; got d_qk={d_qk}, block_s={block_s}, threads={threads}")
-        scale_log2 = softmax_scale * LOG2E
-        bs = block_s
-        t_len = T.dynamic("t_len")
-        t_kv = T.dynamic("t_kv")
-        topk = T.dynamic("topk")
-        bf16, f32, i32 = T.bfloat16, T.float32, T.int32
-
-        @T.macro
-        def load_q(Q, t, h0, tx, buf, col0, width):
-            n_vec = block_h * (width // 8)
-            for it in T.unroll((n_vec + threads - 1) // threads):
-                ch = it * threads + tx
-                if ch < n_vec:
-                    h = ch // (width // 8)
-                    c = (ch % (width // 8)) * 8
-                    for v in T.vectorized(8):
-                        buf[h, c + v] = T.if_then_else(h0 + h < heads, Q[t, T.min(h0 + h, heads - 1), col0 + c + v], 0)
-
-        @T.macro
-        def gather(KV, Idx, t, t_kv, topk, tx, kv_l, kv_r, kt, idx_s, blk):
-            # 8 lanes per KV row, 16 B per cp.async; an invalid slot is a zero-fill (nothing read).
-            lane = tx % 8
-            for r in T.unroll(bs // rows_per_pass):
-                row = r * rows_per_pass + tx // 8
-                slot = blk * bs + row
-                idx = T.if_then_else(slot < topk, Idx[t, T.min(slot, topk - 1)], -1)
-                valid = (idx >= 0) and (idx < t_kv)
-                src = T.if_then_else(valid, idx, 0)
-                if lane == 0:
-                    idx_s[row] = T.if_then_else(valid, idx, -1)
-                for c in T.unroll(dh // 64):
-                    col = c * 64 + lane * 8
-                    T.ptx_cp_async(
-                        T.access_ptr(kv_l[row, col], "w", 8), T.access_ptr(KV[src, col], "r", 8), 8, predicate=valid
-                    )
-                    T.ptx_cp_async(
-                        T.access_ptr(kv_r[row, col], "w", 8),
-                        T.access_ptr(KV[src, dh + col], "r", 8),
-                        8,
-                        predicate=valid,
-                    )
-                if has_tail:
-                    for c in T.unroll(d_tail // 64):
-                        col = c * 64 + lane * 8
-                        T.ptx_cp_async(
-                            T.access_ptr(kt[row, col], "w", 8),
-                            T.access_ptr(KV[src, 2 * dh + col], "r", 8),
-                            8,
-                            predicate=valid,
-                        )
-            T.ptx_commit_group()
-
-        @T.macro
-        def block_step(Out, t, hb, topk, q_l, q_r, q_t, kv_l, kv_r, kt, idx_s, lse_s, acc, tsum, blk):
-            for h, j in T.Parallel(block_h, bs):
-                acc[h, j] = T.if_then_else(idx_s[j] >= 0, 0, -T.infinity(f32))
-            T.gemm(q_l, kv_l, acc, transpose_B=True)
-            T.gemm(q_r, kv_r, acc, transpose_B=True)
-            if has_tail:
-                T.gemm(q_t, kt, acc, transpose_B=True)
-            for h, j in T.Parallel(block_h, bs):
-                acc[h, j] = T.exp2(acc[h, j] * scale_log2 - lse_s[h])
-            T.reduce_sum(acc, tsum, dim=0)
-            for j in T.Parallel(bs):
-                if blk * bs + j < topk:
-                    Out[hb, t, blk * bs + j] = tsum[j]
-
-        @T.prim_func
-        def main(
-            Q: T.Tensor([t_len, heads, d_qk], bf16),
-            KV: T.Tensor([t_kv, d_qk], bf16),
-            Idx: T.Tensor([t_len, topk], i32),
-            VLen: T.Tensor([t_len], i32),
-            Lse: T.Tensor([t_len, heads], f32),
-            Out: T.Tensor([n_hblk, t_len, topk], f32),
-        ):
-            with T.Kernel(t_len, n_hblk, threads=threads) as (t, hb):
-                q_l = T.alloc_shared([block_h, dh], bf16)
-                q_r = T.alloc_shared([block_h, dh], bf16)
-                q_t = T.alloc_shared([block_h, d_tail], bf16) if has_tail else None
-                kv0_l = T.alloc_shared([bs, dh], bf16)
-                kv0_r = T.alloc_shared([bs, dh], bf16)
-                kt0 = T.alloc_shared([bs, d_tail], bf16) if has_tail else None
-                kv1_l = T.alloc_shared([bs, dh], bf16)
-                kv1_r = T.alloc_shared([bs, dh], bf16)
-                kt1 = T.alloc_shared([bs, d_tail], bf16) if has_tail else None
-                idx0 = T.alloc_shared([bs], i32)
-                idx1 = T.alloc_shared([bs], i32)
-                lse_s = T.alloc_shared([block_h], f32)
-                acc = T.alloc_fragment([block_h, bs], f32)
-                tsum = T.alloc_fragment([bs], f32)
-
-                tx = T.get_thread_binding()
-                h0 = hb * block_h
-                n_blk = T.ceildiv(VLen[t], bs)
-                load_q(Q, t, h0, tx, q_l, 0, dh)
-                load_q(Q, t, h0, tx, q_r, dh, dh)
-                if has_tail:
-                    load_q(Q, t, h0, tx, q_t, 2 * dh, d_tail)
-                for h in T.Parallel(block_h):
-                    # Padded heads: lse = +inf, so exp2(... - inf) = 0 and they add nothing; so does an empty row's.
-                    lse_s[h] = T.if_then_else(h0 + h < heads, Lse[t, T.min(h0 + h, heads - 1)] * LOG2E, T.infinity(f32))
-                for it in T.serial(T.ceildiv(T.max(topk - n_blk * bs, 0), threads)):
-                    slot = n_blk * bs + it * threads + tx
-                    if slot < topk:
-                        Out[hb, t, slot] = 0
-                if n_blk > 0:
-                    gather(KV, Idx, t, t_kv, topk, tx, kv0_l, kv0_r, kt0, idx0, 0)
-                for ip in T.serial(T.ceildiv(n_blk, 2)):
-                    if 2 * ip + 1 < n_blk:
-                        gather(KV, Idx, t, t_kv, topk, tx, kv1_l, kv1_r, kt1, idx1, 2 * ip + 1)
-                        T.ptx_wait_group(1)
-                    else:
-                        T.ptx_wait_group(0)
-                    T.sync_threads()
-                    T.fence_proxy_async()
-                    block_step(Out, t, hb, topk, q_l, q_r, q_t, kv0_l, kv0_r, kt0, idx0, lse_s, acc, tsum, 2 * ip)
-                    T.sync_threads()
-                    if 2 * ip + 1 < n_blk:
-                        if 2 * ip + 2 < n_blk:
-                            gather(KV, Idx, t, t_kv, topk, tx, kv0_l, kv0_r, kt0, idx0, 2 * ip + 2)
-                            T.ptx_wait_group(1)
-                        else:
-                            T.ptx_wait_group(0)
-                        T.sync_threads()
-                        T.fence_proxy_async()
-                        block_step(Out, t, hb, topk, q_l, q_r, q_t, kv1_l, kv1_r, kt1, idx1, lse_s, acc, tsum,
-                                   2 * ip + 1)
-                        T.sync_threads()
-
-        return main
-
-    return sparse_attention_target_kernel
-
-
 # --------------------------------------------------------------------------------------------------------------------
 # Checked interfaces
 # --------------------------------------------------------------------------------------------------------------------
@@ -524,28 +369,6 @@ def check_index_args(qi: torch.Tensor, ki: torch.Tensor, w: torch.Tensor, topk: 
         raise ValueError("topk must have at least one slot (K >= 1)")
 
 
-def check_target_args(query: torch.Tensor, kv: torch.Tensor, topk: torch.Tensor, lse: torch.Tensor) -> None:
-    """Validate the attention-side tensors: ``query [T, H, D]`` bf16 (``1 <= H <= 128``, ``D`` a multiple of 64 in
-    [128, 576]: GLM-5 576, NoPE 512), ``kv [S, D]`` bf16, ``topk [T, K]`` int32, ``lse [T, H]`` fp32."""
-    check_tensor("query", query, dtype=torch.bfloat16, ndim=3)
-    check_tensor("kv", kv, dtype=torch.bfloat16, ndim=2, device=query.device)
-    check_tensor("topk", topk, dtype=torch.int32, ndim=2, device=query.device)
-    check_tensor("lse", lse, dtype=torch.float32, ndim=2, device=query.device)
-    t_len, heads, d_qk = query.shape
-    if kv.shape[1] != d_qk:
-        raise ValueError(f"kv must be [S, {d_qk}] like query's last dim, got {tuple(kv.shape)}")
-    if topk.shape[0] != t_len:
-        raise ValueError(f"topk must be [T={t_len}, K] like query, got {tuple(topk.shape)}")
-    if tuple(lse.shape) != (t_len, heads):
-        raise ValueError(f"lse must be [T={t_len}, H={heads}] like query, got {tuple(lse.shape)}")
-    if not 1 <= heads <= 128:
-        raise ValueError(f"attention heads per rank must be in [1, 128], got {heads}")
-    if d_qk % 64 or not 128 <= d_qk <= 576:
-        raise ValueError(f"query/kv dim must be a multiple of 64 in [128, 576] (GLM-5: 576, NoPE: 512), got {d_qk}")
-    if topk.shape[1] == 0:
-        raise ValueError("topk must have at least one slot (K >= 1)")
-
-
 def sparse_index_scores_interface(
     qi: torch.Tensor, ki: torch.Tensor, w: torch.Tensor, topk: torch.Tensor, *, valid_len: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -559,28 +382,6 @@ def sparse_index_scores_interface(
         valid_len = row_valid_len(topk)
     kernel = _jit_index_scores()(heads, dim)
     return kernel(qi, ki, w, topk, valid_len)
-
-
-def sparse_attention_target_interface(
-    query: torch.Tensor,
-    kv: torch.Tensor,
-    topk: torch.Tensor,
-    lse: torch.Tensor,
-    softmax_scale: float,
-    *,
-    valid_len: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Kernel 2 (strict dtypes, see :func:`check_target_args`): the unnormalised head-summed probabilities, fp32
-    ``[T, K]``."""
-    check_target_args(query, kv, topk, lse)
-    t_len, heads, d_qk = query.shape
-    if t_len == 0 or kv.shape[0] == 0:
-        return torch.zeros(topk.shape, dtype=torch.float32, device=query.device)
-    if valid_len is None:
-        valid_len = row_valid_len(topk)
-    kernel = _jit_target()(heads, d_qk, float(softmax_scale))
-    out = kernel(query, kv, topk, valid_len, lse)  # [n_hblk, T, K]
-    return out[0] if out.shape[0] == 1 else out.sum(0)
 
 
 def index_score_bwd_interface(
@@ -763,18 +564,6 @@ def sparse_index_scores(qi: torch.Tensor, ki: torch.Tensor, w: torch.Tensor, top
     """fp32 ``[T, K]``: ``sum_h w[t, h] * relu(qi[t, h] . ki[topk[t, k]])``, -inf on invalid slots (no autograd).
     ``w`` of any float dtype and int64 ``topk`` are converted."""
     return sparse_index_scores_interface(qi, ki, w.to(torch.float32).contiguous(), topk.to(torch.int32).contiguous())
-
-
-def sparse_attention_target(
-    query: torch.Tensor, kv: torch.Tensor, topk: torch.Tensor, lse: torch.Tensor, softmax_scale: float
-) -> torch.Tensor:
-    """fp32 ``[T, K]``: ``sum_h exp(softmax_scale * query[t, h] . kv[topk[t, k]] - lse[t, h])``, unnormalised (the
-    caller all-reduces over TP, then L1-normalises); 0 on invalid slots and for heads with ``lse = +inf``. ``lse`` is
-    the natural-log LSE of ``sparse_mla_with_lse`` over the same ``topk`` (any float dtype; int64 ``topk``
-    converted). No autograd (the target is a constant of the loss)."""
-    return sparse_attention_target_interface(
-        query, kv, topk.to(torch.int32).contiguous(), lse.detach().to(torch.float32).contiguous(), softmax_scale
-    )
 
 
 # --------------------------------------------------------------------------------------------------------------------

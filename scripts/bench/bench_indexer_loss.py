@@ -51,7 +51,7 @@ KERNELS = [
     ("megatron_glm5.kernels.indexer_topk", "_jit_logits", (HI, DI)),
     ("megatron_glm5.kernels.indexer_topk", "_jit_select", (TOPK,)),
     ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_ws", (H, D, D_V, SCALE)),
-    ("megatron_glm5.kernels.indexer_loss", "_jit_target", (H, D, SCALE)),
+    ("megatron_glm5.kernels.sparse_attention_target", "_jit_target", (H, D, SCALE)),
     ("megatron_glm5.kernels.indexer_loss", "_jit_index_scores", (HI, DI)),
     ("megatron_glm5.kernels.indexer_loss", "_jit_index_bwd", (HI, DI)),
     ("megatron_glm5.kernels.indexer_loss", "_jit_index_bwd", (HI, DI, True)),

@@ -1,5 +1,5 @@
-"""Fused sparse indexer-loss kernels (``megatron_glm5.kernels.indexer_loss``) against the fp32 torch oracle
-(``megatron_glm5.dsa.indexer_loss``) on the same bf16 inputs, on a CUDA (SM90) device.
+"""Fused sparse indexer-loss kernels (``megatron_glm5.kernels.indexer_loss``, ``.sparse_attention_target``) against
+the fp32 torch oracle (``megatron_glm5.dsa.indexer_loss``) on the same bf16 inputs, on a CUDA (SM90) device.
 
 Run on the H200 machine: ``pytest tests/gpu/test_indexer_loss_gpu.py -q -s``. A module fixture first builds every
 kernel of this file in parallel worker processes (TileLang's disk cache), so the tests themselves only load them.
@@ -44,7 +44,7 @@ KERNELS = (
     [("megatron_glm5.kernels.indexer_loss", g, (hi, DI)) for g in ("_jit_index_scores", "_jit_index_bwd") for hi in (32, 8, 64)]
     + [("megatron_glm5.kernels.indexer_loss", "_jit_index_bwd", (32, DI, True))]
     + [("megatron_glm5.kernels.sparse_mla_bwd", "_jit_dkv_reduce", (DI, 1, 128))]
-    + [("megatron_glm5.kernels.indexer_loss", "_jit_target", (h, d, SCALE)) for h, d in ((16, 576), (64, 512), (128, 576), (8, 576))]
+    + [("megatron_glm5.kernels.sparse_attention_target", "_jit_target", (h, d, SCALE)) for h, d in ((16, 576), (64, 512), (128, 576), (8, 576))]
     + [("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_ws", (16, 576, 512, SCALE))]
     + [("megatron.core.transformer.experimental_attention_variant.ops.tilelang_indexer_bwd", "_get_indexer_bwd_kernel",
         (32, DI, 512))]
