@@ -10,8 +10,7 @@
 # bench_step (whole training steps of the GLM-5-shaped one-GPU slice through that pretrain_gpt.py: our kernels vs
 # megatron-core's, report in OUT_DIR/step.md; needs .mlm/; run precompile first; BENCH_STEP_ARGS adds flags),
 # indexer_loss_kernels (tests/gpu/test_indexer_loss_gpu.py: the fused sparse indexer-loss kernels vs the torch oracle;
-# builds its kernels in parallel first), bench_indexer_loss (ours vs the torch oracle vs megatron-core's fused loss
-# path at 16K / 32K after a --check at 4K; report in OUT_DIR/indexer_loss.md; BENCH_INDEXER_LOSS_ARGS adds flags).
+# builds its kernels in parallel first).
 # Each step has its own log and time limit; a failing step does not stop the others.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +33,6 @@ for step in "$@"; do
     backends) run backends 240 python3 -m pytest tests/gpu/test_backends_gpu.py -q -s -p no:cacheprovider ;;
     lora) run lora 200 python3 -m pytest tests/gpu/test_lora_gpu.py -q -s -p no:cacheprovider ;;
     indexer_loss_kernels) run indexer_loss_kernels 240 python3 -m pytest tests/gpu/test_indexer_loss_gpu.py -q -s -p no:cacheprovider ;;
-    bench_indexer_loss) TAIL=40 run bench_indexer_loss 420 python3 scripts/bench/bench_indexer_loss.py --check --out "$OUT_DIR/indexer_loss.md" ${BENCH_INDEXER_LOSS_ARGS:-} ;;
     bench_flash) run bench_flash 200 python3 scripts/bench/bench_dsa_kernels.py --sections kpool,nope --out "$OUT_DIR/flash_kernels.md" ;;
     hardening) run hardening 240 python3 -m pytest tests/gpu/test_hardening_gpu.py -q -s -p no:cacheprovider ;;
     grouped) run grouped 120 python3 -m pytest tests/gpu/test_grouped_experts_gpu.py -q -s -p no:cacheprovider ;;

@@ -17,13 +17,13 @@ selected keys, L1-normalised), the KL loss forward and its backward to the index
 Timing: ``triton.testing.do_bench`` median after an untimed call; peak memory: ``torch.cuda.max_memory_allocated``
 above the memory held before the call (inputs excluded), after ``reset_peak_memory_stats``.
 
-    source .gpu/install.sh && PYTHONPATH=$PWD python scripts/bench/bench_indexer_loss.py --check --out indexer_loss.md
+    source .gpu/install.sh && PYTHONPATH=$PWD python scripts/bench/bench_indexer_loss.py --out indexer_loss.md
     PYTHONPATH=$PWD python scripts/bench/bench_indexer_loss.py --precompile-only   # only fill TileLang's disk cache
 
 Every kernel is first built in parallel worker processes (``--workers``, default one per CPU up to 16; 0 skips it).
 
-``--check`` first compares ours with the oracle at S=4096 (target, loss, gradients; the same top-k) and exits with
-status 1 on a mismatch ("CHECK FAILED"), before any timing.
+The check (on unless ``--no-check``) first compares ours with the oracle at S=4096 (target, loss, gradients; the
+same top-k) and exits with status 1 on a mismatch ("CHECK FAILED"), before any timing.
 """
 
 from __future__ import annotations
@@ -387,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precompile-only", action="store_true", help="build every kernel in parallel, then exit")
     ap.add_argument("--workers", type=int, default=-1,
                     help="precompile in this many processes first (default: one per CPU, up to 16; 0: skip)")
-    ap.add_argument("--check", action="store_true", help="compare ours with the oracle at S=4096 before timing")
+    ap.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
+                    help="compare ours with the oracle at S=4096 before timing, exit 1 on a mismatch (default on)")
     ap.add_argument("--no-mcore", action="store_true")
     ap.add_argument("--no-oracle", action="store_true")
     ap.add_argument("--oracle-limit", type=float, default=60.0,
