@@ -8,7 +8,9 @@
 # pretrain_megatron, pretrain_tilelang (python -m megatron_glm5.pretrain), pretrain_gpt_client (Megatron-LM's own
 # pretrain_gpt.py with both specs: the client in shared/clients/megatron_lm, copied into .mlm/ and carried),
 # bench_step (whole training steps of the GLM-5-shaped one-GPU slice through that pretrain_gpt.py: our kernels vs
-# megatron-core's, report in OUT_DIR/step.md; needs .mlm/; run precompile first; BENCH_STEP_ARGS adds flags).
+# megatron-core's, report in OUT_DIR/step.md; needs .mlm/; run precompile first; BENCH_STEP_ARGS adds flags),
+# indexer_loss_kernels (tests/gpu/test_indexer_loss_gpu.py: the fused sparse indexer-loss kernels vs the torch oracle;
+# builds its kernels in parallel first).
 # Each step has its own log and time limit; a failing step does not stop the others.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +32,7 @@ for step in "$@"; do
     kernels_ws) MEGATRON_GLM5_TEST_FWD_VARIANT=ws run kernels_ws 200 python3 -m pytest tests/gpu/test_kernels_gpu.py -q -s -p no:cacheprovider ;;
     backends) run backends 240 python3 -m pytest tests/gpu/test_backends_gpu.py -q -s -p no:cacheprovider ;;
     lora) run lora 200 python3 -m pytest tests/gpu/test_lora_gpu.py -q -s -p no:cacheprovider ;;
+    indexer_loss_kernels) run indexer_loss_kernels 240 python3 -m pytest tests/gpu/test_indexer_loss_gpu.py -q -s -p no:cacheprovider ;;
     bench_flash) run bench_flash 200 python3 scripts/bench/bench_dsa_kernels.py --sections kpool,nope --out "$OUT_DIR/flash_kernels.md" ;;
     hardening) run hardening 240 python3 -m pytest tests/gpu/test_hardening_gpu.py -q -s -p no:cacheprovider ;;
     grouped) run grouped 120 python3 -m pytest tests/gpu/test_grouped_experts_gpu.py -q -s -p no:cacheprovider ;;
