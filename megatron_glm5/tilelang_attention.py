@@ -165,7 +165,7 @@ class TileLangSparseAttention(DSACoreAttention):
         rw = indexer_loss.row_weights(indexer_loss.valid_query_rows(layout.starts, layout.ends), self.loss.coeff,
                                       self.loss.per_token)
         return kernels.fused_sparse_indexer_loss(qi.contiguous(), ki.contiguous(), w.float().contiguous(), topk,
-                                                 target, rw)
+                                                 target, rw, deterministic=self.config.deterministic_mode)
 
     def forward(self, query: torch.Tensor, kv: torch.Tensor, topk: torch.Tensor, softmax_scale: float,
                 d_v: int, *, with_lse: bool = False):
