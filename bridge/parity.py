@@ -16,6 +16,9 @@ streams ``[b, s, hc_mult, h]``.
   causal keys (HF's indexer output is captured with a forward hook on ``self_attn.indexer``, ours from each
   layer's attention output ``(out, bias, topk)``; rows are ``b * s + pos``, -1 padding and HF's masked picks for
   rows with fewer than ``index_topk`` causal keys are dropped);
+* ``indexer_recall``: per loss-computing layer (the full layers in order, then MTP) ``[captured, best]``: the mean
+  share of the dense attention mass (head-summed, normalised) our indexer's top-k keys hold, and the most any as many
+  keys could hold (:func:`megatron_glm5.dsa.indexer_loss.attention_recall`; the indexer warm-up's diagnostic);
 * ``topk_boundary_ties``: query rows whose last kept and first dropped HF indexer candidates score *equal*, and
   ``topk_boundary_near_ties``: rows where they are closer than ``tie_eps`` times the row's best score (:data:`TIE_EPS`,
   above the two sides' rounding). There the rounding or the reference's ``torch.topk`` tie order, not the math,
@@ -302,6 +305,7 @@ def verify(
 
     from megatron_glm5.architectures import parse_architecture
     from megatron_glm5.parallel import initialize_model_parallel
+    from megatron_glm5.dsa.indexer_training import RECALL
 
     t0 = time.perf_counter()
     hf_checkpoint_dir(hf_path, flag="--hf-path")
@@ -398,7 +402,10 @@ def verify(
             hooks.append(indexer.register_forward_pre_hook(pre, with_kwargs=True))
     hf_device = next(hf.parameters()).device
     try:
-        ours = model(ids.to(device), pos.to(device), None).float().cpu()
+        RECALL.take()
+        with RECALL.record():  # the indexer's recall of the dense attention mass, per full layer (and MTP)
+            ours = model(ids.to(device), pos.to(device), None).float().cpu()
+        recall = RECALL.take()
         theirs = hf(input_ids=ids.to(hf_device)).logits.float().cpu()
     finally:
         for h in hooks:
@@ -478,6 +485,9 @@ def verify(
         "topk_rows_differing_on_hf_inputs": len(replay_differing),
         "topk_overlap_on_hf_inputs": replay_overlap,
         "topk_differences_only_at_ties": only_ties,
+        # per loss slot (full decoder layers in order, then MTP): (mean share of the dense attention mass the top-k
+        # holds, the most any as many keys could hold)
+        "indexer_recall": [[round(c, 6), round(b, 6)] for _, (c, b) in sorted(recall.items())],
         "moe_rows_routed_differently": routing_differs,
         "moe_rows_routed_differently_on_hf_inputs": routing_replay_differs,
         "moe_routing_near_ties": {str(i): int(t.sum()) for i, t in sorted(routing_ties.items())},

@@ -275,6 +275,7 @@ class TileLangMLASelfAttention(MLASelfAttention):
             topk = sparse.compute_topk(x, q_c, layout, rope_q, rope_k, gather)
         if dsa_topk is None:
             offload.mark_replicated(topk, self.pg_collection.tp)  # every TP rank ran the whole indexer
+        sparse.record_recall(query, kv_full, topk, layout, indexer is not None)
 
         core = (lambda q_, kv_, t_: sparse(q_, kv_, t_, self.softmax_scale, cfg.kv_lora_rank))
         if sparse.loss.warmup:  # dense main attention, frozen: only the indexer trains

@@ -36,6 +36,9 @@ def test_logits_match_transformers(fixtures, name, model_parallel):
     full = [str(i) for i, t in enumerate(bridge.mapping.layer_kinds(
         bridge.source.open_hf_source(src).arch)) if t.indexer == "full" and i < len(r["layer_max_rel_diff"])]
     assert sorted(r["topk_overlap"]) == full and all(v == 1.0 for v in r["topk_overlap"].values())
+    # the indexer recall diagnostic: one (captured, best) pair per full layer (+ MTP), 0 < captured <= best <= 1
+    assert len(r["indexer_recall"]) >= len(full)
+    assert all(0 < c <= b + 1e-6 <= 1 + 1e-6 for c, b in r["indexer_recall"]), r["indexer_recall"]
 
 
 def test_verify_from_megatron_checkpoint(fixtures, tmp_path, model_parallel):

@@ -190,6 +190,15 @@ class DSACoreAttention(MegatronModule):
                 query, kv, topk, layout.starts, layout.ends, self.softmax_scale, tp_group=tp))
         return loss
 
+    def record_recall(self, query: torch.Tensor, kv: torch.Tensor, topk: torch.Tensor, layout: TokenLayout,
+                      loss_computed: bool) -> None:
+        """Under ``RECALL.record()`` a full layer adds its recall (the warm-up's loss adds it already)."""
+        if not RECALL.recording or self.indexer is None or (loss_computed and self.loss.warmup):
+            return
+        tp = self.pg_collection.tp if self.config.tensor_model_parallel_size > 1 else None
+        RECALL.add(self.loss_slot, indexer_loss.attention_recall(
+            query.detach(), kv.detach(), topk, layout.starts, layout.ends, self.softmax_scale, tp_group=tp))
+
     def attach_loss(self, output: torch.Tensor, loss: Optional[torch.Tensor]) -> torch.Tensor:
         """``output`` carrying this layer's indexer loss into the backward and the log (unchanged without one)."""
         if loss is None:
@@ -394,6 +403,7 @@ class GLMAbsorbedMLASelfAttention(AbsorbedMLASelfAttention):
             topk = core.compute_topk(hidden_states, q_compressed, packed_seq_params, layout)
         if dsa_topk is None:
             offload.mark_replicated(topk, self.pg_collection.tp)  # every TP rank ran the whole indexer
+        core.record_recall(query, kv, topk, layout, loss is not None)
 
         if core.loss.warmup:  # dense main attention, frozen: only the indexer trains
             latent = core.dense_latent(query, kv, layout, self.config.kv_lora_rank)

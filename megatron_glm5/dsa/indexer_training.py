@@ -15,6 +15,7 @@ train, and the warm-up stage's recall diagnostic.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -132,6 +133,16 @@ class RecallTracker:
 
     def __init__(self) -> None:
         self._sums: dict[int, torch.Tensor] = {}  # slot -> [captured, best, count]
+        self.recording = False  # also measure outside the warm-up (``record()``: verify, diagnostics)
+
+    @contextlib.contextmanager
+    def record(self):
+        """Within the block, every full layer's forward adds its recall (any stage, training or not)."""
+        previous, self.recording = self.recording, True
+        try:
+            yield self
+        finally:
+            self.recording = previous
 
     def add(self, slot: LossSlot, stats: RecallStats) -> None:
         row = torch.stack([stats.captured.float(), stats.best.float(), stats.captured.new_ones((), dtype=torch.float32)])
