@@ -91,12 +91,12 @@ def attach_loss(output: torch.Tensor, loss: torch.Tensor, slot: LossSlot, *, cp_
 
 
 def _core_attentions(model) -> Iterator[torch.nn.Module]:
-    from .attention import DSACoreAttention
-
+    """The DSA core attentions of ``model`` (a module or a list of chunks): the modules carrying
+    :class:`IndexerLossSettings` (``DSACoreAttention``, which imports this module)."""
     modules = model if isinstance(model, (list, tuple)) else [model]
     for m in modules:
         for sub in m.modules():
-            if isinstance(sub, DSACoreAttention):
+            if isinstance(getattr(sub, "loss", None), IndexerLossSettings):
                 yield sub
 
 
