@@ -214,6 +214,7 @@ def _preflight(args) -> None:
     if args.command == "demo":
         if args.out is not None:
             preflight.work_dir(args.out, flag="--out")
+            preflight.demo_outputs(args.out)
         return
     if args.command == "clean":
         return  # it only lists and removes our own leftovers; bridge.output names anything unusable

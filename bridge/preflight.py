@@ -105,6 +105,13 @@ def output_dir(path: str | Path, *, flag: str | None) -> Path:
     if p.exists() and not p.is_dir():
         raise BridgeError(f"{where}: exists and is a file; expected a directory to create (or an existing one with "
                           "--overwrite)")
+    if p.is_dir():
+        from .output import check_renameable
+
+        try:
+            check_renameable(p)
+        except BridgeError as e:
+            raise BridgeError(f"{flag}: {e}" if flag else str(e)) from None
     parent = p.parent
     while not parent.exists():
         parent = parent.parent
@@ -141,3 +148,21 @@ def work_dir(path: str | Path, *, flag: str | None) -> Path:
         return p
     return output_dir(p, flag=flag)
 
+
+
+DEMO_OUTPUTS = ("hf", "megatron", "hf_roundtrip", "hf_trained")  # what `megatron-glm5 demo` writes into --out
+
+
+def demo_outputs(work: str | Path, *, flag: str | None = "--out") -> Path:
+    """The demo writes :data:`DEMO_OUTPUTS` into its work directory with the output rules of ``convert`` (never an
+    ``rmtree``): each must be absent, an empty directory, or an earlier output of this tool that holds only what
+    its marker lists. Anything else (a user's ``hf/mydata.txt``) is refused here, before the demo starts."""
+    from .output import check_output_dir
+
+    w = Path(work).absolute()
+    for sub in DEMO_OUTPUTS:
+        try:
+            check_output_dir(w / sub, overwrite=True, how="(the demo replaces only its own earlier outputs)")
+        except BridgeError as e:
+            raise BridgeError(f"{_where(flag, work)}: {e}") from None
+    return w
