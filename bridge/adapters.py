@@ -157,7 +157,8 @@ def to_peft(adapters: AdapterSet, table: AdapterTable, *, r: int, alpha: float, 
             "representation: peft 0.21 with transformers 5 retargets gate_proj/up_proj/down_proj to the routed "
             "experts' fused parameters and silently drops such tensors. Merge the adapter into the weights instead "
             "(bridge.export_hf(model, path, merge_lora=True) or `megatron-glm5 lora merge`), or train without them "
-            "(LoraConfig(exclude_modules=('dense_mlp', 'shared_experts')))"
+            "(LoraConfig's default targets; they are adapted only when 'dense_mlp' / 'shared_experts' is named in "
+            "target_modules)"
         )
     tensors: dict[str, torch.Tensor] = {}
     targets: dict[str, list[str]] = {}  # short HF name -> HF module paths adapted
@@ -399,6 +400,16 @@ def _logical_layer(table: AdapterTable, hf_layer: int | None) -> str | None:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def adapted_targets(adapters: AdapterSet) -> list[str]:
+    """``LoraConfig.target_modules`` that select exactly the linears ``adapters`` adapt: their megatron names, and
+    the merge-only groups (dense MLP, shared experts) they reach, which the names alone do not."""
+    from megatron_glm5.lora import MERGE_ONLY_GROUPS
+
+    scopes = {scope_of(m) for m in adapters}
+    names = sorted({t for t, _ in scopes}, key=MEGATRON_TARGETS.index)
+    return names + sorted({g for _, g in scopes} & MERGE_ONLY_GROUPS)
+
+
 def read_peft_dir(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     """``(tensors, adapter_config)`` of a PEFT adapter directory."""
     from safetensors import SafetensorError
@@ -544,9 +555,8 @@ def load_peft_adapter(model, adapter_dir: str | Path, *, hf_config: Mapping | st
         raise TensorSetError(f"{adapter_dir}: the adapter holds no LoRA factors")
     mine = {m.lora_name: m for m in lora_modules(model)}
     if lora_config(model) is None:
-        targets = sorted({scope_of(m)[0] for m in adapters}, key=MEGATRON_TARGETS.index)
         lcfg = LoraConfig(r=int(config["r"]), alpha=float(config["lora_alpha"]),
-                          dropout=float(config.get("lora_dropout") or 0.0), target_modules=targets)
+                          dropout=float(config.get("lora_dropout") or 0.0), target_modules=adapted_targets(adapters))
         overrides = {k: (ad.rank, ad.alpha) for k, ad in adapters.items()}
         add_lora(model, lcfg, only=overrides)
         mine = {m.lora_name: m for m in lora_modules(model)}

@@ -235,6 +235,19 @@ def _export_config(raw: Mapping, weights_dtype: torch.dtype) -> dict:
     return cfg
 
 
+def _parse_config(raw: Mapping, hf_config, ckpt_dir: Path):
+    """``parse_architecture`` with a field error prefixed by where the config came from."""
+    from .preflight import parse_config
+
+    if hf_config is None:
+        where = f"{ckpt_dir} (its stored HF config.json)"
+    elif isinstance(hf_config, Mapping):
+        return parse_architecture(raw)
+    else:
+        where = hf_config
+    return parse_config(dict(raw), where)
+
+
 def _logical_sources(ckpt: DistCheckpoint) -> dict[str, tuple[str, int | None, tuple[int, ...]]]:
     out: dict[str, tuple[str, int | None, tuple[int, ...]]] = {}
     for key in ckpt.tensors:
@@ -290,7 +303,7 @@ def convert_megatron_to_hf(
         raw = dict(hf_config)
     else:
         raw = load_hf_config(hf_config)
-    arch = parse_architecture(raw)
+    arch = _parse_config(raw, hf_config, ckpt_dir)
     hf_layout = HFLayout.from_meta(meta, expert_layout=expert_layout)
     layout = hf_layout.expert_layout
     expansion = expand_for(arch, hf_layout)

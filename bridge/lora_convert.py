@@ -36,6 +36,7 @@ from .adapters import (
     ADAPTER_CONFIG,
     Adapter,
     AdapterSet,
+    adapted_targets,
     adapter_table,
     from_peft,
     read_peft_dir,
@@ -44,6 +45,7 @@ from .adapters import (
 )
 from .errors import BridgeError, CheckpointFormatError
 from .output import atomic_output_dir, check_output_dir
+from .preflight import parse_config
 from .progress import Progress
 from .source import open_hf_source
 
@@ -112,9 +114,10 @@ def convert_checkpoint_to_peft(ckpt_dir: str | Path, out_dir: str | Path, *, hf_
         raw = getattr(common["args"], "hf_config")
     if raw is None:
         raise BridgeError(f"{ckpt_dir}: the checkpoint does not record the model's config.json; pass --hf-config")
+    where = raw if not isinstance(raw, Mapping) else f"{ckpt_dir} (the HF config.json it records)"
     if not isinstance(raw, Mapping):
         raw = load_hf_config(raw)
-    arch = parse_hf_config(raw)
+    arch = parse_hf_config(raw) if isinstance(hf_config, Mapping) else parse_config(dict(raw), where, parse=parse_hf_config)
     saved = (common.get(LORA_META_KEY) or {}).get("config")
     if saved is None:  # a Megatron-LM --save: the --lora-* flags
         args = common.get("args")
@@ -142,7 +145,7 @@ def convert_peft_to_checkpoint(*, adapter_path: str | Path, megatron_path: str |
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
     from megatron_glm5.config import mcore_kwargs
-    from megatron_glm5.lora import MEGATRON_TARGETS, add_lora, scope_of
+    from megatron_glm5.lora import add_lora
     from megatron_glm5.lora_checkpoint import FORMAT_VERSION, LORA_META_KEY, adapter_sharded_state_dict
 
     from .boxes import build_skeleton
@@ -151,15 +154,14 @@ def convert_peft_to_checkpoint(*, adapter_path: str | Path, megatron_path: str |
         write_dist_checkpoint, write_tracker
 
     raw = dict(hf_config) if isinstance(hf_config, Mapping) else load_hf_config(hf_config)
-    arch = parse_hf_config(raw)
+    arch = parse_hf_config(raw) if isinstance(hf_config, Mapping) else parse_config(raw, hf_config, parse=parse_hf_config)
     tensors, config = read_peft_dir(adapter_path)
     adapters = from_peft(tensors, config, adapter_table(arch), source=str(adapter_path))
     if not adapters:
         raise BridgeError(f"{adapter_path}: the adapter holds no LoRA factors")
     final = check_output_dir(megatron_path, overwrite=overwrite, sources=[adapter_path])
-    targets = sorted({scope_of(m)[0] for m in adapters}, key=MEGATRON_TARGETS.index)
     lcfg = LoraConfig(int(config["r"]), float(config["lora_alpha"]), dropout=float(config.get("lora_dropout") or 0),
-                      target_modules=targets)
+                      target_modules=adapted_targets(adapters))
     with model_parallel(1, 1, 1):
         skeleton = build_skeleton(arch, 1, 1, 1)
         add_lora(skeleton, lcfg, only={k: (ad.rank, ad.alpha) for k, ad in adapters.items()})
@@ -225,7 +227,9 @@ def hf_delta_plan(adapters: AdapterSet, expansion) -> DeltaPlan:
 
 def read_adapter(adapter_path: str | Path, table) -> tuple[AdapterSet, str]:
     """An adapter set from a PEFT directory or a Megatron checkpoint with adapters, and which kind it was."""
-    path = Path(adapter_path)
+    from .preflight import adapter_dir
+
+    path = adapter_dir(adapter_path, flag=None, megatron_ok=True)  # names the missing adapter_config.json
     if (path / ADAPTER_CONFIG).is_file():
         tensors, config = read_peft_dir(path)
         return from_peft(tensors, config, table, source=str(path)), "peft"

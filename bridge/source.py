@@ -20,6 +20,7 @@ from . import hf_io
 from .errors import BridgeError, CheckpointFormatError
 from .mapping import Expansion, TensorMap, check_hf_shapes
 from .prefetch import Prefetcher
+from .preflight import parse_config
 from .tables import HFLayout, account_for, detect_layout, expand_for, truncate_config
 from .transforms import dequantize_block_fp8
 
@@ -109,7 +110,7 @@ def open_hf_source(hf_path: str | Path, *, num_layers: int | None = None) -> HFS
     if not (path / "config.json").is_file():
         raise CheckpointFormatError(f"{path}: missing config.json")
     raw = load_hf_config(path)
-    arch = parse_architecture(raw)
+    arch = parse_config(raw, path)
     if num_layers is not None:
         check_num_layers(num_layers, arch, source=str(path / "config.json"))
     reader = hf_io.HFCheckpointReader(path)

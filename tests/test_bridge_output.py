@@ -519,4 +519,7 @@ def test_export_hf_checks_the_output_before_writing(fixtures, tmp_path, model_pa
     marker = output.read_marker(tmp_path / "hf")
     assert marker["kind"] == "hf" and marker["source"] == "in-memory model (export_hf)"
     bridge.export_hf(model, tmp_path / "hf", overwrite=True)  # its own earlier output
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "out"]
+    empty = Path(tempfile.mkdtemp(dir=tmp_path))  # an existing empty directory needs no overwrite
+    bridge.export_hf(model, empty)
+    assert output.read_marker(empty)["kind"] == "hf" and (empty / "model.safetensors.index.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["hf", "out", empty.name])

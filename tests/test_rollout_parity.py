@@ -85,8 +85,16 @@ def test_report_replay_on_and_off(rollout, capsys, model_parallel):
 
 
 def test_max_kl_fails_the_check(rollout, capsys, model_parallel):
+    """Was: exit 1 with nothing on stderr. Now one line says which KL exceeded the limit and by how much."""
     _, path, batch_json, _, _ = rollout
     assert cli.main(["rollout-parity", "--hf-path", str(path), "--batch", str(batch_json), "--max-kl", "1e-30"]) == 1
+    out, err = capsys.readouterr()
+    kl = json.loads(out.strip().splitlines()[-1])["replay_on"]["kl"]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("failed: rollout-parity: KL (replay on) "), err
+    assert f"{kl:.4g} exceeds --max-kl 1e-30 by {kl - 1e-30:.4g}" in lines[0], (kl, lines[0])
+    assert cli.main(["rollout-parity", "--hf-path", str(path), "--batch", str(batch_json), "--max-kl", "1"]) == 0
+    assert capsys.readouterr().err == ""
 
 
 def _one_error_line(capsys) -> str:
