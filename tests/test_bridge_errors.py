@@ -7,6 +7,7 @@ import errno
 import json
 import multiprocessing as mp
 import os
+import re
 import shutil
 import signal
 import time
@@ -82,6 +83,27 @@ def test_shape_mismatch(base, tmp_path, capsys):
     name = "model.layers.0.self_attn.q_b_proj.weight"
     hf = _rewrite(base["glm5"], tmp_path / "hf", add={name: torch.zeros(190, 64)})
     _assert_import_fails(capsys, hf, tmp_path, f"{name}: expected [192, 64], found [190, 64]")
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool])
+def test_non_float_weight_is_refused(base, tmp_path, capsys, model_parallel, dtype):
+    """Was: an int32 (or any integer / bool) weight was accepted with exit 0 and cast to the model dtype. Now import
+    and from_hf_pretrained refuse it, naming the tensor, its dtype and shape."""
+    from bridge.pretrained import from_hf_pretrained
+
+    from safetensors.torch import save_file
+
+    name = "model.layers.0.self_attn.q_b_proj.weight"
+    hf = _copy(base["glm5"], tmp_path / "hf")
+    shard = hf / json.loads((hf / "model.safetensors.index.json").read_text())["weight_map"][name]
+    tensors = load_file(shard)
+    tensors[name] = torch.ones(192, 64, dtype=dtype)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    want = f"{name}: {str(dtype).removeprefix('torch.')}[192, 64]"
+    with pytest.raises(CheckpointFormatError, match=re.escape(want)):
+        from_hf_pretrained(hf)
+    capsys.readouterr()  # import-time chatter of a fresh process
+    _assert_import_fails(capsys, hf, tmp_path, "1 weight tensor(s) are not floating point", want)
 
 
 def test_indexer_on_a_shared_layer(base, tmp_path, capsys):
