@@ -205,6 +205,14 @@ def _progress(args) -> bool | None:
     return False if getattr(args, "no_progress", False) else None
 
 
+def _starting(args) -> None:
+    """On a terminal, say at once that a conversion has started: importing torch and megatron-core takes seconds
+    before the progress bar (:mod:`bridge.progress`) can appear, and the bar then overwrites this line."""
+    if hasattr(args, "no_progress") and not args.no_progress and sys.stderr.isatty():
+        sys.stderr.write(f"{_subcommand(args)}: starting\r")
+        sys.stderr.flush()
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Checks before anything heavy
 # --------------------------------------------------------------------------------------------------------------------
@@ -497,6 +505,10 @@ def _quiet() -> None:
 
 
 def _error(message: str, code: int = 2) -> int:
+    if "bridge.progress" in sys.modules:
+        sys.modules["bridge.progress"].end_bars()  # a progress bar on screen ends its line first
+    if sys.stderr.isatty():
+        sys.stderr.write("\r\x1b[K")  # over a "starting" status line
     print("error: " + " ".join(str(message).split()), file=sys.stderr, flush=True)  # one line, whatever the message
     return code
 
@@ -575,6 +587,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(args) -> int:
+    _starting(args)
     if getattr(args, "device", None) == "cpu":
         # megatron-core puts some buffers on the current CUDA device whenever one is visible: hide the GPUs before
         # anything initialises CUDA (bridge.parity.resolve_device refuses cpu while they are visible).

@@ -258,6 +258,7 @@ def merge_adapter_into_hf(
     """``hf_path`` (base HF checkpoint) + ``adapter_path`` -> a merged HF checkpoint at ``out_path``, streaming."""
     t0 = time.perf_counter()
     final = check_output_dir(out_path, overwrite=overwrite, sources=[hf_path, adapter_path])
+    bar = Progress(desc="merge", enabled=progress)  # from the start: the headers and the adapter take seconds
     src = open_hf_source(hf_path)
     if src.fp8_names:
         raise BridgeError(f"{hf_path}: block-FP8 weights: merging LoRA into FP8 would requantise them; convert to "
@@ -268,7 +269,7 @@ def merge_adapter_into_hf(
     reader = src.reader
     names = sorted(reader.names, key=natural_key)
     planned = [hf_io.PlannedTensor(n, reader.info(n).shape, reader.info(n).dtype) for n in names]
-    bar = Progress(total=len(names), total_bytes=reader.total_bytes(), desc="merge", enabled=progress)
+    bar.start(len(names), reader.total_bytes())
     deltas: dict[str, torch.Tensor] = {}
 
     def delta(module: str) -> torch.Tensor:
