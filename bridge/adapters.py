@@ -443,14 +443,24 @@ def write_peft_dir(path: str | Path, tensors: Mapping[str, torch.Tensor], config
                    overwrite: bool = False, source: str | Path | None = None) -> Path:
     """Write a PEFT adapter directory with the same output rules as every other output of this tool
     (:mod:`bridge.output`: staged, marked, atomically replaced, never over its source or an unmarked directory)."""
-    from safetensors.torch import save_file
+    import os
+
+    from safetensors.torch import save
 
     from .output import atomic_output_dir
 
     with atomic_output_dir(path, overwrite=overwrite, kind="peft", source=source, sources=[source]) as tmp:
-        save_file({k: v.detach().contiguous().cpu() for k, v in sorted(tensors.items(), key=lambda kv:
-                                                                         natural_key(kv[0]))},
-                  str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        data = save({k: v.detach().contiguous().cpu() for k, v in sorted(tensors.items(), key=lambda kv:
+                                                                           natural_key(kv[0]))},
+                    metadata={"format": "pt"})
+        # safetensors' save_file creates the file 0600; every other output is 0644 less the umask
+        fd = os.open(tmp / ADAPTER_WEIGHTS, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return Path(path).absolute()
 
@@ -609,7 +619,7 @@ def model_adapter_set(model) -> AdapterSet:
 
 
 __all__ = [
-    "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "Adapter", "AdapterSet", "AdapterTable", "adapter_table",
+    "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "Adapter", "AdapterSet", "AdapterTable", "adapted_targets", "adapter_table",
     "export_peft_adapter", "from_peft", "load_peft_adapter", "model_adapter_set", "read_peft_dir",
     "set_global_factors", "to_peft", "write_adapter_checkpoint", "write_peft_dir",
 ]

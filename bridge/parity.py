@@ -69,6 +69,7 @@ import torch.nn.functional as F
 
 
 from .errors import BridgeError
+from .metrics import logit_cosine
 from .preflight import hf_checkpoint_dir, read_hf_config
 
 TOLERANCES = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
@@ -502,7 +503,7 @@ def verify(
     del replayed
     max_rel, mean_rel = _rel(diff, theirs)
     replay_max_rel, replay_mean_rel = _rel(replay_diff, theirs)
-    cosine = F.cosine_similarity(ours.reshape(1, -1), theirs.reshape(1, -1)).item()
+    cosine = logit_cosine(ours, theirs)  # fp64, never above 1
     layers = [i for i in sorted(ours_hidden) if i in hf_hidden]
     layer_rel = [_rel((ours_hidden[i] - hf_hidden[i]).abs(), hf_hidden[i]) for i in layers]
     bf16 = torch_dtype == torch.bfloat16

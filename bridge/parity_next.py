@@ -26,9 +26,9 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from .errors import BridgeError
+from .metrics import logit_cosine
 from .parity import (
     BF16_MIN_CHOICE_AGREEMENT,
     SEQ_MARGIN,
@@ -223,7 +223,7 @@ def verify_glm5_next(*, hf_path, megatron_path=None, seq_len=None, batch_size: i
         "max_rel_logit_diff": max_rel,
         "mean_rel_logit_diff": mean_rel,
         "logit_scale": theirs.abs().max().item(),
-        "logit_cosine": F.cosine_similarity(ours.reshape(1, -1), theirs.reshape(1, -1)).item(),
+        "logit_cosine": logit_cosine(ours, theirs),
         "argmax_agreement": (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item(),
         "topk_overlap": overlap,
         "topk_rows_differing": differing,

@@ -81,7 +81,7 @@ def test_convert_import_export_roundtrip_and_verify(fixtures, tmp_path, capsys, 
     line = capsys.readouterr().out.strip()
     assert "\n" not in line
     report = json.loads(line)
-    assert report["max_abs_logit_diff"] <= 1e-4 and report["logit_cosine"] > 0.999999
+    assert report["max_abs_logit_diff"] <= 1e-4 and 0.999999 < report["logit_cosine"] <= 1.0
     assert set(report["topk_overlap"]) == {"0", "2"}
 
 
