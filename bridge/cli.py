@@ -13,12 +13,16 @@
     megatron-glm5 lora import --adapter-path DIR --megatron-path DIR --hf-config PATH
     megatron-glm5 lora merge  --hf-path DIR --adapter-path DIR --out DIR
 
-Exit status: every user error (a bad flag value, a missing or unreadable path, a file where a directory is
-expected, an unwritable output, a TP/PP/EP layout the model cannot take, a malformed checkpoint: a
-:class:`bridge.errors.BridgeError` or :class:`megatron_glm5.config.GLM5ConfigError`) prints exactly one ``error:``
-line on stderr and exits with 2; a failed round trip or parity check exits with 1; anything else is a bug and keeps
-its traceback. Flags and paths are checked up front (:mod:`bridge.preflight`), before megatron-core or transformers
-is imported and before any rank is spawned, so a typo costs a second, not the start-up of the ranks.
+Exit status (README: "Command line: outputs, exit status, errors"): every user or environment error (a bad flag
+value, a missing or unreadable path, a file where a directory is expected, an output that may not be replaced, a
+TP/PP/EP layout the model cannot take, a malformed checkpoint or config field, a full disk while writing, also in a
+spawned rank: a :class:`bridge.errors.BridgeError`, :class:`megatron_glm5.config.GLM5ConfigError` or an ``OSError``
+about a path the user gave) prints exactly one ``error:`` line on stderr and exits with 2; a check that ran and failed
+(round trip, ``verify``, ``rollout-parity --max-kl``) prints one ``failed:`` line and exits with 1; Ctrl-C and SIGTERM
+print one ``error: interrupted; ...`` line and exit with 130 / 143 after the staged output is removed; anything else
+is a bug and keeps its traceback. Flags and paths are checked up front (:mod:`bridge.preflight`), before megatron-core
+or transformers is imported and before any rank is spawned, so a typo costs a second, not the start-up of the ranks.
+``--verbose`` is accepted before or after the subcommand.
 """
 
 from __future__ import annotations

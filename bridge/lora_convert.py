@@ -117,7 +117,8 @@ def convert_checkpoint_to_peft(ckpt_dir: str | Path, out_dir: str | Path, *, hf_
     where = raw if not isinstance(raw, Mapping) else f"{ckpt_dir} (the HF config.json it records)"
     if not isinstance(raw, Mapping):
         raw = load_hf_config(raw)
-    arch = parse_hf_config(raw) if isinstance(hf_config, Mapping) else parse_config(dict(raw), where, parse=parse_hf_config)
+    arch = parse_hf_config(raw) if isinstance(hf_config, Mapping) else parse_config(dict(raw), where,
+                                                                                     parse=parse_hf_config)
     saved = (common.get(LORA_META_KEY) or {}).get("config")
     if saved is None:  # a Megatron-LM --save: the --lora-* flags
         args = common.get("args")
@@ -154,7 +155,8 @@ def convert_peft_to_checkpoint(*, adapter_path: str | Path, megatron_path: str |
         write_dist_checkpoint, write_tracker
 
     raw = dict(hf_config) if isinstance(hf_config, Mapping) else load_hf_config(hf_config)
-    arch = parse_hf_config(raw) if isinstance(hf_config, Mapping) else parse_config(raw, hf_config, parse=parse_hf_config)
+    arch = parse_hf_config(raw) if isinstance(hf_config, Mapping) else parse_config(raw, hf_config,
+                                                                                     parse=parse_hf_config)
     tensors, config = read_peft_dir(adapter_path)
     adapters = from_peft(tensors, config, adapter_table(arch), source=str(adapter_path))
     if not adapters:
