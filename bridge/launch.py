@@ -199,6 +199,24 @@ def _rank_entry(fn: Callable[..., Any], rank: int, nprocs: int, port: int, kwarg
                 pass
 
 
+@contextmanager
+def _ranks_ignore_sigint() -> Iterator[None]:
+    """Ranks started meanwhile ignore SIGINT (an ignored signal survives exec): Ctrl-C reaches the whole process
+    group, and the ranks, half-way through their imports, would each print a KeyboardInterrupt traceback. The
+    parent handles it and stops them (:func:`run_local_ranks`)."""
+    import signal
+
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def run_local_ranks(fn: Callable[..., Any], nprocs: int, **kwargs: Any) -> list[Any]:
     """Run ``fn(**kwargs)`` on ``nprocs`` local ranks (a fresh process group); return rank-ordered results."""
     import logging
@@ -212,8 +230,9 @@ def run_local_ranks(fn: Callable[..., Any], nprocs: int, **kwargs: Any) -> list[
     levels = {name: logging.getLogger(name).level for name in _QUIET_LOGGERS}
     procs = [ctx.Process(target=_rank_entry, args=(fn, r, nprocs, port, kwargs, queue, filters, levels), daemon=False)
              for r in range(nprocs)]
-    for p in procs:
-        p.start()
+    with _ranks_ignore_sigint():
+        for p in procs:
+            p.start()
     results: dict[int, Any] = {}
     failure: tuple[str, Any] | None = None
     interrupted = False

@@ -626,3 +626,33 @@ def test_config_field_errors_name_the_file(base, tmp_path, capsys):
     code, err = _run(capsys, "convert", "export", "--megatron-path", str(tmp_path / "mc"), "--hf-path",
                      str(tmp_path / "o"), "--hf-config", str(cfg))
     assert code == 2 and f"--hf-config {cfg}: {field}" in err, err
+
+
+def test_ctrl_c_during_a_conversion_over_spawned_ranks(base, tmp_path):
+    """Ctrl-C in a terminal reaches the whole process group: the parent and the TP=2 ranks it spawned. One line, 130,
+    no rank left running, nothing left at the output or beside it."""
+    import subprocess
+    import sys
+
+    from tests.bridge_workers import slow_disk_env
+
+    env, writing = slow_disk_env(tmp_path / "site")
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "bridge.cli", "convert", "import", "--hf-path", str(base["glm5"]),
+                             "--megatron-path", str(out), "--tp", "2", "--no-progress"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while not writing.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert writing.exists(), proc.communicate()
+    os.killpg(proc.pid, signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (proc.returncode, stdout, stderr)
+    assert stderr.splitlines() == [f"error: interrupted; nothing was written at {out}"], stderr
+    assert _leftovers(tmp_path, "out") == []
+    for _ in range(100):  # multiprocessing's resource tracker notices its parent is gone within a moment
+        ps = subprocess.run(["ps", "-o", "pid=,args=", "-s", str(proc.pid)], capture_output=True, text=True)
+        if not ps.stdout.strip():
+            break
+        time.sleep(0.1)
+    assert ps.stdout.strip() == "", f"processes of the session still running: {ps.stdout}"
