@@ -158,8 +158,12 @@ def test_existing_output_needs_overwrite(base, tmp_path, capsys):
     assert code == 2 and "already exists; pass --overwrite" in err and (out / "old.txt").is_file()
     code, err = _run(capsys, "convert", "import", "--hf-path", str(base["glm5"]), "--megatron-path", str(out),
                      "--overwrite", "--no-progress")
+    assert code == 2 and "did not write (old.txt;" in err and (out / "old.txt").read_text() == "x", err  # kept
+    (out / "old.txt").unlink()
+    code, err = _run(capsys, "convert", "import", "--hf-path", str(base["glm5"]), "--megatron-path", str(out),
+                     "--overwrite", "--no-progress")
     assert code == 0, err
-    assert not (out / "old.txt").exists() and (out / "latest_checkpointed_iteration.txt").is_file()
+    assert (out / "latest_checkpointed_iteration.txt").is_file()
     assert _leftovers(tmp_path, "out") == ["out"]
 
 

@@ -303,7 +303,7 @@ def test_merged_export_equals_base_plus_lora(checkpoint, backend, model_parallel
     with pytest.raises(BridgeError, match="merge_lora=True"):
         bridge.export_hf(model, tmp_path / "unmerged")
     with pytest.raises(BridgeError, match=r"dense MLP / shared experts \(decoder\.layers\.0\.mlp\.linear_fc1, .*"
-                                          r"merge_lora=True.*exclude_modules"):
+                                          r"merge_lora=True.*default targets"):
         bridge.export_peft_adapter(model, tmp_path / "peft")
     bridge.export_hf(model, tmp_path / "merged", merge_lora=True)
     src, out = HFCheckpointReader(path), HFCheckpointReader(tmp_path / "merged")
