@@ -248,13 +248,13 @@ def _preflight(args) -> None:
     if args.command == "lora":
         if args.action == "export":
             preflight.megatron_checkpoint_dir(args.megatron_path, flag="--megatron-path")
+            if args.hf_config is not None:
+                _hf_arch(args.hf_config, flag="--hf-config", weights=False)
         elif args.action == "merge":
             _hf_arch(args.hf_path)
             preflight.adapter_dir(args.adapter_path, megatron_ok=True)
         else:
             preflight.adapter_dir(args.adapter_path)
-            _hf_arch(args.hf_config, flag="--hf-config", weights=False)
-        if getattr(args, "hf_config", None) is not None and args.action == "export":
             _hf_arch(args.hf_config, flag="--hf-config", weights=False)
         output = getattr(args, _OUTPUT_FLAG[_subcommand(args)])
         preflight.output_dir(output, flag="--" + _OUTPUT_FLAG[_subcommand(args)].replace("_", "-"))
@@ -366,9 +366,10 @@ def _run(args) -> int:
         print(json.dumps(report), flush=True)
         if report["ok"]:
             return 0
-        metric = report["tol_metric"]
-        return _failed(f"verify: {metric} {report[metric]:.3g} > tol {report['tol']:.3g} (first divergent layer: "
-                       f"{report['first_divergent_layer']}); the JSON report on stdout has the details")
+        metric = report.get("tol_metric", "max_rel_logit_diff")
+        return _failed(f"verify: {metric} {report.get(metric, float('nan')):.3g} > tol {report.get('tol', 0):.3g} "
+                       f"(first divergent layer: {report.get('first_divergent_layer')}); the JSON report on stdout "
+                       "has the details")
     if args.command == "rollout-parity":
         from .rollout_parity import rollout_parity
 

@@ -83,6 +83,11 @@ def test_convert_import_export_roundtrip_and_verify(fixtures, tmp_path, capsys, 
     report = json.loads(line)
     assert report["max_abs_logit_diff"] <= 1e-4 and 0.999999 < report["logit_cosine"] <= 1.0
     assert set(report["topk_overlap"]) == {"0", "2"}
+    # a failed check: exit 1, the report on stdout, one `failed:` line on stderr naming the limit
+    assert cli.main(["verify", "--hf-path", str(tmp_path / "hf"), "--seq-len", "64", "--tol", "1e-12"]) == 1
+    out, err = capsys.readouterr()
+    assert json.loads(out.strip())["ok"] is False
+    assert err.count("\n") == 1 and err.startswith("failed: verify: max_rel_logit_diff ") and "> tol 1e-12" in err
 
 
 def test_roundtrip_with_locally_spawned_ranks(fixtures, capsys):
