@@ -12,7 +12,8 @@ In memory, with a built megatron-core model (this rank's shards)::
     load_hf_weights(model, "GLM-5.2")          # what megatron_glm5.from_hf_pretrained uses
     export_hf(model, "GLM-5.2-trained")        # gathers over TP/PP/EP through a temporary torch_dist checkpoint
 
-LoRA adapters (:mod:`megatron_glm5.lora`) in HF PEFT format (:mod:`bridge.adapters`)::
+LoRA adapters (:mod:`megatron_glm5.lora`) in HF PEFT format (:mod:`bridge.adapters`; the export goes through an
+adapter checkpoint, :mod:`bridge.lora_convert`)::
 
     export_peft_adapter(model, "adapter")       # adapter_config.json + adapter_model.safetensors, from every rank
     load_peft_adapter(model, "adapter")         # adds the adapters if the model has none
@@ -51,10 +52,14 @@ def __getattr__(name):
         from . import inmemory
 
         return getattr(inmemory, name)
-    if name in ("export_peft_adapter", "load_peft_adapter"):
-        from . import adapters
+    if name == "export_peft_adapter":
+        from .lora_convert import export_peft_adapter
 
-        return getattr(adapters, name)
+        return export_peft_adapter
+    if name == "load_peft_adapter":
+        from .adapters import load_peft_adapter
+
+        return load_peft_adapter
     if name == "from_hf_pretrained":
         from .pretrained import from_hf_pretrained
 

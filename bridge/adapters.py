@@ -1,4 +1,6 @@
-"""LoRA adapters between megatron-core and HF PEFT: :func:`export_peft_adapter`, :func:`load_peft_adapter`.
+"""LoRA adapters between megatron-core and HF PEFT: the table and formats, :func:`load_peft_adapter`, and the
+adapter-only checkpoint :func:`write_adapter_checkpoint` that :func:`bridge.lora_convert.export_peft_adapter` (also
+``bridge.export_peft_adapter``) converts to a PEFT directory.
 
 An adapter set is ``{logical megatron module: Adapter(A [R, in], B [out, R], alpha)}`` with *global* tensors and
 the logical names of :mod:`bridge.mapping` (``decoder.layers.1.mlp.experts.local_experts.5.linear_fc1``). The HF
@@ -502,7 +504,7 @@ def write_adapter_checkpoint(model, ckpt_dir: str | Path, *, hf_config: Mapping 
     return Path(ckpt_dir)
 
 
-def _model_arch(model, hf_config) -> tuple[dict, GLM5Architecture]:
+def model_arch(model, hf_config) -> tuple[dict, GLM5Architecture]:
     from .inmemory import HF_CONFIG_ATTR
 
     raw = hf_config if hf_config is not None else getattr(_first(model), HF_CONFIG_ATTR, None)
@@ -518,37 +520,6 @@ def _first(model):
     return model[0] if isinstance(model, (list, tuple)) else model
 
 
-def export_peft_adapter(model, out_dir: str | Path, *, hf_config: Mapping | str | Path | None = None,
-                        overwrite: bool = False, work_dir: str | Path | None = None) -> dict | None:
-    """Write ``model``'s LoRA adapters (collectively, from every rank) as an HF PEFT adapter directory. Returns
-    rank 0's report (None on other ranks)."""
-    from megatron_glm5.lora import lora_config
-
-    from .inmemory import shared_staging_dir
-    from .launch import barrier, world
-    from .output import discard_partial
-
-    raw, arch = _model_arch(model, hf_config)
-    config = lora_config(model)
-    if config is None:
-        raise BridgeError("the model has no LoRA adapters (megatron_glm5.lora.add_lora)")
-    rank, _ = world()
-    out = Path(out_dir)
-    tmp = shared_staging_dir(out, overwrite=overwrite, work_dir=work_dir)
-    report = None
-    try:
-        write_adapter_checkpoint(model, tmp, hf_config=raw)
-        if rank == 0:
-            from .lora_convert import convert_checkpoint_to_peft
-
-            report = convert_checkpoint_to_peft(tmp, out, hf_config=raw, overwrite=overwrite)
-        barrier()
-    finally:
-        if rank == 0:
-            discard_partial(tmp)
-    return report
-
-
 def load_peft_adapter(model, adapter_dir: str | Path, *, hf_config: Mapping | str | Path | None = None) -> dict:
     """Load an HF PEFT adapter into ``model`` (every rank reads the file and keeps its shards).
 
@@ -558,7 +529,7 @@ def load_peft_adapter(model, adapter_dir: str | Path, *, hf_config: Mapping | st
     from megatron_glm5.lora import add_lora, lora_config, lora_modules
     from megatron_glm5.lora_checkpoint import LoraCheckpointError, check_same_adapters
 
-    _, arch = _model_arch(model, hf_config)
+    _, arch = model_arch(model, hf_config)
     tensors, config = read_peft_dir(adapter_dir)
     adapters = from_peft(tensors, config, adapter_table(arch), source=str(adapter_dir))
     if not adapters:

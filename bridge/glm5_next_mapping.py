@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
-from typing import Iterable, Literal, Mapping, Sequence
+from typing import Iterable, Literal, Sequence
 
 import torch
 
@@ -391,6 +391,3 @@ def account_glm5_next(arch: GLM5NextArchitecture, expansion: Expansion, hf_names
         )
     return ignored, passthrough
 
-
-def hf_layout_meta(expert_layout: str, naming: str, hf_prefix: str) -> Mapping[str, str]:
-    return {"expert_layout": expert_layout, "hf_naming": naming, "hf_prefix": hf_prefix}

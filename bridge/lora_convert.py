@@ -39,8 +39,10 @@ from .adapters import (
     adapted_targets,
     adapter_table,
     from_peft,
+    model_arch,
     read_peft_dir,
     to_peft,
+    write_adapter_checkpoint,
     write_peft_dir,
 )
 from .errors import BridgeError, CheckpointFormatError
@@ -133,6 +135,36 @@ def convert_checkpoint_to_peft(ckpt_dir: str | Path, out_dir: str | Path, *, hf_
             "bytes": sum(t.numel() * t.element_size() for t in tensors.values()),
             "target_modules": config["target_modules"], "target_parameters": config["target_parameters"]}
 
+
+
+def export_peft_adapter(model, out_dir: str | Path, *, hf_config: Mapping | str | Path | None = None,
+                        overwrite: bool = False, work_dir: str | Path | None = None) -> dict | None:
+    """Write ``model``'s LoRA adapters (collectively, from every rank) as an HF PEFT adapter directory: an
+    adapter-only Megatron checkpoint in a staging directory (:func:`~bridge.adapters.write_adapter_checkpoint`),
+    converted by rank 0 (:func:`convert_checkpoint_to_peft`). Returns rank 0's report (None on other ranks)."""
+    from megatron_glm5.lora import lora_config
+
+    from .inmemory import shared_staging_dir
+    from .launch import barrier, world
+    from .output import discard_partial
+
+    raw, arch = model_arch(model, hf_config)
+    config = lora_config(model)
+    if config is None:
+        raise BridgeError("the model has no LoRA adapters (megatron_glm5.lora.add_lora)")
+    rank, _ = world()
+    out = Path(out_dir)
+    tmp = shared_staging_dir(out, overwrite=overwrite, work_dir=work_dir)
+    report = None
+    try:
+        write_adapter_checkpoint(model, tmp, hf_config=raw)
+        if rank == 0:
+            report = convert_checkpoint_to_peft(tmp, out, hf_config=raw, overwrite=overwrite)
+        barrier()
+    finally:
+        if rank == 0:
+            discard_partial(tmp)
+    return report
 
 
 def convert_peft_to_checkpoint(*, adapter_path: str | Path, megatron_path: str | Path,
@@ -336,5 +368,5 @@ def merged_reference(adapters: AdapterSet, expansion, base: Mapping[str, torch.T
     return out
 
 
-__all__ = ["adapters_from_checkpoint", "convert_checkpoint_to_peft", "convert_peft_to_checkpoint", "hf_delta_plan",
-           "merge_adapter_into_hf", "merged_reference", "read_adapter"]
+__all__ = ["adapters_from_checkpoint", "convert_checkpoint_to_peft", "convert_peft_to_checkpoint",
+           "export_peft_adapter", "hf_delta_plan", "merge_adapter_into_hf", "merged_reference", "read_adapter"]

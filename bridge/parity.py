@@ -1,4 +1,11 @@
-"""Forward parity of our megatron-core model against transformers' ``GlmMoeDsaForCausalLM`` on the same weights.
+"""Forward parity of our megatron-core model against transformers on the same weights, for every model family: GLM-5.x
+against ``GlmMoeDsaForCausalLM``, GLM-5.3-Flash against ``Glm5NextForConditionalGeneration`` (text only).
+
+One harness: what differs between families (loading the reference, where its layers are, what its indexer returns,
+the indexer scores that decide it) comes from the family's :class:`~bridge.parity_reference.HFReference`; the checks
+below are the same for both. For GLM-5.3-Flash a "candidate" of the indexer is a KPool pool (``index_topk // P`` are
+kept, each expanded to ``P`` tokens, plus the tail pool) instead of a token, and the per-layer outputs are the mHC
+streams ``[b, s, hc_mult, h]``.
 
 :func:`verify` runs both models on the same random tokens, in fp32 or bf16, and returns one JSON-able dict:
 
@@ -9,7 +16,7 @@
   causal keys (HF's indexer output is captured with a forward hook on ``self_attn.indexer``, ours from each
   layer's attention output ``(out, bias, topk)``; rows are ``b * s + pos``, -1 padding and HF's masked picks for
   rows with fewer than ``index_topk`` causal keys are dropped);
-* ``topk_boundary_ties``: query rows whose ``index_topk``-th and next-best HF indexer scores are *equal*, and
+* ``topk_boundary_ties``: query rows whose last kept and first dropped HF indexer candidates score *equal*, and
   ``topk_boundary_near_ties``: rows where they are closer than ``tie_eps`` times the row's best score (:data:`TIE_EPS`,
   above the two sides' rounding). There the rounding or the reference's ``torch.topk`` tie order, not the math,
   decides which key is kept, and logits may differ by O(0.1) between two correct implementations;
@@ -65,11 +72,10 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-
 
 from .errors import BridgeError
 from .metrics import logit_cosine
+from .parity_reference import boundary_ties, reference_for
 from .preflight import hf_checkpoint_dir, read_hf_config
 
 TOLERANCES = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
@@ -83,7 +89,7 @@ TIE_EPS = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 the two sides' rounding (about 1e-6 relative in fp32, 1e-2 in bf16) may order it either way."""
 SEQ_MARGIN = 256
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_LAYER = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.")  # GLM-5.x / GLM-5.3-Flash HF names
 
 
 def default_seq_len(arch) -> int:
@@ -124,38 +130,13 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return d
 
 
-def _hf_index_scores(indexer, kwargs: dict) -> torch.Tensor:
-    """HF's index scores ``[B, S, T]`` (before masking) recomputed from the indexer's own modules and inputs,
-    following ``GlmMoeDsaIndexer.forward`` (transformers 5.x); used only to detect top-k boundary ties."""
-    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave
-
-    hs, qr = kwargs["hidden_states"], kwargs["q_resid"]
-    cos, sin = kwargs["position_embeddings"]
-    b, s, _ = hs.shape
-    rope, d = indexer.qk_rope_head_dim, indexer.head_dim
-    q = indexer.wq_b(qr).view(b, s, indexer.n_heads, d)  # [B, S, H, D]
-    q_rot, q_pass = torch.split(q, [rope, d - rope], dim=-1)
-    k = indexer.k_norm(indexer.wk(hs)).unsqueeze(2)  # [B, S, 1, D]
-    k_rot, k_pass = torch.split(k, [rope, d - rope], dim=-1)
-    q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
-    q = torch.cat([q_rot, q_pass], dim=-1)
-    k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)  # [B, S, D]
-    scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * indexer.softmax_scale)
-    weights = indexer.weights_proj(hs).float() * indexer.n_heads**-0.5  # [B, S, H]
-    return torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)  # [B, S, T]
-
-
 def _boundary_ties(scores: torch.Tensor, topk: int, rel_eps: float = 0.0) -> set[tuple[int, int]]:
-    """Rows ``(batch, query)`` with more than ``topk`` causal keys whose ``topk``-th and next-best scores are equal,
-    or - with ``rel_eps`` - closer than ``rel_eps`` times the row's best score (a gap that rounding can close)."""
-    b, s, _ = scores.shape
-    ties = set()
-    for bi in range(b):
-        for q in range(topk, s):  # rows with more than topk causal keys
-            v = scores[bi, q, : q + 1].sort(descending=True).values
-            if v[topk - 1] - v[topk] <= rel_eps * v[0].abs():
-                ties.add((bi, q))
-    return ties
+    """GLM-5.x token scores ``[B, S, T]`` (before causal masking): rows ``(batch, query)`` with more than ``topk``
+    causal keys whose ``topk``-th and next-best scores are equal (or within ``rel_eps`` of the row's best); see
+    :func:`bridge.parity_reference.boundary_ties`."""
+    s = scores.shape[1]
+    future = torch.ones(s, scores.shape[2], dtype=torch.bool, device=scores.device).triu(1)
+    return boundary_ties(scores.masked_fill(future, float("-inf")), topk, rel_eps)
 
 
 def _routing_ties(logits: torch.Tensor, bias: torch.Tensor, topk: int, rel_eps: float) -> torch.Tensor:
@@ -165,57 +146,15 @@ def _routing_ties(logits: torch.Tensor, bias: torch.Tensor, topk: int, rel_eps: 
     return ((v[:, topk - 1] - v[:, topk]) <= rel_eps * v[:, 0].abs()).cpu()
 
 
-def _hf_rows(hf_topk: torch.Tensor, topk: int) -> list[list[int]]:
-    """HF's ``[B, S, topk]`` indices as per-row lists of valid causal key positions (HF's picks among masked keys
-    for rows with fewer than ``topk`` causal keys are dropped)."""
-    b, s, _ = hf_topk.shape
-    return [[int(k) for k in hf_topk[bi, q].tolist() if 0 <= k <= q] for bi in range(b) for q in range(s)]
-
-
-def _as_replay(rows: list[list[int]], seq_len: int, topk: int, device) -> torch.Tensor:
-    """Per-row key positions -> our format: int32 ``[b * s, topk]`` global key rows, -1 tail padding."""
-    out = torch.full((len(rows), topk), -1, dtype=torch.int32)
-    for r, keys in enumerate(rows):
-        base = (r // seq_len) * seq_len
-        out[r, : len(keys)] = torch.tensor(sorted(keys), dtype=torch.int32) + base
-    return out.to(device)
-
-
 def load_hf_model(hf_path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                   num_layers: int | None = None):
-    """transformers' ``GlmMoeDsaForCausalLM`` on ``hf_path`` in ``dtype`` on ``device``; with ``num_layers`` the
-    first N decoder layers only (HF's own config, its per-layer lists cut to N, no MTP), so that its loader reads
-    only their tensors. Every parameter of the model must come from the checkpoint, and the checkpoint keys the
-    model does not take must all belong to layers >= N (the dropped layers and MTP), else :class:`BridgeError`."""
-    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+    """transformers' reference model of ``hf_path``'s family (:mod:`bridge.parity_reference`) in ``dtype`` on
+    ``device``; with ``num_layers`` the first N decoder layers only, so that its loader reads only their tensors.
+    Every parameter must come from the checkpoint, else :class:`BridgeError`."""
+    from megatron_glm5.architectures import parse_architecture
 
-    raw = read_hf_config(hf_path)
-    if raw.get("quantization_config"):
-        raise BridgeError(f"{hf_path}: verify needs an unquantised HF checkpoint (this one is FP8); export one with "
-                          "`megatron-glm5 convert import` + `convert export` first")
-    config = GlmMoeDsaConfig.from_pretrained(str(hf_path))
-    full = config.num_hidden_layers
-    kept = full if num_layers is None else num_layers
-    if num_layers is not None:
-        for name in ("indexer_types", "mlp_layer_types", "layer_types"):
-            value = getattr(config, name, None)
-            if isinstance(value, (list, tuple)) and len(value) == full:
-                setattr(config, name, list(value[:num_layers]))
-        config.num_hidden_layers = num_layers
-        config.num_nextn_predict_layers = 0
-    kwargs = {} if torch.device(device).type == "cpu" else {"device_map": str(device)}
-    model, info = GlmMoeDsaForCausalLM.from_pretrained(str(hf_path), config=config, dtype=dtype,
-                                                       output_loading_info=True, **kwargs)
-    missing = sorted(info.get("missing_keys") or ())
-    if missing:
-        raise BridgeError(f"{hf_path}: transformers found no checkpoint tensor for {len(missing)} parameters of the "
-                          f"{kept}-layer model, e.g. {missing[:5]}")
-    stray = sorted(k for k in info.get("unexpected_keys") or ()
-                   if not ((m := _LAYER.match(k)) and int(m.group(1)) >= kept))
-    if stray:
-        raise BridgeError(f"{hf_path}: transformers did not use {len(stray)} checkpoint tensors of the kept layers "
-                          f"0..{kept - 1} or the embeddings / final norm / LM head, e.g. {stray[:5]}")
-    return model.eval()
+    ref = reference_for(parse_architecture(read_hf_config(hf_path)))
+    return ref.load(hf_path, dtype=dtype, device=device, num_layers=num_layers)
 
 
 def _batch_major(routing_map: torch.Tensor, b: int, s: int) -> torch.Tensor:
@@ -283,18 +222,25 @@ def _replay_forward(model, ids, pos, *, device, dsa_topk: dict, experts: dict) -
     return logits, our_topk, {gi: r.natural.cpu() for gi, _, _, r in replays if r.natural is not None}
 
 
-def _topk_agreement(hf_rows: list[list[int]], mine: torch.Tensor, seq_len: int) -> tuple[float, set[int]]:
-    """(mean over rows of |ours & HF| / |HF|, rows whose key sets differ); ``mine`` holds global key rows
-    (batch-major), -1 padded."""
-    mine = mine.reshape(len(hf_rows), -1)
+def _global_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Sequence-relative ``[B, S, W]`` key positions (-1 padded) -> int32 ``[B * S, W]`` key rows of the flattened
+    batch (batch-major, as our attention takes them)."""
+    b, s, _ = rows.shape
+    offset = torch.arange(b, device=rows.device)[:, None, None] * s
+    return torch.where(rows >= 0, rows + offset, rows).to(torch.int32).reshape(b * s, -1)
+
+
+def _set_differences(mine: torch.Tensor, want: torch.Tensor) -> tuple[float, set[int]]:
+    """(mean over rows of |mine & want| / |want|, rows whose key sets differ) of two ``[R, *]`` -1-padded index
+    tensors (our and HF's key rows; widths may differ)."""
+    mine = mine.reshape(want.shape[0], -1)
     fractions, differing = [], set()
-    for row, want in enumerate(hf_rows):
-        base = (row // seq_len) * seq_len
-        got = {int(x) - base for x in mine[row].tolist() if x >= 0}
-        fractions.append(len(set(want) & got) / max(len(want), 1))
-        if set(want) != got:
+    for row, (x, y) in enumerate(zip(mine.tolist(), want.tolist())):
+        got, ref = {v for v in x if v >= 0}, {v for v in y if v >= 0}
+        fractions.append(len(got & ref) / max(len(ref), 1))
+        if got != ref:
             differing.add(row)
-    return sum(fractions) / len(fractions), differing
+    return sum(fractions) / max(len(fractions), 1), differing
 
 
 def _routing_differences(hf_idx: torch.Tensor, ours_map: torch.Tensor) -> torch.Tensor:
@@ -345,7 +291,7 @@ def verify(
     device: str | torch.device | None = None,
 ) -> dict:
     """Compare logits of our model (from ``megatron_path``, or ``model``, or loaded from ``hf_path``) with
-    transformers on ``hf_path``. Single process (TP=PP=EP=1).
+    transformers on ``hf_path``, for a checkpoint of any registered family. Single process (TP=PP=EP=1).
 
     ``seq_len`` defaults to :func:`default_seq_len`; ``tol`` to ``TOLERANCES[dtype]``; ``device`` to cuda when
     available. ``num_layers``: the layer-truncated check (module docstring); a given ``model`` must then be the
@@ -353,20 +299,15 @@ def verify(
     """
     from megatron.core import parallel_state as ps
 
+    from megatron_glm5.architectures import parse_architecture
     from megatron_glm5.parallel import initialize_model_parallel
-
-    from megatron_glm5.architectures import is_glm5_next, parse_architecture
 
     t0 = time.perf_counter()
     hf_checkpoint_dir(hf_path, flag="--hf-path")
     raw = read_hf_config(hf_path)
     arch = parse_architecture(raw)
-    if is_glm5_next(arch):  # GLM-5.3-Flash: its own reference model and choices (bridge.parity_next)
-        from .parity_next import verify_glm5_next
-
-        return verify_glm5_next(hf_path=hf_path, megatron_path=megatron_path, seq_len=seq_len, batch_size=batch_size,
-                                seed=seed, tol=tol, model=model, num_layers=num_layers, dtype=dtype, device=device)
-    if raw.get("quantization_config"):
+    ref = reference_for(arch)
+    if raw.get("quantization_config") or getattr(arch, "is_fp8", False):
         raise BridgeError(f"--hf-path {hf_path}: verify needs an unquantised HF checkpoint (this one is FP8); export "
                           "one with `megatron-glm5 convert import` + `convert export` first")
     torch_dtype = parse_verify_dtype(dtype)
@@ -403,18 +344,18 @@ def verify(
         model = _build_ours(hf_path, megatron_path, dtype=torch_dtype, cuda=dev.type == "cuda", num_layers=num_layers)
     model.eval()
     device = next(model.parameters()).device
-    hf = load_hf_model(hf_path, dtype=torch_dtype, device=device, num_layers=num_layers)
+    hf = ref.load(hf_path, dtype=torch_dtype, device=device, num_layers=num_layers)
 
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, arch.vocab_size, (batch_size, seq_len), generator=gen)
     pos = torch.arange(seq_len).unsqueeze(0).expand(batch_size, seq_len)
 
-    ours_topk: dict[int, torch.Tensor] = {}
-    ours_hidden: dict[int, torch.Tensor] = {}
+    ours_topk: dict[int, torch.Tensor] = {}  # [b * s, W] global key rows, batch-major
+    ours_hidden: dict[int, torch.Tensor] = {}  # [b, s, h] (GLM-5.3-Flash: the mHC streams, flattened)
     ours_experts: dict[int, torch.Tensor] = {}  # [b * s, E] bool routing map, batch-major rows
-    hf_topk: dict[int, torch.Tensor] = {}
+    hf_topk: dict[int, torch.Tensor] = {}  # [b * s, W] global key rows (HF's choice as we take it)
     hf_hidden: dict[int, torch.Tensor] = {}
-    hf_scores: dict[int, torch.Tensor] = {}
+    hf_scores: dict[int, torch.Tensor] = {}  # [b, s, candidates], -inf where not selectable
     hf_experts: dict[int, torch.Tensor] = {}  # [b * s, k] expert ids, batch-major rows
     routing_ties: dict[int, torch.Tensor] = {}  # [b * s] bool: HF's expert choice is a near-tie
     tie_eps = TIE_EPS[torch_dtype]
@@ -431,8 +372,7 @@ def verify(
         if router is not None:  # rows are [s, b]-major in megatron-core: reorder to HF's [b, s]
             hooks.append(router.register_forward_hook(lambda mod, a, out, gi=gi: ours_experts.__setitem__(
                 gi, _batch_major(out[1].cpu(), batch_size, seq_len))))
-    names = ("hidden_states", "q_resid", "position_embeddings", "attention_mask", "position_ids")
-    for i, layer in enumerate(hf.model.layers):
+    for i, layer in enumerate(ref.decoder_layers(hf)):
         hooks.append(layer.register_forward_hook(lambda mod, a, out, i=i: hf_hidden.__setitem__(
             i, (out[0] if isinstance(out, tuple) else out).float().cpu())))
         gate = getattr(layer.mlp, "gate", None)
@@ -448,30 +388,32 @@ def verify(
             hooks.append(gate.register_forward_hook(routed))
         indexer = getattr(layer.self_attn, "indexer", None)
         if indexer is not None:
-            hooks.append(indexer.register_forward_hook(lambda mod, a, out, i=i: hf_topk.__setitem__(i, out.cpu())))
+            hooks.append(indexer.register_forward_hook(lambda mod, a, out, i=i: hf_topk.__setitem__(
+                i, _global_rows(ref.sequence_rows(out.cpu())))))
 
             def pre(mod, args, kwargs, i=i):
-                hf_scores[i] = _hf_index_scores(mod, {**dict(zip(names, args)), **kwargs}).cpu()
+                hf_scores[i] = ref.candidate_scores(mod, args, kwargs).cpu()
 
             hooks.append(indexer.register_forward_pre_hook(pre, with_kwargs=True))
     hf_device = next(hf.parameters()).device
     try:
         ours = model(ids.to(device), pos.to(device), None).float().cpu()
-        theirs = hf(ids.to(hf_device)).logits.float().cpu()
+        theirs = hf(input_ids=ids.to(hf_device)).logits.float().cpu()
     finally:
         for h in hooks:
             h.remove()
 
-    topk = arch.index_topk
-    exact_ties = {(i, bi * seq_len + q) for i, sc in hf_scores.items() for bi, q in _boundary_ties(sc, topk)}
-    tie_rows = {(i, bi * seq_len + q) for i, sc in hf_scores.items() for bi, q in _boundary_ties(sc, topk, tie_eps)}
-    hf_rows = {i: _hf_rows(hk, topk) for i, hk in sorted(hf_topk.items()) if i in ours_topk}
+    kept_per_row = ref.selected(arch)
+    exact_ties = {(i, bi * seq_len + q) for i, sc in hf_scores.items() for bi, q in boundary_ties(sc, kept_per_row)}
+    tie_rows = {(i, bi * seq_len + q) for i, sc in hf_scores.items()
+                for bi, q in boundary_ties(sc, kept_per_row, tie_eps)}
     overlap: dict[str, float] = {}
     differing: set[tuple[int, int]] = set()
-    for i, rows in hf_rows.items():
-        fraction, rows_differing = _topk_agreement(rows, ours_topk[i], seq_len)
-        overlap[str(i)] = fraction
-        differing |= {(i, r) for r in rows_differing}
+    for i, want in sorted(hf_topk.items()):
+        if i in ours_topk:
+            fraction, rows_differing = _set_differences(ours_topk[i], want)
+            overlap[str(i)] = fraction
+            differing |= {(i, r) for r in rows_differing}
     routing_differs = {str(i): int(_routing_differences(want, ours_experts[i]).sum())
                        for i, want in sorted(hf_experts.items()) if i in ours_experts}
 
@@ -479,12 +421,12 @@ def verify(
     # HF-equivalent activations, which may differ from HF's only at near-ties.
     replayed, replay_topk, replay_experts = _replay_forward(
         model, ids.to(device), pos.to(device), device=device,
-        dsa_topk={gi: _as_replay(rows, seq_len, topk, device) for gi, rows in hf_rows.items()},
+        dsa_topk={gi: rows.to(device) for gi, rows in hf_topk.items() if gi in ours_topk},
         experts={gi: _seq_major(idx, batch_size, seq_len) for gi, idx in hf_experts.items()})
     replay_differing: set[tuple[int, int]] = set()
     replay_overlap: dict[str, float] = {}
     for i, mine in sorted(replay_topk.items()):
-        fraction, rows = _topk_agreement(hf_rows[i], mine, seq_len)
+        fraction, rows = _set_differences(mine, hf_topk[i])
         replay_overlap[str(i)] = fraction
         replay_differing |= {(i, r) for r in rows}
     routing_replay_differs: dict[str, int] = {}
@@ -497,6 +439,8 @@ def verify(
         routing_only_ties &= bool((rows <= routing_ties[i]).all())
     tokens = batch_size * seq_len
     agreement = min([*replay_overlap.values(), *(1 - n / tokens for n in routing_replay_differs.values())], default=1.0)
+    choices = tokens * (len(replay_topk) + len(replay_experts))
+    flipped = (len(replay_differing) + sum(routing_replay_differs.values())) / max(choices, 1)
 
     diff = (ours - theirs).abs()
     replay_diff = (replayed - theirs).abs()
@@ -505,7 +449,8 @@ def verify(
     replay_max_rel, replay_mean_rel = _rel(replay_diff, theirs)
     cosine = logit_cosine(ours, theirs)  # fp64, never above 1
     layers = [i for i in sorted(ours_hidden) if i in hf_hidden]
-    layer_rel = [_rel((ours_hidden[i] - hf_hidden[i]).abs(), hf_hidden[i]) for i in layers]
+    layer_rel = [_rel((ours_hidden[i].reshape(hf_hidden[i].shape) - hf_hidden[i]).abs(), hf_hidden[i])
+                 for i in layers]
     bf16 = torch_dtype == torch.bfloat16
     metric = 1 if bf16 else 0  # index into (max_rel, mean_rel)
     first_bad = next((i for i, r in zip(layers, layer_rel) if not r[metric] <= tol), None)
@@ -517,6 +462,7 @@ def verify(
         ok = math.isfinite(max_diff) and (max_rel <= tol or (only_ties and routing_only_ties and replay_max_rel <= tol))
     skipped_layers = sorted({int(m.group(1)) for n in skipped if (m := _LAYER.match(n))})
     return {
+        "model_type": arch.model_type,
         "max_abs_logit_diff": max_diff,
         "mean_abs_logit_diff": diff.mean().item(),
         "max_rel_logit_diff": max_rel,
@@ -535,6 +481,7 @@ def verify(
         "moe_rows_routed_differently_on_hf_inputs": routing_replay_differs,
         "moe_routing_near_ties": {str(i): int(t.sum()) for i, t in sorted(routing_ties.items())},
         "moe_differences_only_at_ties": routing_only_ties,
+        "choices_flipped_on_hf_inputs": flipped,
         "min_choice_agreement_on_hf_inputs": agreement,
         "tie_eps": tie_eps,
         "max_abs_logit_diff_with_hf_topk": replay_diff.max().item(),

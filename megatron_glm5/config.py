@@ -610,7 +610,12 @@ class RuntimePolicy:
     params_dtype: torch.dtype = torch.bfloat16
     dsa_kernel_backend: Literal["auto", "none", "tilelang", "cudnn"] = "auto"
     fusions: bool | None = None  # megatron-core fusions that need no TE/apex; None: on with CUDA
+    # Indexer training (megatron_glm5.dsa.indexer_training): coeff 0 leaves the indexer as loaded (RL / LoRA);
+    # the sparse stage trains it over the selected keys; the warm-up (dense stage) trains only the indexers, with the
+    # dense loss and dense main attention (coeff 0 there means 1.0).
     dsa_indexer_loss_coeff: float = 0.0
+    dsa_indexer_use_sparse_loss: bool = False
+    dsa_indexer_warmup: bool = False
     recompute_granularity: Literal["full", "selective"] | None = None
     recompute_method: Literal["uniform", "block"] | None = None
     recompute_num_layers: int | None = None
@@ -645,6 +650,9 @@ class RuntimePolicy:
             )
         if self.dsa_indexer_loss_coeff < 0:
             raise ValueError(f"RuntimePolicy.dsa_indexer_loss_coeff: expected >= 0, got {self.dsa_indexer_loss_coeff}")
+        if self.dsa_indexer_warmup and self.dsa_indexer_use_sparse_loss:
+            raise ValueError("RuntimePolicy: the indexer warm-up (dsa_indexer_warmup=True) trains with the dense loss; "
+                             "dsa_indexer_use_sparse_loss=True is the sparse stage that follows it")
         if self.moe_grouped_gemm not in ("auto", "on", "off"):
             raise ValueError(
                 f"RuntimePolicy.moe_grouped_gemm: expected 'auto', 'on' or 'off', got {self.moe_grouped_gemm!r}"
@@ -707,7 +715,8 @@ def runtime_kwargs(policy: RuntimePolicy, env: RuntimeEnvironment | None = None)
         bf16=policy.params_dtype == torch.bfloat16,
         fp16=policy.params_dtype == torch.float16,
         dsa_kernel_backend=policy.dsa_kernel_backend,
-        dsa_indexer_loss_coeff=policy.dsa_indexer_loss_coeff or None,
+        dsa_indexer_loss_coeff=policy.dsa_indexer_loss_coeff or (1.0 if policy.dsa_indexer_warmup else None),
+        dsa_indexer_use_sparse_loss=policy.dsa_indexer_use_sparse_loss,
         recompute_granularity=policy.recompute_granularity,
         recompute_method=policy.recompute_method,
         recompute_num_layers=policy.recompute_num_layers,

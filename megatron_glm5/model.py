@@ -9,6 +9,7 @@ import torch
 from .config import GLM5Architecture, RuntimePolicy, build_transformer_config, gpt_model_kwargs
 from .cpu import attach_cpu_mode, cpu_mode
 from .device_check import check_on_device
+from .dsa.indexer_training import freeze_all_but_indexers
 from .dsa.layout import TokenLayout
 from .offload import activation_offload_for, attach
 from .spec import build_glm5_block_spec, build_glm5_mtp_spec
@@ -24,6 +25,7 @@ def build_model(
     pre_process: bool | None = None,
     post_process: bool | None = None,
     indexer_types: Sequence[str] | None = None,
+    indexer_warmup: bool | None = None,
 ):
     """A GPTModel for this rank's pipeline stage (megatron-core parallel state must be initialised). A GLM-5.3-Flash
     architecture (:class:`~megatron_glm5.glm5_next.config.GLM5NextArchitecture`) is built by
@@ -35,6 +37,9 @@ def build_model(
     ``fine_grained_activation_offloading`` names an attention module in ``offload_modules``. On a machine without
     CUDA the model is built in :func:`~megatron_glm5.cpu.cpu_mode` and runs its forward with TorchDynamo off
     (:func:`~megatron_glm5.cpu.attach_cpu_mode`); nothing else of the process changes.
+
+    ``indexer_warmup`` (default ``policy.dsa_indexer_warmup``) builds the indexer warm-up stage and freezes every
+    parameter but the indexers' (:func:`~megatron_glm5.dsa.indexer_training.freeze_all_but_indexers`).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -55,9 +60,12 @@ def build_model(
         post_process = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     types = tuple(indexer_types) if indexer_types is not None else arch.indexer_types
     offload = activation_offload_for(config, policy)
+    warmup = bool(policy.dsa_indexer_warmup if policy is not None else False) if indexer_warmup is None \
+        else indexer_warmup
     block = build_glm5_block_spec(config, backend=backend, vp_stage=vp_stage, indexer_types=types,
-                                  activation_offload=offload)
-    mtp = build_glm5_mtp_spec(config, backend=backend, activation_offload=offload)
+                                  activation_offload=offload, indexer_warmup=warmup)
+    mtp = build_glm5_mtp_spec(config, backend=backend, activation_offload=offload, indexer_types=types,
+                              indexer_warmup=warmup)
     with cpu_mode():
         model = GPTModel(
             config=config,
@@ -72,6 +80,8 @@ def build_model(
         model.register_forward_pre_hook(check_position_ids, with_kwargs=True)
     if offload is not None:  # block scopes: prefetch order, and the checkpoint inputs under full recompute
         attach(model)
+    if warmup:
+        freeze_all_but_indexers(model)
     return attach_cpu_mode(model)
 
 

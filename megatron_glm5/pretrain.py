@@ -48,6 +48,10 @@ def add_glm5_args(parser):
     group.add_argument("--glm5-backend", choices=sorted(BACKENDS), default="megatron",
                        help="DSA attention backend: 'megatron' (megatron-core modules and kernels) or 'tilelang' "
                             "(fused TileLangMLASelfAttention)")
+    group.add_argument("--dsa-indexer-warmup", action="store_true",
+                       help="indexer warm-up stage (DeepSeek-V3.2's dense stage): dense main attention, the indexers "
+                            "train alone with the dense KL loss (--dsa-indexer-loss-coeff, default 1.0 here), every "
+                            "other parameter frozen; the per-layer recall of the attention mass is logged")
     lora = parser.add_argument_group("megatron-glm5 LoRA")
     lora.add_argument("--lora-rank", type=int, default=None,
                       help="add LoRA adapters of this rank (linear_fc1 gets 2x) and freeze the base weights")
@@ -164,6 +168,22 @@ def choose_dsa_kernels(args, argv: list[str]) -> str | None:
     return args.dsa_kernel_backend
 
 
+def check_indexer_flags(args, argv: list[str]) -> None:
+    """The indexer-training flags (megatron-core's ``--dsa-indexer-loss-coeff`` / ``--dsa-indexer-use-sparse-loss``
+    plus our ``--dsa-indexer-warmup``): the warm-up needs a loss coefficient (1.0 unless given) and the dense loss."""
+    if not getattr(args, "dsa_indexer_warmup", False):
+        return
+    if getattr(args, "dsa_indexer_use_sparse_loss", False):
+        raise SystemExit("megatron-glm5: --dsa-indexer-warmup trains with the dense loss; drop "
+                         "--dsa-indexer-use-sparse-loss (it selects the sparse stage that follows the warm-up)")
+    if "--dsa-indexer-loss-coeff" not in argv or not args.dsa_indexer_loss_coeff:
+        if "--dsa-indexer-loss-coeff" in argv:
+            raise SystemExit("megatron-glm5: --dsa-indexer-warmup needs --dsa-indexer-loss-coeff > 0")
+        args.dsa_indexer_loss_coeff = 1.0
+    if getattr(args, "lora_rank", None) is not None:
+        raise SystemExit("megatron-glm5: --dsa-indexer-warmup trains the indexers alone; drop --lora-rank")
+
+
 def check_data_flags(args) -> None:
     """Document boundaries must reach DSA attention (:func:`megatron_glm5.spec.check_document_masking`). This
     entry point reads plain ``[b, s]`` micro-batches, so THD packing (``--dataloader-inter-document-masking``) is
@@ -197,7 +217,7 @@ def model_provider(arch: Architecture, backend: str, pre_process=True, post_proc
         if is_glm5_next(arch):
             config = glm5_next_config(config, arch)
     model = build_model(arch, config=config, backend=backend, vp_stage=vp_stage, pre_process=pre_process,
-                        post_process=post_process)
+                        post_process=post_process, indexer_warmup=bool(getattr(args, "dsa_indexer_warmup", False)))
     return apply_lora_args(model, args)
 
 
@@ -300,7 +320,28 @@ def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask)
     num_tokens = mask.sum().clone().detach().to(torch.int)
-    return loss, num_tokens, {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+    report = {"lm loss": torch.cat([loss.clone().detach().view(1), num_tokens.view(1)])}
+    report.update(_recall_report(loss.device))
+    return loss, num_tokens, report
+
+
+def _recall_report(device) -> dict[str, torch.Tensor]:
+    """The warm-up's recall diagnostic (:mod:`megatron_glm5.dsa.indexer_training`) for Megatron-LM's log line: mean
+    over this rank's loss-computing layers of the attention mass the indexer's top-k captures, and the best any as many
+    keys could capture (averaged over micro-batches and data-parallel ranks like the LM loss). Empty when not warming
+    up. Under activation recompute the loss, and so the recall, of a micro-batch is computed in its backward: the
+    line then shows the previous micro-batch's."""
+    from megatron.training import get_args
+
+    from .dsa.indexer_training import RECALL, mean_recall
+
+    if not getattr(get_args(), "dsa_indexer_warmup", False):
+        return {}
+    mean = mean_recall(RECALL.take())
+    # (value, count) pairs, summed over micro-batches and ranks by Megatron-LM; count 0 when this micro-batch has none
+    captured, best, count = (mean[0], mean[1], 1.0) if mean is not None else (0.0, 0.0, 0.0)
+    return {"indexer recall": torch.tensor([captured * count, count], device=device),
+            "indexer recall best": torch.tensor([best * count, count], device=device)}
 
 
 def forward_step(data_iterator, model, return_schedule_plan: bool = False):
@@ -385,6 +426,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.tokenizer_type is None and args.mock_data:
         args.tokenizer_type = "NullTokenizer"
     apply_architecture(args, arch, argv)
+    check_indexer_flags(args, argv)
     check_data_flags(args)
     disable_unavailable_fusions(args)
     choose_dsa_kernels(args, argv)

@@ -39,6 +39,7 @@ from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from .config import INDEXER_K_NORM_EPS, GLM5ConfigError, load_hf_config, resolve_indexer_types
 from .dsa.attention import GLMAbsorbedMLASelfAttention, GLMSparseAttention
+from .dsa.indexer_training import IndexerLossSettings, LossSlot, loss_slots, warmup_freeze
 from .layer import GLMTransformerLayer
 from .offload import ActivationOffload, activation_offload_for
 from .providers import default_provider
@@ -54,7 +55,7 @@ class AttentionBackend:
     """How one DSA backend builds a layer's self-attention spec."""
 
     name: str
-    build: Callable[[Any, Any, str], ModuleSpec]  # (config, provider, indexer_type) -> self_attention spec
+    build: Callable[[Any, Any, str, "IndexerTraining"], ModuleSpec]  # (config, provider, indexer_type, training)
     description: str
 
 
@@ -84,11 +85,24 @@ def _mla_fields(provider) -> dict[str, ModuleSpec]:
     )
 
 
-def _dsa_attention(provider, indexer_type: str, attention: type, core: type, submodules: type) -> ModuleSpec:
+@dataclass(frozen=True, slots=True)
+class IndexerTraining:
+    """Per-layer indexer-training parameters of a core attention spec: the warm-up switch (megatron-core's config has
+    no field for it) and the layer's tracker slot among the loss-computing layers (None on shared layers)."""
+
+    warmup: bool = False
+    slot: LossSlot | None = None
+
+    def params(self) -> dict[str, Any]:
+        return {"indexer_warmup": self.warmup, "loss_slot": self.slot}
+
+
+def _dsa_attention(provider, indexer_type: str, attention: type, core: type, submodules: type,
+                   training: IndexerTraining) -> ModuleSpec:
     """``attention(core)`` where ``core`` owns the indexer on "full" layers only."""
     core_spec = ModuleSpec(
         module=core,
-        params={"indexer_type": indexer_type},
+        params={"indexer_type": indexer_type, **training.params()},
         submodules=DSAttentionSubmodules(indexer=_indexer_spec(provider) if indexer_type == "full" else None),
     )
     return ModuleSpec(
@@ -98,14 +112,14 @@ def _dsa_attention(provider, indexer_type: str, attention: type, core: type, sub
     )
 
 
-def _megatron_attention(config, provider, indexer_type: str) -> ModuleSpec:
+def _megatron_attention(config, provider, indexer_type: str, training: IndexerTraining) -> ModuleSpec:
     return _dsa_attention(provider, indexer_type, GLMAbsorbedMLASelfAttention, GLMSparseAttention,
-                          AbsorbedMLASelfAttentionSubmodules)
+                          AbsorbedMLASelfAttentionSubmodules, training)
 
 
-def _tilelang_attention(config, provider, indexer_type: str) -> ModuleSpec:
+def _tilelang_attention(config, provider, indexer_type: str, training: IndexerTraining) -> ModuleSpec:
     return _dsa_attention(provider, indexer_type, TileLangMLASelfAttention, TileLangSparseAttention,
-                          MLASelfAttentionSubmodules)
+                          MLASelfAttentionSubmodules, training)
 
 
 BACKENDS: dict[str, AttentionBackend] = {
@@ -283,7 +297,8 @@ def _local_layer_ids(config, vp_stage: int | None, pp_rank: int | None = None) -
 
 
 def _layer_spec(config, provider, backend: AttentionBackend, indexer_type: str, moe: bool,
-                offload: ActivationOffload | None = None) -> ModuleSpec:
+                offload: ActivationOffload | None = None,
+                training: IndexerTraining = IndexerTraining()) -> ModuleSpec:
     if moe:
         mlp = get_moe_module_spec_for_backend(
             backend=provider, num_experts=config.num_moe_experts, moe_grouped_gemm=config.moe_grouped_gemm
@@ -295,7 +310,7 @@ def _layer_spec(config, provider, backend: AttentionBackend, indexer_type: str, 
         params={"activation_offload": offload} if offload is not None else {},
         submodules=TransformerLayerSubmodules(
             input_layernorm=provider.layer_norm(rms_norm=True),
-            self_attention=backend.build(config, provider, indexer_type),
+            self_attention=backend.build(config, provider, indexer_type, training),
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=provider.layer_norm(rms_norm=True),
             mlp=mlp,
@@ -322,10 +337,12 @@ def build_glm5_block_spec(
     provider=None,
     pp_rank: int | None = None,
     activation_offload: ActivationOffload | None = None,
+    indexer_warmup: bool = False,
 ) -> TransformerBlockSubmodules:
     """This stage's decoder block spec (see module docstring). ``pp_rank`` defaults to megatron-core's.
     ``activation_offload``: the layers' offload window (:mod:`megatron_glm5.offload`); None takes it from
-    megatron-core's ``fine_grained_activation_offloading`` / ``offload_modules`` (Megatron-LM's flags)."""
+    megatron-core's ``fine_grained_activation_offloading`` / ``offload_modules`` (Megatron-LM's flags).
+    ``indexer_warmup``: the indexer warm-up stage (:mod:`megatron_glm5.dsa.indexer_training`)."""
     check_glm5_numerics(config)
     check_runtime_dependencies(config)
     args = _megatron_lm_args()
@@ -342,20 +359,38 @@ def build_glm5_block_spec(
     validate_stage_layers(types, local, config)
     moe = _moe_pattern(config)
     offload = activation_offload if activation_offload is not None else activation_offload_for(config)
-    layers = [_layer_spec(config, provider, chosen, types[i], bool(moe[i]), offload) for i in local]
+    check_indexer_training(config, indexer_warmup)
+    slots, _ = loss_slots(types, config.mtp_num_layers or 0)
+    layers = [_layer_spec(config, provider, chosen, types[i], bool(moe[i]), offload,
+                          IndexerTraining(indexer_warmup, slots.get(i))) for i in local]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=provider.layer_norm(rms_norm=True))
 
 
+def check_indexer_training(config, warmup: bool) -> None:
+    """Refuse an indexer-loss setting that cannot train (named flags), when the spec is built."""
+    try:
+        IndexerLossSettings.from_config(config, warmup)
+    except ValueError as e:
+        raise GLM5ConfigError(str(e)) from None
+
+
 def build_glm5_mtp_spec(config, *, backend: str = "megatron", provider=None,
-                        activation_offload: ActivationOffload | None = None):
-    """MTP block spec: each MTP layer is a full MoE decoder layer with its own indexer (never shared)."""
+                        activation_offload: ActivationOffload | None = None,
+                        indexer_types: Sequence[str] | None = None, indexer_warmup: bool = False):
+    """MTP block spec: each MTP layer is a full MoE decoder layer with its own indexer (never shared) and its own
+    indexer-loss slot after the decoder's full layers."""
     if not config.mtp_num_layers:
         return None
     provider = provider or default_provider()
     offload = activation_offload if activation_offload is not None else activation_offload_for(config)
-    inner = _layer_spec(config, provider, get_backend(backend), "full", bool(config.num_moe_experts), offload)
-    layer = get_mtp_layer_spec_for_backend(mtp_model_layer_spec=inner, backend=provider)
-    return MultiTokenPredictionBlockSubmodules(layer_specs=[layer] * config.mtp_num_layers)
+    types = tuple(indexer_types) if indexer_types is not None else indexer_types_from_config(config)
+    _, slots = loss_slots(types, config.mtp_num_layers)
+    layers = []
+    for slot in slots:
+        inner = _layer_spec(config, provider, get_backend(backend), "full", bool(config.num_moe_experts), offload,
+                            IndexerTraining(indexer_warmup, slot))
+        layers.append(get_mtp_layer_spec_for_backend(mtp_model_layer_spec=inner, backend=provider))
+    return MultiTokenPredictionBlockSubmodules(layer_specs=layers)
 
 
 def _indexer_types_from_hf(path: str | Path | None, num_layers: int) -> tuple[str, ...] | None:
@@ -390,3 +425,19 @@ def get_glm5_spec(*args: Any, backend: str | None = None, vp_stage: int | None =
 def get_glm5_tilelang_spec(config, vp_stage: int | None = None) -> TransformerBlockSubmodules:
     """``--spec megatron_glm5.spec get_glm5_tilelang_spec``: the fused TileLang backend."""
     return build_glm5_block_spec(config, backend="tilelang", vp_stage=vp_stage)
+
+
+def get_glm5_warmup_spec(config, vp_stage: int | None = None) -> TransformerBlockSubmodules:
+    """``--spec megatron_glm5.spec get_glm5_warmup_spec``: the indexer warm-up stage on the ``megatron`` backend
+    (dense main attention, dense indexer loss, only the indexers train: :func:`warmup_freeze` freezes the rest of the
+    model as Megatron-LM builds it). Needs ``--dsa-indexer-loss-coeff`` > 0."""
+    spec = build_glm5_block_spec(config, backend="megatron", vp_stage=vp_stage, indexer_warmup=True)
+    warmup_freeze.arm()
+    return spec
+
+
+def get_glm5_tilelang_warmup_spec(config, vp_stage: int | None = None) -> TransformerBlockSubmodules:
+    """``--spec megatron_glm5.spec get_glm5_tilelang_warmup_spec``: the warm-up on the ``tilelang`` backend."""
+    spec = build_glm5_block_spec(config, backend="tilelang", vp_stage=vp_stage, indexer_warmup=True)
+    warmup_freeze.arm()
+    return spec

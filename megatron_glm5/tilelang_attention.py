@@ -104,12 +104,15 @@ class TileLangSparseAttention(DSACoreAttention):
         self.index_dim = config.dsa_indexer_head_dim
         self.rope_dim = config.qk_pos_emb_head_dim
 
-    @torch.no_grad()
-    def compute_topk(self, x: torch.Tensor, q_c: torch.Tensor, layout: TokenLayout, rope_q, rope_k,
-                     gather: "SequenceGather") -> torch.Tensor:
-        """Indexer on this rank's rows (``x [s_l, b, h]``, normalised ``q_c [s_l, b, q_lora]``), its compact outputs
-        gathered along the sequence, then causal top-k: int32 ``[T_q, index_topk]`` key rows, -1 tail padding."""
+    def indexer_rows(self, x: torch.Tensor, q_c: torch.Tensor, layout: TokenLayout, rope_q, rope_k,
+                     gather: "SequenceGather") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Indexer on this rank's rows (``x [s_l, b, h]``, normalised ``q_c [s_l, b, q_lora]``, both detached: the LM
+        loss never reaches the indexer), its compact outputs gathered along the sequence (autograd-aware) and
+        flattened: ``(q [T_q, Hi, Di], k [T_k, Di], w [T_q, Hi] fp32)``, RoPE applied."""
+        if self.indexer is None:
+            raise RuntimeError(f"layer {self.layer_number} is an IndexShare 'shared' layer and has no indexer")
         idx = self.indexer
+        x, q_c = x.detach(), q_c.detach()
         s_l, b = x.shape[:2]
         q, _ = idx.linear_wq_b(q_c)
         q = q.view(s_l, b, self.index_heads, self.index_dim)
@@ -121,6 +124,11 @@ class TileLangSparseAttention(DSACoreAttention):
         r = self.rope_dim
         q = torch.cat([apply_interleaved_rope(q[..., :r], *rope_q), q[..., r:]], dim=-1)  # [T_q, Hi, Di]
         k = torch.cat([apply_interleaved_rope(k[..., :r], *rope_k), k[..., r:]], dim=-1).to(q.dtype)  # [T_k, Di]
+        return q, k, w
+
+    @torch.no_grad()
+    def select(self, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+        """Causal top-k of flattened indexer rows: int32 ``[T_q, index_topk]`` key rows, -1 tail padding."""
         if _kernels_apply(q):
             from . import kernels
 
@@ -130,17 +138,58 @@ class TileLangSparseAttention(DSACoreAttention):
             topk = reference.indexer_topk(q, k, w, layout.starts, layout.ends, self.index_topk)
         return reference.pad_topk(topk, self.index_topk)
 
+    @torch.no_grad()
+    def compute_topk(self, x: torch.Tensor, q_c: torch.Tensor, layout: TokenLayout, rope_q, rope_k,
+                     gather: "SequenceGather") -> torch.Tensor:
+        """Indexer (no gradient) then causal top-k."""
+        return self.select(*self.indexer_rows(x, q_c, layout, rope_q, rope_k, gather), layout)
+
+    def indexer_loss(self, qi, ki, w, query, kv, topk, layout: TokenLayout, lse: Optional[torch.Tensor] = None):
+        """The sparse loss on our fused kernels when they take the shapes (the target from the attention's own LSE
+        ``lse [T, H]`` when given, else from a no-grad attention forward), otherwise the torch oracle
+        (:meth:`DSACoreAttention.indexer_loss`: the dense warm-up loss, CPU, fp32)."""
+        if not (self.loss.sparse and _fused_indexer_loss_applies(qi, query, topk)):
+            return super().indexer_loss(qi, ki, w, query, kv, topk, layout)
+        from . import kernels
+        from .dsa import indexer_loss
+
+        query, kv = query.detach().contiguous(), kv.detach().contiguous()
+        if lse is None:
+            with torch.no_grad():
+                lse = kernels.sparse_mla_with_lse(query, kv, topk, self.softmax_scale, self.config.kv_lora_rank)[1]
+        target = kernels.sparse_attention_target(query, kv, topk, lse, self.softmax_scale)
+        tp = self.pg_collection.tp if self.config.tensor_model_parallel_size > 1 else None
+        if tp is not None:
+            torch.distributed.all_reduce(target, group=tp)
+        target.div_(target.sum(-1, keepdim=True).clamp_min(indexer_loss.TARGET_EPS))
+        rw = indexer_loss.row_weights(indexer_loss.valid_query_rows(layout.starts, layout.ends), self.loss.coeff,
+                                      self.loss.per_token)
+        return kernels.fused_sparse_indexer_loss(qi.contiguous(), ki.contiguous(), w.float().contiguous(), topk,
+                                                 target, rw, deterministic=self.config.deterministic_mode)
+
     def forward(self, query: torch.Tensor, kv: torch.Tensor, topk: torch.Tensor, softmax_scale: float,
-                d_v: int) -> torch.Tensor:
-        """``query [T, H, D]``, ``kv [T, D]``, ``topk [T, K]`` -> latent output ``[T, H, d_v]``."""
+                d_v: int, *, with_lse: bool = False):
+        """``query [T, H, D]``, ``kv [T, D]``, ``topk [T, K]`` -> latent output ``[T, H, d_v]`` (and, with
+        ``with_lse``, the natural-log LSE ``[T, H]`` fp32 the sparse indexer loss's target reuses)."""
         # GLM-5: d_qk 576 = 512 + 64 RoPE; GLM-5.3-Flash (NoPE): d_qk = d_v = 512, KPool width index_topk + P - 1
         if _kernels_apply(query) and (query.shape[-1], d_v) in ((576, 512), (512, 512)):
             from . import kernels
 
-            return kernels.sparse_mla(query.contiguous(), kv.contiguous(), topk, softmax_scale, d_v,
-                                      deterministic=self.config.deterministic_mode)
-        out, _ = reference.sparse_mla(query, kv, topk, softmax_scale, d_v)
-        return out
+            out, lse = kernels.sparse_mla_with_lse(query.contiguous(), kv.contiguous(), topk, softmax_scale, d_v,
+                                                   deterministic=self.config.deterministic_mode)
+        else:
+            out, lse = reference.sparse_mla(query, kv, topk, softmax_scale, d_v)
+        return (out, lse.detach()) if with_lse else out
+
+
+def _fused_indexer_loss_applies(qi: torch.Tensor, query: torch.Tensor, topk: torch.Tensor) -> bool:
+    """Our fused sparse indexer-loss kernels take these tensors (CUDA, bf16, shapes they support)."""
+    if not _kernels_apply(query):
+        return False
+    from . import kernels
+
+    supported = getattr(kernels, "indexer_loss_supported", None)
+    return supported is not None and supported(qi, query, topk)
 
 
 class TileLangMLASelfAttention(MLASelfAttention):
@@ -214,18 +263,29 @@ class TileLangMLASelfAttention(MLASelfAttention):
         query = torch.cat([torch.einsum("thd,hdc->thc", q_nope, w_kc), q_pe], dim=-1)  # [T_q, H, 576]
         kv_full = torch.cat([layout.flatten_keys(c), k_pe], dim=-1)  # [T_k, 576]
 
-        topk = dsa_topk
-        if topk is None:
-            topk = self.core_attention.compute_topk(x, q_c, layout, rope_q, rope_k, gather)
+        sparse = self.core_attention
+        topk, indexer, lse = dsa_topk, None, None
+        if topk is not None:
+            sparse.check_topk(topk, layout, bounds=not dsa_topk_trusted)
+        if sparse.loss_active():  # the indexer with gradients (its loss follows the attention: it reuses the LSE)
+            indexer = sparse.indexer_rows(x, q_c, layout, rope_q, rope_k, gather)
+            if topk is None:
+                topk = sparse.select(*(t.detach() for t in indexer), layout)
+        elif topk is None:
+            topk = sparse.compute_topk(x, q_c, layout, rope_q, rope_k, gather)
+        if dsa_topk is None:
             offload.mark_replicated(topk, self.pg_collection.tp)  # every TP rank ran the whole indexer
-        else:
-            self.core_attention.check_topk(topk, layout, bounds=not dsa_topk_trusted)
 
-        core = (lambda q_, kv_, t_: self.core_attention(q_, kv_, t_, self.softmax_scale, cfg.kv_lora_rank))
-        if self.checkpoint_core_attention and self.training:
+        core = (lambda q_, kv_, t_: sparse(q_, kv_, t_, self.softmax_scale, cfg.kv_lora_rank))
+        if sparse.loss.warmup:  # dense main attention, frozen: only the indexer trains
+            latent = sparse.dense_latent(query, kv_full, layout, cfg.kv_lora_rank)
+        elif self.checkpoint_core_attention and self.training:
             latent = tensor_parallel.checkpoint(core, False, query, kv_full, topk)
+        elif indexer is not None and sparse.loss.sparse:
+            latent, lse = sparse(query, kv_full, topk, self.softmax_scale, cfg.kv_lora_rank, with_lse=True)
         else:
             latent = core(query, kv_full, topk)  # [T, H, kv_lora_rank]
+        loss = None if indexer is None else sparse.indexer_loss(*indexer, query, kv_full, topk, layout, lse=lse)
         out = torch.einsum("thc,hdc->thd", latent, w_vc.to(latent.dtype)).reshape(layout.num_rows, -1)
         output, bias = self.linear_proj(layout.unflatten(out))
-        return output, bias, topk
+        return sparse.attach_loss(output, loss), bias, topk

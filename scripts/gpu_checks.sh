@@ -8,7 +8,9 @@
 # pretrain_megatron, pretrain_tilelang (python -m megatron_glm5.pretrain), pretrain_gpt_client (Megatron-LM's own
 # pretrain_gpt.py with both specs: the client in shared/clients/megatron_lm, copied into .mlm/ and carried),
 # bench_step (whole training steps of the GLM-5-shaped one-GPU slice through that pretrain_gpt.py: our kernels vs
-# megatron-core's, report in OUT_DIR/step.md; needs .mlm/; run precompile first; BENCH_STEP_ARGS adds flags).
+# megatron-core's, report in OUT_DIR/step.md; needs .mlm/; run precompile first; BENCH_STEP_ARGS adds flags),
+# indexer_loss_kernels (tests/gpu/test_indexer_loss_gpu.py: the fused sparse indexer-loss kernels vs the torch oracle;
+# builds its kernels in parallel first).
 # Each step has its own log and time limit; a failing step does not stop the others.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +32,7 @@ for step in "$@"; do
     kernels_ws) MEGATRON_GLM5_TEST_FWD_VARIANT=ws run kernels_ws 200 python3 -m pytest tests/gpu/test_kernels_gpu.py -q -s -p no:cacheprovider ;;
     backends) run backends 240 python3 -m pytest tests/gpu/test_backends_gpu.py -q -s -p no:cacheprovider ;;
     lora) run lora 200 python3 -m pytest tests/gpu/test_lora_gpu.py -q -s -p no:cacheprovider ;;
+    indexer_loss_kernels) run indexer_loss_kernels 240 python3 -m pytest tests/gpu/test_indexer_loss_gpu.py -q -s -p no:cacheprovider ;;
     bench_flash) run bench_flash 200 python3 scripts/bench/bench_dsa_kernels.py --sections kpool,nope --out "$OUT_DIR/flash_kernels.md" ;;
     hardening) run hardening 240 python3 -m pytest tests/gpu/test_hardening_gpu.py -q -s -p no:cacheprovider ;;
     grouped) run grouped 120 python3 -m pytest tests/gpu/test_grouped_experts_gpu.py -q -s -p no:cacheprovider ;;
@@ -37,6 +40,17 @@ for step in "$@"; do
     offload) run offload 300 python3 -m pytest tests/gpu/test_offload_gpu.py -q -s -p no:cacheprovider ;;
     bench_offload) run bench_offload 590 python3 scripts/bench/bench_offload.py --out "$OUT_DIR/offload.md" ${BENCH_ARGS:-} ;;
     pretrain_gpt_client) TAIL=12 run pretrain_gpt_client 420 bash .mlm/run_pretrain_gpt.sh ;;
+    indexer_client_sparse) RUNS="get_glm5_spec get_glm5_tilelang_spec" OUT="$OUT_DIR/mlm_sparse" \
+      EXTRA_ARGS="--dsa-indexer-loss-coeff 0.01 --dsa-indexer-use-sparse-loss --train-iters 20" TAIL=6 \
+      run indexer_client_sparse 400 bash .mlm/run_pretrain_gpt.sh
+      grep -hE "iteration +[0-9]+/" "$OUT_DIR"/mlm_sparse/*.log | sed -E 's/.*(iteration +[0-9]+\/ *[0-9]+).*(lm loss: [^|]*).*(indexer loss: [^|]*).*/\1 | \2 | \3/' ;;
+    indexer_client_warmup) RUNS="get_glm5_warmup_spec get_glm5_tilelang_warmup_spec" OUT="$OUT_DIR/mlm_warmup" \
+      EXTRA_ARGS="--dsa-indexer-loss-coeff 1.0 --train-iters 20" TAIL=6 \
+      run indexer_client_warmup 400 bash .mlm/run_pretrain_gpt.sh
+      grep -hE "indexer warm-up|iteration +[0-9]+/" "$OUT_DIR"/mlm_warmup/*.log | sed -E 's/.*(iteration +[0-9]+\/ *[0-9]+).*(lm loss: [^|]*).*(indexer loss: [^|]*).*/\1 | \2 | \3/' ;;
+    indexer_pretrain_warmup) PARALLEL="--dsa-indexer-warmup" SAVE=0 run indexer_pretrain_warmup 200 bash examples/pretrain_glm5_tiny.sh tilelang ;;
+    bench_indexer_training) TAIL=40 run bench_indexer_training 560 python3 scripts/bench/bench_indexer_training.py --out "$OUT_DIR/indexer_training.md" ${BENCH_ARGS:-} ;;
+    bench_indexer_loss) TAIL=40 run bench_indexer_loss 400 python3 scripts/bench/bench_indexer_loss.py --out "$OUT_DIR/indexer_loss.md" ${BENCH_ARGS:-} ;;
     bench_kernels) run bench_kernels 300 python3 scripts/bench/bench_dsa_kernels.py --out "$OUT_DIR/kernels.md" ${BENCH_ARGS:-} ;;
     bench_step) TAIL=40 run bench_step 560 python3 scripts/bench/bench_step.py --out "$OUT_DIR/step.md" --timeout 120 --profile-variants tilelang,tilelang-grouped ${BENCH_STEP_ARGS:-} ;;
     bench_layer) run bench_layer 180 python3 scripts/bench/bench_glm5_layer.py --out "$OUT_DIR/layer.md" ;;

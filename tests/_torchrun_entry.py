@@ -12,6 +12,11 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 def main() -> None:
     target, out_dir, kwargs = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
+    dump_after = float(os.environ.get("GLM5_TORCHRUN_DUMP_AFTER", "0"))
+    if dump_after > 0:  # a hang (a collective one rank never joins): print every thread's stack before the kill
+        import faulthandler
+
+        faulthandler.dump_traceback_later(dump_after, exit=False)
     import torch.distributed as dist
 
     from megatron_glm5.cpu import enable_cpu_mode

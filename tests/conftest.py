@@ -81,5 +81,21 @@ def indexer_calls(monkeypatch):
         monkeypatch.setattr(cls, name, counted)
 
     counting(DSAIndexer, "forward_before_topk")  # the megatron backend's indexer
-    counting(TileLangSparseAttention, "compute_topk")  # the tilelang backend's indexer
+    counting(TileLangSparseAttention, "indexer_rows")  # the tilelang backend's indexer
+    return calls
+
+
+@pytest.fixture
+def indexer_loss_calls(monkeypatch):
+    """Count indexer-loss computations of both backends (test-only instrumentation): ``calls[0]``."""
+    from megatron_glm5.dsa.attention import DSACoreAttention
+
+    calls = [0]
+    original = DSACoreAttention.indexer_loss
+
+    def counted(self, *args, **kwargs):
+        calls[0] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(DSACoreAttention, "indexer_loss", counted)
     return calls

@@ -147,9 +147,12 @@ def _finalize_grads(model, pp: int) -> None:
 
 
 def parallel_case(rank: int, world: int, *, raw: dict, weights: str, grads_out: str, tp: int, pp: int, ep: int,
-                  vocab: int, backend: str = "megatron", cp: int = 1, moe_grouped_gemm: str = "off") -> dict:
+                  vocab: int, backend: str = "megatron", cp: int = 1, moe_grouped_gemm: str = "off",
+                  policy_overrides: dict | None = None) -> dict:
     """Load the reference weights at (TP, PP, EP), run the micro-batches, save gradients as a dist checkpoint.
-    ``moe_grouped_gemm="on"``: routed experts are ``TorchGroupedMLP`` (the reference runs ``SequentialMLP``)."""
+    ``moe_grouped_gemm="on"``: routed experts are ``TorchGroupedMLP`` (the reference runs ``SequentialMLP``).
+    ``policy_overrides``: more ``RuntimePolicy`` fields (e.g. the indexer loss); the logged indexer loss per tracker
+    slot comes back as ``indexer_loss`` (reduced over PP, as Megatron-LM's log does)."""
     from megatron.core import dist_checkpointing
 
     from megatron_glm5.architectures import parse_architecture as parse_hf_config  # GLM-5.x and GLM-5.3-Flash
@@ -160,18 +163,31 @@ def parallel_case(rank: int, world: int, *, raw: dict, weights: str, grads_out: 
                               expert_model_parallel_size=ep, context_parallel_size=cp)
     policy = default_cpu_policy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                 expert_model_parallel_size=ep, context_parallel_size=cp,
-                                moe_grouped_gemm=moe_grouped_gemm)
+                                moe_grouped_gemm=moe_grouped_gemm, **(policy_overrides or {}))
     model = build_model(parse_hf_config(raw), policy, backend=backend)
     load_weights(model, weights)
     loss, grads = train_step_grads(model, make_batches(vocab), vocab=vocab)
     dist_checkpointing.save(tensor_sharded_state_dict(model, grads), grads_out)
     experts = sorted({type(m).__name__ for n, m in model.named_modules() if n.endswith("mlp.experts")})
-    return {"loss": loss, "layers": len(model.decoder.layers), "experts": experts}
+    return {"loss": loss, "layers": len(model.decoder.layers), "experts": experts, "indexer_loss": _indexer_log()}
 
 
-def reference_run(raw: dict, weights_dir: str):
+def _indexer_log() -> list[float] | None:
+    """megatron-core's indexer-loss tracker after reduction (sum over PP, mean over DP/CP), per slot."""
+    from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossLoggingHelper as helper
+
+    if "values" not in helper.tracker:
+        return None
+    helper.reduce_loss_in_tracker()
+    values = helper.tracker["values"].tolist()
+    helper.tracker.clear()
+    return values
+
+
+def reference_run(raw: dict, weights_dir: str, policy_overrides: dict | None = None):
     """Single-process reference (``megatron`` backend): saves the weights as a dist checkpoint; returns (loss,
-    grads). Initialises and tears down a 1-rank model-parallel state."""
+    grads), and with ``policy_overrides`` (e.g. the indexer loss) also the logged indexer loss per slot.
+    Initialises and tears down a 1-rank model-parallel state."""
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
@@ -184,9 +200,12 @@ def reference_run(raw: dict, weights_dir: str):
     initialize_model_parallel()
     try:
         torch.manual_seed(0)
-        model = build_model(parse_hf_config(raw), default_cpu_policy())
+        model = build_model(parse_hf_config(raw), default_cpu_policy(**(policy_overrides or {})))
         dist_checkpointing.save(model.sharded_state_dict(), weights_dir)
-        return train_step_grads(model, make_batches(raw["vocab_size"]), vocab=raw["vocab_size"])
+        loss, grads = train_step_grads(model, make_batches(raw["vocab_size"]), vocab=raw["vocab_size"])
+        if policy_overrides is None:
+            return loss, grads
+        return loss, grads, _indexer_log()
     finally:
         destroy_model_parallel()
 

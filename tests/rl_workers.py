@@ -106,3 +106,22 @@ def pp_case(rank: int, world: int, *, path: str, choices_path: str) -> dict:
                     {str(k): v["fraction"] for k, v in summary["routing_mismatch"].items()})
             out.append(row)
     return {"batches": out, "layers": [layer.layer_number - 1 for layer in model.decoder.layers], "last": last}
+
+
+def flash_tp_sp_case(rank: int, world: int, *, path: str, payload: str, ids: list, cu: list) -> dict:
+    """GLM-5.3-Flash at TP = 2 + SP: log-probs with transformers' recorded choices replayed (tests/test_rl_flash.py)."""
+    from megatron_glm5 import from_hf_pretrained
+    from megatron_glm5.parallel import initialize_model_parallel
+    from megatron_glm5.rl import ReplayStats, compute_logprobs
+
+    initialize_model_parallel(tensor_model_parallel_size=2)
+    model = from_hf_pretrained(path)
+    assert model.config.sequence_parallel
+    data = torch.load(payload)
+    stats = ReplayStats()
+    with torch.no_grad():
+        lp = compute_logprobs(model, torch.tensor(ids), torch.tensor(cu, dtype=torch.int32),
+                              topk_replay=data["topk"], routing_replay=data["experts"], replay_stats=stats)
+    summary = stats.summary()
+    return dict(lp_replay=lp.tolist(), overlap={str(k): v["mean"] for k, v in summary["indexer_overlap"].items()},
+                mismatch={str(k): v["fraction"] for k, v in summary["routing_mismatch"].items()})

@@ -1,8 +1,13 @@
 """examples/rl/grpo_lora_tiny.py: three rounds of the closed GRPO + LoRA loop on CPU (transformers + peft roll out,
 megatron-core trains the adapters, the adapter goes back every round). At round 1 both sides hold the same weights, so
 our log-probs must equal the rollout's (fp32: KL and max |d logprob| far below 1e-4, the replayed choices the ones our
-model makes); the reward must rise over the rounds (issue #11: "rising reward or falling loss"); the last exported
-adapter must load in peft with exactly the trained factors."""
+model makes); the reward must rise every round and after the last one; the last exported adapter must load in peft
+with exactly the trained factors.
+
+Only the reward counts as learning: the GRPO loss is no learning curve here (each round's first step is ~0 by
+construction, and the mean over a round's steps *rose* from round 1 to round 3 in every one of seeds 0-9). Measured
+rewards (round 1, 2, 3, after round 3), seeds 0-9: every sequence strictly increasing, the last at least 0.178 above
+the first (seed 0: 0.111, 0.115, 0.219, 0.354; the smallest step 0.004 is seed 0's round 1 -> 2)."""
 
 from __future__ import annotations
 
@@ -38,7 +43,9 @@ def test_grpo_lora_example_three_rounds(tmp_path, model_parallel):
     assert first["kl"] < 1e-4 and first["max_abs_dlogp"] < 1e-4, first
     assert first["topk_overlap"] > 0.99 and first["routing_mismatch"] < 0.01, first
     assert all(r["kl"] < 1e-4 for r in rounds), "every round: the rollout side runs the adapter just exported"
-    assert last["reward"] > first["reward"] or last["loss"] < first["loss"], rounds
+    rewards = [r["reward"] for r in rounds] + [result["final_reward"]]
+    assert all(b > a for a, b in zip(rewards, rewards[1:])), f"the reward must rise every round: {rewards}"
+    assert rewards[-1] - rewards[0] > 0.1, rewards
 
     adapter = Path(result["adapter"])
     assert adapter.name == "round3"

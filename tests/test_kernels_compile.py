@@ -1,9 +1,9 @@
 """The TileLang DSA kernels compile for SM90 (sm_90a) on a CPU-only machine, and their interfaces reject bad input.
 
 Compilation needs TileLang and nvcc but no GPU: each factory is built at one small shape (other head dims, the
-mma.sync path below 64 heads), at the GLM-5 shape (576 = 512 + 64 RoPE) and, for sparse MLA, at the NoPE shape of
-GLM-5.3-Flash (512 = 512 + 0: no tail); the top-k select also at KPool's 2048 / 4 = 512 pools. Two compiles at a
-time in spawned workers (~2-3 min on 2 cores, less with TileLang's disk cache).
+mma.sync path below 64 heads), at the GLM-5 shape (576 = 512 + 64 RoPE) and, for sparse MLA and the indexer loss's
+attention target, at the NoPE shape of GLM-5.3-Flash (512 = 512 + 0: no tail); the top-k select also at KPool's
+2048 / 4 = 512 pools. Two compiles at a time in spawned workers (~3 min on 2 cores, less with TileLang's disk cache).
 Numerics are checked on the GPU (``tests/gpu/test_kernels_gpu.py``).
 """
 
@@ -23,6 +23,8 @@ from megatron_glm5.kernels.sparse_mla_bwd import deterministic_chunk_rows, spars
 from megatron_glm5.kernels.sparse_mla_fwd import head_block, sparse_mla_fwd_interface
 
 indexer_mod = importlib.import_module("megatron_glm5.kernels.indexer_topk")  # the package exports a same-named function
+loss_mod = importlib.import_module("megatron_glm5.kernels.indexer_loss")
+target_mod = importlib.import_module("megatron_glm5.kernels.sparse_attention_target")
 
 SM90 = '{"kind": "cuda", "arch": "sm_90a"}'
 
@@ -46,6 +48,14 @@ COMPILE_CASES = {
     "topk_select_glm": ("megatron_glm5.kernels.indexer_topk", "_jit_select", (2048,)),
     # KPool (GLM-5.3-Flash): the same indexer kernel scores the pool keys, top-(index_topk // P) = 512 pools
     "topk_select_kpool": ("megatron_glm5.kernels.indexer_topk", "_jit_select", (512,)),
+    # sparse indexer KL loss (5 kernels, ~20-30 s each cold on 2 cores): index scores at GLM-5's 32 x 128, the
+    # indexer backward there (fp32 atomics) and deterministic at 64 index heads (256 threads), the attention target
+    # at 16 heads (mma.sync) x 576 and 64 heads (wgmma) x 512 (NoPE: no tail)
+    "index_scores_glm": ("megatron_glm5.kernels.indexer_loss", "_jit_index_scores", (32, 128)),
+    "index_bwd_glm": ("megatron_glm5.kernels.indexer_loss", "_jit_index_bwd", (32, 128)),
+    "index_bwd_64_deterministic": ("megatron_glm5.kernels.indexer_loss", "_jit_index_bwd", (64, 128, True)),
+    "attention_target_glm": ("megatron_glm5.kernels.sparse_attention_target", "_jit_target", (16, 576, 1 / 16)),
+    "attention_target_nope": ("megatron_glm5.kernels.sparse_attention_target", "_jit_target", (64, 512, 1 / 16)),
 }
 
 
@@ -168,3 +178,55 @@ def test_tiling_helpers():
     rows = deterministic_chunk_rows(2048, 64, 576, torch.device("cpu"))
     assert rows % 132 == 0 and rows * 2048 * 576 * 4 <= 2 << 30
     assert indexer_mod.logits_chunk_rows(65536, 4) * 65536 * 4 <= indexer_mod.LOGITS_CHUNK_BYTES
+
+
+def _index_inputs(t=8, hi=32, di=128, s=8, k=64):
+    qi = torch.zeros(t, hi, di, dtype=torch.bfloat16)
+    ki = torch.zeros(s, di, dtype=torch.bfloat16)
+    w = torch.zeros(t, hi)
+    idx = torch.full((t, k), -1, dtype=torch.int32)
+    return qi, ki, w, idx
+
+
+@pytest.mark.parametrize(
+    "mutate,err,match",
+    [
+        (lambda qi, ki, w, idx: (qi.float(), ki, w, idx), TypeError, "qi must be torch.bfloat16"),
+        (lambda qi, ki, w, idx: (qi, ki.half(), w, idx), TypeError, "ki must be"),
+        (lambda qi, ki, w, idx: (qi, ki, w.double(), idx), TypeError, "w must be torch.float32"),
+        (lambda qi, ki, w, idx: (qi, ki, w, idx.long()), TypeError, "topk must be torch.int32"),
+        (lambda qi, ki, w, idx: (qi, ki[:, :64].contiguous(), w, idx), ValueError, r"ki must be \[S, 128\]"),
+        (lambda qi, ki, w, idx: (qi, ki, w[:, :16].contiguous(), idx), ValueError, r"w must be \[T=8, Hi=32\]"),
+        (lambda qi, ki, w, idx: (qi, ki, w, idx[:4].contiguous()), ValueError, r"topk must be \[T=8, K\]"),
+        (lambda qi, ki, w, idx: (qi.transpose(0, 1), ki, w, idx), ValueError, "contiguous"),
+        (lambda qi, ki, w, idx: (*_index_inputs(hi=72)[:3], idx), ValueError, r"index heads must be in \[1, 64\], got 72"),
+        (lambda qi, ki, w, idx: (*_index_inputs(di=96)[:3], idx), ValueError, "multiple of 64"),
+        (lambda qi, ki, w, idx: (qi, ki, w, idx[:, :0].contiguous()), ValueError, "at least one slot"),
+    ],
+)
+def test_indexer_loss_index_interfaces_reject(mutate, err, match):
+    qi, ki, w, idx = mutate(*_index_inputs())
+    with pytest.raises(err, match=match):
+        loss_mod.sparse_index_scores_interface(qi, ki, w, idx)
+    with pytest.raises(err, match=match):
+        loss_mod.index_score_bwd_interface(qi, ki, w, idx, torch.zeros(idx.shape))
+
+
+def test_indexer_loss_target_interface_rejects():
+    q = torch.zeros(8, 16, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(8, 576, dtype=torch.bfloat16)
+    idx = torch.full((8, 64), -1, dtype=torch.int32)
+    lse = torch.zeros(8, 16)
+    f = target_mod.sparse_attention_target_interface
+    with pytest.raises(TypeError, match="lse must be torch.float32"):
+        f(q, kv, idx, lse.double(), 1 / 16)
+    with pytest.raises(ValueError, match=r"lse must be \[T=8, H=16\]"):
+        f(q, kv, idx, lse[:, :8].contiguous(), 1 / 16)
+    with pytest.raises(ValueError, match=r"kv must be \[S, 576\]"):
+        f(q, kv[:, :512].contiguous(), idx, lse, 1 / 16)
+    with pytest.raises(ValueError, match="multiple of 64 in \\[128, 576\\]"):
+        f(torch.zeros(8, 16, 640, dtype=torch.bfloat16), torch.zeros(8, 640, dtype=torch.bfloat16), idx, lse, 1 / 16)
+    with pytest.raises(ValueError, match=r"heads per rank must be in \[1, 128\], got 129"):
+        f(torch.zeros(8, 129, 576, dtype=torch.bfloat16), kv, idx, torch.zeros(8, 129), 1 / 16)
+    with pytest.raises(ValueError, match="dscore must be shaped like topk"):
+        loss_mod.index_score_bwd_interface(*_index_inputs(), torch.zeros(8, 32))

@@ -1,7 +1,8 @@
-"""The torch side of the KPool kernel path (``megatron_glm5.kernels.kpool_topk``: fixed-size pool keys, per-query pool
-ranges, expansion to token rows and the tail) against the torch reference ``megatron_glm5.dsa.kpool``, on CPU.
+"""The *glue* of the KPool kernel path on CPU: everything ``megatron_glm5.kernels.kpool_topk`` does around the TileLang
+indexer + top-k call (fixed-size pool keys, per-query pool ranges, expansion to token rows and the tail, the public
+wrapper and ``kpool_select``'s kernel branch) against the torch reference ``megatron_glm5.dsa.kpool``.
 
-The TileLang indexer + top-k is replaced by the reference's own per-token top-k
+Not a test of the kernel: the TileLang indexer + top-k is replaced by the reference's own per-token top-k
 (``megatron_glm5.dsa.reference.indexer_topk``) run over the pool keys: it computes the scores with the same einsum at
 the same chunk shapes as the KPool reference, so everything else must agree bit for bit (index, order, -1 padding).
 The kernel itself is compared with the reference on the GPU (``tests/gpu/test_kernels_gpu.py``).
@@ -58,7 +59,7 @@ CASES = [
 
 @pytest.mark.parametrize("select_tail", [True, False])
 @pytest.mark.parametrize("lengths,pad,pool,index_topk", CASES)
-def test_composition_equals_reference(lengths, pad, pool, index_topk, select_tail):
+def test_glue_with_reference_select_equals_reference(lengths, pad, pool, index_topk, select_tail):
     total = sum(lengths) + pad
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     q, k, gate, ape, w = _inputs(total, 4, 16, pool, seed=len(lengths) + pool)
@@ -71,7 +72,7 @@ def test_composition_equals_reference(lengths, pad, pool, index_topk, select_tai
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_composition_equals_reference_low_precision(dtype):
+def test_glue_with_reference_select_equals_reference_low_precision(dtype):
     """fp32 / bf16 inputs: the pool keys are built op for op like the reference's and the scores at the same
     shapes, so even the rounding agrees."""
     pool, index_topk, total = 4, 256, 700 + 13 + 1500
@@ -82,7 +83,7 @@ def test_composition_equals_reference_low_precision(dtype):
     assert torch.equal(got, _reference(q, k, gate, ape, w, cu, starts, ends, index_topk, True))
 
 
-def test_exact_ties_pick_the_lower_pool():
+def test_glue_with_reference_select_exact_ties_pick_the_lower_pool():
     """Zero keys: every pool scores exactly 0, so each row takes its document's first pools in order."""
     pool, index_topk = 4, 32
     cu = torch.tensor([0, 90, 135], dtype=torch.int32)  # documents of 90 and 45 rows
@@ -107,7 +108,7 @@ def test_pool_keys_fixed_match_reference_keys():
     assert torch.equal(doc_pool_start, pools.doc_pool_start)
 
 
-def test_separate_query_rows_zigzag_cp():
+def test_glue_with_reference_select_zigzag_cp_query_rows():
     """Query rows that are a subset of the key rows (a zigzag CP rank): explicit starts / ends into the key axis."""
     b, full, cp_size, pool, index_topk = 2, 96, 2, 4, 16
     local = full // cp_size
@@ -125,7 +126,7 @@ def test_separate_query_rows_zigzag_cp():
         assert torch.equal(got, want), f"rank {rank}"
 
 
-def test_public_wrapper_and_model_path_with_reference_select(monkeypatch):
+def test_glue_of_public_wrapper_and_model_path_with_reference_select(monkeypatch):
     """``kernels.kpool_indexer_topk`` and ``kpool_select``'s kernel branch, with the TileLang call replaced by the
     reference top-k (bf16 inputs, as on the GPU): equal to the reference selection."""
     monkeypatch.setattr(topk_mod, "indexer_topk_interface", ref.indexer_topk)
@@ -152,7 +153,7 @@ def test_public_wrapper_and_model_path_with_reference_select(monkeypatch):
     assert torch.equal(kpool_select(q, k, gate, ape, w, layout, index_topk=index_topk, select_tail=True), want)
 
 
-def test_no_tilelang_call_for_empty_inputs_and_argument_checks():
+def test_glue_empty_inputs_and_argument_checks():
     q, k, gate, ape, w = _inputs(8, 2, 16, 4, seed=8)
     cu = torch.tensor([0, 8], dtype=torch.int32)
     starts, ends = ref.causal_bounds(cu)

@@ -123,11 +123,12 @@ def test_logits_and_topk_match_transformers(checkpoint, backend, model_parallel,
         _assert_topk_sets_match(topk[layer], hf_topk[layer], scores[n], ids.shape[0], SEQ, layer)
 
 
-def test_thd_packed_matches_transformers_per_sequence(checkpoint, model_parallel):
+@pytest.mark.parametrize("backend", ["megatron", "tilelang"])
+def test_thd_packed_matches_transformers_per_sequence(checkpoint, backend, model_parallel):
     raw, path, hf = checkpoint
     lens = [40, 9, 31]  # one sequence shorter than index_topk
     seqs = [_tokens(raw, 1, n, seed=20 + i)[0] for i, n in enumerate(lens)]
-    model = from_hf_pretrained(path)
+    model = from_hf_pretrained(path, backend=backend)
     cu = torch.tensor([0, 40, 49, 80], dtype=torch.int32)
     psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=40, max_seqlen_kv=40)
     pos = torch.cat([torch.arange(n) for n in lens])[None]
@@ -135,7 +136,7 @@ def test_thd_packed_matches_transformers_per_sequence(checkpoint, model_parallel
         packed = model(torch.cat(seqs)[None], pos, None, packed_seq_params=psp)[0]
         ref = torch.cat([hf(s[None]).logits[0] for s in seqs])
     diff = (packed - ref).abs().max().item()
-    assert diff <= LOGIT_TOL, f"THD max |logit diff| {diff:.3e}"
+    assert diff <= LOGIT_TOL, f"{backend} THD max |logit diff| {diff:.3e}"
 
 
 def test_fixture_is_tie_robust(checkpoint):

@@ -60,3 +60,51 @@ def test_parallel_matches_single_process(reference, reference_no_mtp, gloo_world
     errors = grad_errors(load_sharded_grads(raw, str(grads_dir)), ref_grads)
     bad = {n: f"{e:.2e}" for n, e in errors.items() if e > 1e-5}
     assert not bad, f"max |grad diff| / max |grad| above 1e-5: {bad}"
+
+
+SPARSE_LOSS = dict(dsa_indexer_loss_coeff=0.1, dsa_indexer_use_sparse_loss=True)
+
+
+def _reference_loss(tmp_path_factory, mtp: int):
+    raw = tiny_glm52_config(num_nextn_predict_layers=mtp)
+    weights = str(tmp_path_factory.mktemp(f"ref_weights_loss_mtp{mtp}"))
+    loss, grads, logged = reference_run(raw, weights, SPARSE_LOSS)
+    return raw, weights, loss, grads, logged
+
+
+@pytest.fixture(scope="module")
+def reference_loss(tmp_path_factory):
+    """Single process with the sparse indexer loss on (with MTP: its layer has a loss slot of its own)."""
+    return _reference_loss(tmp_path_factory, 1)
+
+
+@pytest.fixture(scope="module")
+def reference_loss_no_mtp(tmp_path_factory):
+    """As ``reference_loss`` without MTP, for CP (see ``reference_no_mtp``)."""
+    return _reference_loss(tmp_path_factory, 0)
+
+
+@pytest.mark.parametrize(
+    "tp,pp,cp,backend",
+    [(2, 1, 1, "megatron"), (2, 1, 1, "tilelang"), (1, 2, 1, "megatron"), (1, 1, 2, "tilelang")],
+    ids=["tp2-sp", "tp2-sp-tilelang", "pp2", "cp2-tilelang"],
+)
+def test_indexer_loss_parallel_matches_single_process(reference_loss, reference_loss_no_mtp, gloo_world, tmp_path,
+                                                      tp, pp, cp, backend):
+    """The sparse indexer loss under TP=2 + SP (target summed over both ranks' heads), PP=2 (tracker slots of both
+    stages) and CP=2: the logged loss and every gradient, indexer parameters included, equal one process."""
+    raw, weights, ref_loss, ref_grads, ref_logged = reference_loss_no_mtp if cp > 1 else reference_loss
+    grads_dir = tmp_path / "grads"
+    grads_dir.mkdir()
+    results = run_torchrun(
+        "tests.parallel_workers:parallel_case", tmp_path, nproc=2,
+        raw=raw, weights=weights, grads_out=str(grads_dir), tp=tp, pp=pp, ep=1, vocab=raw["vocab_size"],
+        backend=backend, cp=cp, policy_overrides=SPARSE_LOSS, timeout=240,
+    )
+    assert ref_logged and all(v > 0 for v in ref_logged)
+    for r in results:
+        assert r["indexer_loss"] == pytest.approx(ref_logged, rel=1e-5)
+    errors = grad_errors(load_sharded_grads(raw, str(grads_dir)), ref_grads)
+    assert any(".indexer." in n for n in errors)
+    bad = {n: f"{e:.2e}" for n, e in errors.items() if e > 1e-5}
+    assert not bad, f"max |grad diff| / max |grad| above 1e-5: {bad}"

@@ -33,16 +33,19 @@ BASE = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--seq-length", "64"
 
 
 @contextmanager
-def _megatron_globals(monkeypatch, hf_dir):
+def _megatron_globals(monkeypatch, hf_dir, extra=()):
     """What ``pretrain.main`` does before megatron.training takes over: parse, apply the HF architecture, validate and
     set Megatron-LM's global args (unset afterwards). Yields ``(args, arch, changed flags)``."""
     from megatron.training.arguments import validate_args
     from megatron.training.global_vars import set_global_variables, unset_global_variables
 
-    argv = ["--hf-config", str(hf_dir), *BASE]
+    from megatron_glm5.pretrain import check_indexer_flags
+
+    argv = ["--hf-config", str(hf_dir), *BASE, *extra]
     args = _parse(monkeypatch, argv)
     arch = parse_hf_config(load_hf_config(hf_dir))
     changed = apply_architecture(args, arch, argv)
+    check_indexer_flags(args, argv)
     disable_unavailable_fusions(args)
     validate_args(args, {})
     set_global_variables(args)
@@ -123,3 +126,35 @@ def test_prebuilt_dataset_helpers_replace_make(monkeypatch):
     monkeypatch.setattr(dataset_utils, "compile_helpers", dataset_utils.compile_helpers)  # restored after the test
     assert use_prebuilt_dataset_helpers()
     dataset_utils.compile_helpers()  # no `make`, no exit: checks the prebuilt extension imports
+
+
+def test_indexer_warmup_flag(monkeypatch, hf_dir, model_parallel):
+    """``--dsa-indexer-warmup``: loss coefficient 1.0 by default, only the indexers trainable, the recall reported in
+    the loss dictionary Megatron-LM logs."""
+    import torch
+
+    from megatron_glm5.dsa.indexer_training import RECALL, LossSlot
+    from megatron_glm5.dsa.indexer_loss import RecallStats
+    from megatron_glm5.pretrain import _loss_func
+
+    with _megatron_globals(monkeypatch, hf_dir, ["--dsa-indexer-warmup"]) as (args, arch, _):
+        assert args.dsa_indexer_loss_coeff == 1.0
+        model = model_provider(arch, "megatron")
+        trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+        assert trainable and all(".indexer." in n for n in trainable)
+        RECALL.take()
+        RECALL.add(LossSlot(0, 2), RecallStats(torch.tensor(0.25), torch.tensor(0.75)))
+        _, _, report = _loss_func(torch.ones(4), torch.ones(4))
+        assert report["indexer recall"].tolist() == [0.25, 1.0]
+        assert report["indexer recall best"].tolist() == [0.75, 1.0]
+        _, _, report = _loss_func(torch.ones(4), torch.ones(4))  # nothing new: count 0
+        assert report["indexer recall"].tolist() == [0.0, 0.0]
+
+
+def test_indexer_warmup_refuses_sparse_loss(monkeypatch, hf_dir):
+    from megatron_glm5.pretrain import check_indexer_flags
+
+    argv = ["--hf-config", str(hf_dir), *BASE, "--dsa-indexer-warmup", "--dsa-indexer-use-sparse-loss"]
+    args = _parse(monkeypatch, argv)
+    with pytest.raises(SystemExit, match="dense loss"):
+        check_indexer_flags(args, argv)

@@ -1,6 +1,11 @@
-"""The ``tilelang`` backend's logic on CPU (its torch path): absorption / de-absorption, fp32 RoPE, GLM indexer,
-top-k padding, THD, and agreement with the ``megatron`` backend (same weights). TP=2 + SP is in test_parallel.py;
-the kernels themselves run on the GPU machine (tests/gpu)."""
+"""The ``tilelang`` backend's own logic on CPU (its torch path): absorption / de-absorption, fp32 RoPE, GLM indexer
+projections, top-k padding, THD, the absorbed weights' source, refusals.
+
+What these tests are not: independent evidence for the attention math. On CPU both backends run the same torch
+reference (:mod:`megatron_glm5.dsa.reference`: ``indexer_topk`` and ``sparse_mla``), so agreeing with the
+``megatron`` backend checks only the glue around it; a bug in the reference would pass here. The independent check
+is against transformers, for both backends (``tests/test_model_parity.py``: logits, top-k sets, THD packing,
+gradients). TP=2 + SP is in test_parallel.py; the kernels themselves run on the GPU machine (tests/gpu)."""
 
 from __future__ import annotations
 
@@ -35,7 +40,9 @@ def _loss_and_grads(model, ids, **kw):
 
 
 @pytest.mark.parametrize("seq", [64, 10], ids=["sparse", "shorter-than-topk"])
-def test_tilelang_matches_megatron_backend(pair, seq):
+def test_tilelang_glue_agrees_with_megatron_backend_on_the_shared_reference(pair, seq):
+    """Loss and gradients of the two backends' different glue around one shared torch reference (module
+    docstring)."""
     arch, mega, tile = pair
     ids = torch.randint(0, arch.vocab_size, (2, seq), generator=torch.Generator().manual_seed(3))
     l1, g1 = _loss_and_grads(mega, ids)
@@ -63,7 +70,8 @@ def test_topk_is_fixed_width_and_padded(pair):
         assert (topk[t, t + 1 :] == -1).all()
 
 
-def test_thd_packed_matches_megatron_backend(pair):
+def test_thd_glue_agrees_with_megatron_backend_on_the_shared_reference(pair):
+    """THD layout handling of the two backends (against transformers: test_model_parity.py)."""
     arch, mega, tile = pair
     lens = [40, 7, 33]
     gen = torch.Generator().manual_seed(4)

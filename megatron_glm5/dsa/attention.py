@@ -34,7 +34,8 @@ from megatron.core.transformer.spec_utils import build_module
 from .. import offload
 from ..device_check import check_on_device
 from ..lora import linear_weight
-from . import reference
+from . import indexer_loss, reference
+from .indexer_training import RECALL, IndexerLossSettings, LossSlot, attach_loss, warmup_freeze
 from .layout import TokenLayout
 
 IndexerType = str  # "full" | "shared"
@@ -106,6 +107,7 @@ class DSACoreAttention(MegatronModule):
     consumes_absorbed_v_up_projection = True
     requires_dsa_inputs = True
     supports_context_parallel = False
+    supports_indexer_loss = True
 
     def __init__(
         self,
@@ -122,6 +124,8 @@ class DSACoreAttention(MegatronModule):
         pg_collection=None,
         *,
         indexer_type: IndexerType = "full",
+        indexer_warmup: bool = False,
+        loss_slot: Optional[LossSlot] = None,
     ):
         super().__init__(config=config)
         if indexer_type not in ("full", "shared"):
@@ -135,12 +139,15 @@ class DSACoreAttention(MegatronModule):
             )
         if not config.dsa_indexer_scoring_relu:
             raise ValueError("GLM-5.x indexer scores are ReLU'd: dsa_indexer_scoring_relu must be True")
-        if config.dsa_indexer_loss_coeff:
+        self.loss = IndexerLossSettings.from_config(config, indexer_warmup)
+        if self.loss.enabled and not self.supports_indexer_loss:
             raise NotImplementedError(
-                "dsa_indexer_loss_coeff > 0 is not supported by megatron-glm5 yet (GLM RL trains with the indexer "
-                "frozen); set dsa_indexer_loss_coeff=0"
+                f"{type(self).__name__}: the indexer loss (dsa_indexer_loss_coeff > 0, or the warm-up) is not "
+                "supported for this attention yet; set dsa_indexer_loss_coeff=0"
             )
         self.layer_number = layer_number
+        # the tracker slot; a layer built outside our specs counts among all decoder layers
+        self.loss_slot = loss_slot or LossSlot(layer_number - 1, config.num_layers + (config.mtp_num_layers or 0))
         self.index_topk = config.dsa_indexer_topk
         self.topk_width = config.dsa_indexer_topk  # columns of a top-k row; GLM-5.3-Flash's KPool adds P - 1
         self.softmax_scale = softmax_scale
@@ -151,10 +158,48 @@ class DSACoreAttention(MegatronModule):
             if indexer_type == "full"
             else None
         )
+        if self.loss.warmup and self.indexer is not None:
+            for p in self.indexer.parameters():  # built frozen when warmup_freeze is armed: the indexer trains
+                p.requires_grad_(True)
 
     @property
     def computes_topk(self) -> bool:
         return self.indexer is not None
+
+    def loss_active(self) -> bool:
+        """This call computes the indexer loss: a full layer, training with gradients on (not a no-grad pass such
+        as the first pass of activation recompute, whose recompute computes it) and a positive coefficient."""
+        if self.loss.warmup and warmup_freeze.armed:
+            warmup_freeze.disarm()  # the model is built and wrapped by now
+        return self.loss.enabled and self.indexer is not None and self.training and torch.is_grad_enabled()
+
+    def indexer_loss(self, qi: torch.Tensor, ki: torch.Tensor, w: torch.Tensor, query: torch.Tensor,
+                     kv: torch.Tensor, topk: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
+        """The KL loss (:mod:`megatron_glm5.dsa.indexer_loss`) of flattened indexer rows (``qi [T, Hi, Di]``,
+        ``ki [T_k, Di]``, ``w [T, Hi]``, with gradients) against the main attention (``query [T, H, D]``,
+        ``kv [T_k, D]``: this rank's heads, summed over TP in the target): sparse over ``topk`` or, in the warm-up,
+        dense. The warm-up also records the recall diagnostic."""
+        tp = self.pg_collection.tp if self.config.tensor_model_parallel_size > 1 else None
+        query, kv = query.detach(), kv.detach()
+        loss = indexer_loss.indexer_loss(
+            qi, ki, w, query, kv, layout.starts, layout.ends, self.softmax_scale, coeff=self.loss.coeff,
+            topk=topk if self.loss.sparse else None, per_token=self.loss.per_token, tp_group=tp,
+        )
+        if self.loss.warmup:
+            RECALL.add(self.loss_slot, indexer_loss.attention_recall(
+                query, kv, topk, layout.starts, layout.ends, self.softmax_scale, tp_group=tp))
+        return loss
+
+    def attach_loss(self, output: torch.Tensor, loss: Optional[torch.Tensor]) -> torch.Tensor:
+        """``output`` carrying this layer's indexer loss into the backward and the log (unchanged without one)."""
+        if loss is None:
+            return output
+        cp = self.pg_collection.cp if self.config.context_parallel_size > 1 else None
+        return attach_loss(output, loss, self.loss_slot, cp_group=cp, per_token=self.loss.per_token)
+
+    def dense_latent(self, query: torch.Tensor, kv: torch.Tensor, layout: TokenLayout, d_v: int) -> torch.Tensor:
+        """The warm-up's main attention: every causal key, no gradient (only the indexer trains), ``[T, H, d_v]``."""
+        return reference.dense_mla(query.detach(), kv.detach(), layout.starts, layout.ends, self.softmax_scale, d_v)
 
     def check_topk(self, topk: torch.Tensor, layout: TokenLayout, *, bounds: bool) -> None:
         """A top-k given to a layer (IndexShare, recompute replay, or the caller) must be ``[rows, topk_width]``;
@@ -177,16 +222,42 @@ class DSACoreAttention(MegatronModule):
 class GLMSparseAttention(DSACoreAttention):
     """Core attention of the ``megatron`` backend (module docstring)."""
 
-    @torch.no_grad()
-    def compute_topk(self, x: torch.Tensor, qr: torch.Tensor, packed_seq_params, layout: TokenLayout) -> torch.Tensor:
-        """Run the indexer (no gradient: GLM's LM loss never reaches it) and select the causal top-k.
-        ``x``/``qr`` may be sequence-parallel shards; megatron-core's indexer all-gathers them."""
+    def indexer_rows(self, x: torch.Tensor, qr: torch.Tensor, packed_seq_params,
+                     layout: TokenLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """megatron-core's indexer on detached inputs (the LM loss never reaches it; gradients reach only its own
+        parameters, through the indexer loss), flattened: ``(q [T, Hi, Di], k [T, Di], w [T, Hi])``. ``x``/``qr``
+        may be sequence-parallel shards; megatron-core's indexer all-gathers them."""
         if self.indexer is None:
             raise RuntimeError(f"layer {self.layer_number} is an IndexShare 'shared' layer and has no indexer")
         q, k, weights = self.indexer.forward_before_topk(x.detach(), qr.detach(), packed_seq_params)
-        return select_topk(
-            self.config, layout.flatten(q), layout.flatten(k), layout.flatten(weights), layout, self.index_topk
-        )
+        return layout.flatten(q), layout.flatten(k), layout.flatten(weights)
+
+    @torch.no_grad()
+    def compute_topk(self, x: torch.Tensor, qr: torch.Tensor, packed_seq_params, layout: TokenLayout) -> torch.Tensor:
+        """Run the indexer (no gradient) and select the causal top-k."""
+        q, k, w = self.indexer_rows(x, qr, packed_seq_params, layout)
+        return select_topk(self.config, q, k, w, layout, self.index_topk)
+
+    def topk_and_loss(self, x: torch.Tensor, qr: torch.Tensor, packed_seq_params, layout: TokenLayout,
+                      query: torch.Tensor, kv: torch.Tensor,
+                      topk: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A training call with the indexer loss on: the top-k (selected here, or ``topk`` replayed by activation
+        recompute) and the loss. megatron-core's fused TileLang top-k + sparse loss runs when configured and it
+        accepts the call (not for a replayed top-k: it selects its own); otherwise :meth:`indexer_loss`."""
+        q, k, w = self.indexer_rows(x, qr, packed_seq_params, layout)
+        if topk is None and self.loss.sparse and dsa_kernels.use_fused_dsa_kernels(self.config) and q.is_cuda:
+            fused = dsa_kernels.run_fused_qk_topk_with_loss(
+                self.config, q.unsqueeze(1), k.unsqueeze(1), w.unsqueeze(1), self.index_topk, layout.starts,
+                layout.ends, block_size=FUSED_INDEXER_BLOCK, query=query.detach().unsqueeze(1),
+                key=kv.detach()[:, None, None, :], softmax_scale=self.softmax_scale, loss_coeff=self.loss.coeff,
+                pg_collection=self.pg_collection, query_valid_rows=layout.ends > layout.starts,
+                calculate_per_token_loss=self.loss.per_token, use_relu=True,
+            )
+            if fused is not None:
+                return reference.pad_topk(fused[0][0].to(torch.int32), self.index_topk), fused[2]
+        if topk is None:
+            topk = select_topk(self.config, q.detach(), k.detach(), w.detach(), layout, self.index_topk)
+        return topk, self.indexer_loss(q, k, w, query, kv, topk, layout)
 
     def forward(
         self, query: torch.Tensor, kv: torch.Tensor, up_v_weight: torch.Tensor, topk: torch.Tensor
@@ -313,21 +384,28 @@ class GLMAbsorbedMLASelfAttention(AbsorbedMLASelfAttention):
                 "padding); for left padding or documents use THD packing or backend='tilelang'",
             )
 
-        topk = dsa_topk
-        if topk is None:
-            topk = self.core_attention.compute_topk(hidden_states, q_compressed, packed_seq_params, layout)
+        core = self.core_attention
+        topk, loss = dsa_topk, None
+        if topk is not None:
+            core.check_topk(topk, layout, bounds=not dsa_topk_trusted)
+        if core.loss_active():
+            topk, loss = core.topk_and_loss(hidden_states, q_compressed, packed_seq_params, layout, query, kv, topk)
+        elif topk is None:
+            topk = core.compute_topk(hidden_states, q_compressed, packed_seq_params, layout)
+        if dsa_topk is None:
             offload.mark_replicated(topk, self.pg_collection.tp)  # every TP rank ran the whole indexer
-        else:
-            self.core_attention.check_topk(topk, layout, bounds=not dsa_topk_trusted)
 
-        if self.checkpoint_core_attention and self.training:
-            core_out = tensor_parallel.checkpoint(self.core_attention, False, query, kv, v_up_weight, topk)
+        if core.loss.warmup:  # dense main attention, frozen: only the indexer trains
+            latent = core.dense_latent(query, kv, layout, self.config.kv_lora_rank)
+            core_out = torch.einsum("thc,hdc->thd", latent, v_up_weight.to(latent.dtype)).reshape(layout.num_rows, -1)
+        elif self.checkpoint_core_attention and self.training:
+            core_out = tensor_parallel.checkpoint(core, False, query, kv, v_up_weight, topk)
         else:
-            core_out = self.core_attention(query, kv, v_up_weight, topk)
+            core_out = core(query, kv, v_up_weight, topk)
         core_out = layout.unflatten(core_out)  # [s, b, H * v_head_dim]
 
         if self.recompute_up_proj:
             self.qkv_up_checkpoint.discard_output_and_register_recompute(core_out)
             self.qkv_up_checkpoint = None
         output, bias = self.linear_proj(core_out)
-        return output, bias, topk
+        return core.attach_loss(output, loss), bias, topk

@@ -258,3 +258,39 @@ def pad_topk(indices: torch.Tensor, width: int) -> torch.Tensor:
         raise ValueError(f"top-k width {k} exceeds the fixed width {width}")
     pad = indices.new_full((*indices.shape[:-1], width - k), -1)
     return torch.cat([indices, pad], dim=-1)
+
+
+@torch.no_grad()
+def dense_mla(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    starts: torch.Tensor,
+    ends: torch.Tensor,
+    softmax_scale: float,
+    d_v: int,
+    *,
+    budget_bytes: int = 256 << 20,
+) -> torch.Tensor:
+    """Dense causal absorbed MLA (every key of ``[starts[t], ends[t])``), no gradient: the indexer warm-up's main
+    attention, whose parameters are frozen. ``q [T, H, D]``, ``kv [S, D]`` -> ``[T, H, d_v]`` in ``q.dtype``; rows
+    without keys give 0. Query chunks keep the fp32 ``[chunk, H, window]`` scores near ``budget_bytes``."""
+    t_total, heads, _ = q.shape
+    out = q.new_zeros(t_total, heads, d_v)
+    if t_total == 0:
+        return out
+    acc = _acc_dtype(q.dtype)
+    chunk = max(1, budget_bytes // max(1, 4 * heads * max(1, kv.shape[0])))
+    bounds = torch.stack([starts, ends]).to(torch.int64).cpu()
+    kv_acc = kv.to(acc)
+    for c0 in range(0, t_total, chunk):
+        c1 = min(t_total, c0 + chunk)
+        lo, hi = int(bounds[0, c0:c1].min()), int(bounds[1, c0:c1].max())
+        if hi <= lo:
+            continue
+        keys = torch.arange(lo, hi, device=q.device)
+        valid = (keys[None, :] >= starts[c0:c1, None].to(torch.int64)) & (keys[None, :] < ends[c0:c1, None].to(torch.int64))
+        logits = torch.einsum("chd,wd->chw", q[c0:c1].to(acc), kv_acc[lo:hi]).mul_(softmax_scale)
+        logits.masked_fill_(~valid[:, None, :], float("-inf"))
+        probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # empty rows: all -inf -> 0
+        out[c0:c1] = torch.einsum("chw,wd->chd", probs, kv_acc[lo:hi, :d_v]).to(q.dtype)
+    return out

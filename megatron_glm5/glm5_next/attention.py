@@ -28,6 +28,8 @@ from megatron_glm5.tilelang_attention import SequenceGather, TileLangSparseAtten
 class _KPoolTopK:
     """What both backends' KPool core attentions share: the top-k width and the selection from projected rows."""
 
+    supports_indexer_loss = False  # the KPool indexer's (pooled) KL loss is not implemented yet
+
     def _init_kpool(self, config) -> None:
         if config.qk_pos_emb_head_dim != 0:
             raise ValueError(

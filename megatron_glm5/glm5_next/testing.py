@@ -64,6 +64,28 @@ def small_flash_config(**text_overrides: Any) -> dict[str, Any]:
     return {"text_config": text, "vision_config": copy.deepcopy(TINY_VISION)}
 
 
+def tie_prone_flash_config(**text_overrides: Any) -> dict[str, Any]:
+    """An 8-layer GLM-5.3-Flash for parity and replay tests whose indexers *tie* on many inputs: KDA / full DSA /
+    shared DSA / full DSA twice (so shared layers follow full ones, and full layers follow KDA ones), dense then MoE,
+    ``index_topk`` 8 with pools of 4 (2 pools + the tail), and only 4 indexer heads. A pool scores exactly 0 when
+    every head's ReLU is 0; with 4 heads, rows whose 2nd and 3rd best pools both score 0 are common (measured: 11 of
+    12 random 64-token inputs have at least one such row in some layer), and there ``torch.topk`` (transformers)
+    and our stable sort keep different pools: the logits then differ by O(1) between two correct implementations,
+    and only replaying transformers' choices makes a 1e-5 comparison possible.
+
+    ``linear_lower_bound`` -1 (the released model: -5) keeps the fp32 noise floor of the comparison below 1e-5:
+    KDA's chunked form with decays down to ``exp(-5)`` per token loses more accuracy in fp32 (our chunk against the
+    fp64 recurrence on random inputs: 6e-7..1.2e-6 with -5, 1.5e-7..3e-7 with -1), which 8 random layers amplify: with
+    -5 some inputs' replayed logits differ from transformers' by 2.6e-5 relative (no choice differing), with -1 every
+    input stays below 8e-6."""
+    kda, dsa = "linear_attention", "indexed_attention"
+    text = dict(num_hidden_layers=8, index_topk=8, index_kpool=4, index_n_heads=4, linear_lower_bound=-1.0,
+                layer_types=[kda, dsa, dsa, dsa] * 2, mlp_layer_types=["dense"] + ["sparse"] * 7,
+                indexer_types=["full", "full", "shared", "full"] * 2)
+    text.update(text_overrides)
+    return tiny_flash_config(**text)
+
+
 def randomize(module: torch.nn.Module, seed: int) -> None:
     """Every parameter random: 2-D+ weights ~ N(0, 1/fan_in) (KPool gate / ape ~ N(0, 1)), norm weights 1 +- 0.1,
     other vectors (mHC ``base`` / ``scale``, ``A_log``, ``dt_bias``, biases) small around their init."""
@@ -177,6 +199,43 @@ def write_transformers_checkpoint(out_dir: str | Path, config: Mapping[str, Any]
     index["weight_map"] = dict(sorted(weight_map.items(), key=lambda kv: natural_key(kv[0])))
     index_path.write_text(json.dumps(index, indent=2) + "\n")
     return out
+
+
+@torch.no_grad()
+def transformers_choices(hf, input_ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """transformers' logits ``[1, S, V]`` for one sequence ``input_ids [S]`` and the choices it made, as a rollout
+    engine reports them (:mod:`megatron_glm5.rl.payload`, layer-major arrays): ``indexer_topk`` int32
+    ``[N, S, index_topk + P - 1]`` (full DSA layers: their KPool rows; shared layers: their source's; KDA layers: -1)
+    and ``routed_experts`` int32 ``[N, S, num_experts_per_tok]`` (dense layers -1), recorded with forward hooks on
+    each ``self_attn.indexer`` and ``mlp.gate``."""
+    text = hf.model.language_model
+    cfg = text.config
+    n, s = cfg.num_hidden_layers, input_ids.shape[-1]
+    width = cfg.index_topk + (cfg.index_kpool - 1 if cfg.index_kpool_always_select_tail else 0)
+    topk = torch.full((n, s, width), -1, dtype=torch.int32)
+    experts = torch.full((n, s, cfg.num_experts_per_tok), -1, dtype=torch.int32)
+    hooks = []
+    for i, layer in enumerate(text.layers):
+        indexer = getattr(layer.self_attn, "indexer", None)
+        if indexer is not None:
+            hooks.append(indexer.register_forward_hook(lambda m, a, out, i=i: topk.__setitem__(i, out[0].cpu())))
+        gate = getattr(layer.mlp, "gate", None)
+        if gate is not None:
+            hooks.append(gate.register_forward_hook(lambda m, a, out, i=i: experts.__setitem__(i, out[2].cpu())))
+    try:
+        logits = hf(input_ids=input_ids.reshape(1, -1)).logits
+    finally:
+        for h in hooks:
+            h.remove()
+    source = None
+    for i, (kind, indexer) in enumerate(zip(cfg.layer_types, cfg.indexer_types)):
+        if kind != "indexed_attention":
+            continue
+        if indexer == "full":
+            source = i
+        elif source is not None:
+            topk[i] = topk[source]
+    return logits, {"indexer_topk": topk, "routed_experts": experts}
 
 
 def load_hf_reference_model(hf_dir: str | Path, *, dtype: torch.dtype = torch.float32,

@@ -12,6 +12,12 @@ Public API:
 * ``indexer_topk(q, k, weights, starts, ends, topk) -> int32 [T, topk]``
 * ``kpool_indexer_topk(q, k, gate, ape, weights, cu_seqlens, *, index_topk, select_tail=True, starts=None,
   ends=None) -> int32 [T, index_topk + P - 1]`` (oracle: :mod:`megatron_glm5.dsa.kpool`)
+* sparse indexer KL loss (oracle: :mod:`megatron_glm5.dsa.indexer_loss`; contract in
+  :mod:`megatron_glm5.kernels.indexer_loss` and :mod:`megatron_glm5.kernels.sparse_attention_target`):
+  ``sparse_index_scores(qi, ki, w, topk) -> fp32 [T, K]``,
+  ``sparse_attention_target(query, kv, topk, lse, softmax_scale) -> fp32 [T, K]`` (unnormalised head sum),
+  ``fused_sparse_indexer_loss(qi, ki, w, topk, target, rw) -> fp32 scalar`` (autograd to qi, ki, w) and
+  ``indexer_loss_supported(qi, query, topk) -> bool`` (else use the torch oracle)
 
 GLM-5's softmax scale is 1/16 (``qk_head_dim ** -0.5`` with 192 + 64): always pass it explicitly. GLM-5.3-Flash
 (NoPE) uses the same sparse-MLA kernels with ``d_qk = d_v = 512`` (no RoPE tail), scale 1/16 as well.
@@ -21,11 +27,28 @@ from typing import Optional
 
 import torch
 
+from megatron_glm5.kernels.indexer_loss import (
+    SparseIndexerLoss,
+    fused_sparse_indexer_loss,
+    indexer_loss_supported,
+    sparse_index_scores,
+)
 from megatron_glm5.kernels.indexer_topk import indexer_topk_interface
 from megatron_glm5.kernels.kpool_topk import kpool_select_topk
+from megatron_glm5.kernels.sparse_attention_target import sparse_attention_target
 from megatron_glm5.kernels.sparse_mla_bwd import sparse_mla_autograd
 
-__all__ = ["indexer_topk", "kpool_indexer_topk", "sparse_mla", "sparse_mla_with_lse"]
+__all__ = [
+    "SparseIndexerLoss",
+    "fused_sparse_indexer_loss",
+    "indexer_loss_supported",
+    "indexer_topk",
+    "kpool_indexer_topk",
+    "sparse_attention_target",
+    "sparse_index_scores",
+    "sparse_mla",
+    "sparse_mla_with_lse",
+]
 
 
 def sparse_mla_with_lse(

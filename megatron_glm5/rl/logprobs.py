@@ -38,8 +38,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from .model_io import forward_kwargs, model_device, unwrap
 from .packing import PackedBatch, ParallelSizes, RankPlan
-from .replay import ModelLayers, ReplayHooks, ReplayStats, StagedRows, prepare_indexer_replay, prepare_routing_replay
+from .replay import ReplayHooks, ReplayStats, StagedRows, prepare_indexer_replay, prepare_routing_replay
 from .vocab_parallel import vocab_parallel_logprobs
 
 
@@ -78,26 +79,13 @@ class _Prepared:
     routing: StagedRows | None
 
 
-def unwrap(model) -> torch.nn.Module:
-    """The GPTModel inside DDP / Float16Module / other ``.module`` wrappers."""
-    while hasattr(model, "module") and not hasattr(model, "decoder"):
-        model = model.module
-    return model
-
-
-def _device(model) -> torch.device:
-    return next(model.parameters()).device
-
-
 def _prepare(model, mb: RolloutMicroBatch) -> _Prepared:
     inner = unwrap(model)
     config = inner.config
     batch = PackedBatch.build(mb.input_ids, mb.cu_seqlens)
     sizes = ParallelSizes.of(config)
     plan = RankPlan.build(batch, sizes)
-    device = _device(inner)
-    kwargs = plan.model_inputs(device)
-    kwargs["loss_mask"] = _mtp_loss_mask(plan, mb.mtp_loss_mask, device)
+    kwargs = forward_kwargs(plan, model_device(inner), mb.mtp_loss_mask)
     indexer = routing = None
     if mb.topk_replay is not None or mb.routing_replay is not None:
         layers = ReplayHooks.of(inner).layers
@@ -106,18 +94,6 @@ def _prepare(model, mb: RolloutMicroBatch) -> _Prepared:
         if mb.routing_replay is not None:
             routing = prepare_routing_replay(mb.routing_replay, plan, layers)
     return _Prepared(batch=batch, plan=plan, model_kwargs=kwargs, indexer=indexer, routing=routing)
-
-
-def _mtp_loss_mask(plan: RankPlan, mask: torch.Tensor | None, device) -> torch.Tensor:
-    """``loss_mask`` ``[b, s]`` for GPTModel (only its MTP loss reads it): zeros unless the caller trains MTP."""
-    out = torch.zeros(plan.width, plan.seqlen, dtype=torch.float32, device=device)
-    if mask is None:
-        return out
-    mask = torch.as_tensor(mask).to(device=device, dtype=torch.float32).reshape(-1)
-    if mask.numel() != plan.batch.num_tokens:
-        raise ValueError(f"mtp_loss_mask must have one entry per token ({plan.batch.num_tokens}), got {mask.numel()}")
-    idx = plan.packed_index().to(device).view(plan.width, plan.seqlen)
-    return torch.where(idx >= 0, mask[idx.clamp_min(0)], out)
 
 
 def _run(model, prep: _Prepared, stats: ReplayStats | None):
@@ -292,7 +268,3 @@ def _stage_loss(prep, mb, temperature, return_entropy, loss_fn, vocab_size, tp_g
         return loss_fn(result, mb)
     return output_tensor.sum() * 0.0, {k: (v.detach() if v is not None else None) for k, v in data.items()}
 
-
-def layers_of(model) -> ModelLayers:
-    """The replayable layers of ``model`` on this rank (installs the replay hooks)."""
-    return ReplayHooks.of(unwrap(model)).layers

@@ -6,6 +6,14 @@ copies for shared layers are only checked, never used); an MTP layer replays whe
 does not: MTP then runs its own indexer). Every MoE router takes the rollout's expert ids and recomputes their
 weights from our own scores (megatron-core's ``RouterReplay`` semantics: ``probs = scores.gather(ids)``).
 
+**Families.** The layers come from :class:`~megatron_glm5.inventory.LayerInventory`, so GLM-5.x and GLM-5.3-Flash
+replay alike: a payload row is as wide as the full layers' own top-k (``index_topk``; GLM-5.3-Flash's KPool rows are
+``index_topk + index_kpool - 1``: selected pools expanded to tokens, then the tail), payload rows of layers that take
+no replay (GLM-5.3-Flash's KDA layers for the indexer, dense layers for routing) are ignored as sglang's
+every-layer format defines them, and a payload that no layer of the model can take raises
+:class:`ReplayLayerError`; a layer of no registered family raises
+:class:`~megatron_glm5.inventory.UnknownLayerError`. Nothing is dropped without a word.
+
 **How it enters the model** (nothing in megatron-core or our layers is patched; :class:`ReplayHooks` installs two
 per-instance hooks on a built model, once):
 
@@ -22,11 +30,11 @@ per-instance hooks on a built model, once):
 Per micro-batch the data is made current with :meth:`ReplayHooks.active`, around the model's forward only.
 
 **Memory.** For one micro-batch a rank holds, in host memory (pinned when CUDA exists), only what its layers read:
-``full layers on this pipeline stage (+ replayed MTP) x rows x index_topk x 4`` bytes for the indexer and
+``full layers on this pipeline stage (+ replayed MTP) x rows x topk_width x 4`` bytes for the indexer and
 ``MoE layers on the stage x rows x router_topk x 4`` for routing, where ``rows`` is the rank's share of the tokens
 (``T / TP`` under sequence parallelism, a further ``/ CP`` under context parallelism). One layer's rows are copied to
 the device when it runs, with the next layer's copy already under way (two layers staged at most), then all-gathered
-over the TP group (attention needs every row of its sequence; that ``[T, index_topk]`` tensor is what the kernel reads,
+over the TP group (attention needs every row of its sequence; that ``[T, topk_width]`` tensor is what the kernel reads,
 as with a top-k the indexer computed). E.g. GLM-5.2 (21 full layers of 78 + MTP), 32K tokens per micro-batch, TP=8:
 22 x 4096 x 2048 x 4 B = 0.74 GB host per rank, 2 x 32 MB device staging plus the layer's gathered 256 MB; the miles
 fork's buffers (all 78 layers, every token, preallocated) come to 78-128 GB per rank.
@@ -35,7 +43,6 @@ fork's buffers (all 78 layers, every token, preallocated) come to 78-128 GB per 
 from __future__ import annotations
 
 import contextlib
-import re
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -48,8 +55,10 @@ from megatron.core.tensor_parallel.random import is_checkpointing
 from megatron.core.transformer.moe.router_replay import RouterReplay
 
 from ..dsa.layout import TokenLayout
-from ..layer import GLMTransformerLayer, replayed_topk, stash_topk
-from .packing import RankPlan
+from ..inventory import LayerInventory
+from ..layer import replayed_topk, stash_topk
+from .model_io import forward_kwargs, model_device, unwrap
+from .packing import PackedBatch, ParallelSizes, RankPlan
 from .payload import (
     LayerSelection,
     ReplayPayloadError,
@@ -60,11 +69,15 @@ from .payload import (
 )
 
 OVERLAP_WARN_BELOW = 0.8  # miles' indexer-replay check uses the same bar
-_MTP_RE = re.compile(r"(?:^|\.)mtp\.layers\.(\d+)\.mtp_model_layer$")
 
 
 class ReplayOverlapWarning(RuntimeWarning):
     """Replayed and freshly computed indexer top-k agree less than the warning threshold on some layer."""
+
+
+class ReplayLayerError(ReplayPayloadError):
+    """A replay payload was given for a model none of whose layers can take it (no full DSA layer for an indexer
+    top-k, no MoE router for routed experts): it is refused rather than dropped."""
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -74,62 +87,49 @@ class ReplayOverlapWarning(RuntimeWarning):
 
 @dataclass(frozen=True)
 class ModelLayers:
-    """The layers of a built GPTModel (this pipeline stage) that replay touches. Keys: decoder layer ``i``
-    (0-based, global) or ``num_layers + k`` for MTP layer ``k``."""
+    """The layers of a built GPTModel (this pipeline stage) that replay touches, from the family-neutral
+    :class:`~megatron_glm5.inventory.LayerInventory` (so GLM-5.x and GLM-5.3-Flash alike). Keys: decoder layer ``i``
+    (0-based, global) or ``num_layers + k`` for MTP layer ``k``.
+
+    ``topk_width`` is the full layers' own top-k width (their core attention's: ``index_topk`` for GLM-5.x,
+    ``index_topk + index_kpool - 1`` for GLM-5.3-Flash's KPool with its tail), None when this stage has none."""
 
     num_layers: int
     mtp_layers: int
-    index_topk: int
+    topk_width: int | None
     full: dict[int, Any]  # key -> core attention of a full layer
     shared_source: dict[int, int]  # local shared layer -> its source full layer
     routers: dict[int, Any]  # key -> TopKRouter
     moe_layers: tuple[int, ...]  # global decoder MoE layers (all stages)
     num_experts: int
     router_topk: int
+    pipeline_stages: int
     tp_group: Any  # for the sequence-parallel all-gather of indexer rows (None without SP)
 
     @classmethod
     def of(cls, model) -> "ModelLayers":
-        config = _config(model)
-        full, shared, routers = {}, {}, {}
-        for name, mod in model.named_modules():
-            if not isinstance(mod, GLMTransformerLayer):
-                continue
-            m = _MTP_RE.search(name)
-            key = config.num_layers + int(m.group(1)) if m else mod.layer_number - 1
-            if mod.self_attention.computes_topk:
-                full[key] = mod.self_attention.core_attention
-            else:
-                shared[key] = None
-            router = getattr(mod.mlp, "router", None)
-            if router is not None:
-                routers[key] = router
-        for key in shared:
-            sources = [f for f in full if f < key]
-            shared[key] = max(sources) if sources else -1
-        freq = config.moe_layer_freq
-        pattern = [1 if i % freq == 0 else 0 for i in range(config.num_layers)] if isinstance(freq, int) else freq
-        moe = tuple(i for i, f in enumerate(pattern) if f) if config.num_moe_experts else ()
+        inv = LayerInventory.of(model)
+        config = inv.config
         tp_group = None
         if config.sequence_parallel and config.tensor_model_parallel_size > 1:
             from megatron.core import parallel_state as ps
 
             tp_group = ps.get_tensor_model_parallel_group()
-        return cls(num_layers=config.num_layers, mtp_layers=config.mtp_num_layers or 0,
-                   index_topk=config.dsa_indexer_topk, full=dict(sorted(full.items())), shared_source=shared,
-                   routers=dict(sorted(routers.items())), moe_layers=moe, num_experts=config.num_moe_experts or 0,
-                   router_topk=config.moe_router_topk, tp_group=tp_group)
+        return cls(num_layers=inv.num_layers, mtp_layers=inv.mtp_layers, topk_width=inv.topk_width(),
+                   full={k: e.core_attention for k, e in inv.full.items()}, shared_source=inv.shared_sources,
+                   routers=inv.routers, moe_layers=inv.moe_layers(), num_experts=config.num_moe_experts or 0,
+                   router_topk=config.moe_router_topk, pipeline_stages=config.pipeline_model_parallel_size,
+                   tp_group=tp_group)
 
     def layer_name(self, key: int) -> str:
         return f"{key}" if key < self.num_layers else f"MTP {key - self.num_layers} (payload layer {key})"
 
-
-def _config(model):
-    for mod in model.modules():
-        cfg = getattr(mod, "config", None)
-        if cfg is not None and hasattr(cfg, "num_layers"):
-            return cfg
-    raise TypeError(f"{type(model).__name__} has no megatron-core config")
+    def refuse_unless(self, present: bool, what: str, needs: str) -> None:
+        """A payload that no layer of a single-stage model can take is an error (under pipeline parallelism a stage
+        without such layers simply has nothing to replay: the other stages take it)."""
+        if not present and self.pipeline_stages == 1:
+            raise ReplayLayerError(f"{what}: the model has no {needs}, so the payload cannot be replayed; pass None "
+                                   "for it")
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -228,6 +228,10 @@ def prepare_indexer_replay(payloads, plan: RankPlan, layers: ModelLayers) -> Sta
     """This rank's indexer rows for one micro-batch: decoded, checked, rebased from sequence positions to key rows
     (``-1`` kept), staged per full layer (+ MTP when the payload has it). ``payloads``: per-sample payloads or one
     packed ``[layers, T, k]`` array (:mod:`megatron_glm5.rl.payload`)."""
+    what = "indexer top-k replay"
+    layers.refuse_unless(bool(layers.full), what, "full DSA (indexer) layer")
+    if not layers.full:
+        return None
     n, mtp = layers.num_layers, layers.mtp_layers
     options = (n, n + mtp) if mtp else (n,)
     carried: dict[str, tuple[int, ...]] = {}
@@ -238,9 +242,8 @@ def prepare_indexer_replay(payloads, plan: RankPlan, layers: ModelLayers) -> Sta
         carried["keys"] = tuple(keep)
         return LayerSelection(keep=keep, shares=shares)
 
-    what = "indexer top-k replay"
     keys = list(layers.full)
-    host = _decode_all(payloads, plan, k=layers.index_topk, layer_options=options, select=select,
+    host = _decode_all(payloads, plan, k=layers.topk_width, layer_options=options, select=select,
                        check_for=lambda i: indexer_row_check(i, layers.layer_name), what=what, keys=keys)
     kept = set(carried.get("keys", ()))
     host = {key: t for key, t in host.items() if key in kept}  # MTP without payload data: its own indexer
@@ -257,6 +260,10 @@ def prepare_indexer_replay(payloads, plan: RankPlan, layers: ModelLayers) -> Sta
 def prepare_routing_replay(payloads, plan: RankPlan, layers: ModelLayers) -> StagedRows | None:
     """This rank's routed-expert rows for one micro-batch, per MoE layer on this stage (+ MTP when carried).
     Payload layers are every decoder layer (sglang), optionally + MTP, or the MoE layers only (optionally + MTP)."""
+    what = "routing replay"
+    layers.refuse_unless(bool(layers.routers), what, "MoE router")
+    if not layers.routers:
+        return None
     n, mtp, moe = layers.num_layers, layers.mtp_layers, layers.moe_layers
     options = tuple(dict.fromkeys((n, n + mtp, len(moe), len(moe) + mtp)))
     carried: dict[str, tuple[int, ...]] = {}
@@ -271,7 +278,6 @@ def prepare_routing_replay(payloads, plan: RankPlan, layers: ModelLayers) -> Sta
         carried["keys"] = tuple(keep.values())
         return LayerSelection(keep=keep, shares={})
 
-    what = "routing replay"
     host = _decode_all(payloads, plan, k=layers.router_topk, layer_options=options, select=select,
                        check_for=lambda i: routing_row_check(i, layers.layer_name, layers.num_experts), what=what,
                        keys=list(layers.routers))
@@ -533,44 +539,43 @@ class _ReplayingTopk:
 def capture_choices(model, input_ids: torch.Tensor, cu_seqlens, *,
                     include_mtp: bool = False) -> dict[str, torch.Tensor]:
     """Run ``model`` once on a packed batch (TP = CP = PP = 1) and return its own choices in the payload format of
-    :mod:`megatron_glm5.rl.payload`: ``{"indexer_topk": int32 [N (+ mtp), T, index_topk], "routed_experts":
+    :mod:`megatron_glm5.rl.payload`: ``{"indexer_topk": int32 [N (+ mtp), T, topk_width], "routed_experts":
     int32 [N (+ mtp), T, router_topk]}``, layer-major, sequence-relative positions, shared layers repeating their
-    source (as sglang reports them), dense layers' routing rows -1. Replaying them reproduces this forward."""
-    from .logprobs import RolloutMicroBatch, _prepare, unwrap
-
+    source (as sglang reports them), the rows of layers without an indexer top-k (GLM-5.3-Flash's KDA layers) and
+    of dense layers' routing -1. ``topk_width`` is the full layers' (:class:`ModelLayers`). Replaying them
+    reproduces this forward."""
     inner = unwrap(model)
-    config = inner.config
+    inv = LayerInventory.of(inner)
+    config = inv.config
     if config.tensor_model_parallel_size * config.context_parallel_size * config.pipeline_model_parallel_size != 1:
         raise ValueError("capture_choices runs on a single-rank model (TP = CP = PP = 1)")
-    prep = _prepare(model, RolloutMicroBatch(input_ids=input_ids, cu_seqlens=cu_seqlens))
-    t = prep.batch.num_tokens
+    plan = RankPlan.build(PackedBatch.build(input_ids, cu_seqlens), ParallelSizes.of(config))
+    t = plan.batch.num_tokens
     n = config.num_layers
     layers = n + ((config.mtp_num_layers or 0) if include_mtp else 0)
+    width = inv.topk_width() or config.dsa_indexer_topk
     topk: dict[int, torch.Tensor] = {}
     routed: dict[int, torch.Tensor] = {}
     hooks = []
-    for name, mod in inner.named_modules():
-        if not isinstance(mod, GLMTransformerLayer):
-            continue
-        m = _MTP_RE.search(name)
-        key = n + int(m.group(1)) if m else mod.layer_number - 1
+    for entry in inv:
+        key = entry.key
         if key >= layers:
             continue
-        hooks.append(mod.self_attention.register_forward_hook(
-            lambda mod_, args, out, key=key: topk.__setitem__(key, out[2][:t].clone())))
-        router = getattr(mod.mlp, "router", None)
-        if router is not None:
+        if entry.is_dsa:
+            hooks.append(entry.layer.self_attention.register_forward_hook(
+                lambda mod_, args, out, key=key: topk.__setitem__(key, out[2][:t].clone())))
+        if entry.router is not None:
             k = config.moe_router_topk
-            hooks.append(router.register_forward_hook(
+            hooks.append(entry.router.register_forward_hook(
                 lambda mod_, args, out, key=key, k=k: routed.__setitem__(
                     key, out[1].float().topk(k, dim=-1).indices.sort(-1).values[:t].to(torch.int32))))
     try:
-        model(**prep.model_kwargs)
+        model(**forward_kwargs(plan, model_device(inner)))
     finally:
         for h in hooks:
             h.remove()
-    base = torch.repeat_interleave(torch.tensor(prep.batch.cu_seqlens[:-1]), torch.tensor(prep.batch.lengths))
-    idx = torch.full((layers, t, config.dsa_indexer_topk), -1, dtype=torch.int32)
+    base = torch.repeat_interleave(torch.tensor(plan.batch.cu_seqlens[:-1]), torch.tensor(plan.batch.lengths))
+    idx = torch.full((layers, t, width), -1, dtype=torch.int32)
     for key, rows in topk.items():
         rows = rows.cpu().long()
         idx[key] = torch.where(rows >= 0, rows - base[:, None], -1).to(torch.int32)

@@ -10,7 +10,8 @@ bf16, sequence longer than index_topk (run on the H200 machine: ``pytest tests/g
   agrees to 1e-2, the backends differ by less than either differs from fp32 (the bf16 noise floor), and the
   ``tilelang`` backend (fp32 RoPE, fp32 indexer weights) is at least as close to fp32 as the ``megatron`` one.
 * 20 training steps on fresh batches (AdamW 3e-4, gradient clipping 1.0, as in examples/pretrain_glm5_tiny.sh) with
-  matching (step 0 equal to 1e-2, mean of the last 5 within 0.1) and falling loss curves.
+  matching (step 0 equal to 1e-2, mean of the last 5 within 0.1) and falling loss curves; the megatron backend runs
+  twice to print the run-to-run noise (the 0.1 is to be replaced by a bound from it: TODO in the test).
 """
 
 from __future__ import annotations
@@ -125,8 +126,9 @@ def test_backends_train_alike(models):
     arch, _, _, fresh = models
     curves = {}
     batches = [_learnable_batch(arch, 100 + i) for i in range(20)]
-    for name in ("megatron", "tilelang"):
-        model = fresh(name).train()
+    # the megatron backend runs twice: the gap between its two runs is the run-to-run noise (bf16, atomics)
+    for run in ("megatron", "tilelang", "megatron-rerun"):
+        model = fresh(run.split("-")[0]).train()
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.0)
         losses = []
         for step in range(20):
@@ -137,15 +139,22 @@ def test_backends_train_alike(models):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             losses.append(loss.item())
-        curves[name] = losses
+        curves[run] = losses
         del model, opt
         torch.cuda.empty_cache()
-    m, t = curves["megatron"], curves["tilelang"]
+    m, t, r = curves["megatron"], curves["tilelang"], curves["megatron-rerun"]
     gap = max(abs(a - b) for a, b in zip(m, t))
+    end_gap = abs(sum(m[-5:]) - sum(t[-5:])) / 5
+    noise = abs(sum(m[-5:]) - sum(r[-5:])) / 5
     print("\n[20 steps] megatron:", " ".join(f"{v:.3f}" for v in m))
     print("[20 steps] tilelang:", " ".join(f"{v:.3f}" for v in t))
-    print(f"[20 steps] max |loss diff| {gap:.3e}")
+    print(f"[20 steps] max |loss diff| {gap:.3e}; mean of the last 5: backends {end_gap:.3e}, megatron run-to-run "
+          f"{noise:.3e} (max per-step {max(abs(a - b) for a, b in zip(m, r)):.3e})")
     for c in (m, t):
         assert sum(c[-5:]) / 5 < c[0] - 0.5, "loss must fall"
     assert abs(m[0] - t[0]) <= 1e-2, "same weights, same batch: the first loss must agree"
-    assert abs(sum(m[-5:]) - sum(t[-5:])) / 5 <= 0.1, "the curves must end at the same level"
+    # TODO(issue 21, for the lead): bound end_gap by the measured run-to-run noise (e.g. end_gap <= 3 * noise + a
+    # floor). The committed results (scripts/bench/RESULTS_gpu_checks.md) hold no rerun of one backend, only
+    # backend-vs-backend gaps (mean of the last 5: 7.760 vs 7.777, 0.017; max per-step 0.124), so no noise bound
+    # can be derived from them; this test now prints the rerun gap. Until a GPU run has recorded it, 0.1 stays.
+    assert end_gap <= 0.1, "the curves must end at the same level"
