@@ -159,7 +159,8 @@ def to_peft(adapters: AdapterSet, table: AdapterTable, *, r: int, alpha: float, 
             "representation: peft 0.21 with transformers 5 retargets gate_proj/up_proj/down_proj to the routed "
             "experts' fused parameters and silently drops such tensors. Merge the adapter into the weights instead "
             "(bridge.export_hf(model, path, merge_lora=True) or `megatron-glm5 lora merge`), or train without them "
-            "(LoraConfig(exclude_modules=('dense_mlp', 'shared_experts')))"
+            "(LoraConfig's default targets; they are adapted only when 'dense_mlp' / 'shared_experts' is named in "
+            "target_modules)"
         )
     tensors: dict[str, torch.Tensor] = {}
     targets: dict[str, list[str]] = {}  # short HF name -> HF module paths adapted
@@ -401,6 +402,16 @@ def _logical_layer(table: AdapterTable, hf_layer: int | None) -> str | None:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def adapted_targets(adapters: AdapterSet) -> list[str]:
+    """``LoraConfig.target_modules`` that select exactly the linears ``adapters`` adapt: their megatron names, and
+    the merge-only groups (dense MLP, shared experts) they reach, which the names alone do not."""
+    from megatron_glm5.lora import MERGE_ONLY_GROUPS
+
+    scopes = {scope_of(m) for m in adapters}
+    names = sorted({t for t, _ in scopes}, key=MEGATRON_TARGETS.index)
+    return names + sorted({g for _, g in scopes} & MERGE_ONLY_GROUPS)
+
+
 def read_peft_dir(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     """``(tensors, adapter_config)`` of a PEFT adapter directory."""
     from safetensors import SafetensorError
@@ -434,14 +445,24 @@ def write_peft_dir(path: str | Path, tensors: Mapping[str, torch.Tensor], config
                    overwrite: bool = False, source: str | Path | None = None) -> Path:
     """Write a PEFT adapter directory with the same output rules as every other output of this tool
     (:mod:`bridge.output`: staged, marked, atomically replaced, never over its source or an unmarked directory)."""
-    from safetensors.torch import save_file
+    import os
+
+    from safetensors.torch import save
 
     from .output import atomic_output_dir
 
     with atomic_output_dir(path, overwrite=overwrite, kind="peft", source=source, sources=[source]) as tmp:
-        save_file({k: v.detach().contiguous().cpu() for k, v in sorted(tensors.items(), key=lambda kv:
-                                                                         natural_key(kv[0]))},
-                  str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        data = save({k: v.detach().contiguous().cpu() for k, v in sorted(tensors.items(), key=lambda kv:
+                                                                           natural_key(kv[0]))},
+                    metadata={"format": "pt"})
+        # safetensors' save_file creates the file 0600; every other output is 0644 less the umask
+        fd = os.open(tmp / ADAPTER_WEIGHTS, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return Path(path).absolute()
 
@@ -515,9 +536,8 @@ def load_peft_adapter(model, adapter_dir: str | Path, *, hf_config: Mapping | st
         raise TensorSetError(f"{adapter_dir}: the adapter holds no LoRA factors")
     mine = {m.lora_name: m for m in lora_modules(model)}
     if lora_config(model) is None:
-        targets = sorted({scope_of(m)[0] for m in adapters}, key=MEGATRON_TARGETS.index)
         lcfg = LoraConfig(r=int(config["r"]), alpha=float(config["lora_alpha"]),
-                          dropout=float(config.get("lora_dropout") or 0.0), target_modules=targets)
+                          dropout=float(config.get("lora_dropout") or 0.0), target_modules=adapted_targets(adapters))
         overrides = {k: (ad.rank, ad.alpha) for k, ad in adapters.items()}
         add_lora(model, lcfg, only=overrides)
         mine = {m.lora_name: m for m in lora_modules(model)}
@@ -570,7 +590,7 @@ def model_adapter_set(model) -> AdapterSet:
 
 
 __all__ = [
-    "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "Adapter", "AdapterSet", "AdapterTable", "adapter_table",
+    "ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "Adapter", "AdapterSet", "AdapterTable", "adapted_targets", "adapter_table",
     "export_peft_adapter", "from_peft", "load_peft_adapter", "model_adapter_set", "read_peft_dir",
     "set_global_factors", "to_peft", "write_adapter_checkpoint", "write_peft_dir",
 ]

@@ -13,12 +13,16 @@
     megatron-glm5 lora import --adapter-path DIR --megatron-path DIR --hf-config PATH
     megatron-glm5 lora merge  --hf-path DIR --adapter-path DIR --out DIR
 
-Exit status: every user error (a bad flag value, a missing or unreadable path, a file where a directory is
-expected, an unwritable output, a TP/PP/EP layout the model cannot take, a malformed checkpoint: a
-:class:`bridge.errors.BridgeError` or :class:`megatron_glm5.config.GLM5ConfigError`) prints exactly one ``error:``
-line on stderr and exits with 2; a failed round trip or parity check exits with 1; anything else is a bug and keeps
-its traceback. Flags and paths are checked up front (:mod:`bridge.preflight`), before megatron-core or transformers
-is imported and before any rank is spawned, so a typo costs a second, not the start-up of the ranks.
+Exit status (README: "Command line: outputs, exit status, errors"): every user or environment error (a bad flag
+value, a missing or unreadable path, a file where a directory is expected, an output that may not be replaced, a
+TP/PP/EP layout the model cannot take, a malformed checkpoint or config field, a full disk while writing, also in a
+spawned rank: a :class:`bridge.errors.BridgeError`, :class:`megatron_glm5.config.GLM5ConfigError` or an ``OSError``
+about a path the user gave) prints exactly one ``error:`` line on stderr and exits with 2; a check that ran and failed
+(round trip, ``verify``, ``rollout-parity --max-kl``) prints one ``failed:`` line and exits with 1; Ctrl-C and SIGTERM
+print one ``error: interrupted; ...`` line and exit with 130 / 143 after the staged output is removed; anything else
+is a bug and keeps its traceback. Flags and paths are checked up front (:mod:`bridge.preflight`), before megatron-core
+or transformers is imported and before any rank is spawned, so a typo costs a second, not the start-up of the ranks.
+``--verbose`` is accepted before or after the subcommand.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import argparse
 import errno
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -183,11 +188,33 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--max-kl", type=_positive_float, default=None,
                     help="exit 1 when the KL (replay on if the batch has replay data, else off) exceeds this")
     _lora_parser(sub)
+    _verbose_everywhere(parser)
     return parser
+
+
+def _verbose_everywhere(parser: argparse.ArgumentParser) -> None:
+    """``--verbose`` before or after the subcommand (``megatron-glm5 convert import ... --verbose``): every leaf
+    parser takes it too, without a default of its own, so the top-level value survives when it is not repeated."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                if any(isinstance(a, argparse._SubParsersAction) for a in sub._actions):
+                    _verbose_everywhere(sub)
+                else:
+                    sub.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,
+                                     help="keep third-party warnings and load reports")
 
 
 def _progress(args) -> bool | None:
     return False if getattr(args, "no_progress", False) else None
+
+
+def _starting(args) -> None:
+    """On a terminal, say at once that a conversion has started: importing torch and megatron-core takes seconds
+    before the progress bar (:mod:`bridge.progress`) can appear, and the bar then overwrites this line."""
+    if hasattr(args, "no_progress") and not args.no_progress and sys.stderr.isatty():
+        sys.stderr.write(f"{_subcommand(args)}: starting\r")
+        sys.stderr.flush()
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -195,14 +222,14 @@ def _progress(args) -> bool | None:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _hf_arch(path: str, flag: str = "--hf-path"):
-    from megatron_glm5.architectures import parse_architecture
-
+def _hf_arch(path: str, flag: str = "--hf-path", *, weights: bool = True):
+    """The raw config.json and its architecture; ``weights``: ``path`` must be a whole HF checkpoint directory."""
     from . import preflight
 
-    preflight.hf_checkpoint_dir(path, flag=flag)
+    if weights:
+        preflight.hf_checkpoint_dir(path, flag=flag)
     raw = preflight.read_hf_config(path, flag=flag)
-    return raw, parse_architecture(raw)
+    return raw, preflight.parse_config(raw, path, flag=flag)
 
 
 def _preflight(args) -> None:
@@ -214,14 +241,21 @@ def _preflight(args) -> None:
     if args.command == "demo":
         if args.out is not None:
             preflight.work_dir(args.out, flag="--out")
+            preflight.demo_outputs(args.out)
         return
     if args.command == "clean":
         return  # it only lists and removes our own leftovers; bridge.output names anything unusable
     if args.command == "lora":
         if args.action == "export":
             preflight.megatron_checkpoint_dir(args.megatron_path, flag="--megatron-path")
+            if args.hf_config is not None:
+                _hf_arch(args.hf_config, flag="--hf-config", weights=False)
         elif args.action == "merge":
-            preflight.hf_checkpoint_dir(args.hf_path, flag="--hf-path")
+            _hf_arch(args.hf_path)
+            preflight.adapter_dir(args.adapter_path, megatron_ok=True)
+        else:
+            preflight.adapter_dir(args.adapter_path)
+            _hf_arch(args.hf_config, flag="--hf-config", weights=False)
         output = getattr(args, _OUTPUT_FLAG[_subcommand(args)])
         preflight.output_dir(output, flag="--" + _OUTPUT_FLAG[_subcommand(args)].replace("_", "-"))
         return
@@ -271,9 +305,7 @@ def _preflight(args) -> None:
     if args.action == "export":
         preflight.megatron_checkpoint_dir(args.megatron_path)
         if args.hf_config is not None:
-            from megatron_glm5.architectures import parse_architecture
-
-            parse_architecture(preflight.read_hf_config(args.hf_config, flag="--hf-config"))
+            _hf_arch(args.hf_config, flag="--hf-config", weights=False)
         preflight.output_dir(args.hf_path, flag="--hf-path")
 
 
@@ -332,15 +364,24 @@ def _run(args) -> int:
                                batch_size=args.batch_size, seed=args.seed, tol=args.tol, num_layers=args.num_layers,
                                dtype=args.dtype, device=args.device)
         print(json.dumps(report), flush=True)
-        return 0 if report["ok"] else 1
+        if report["ok"]:
+            return 0
+        metric = report.get("tol_metric", "max_rel_logit_diff")
+        return _failed(f"verify: {metric} {report.get(metric, float('nan')):.3g} > tol {report.get('tol', 0):.3g} "
+                       f"(first divergent layer: {report.get('first_divergent_layer')}); the JSON report on stdout "
+                       "has the details")
     if args.command == "rollout-parity":
         from .rollout_parity import rollout_parity
 
         report = rollout_parity(hf_path=args.hf_path, batch=args.batch, backend=args.backend, dtype=args.dtype,
                                 device=args.device, plot=args.plot)
         print(json.dumps(report), flush=True)
-        kl = report.get("replay_on", report["replay_off"])["kl"]
-        return 1 if args.max_kl is not None and kl > args.max_kl else 0
+        side = "replay_on" if "replay_on" in report else "replay_off"
+        kl = report[side]["kl"]
+        if args.max_kl is None or kl <= args.max_kl:
+            return 0
+        return _failed(f"rollout-parity: KL ({side.replace('_', ' ')}) {kl:.4g} exceeds --max-kl {args.max_kl:.4g} "
+                       f"by {kl - args.max_kl:.4g} ({kl / args.max_kl:.3g}x the limit)")
     if args.action == "import":
         r = bridge.convert_hf_to_megatron(hf_path=args.hf_path, megatron_path=args.megatron_path, tp=args.tp,
                                           pp=args.pp, ep=args.ep, dtype=args.dtype, iteration=args.iteration,
@@ -371,7 +412,8 @@ def _run(args) -> int:
             print(f"  MISMATCH         : {m}")
         if r["work_dir"]:
             print(f"  kept             : {r['work_dir']}")
-        return 0 if r["ok"] else 1
+        return 0 if r["ok"] else _failed(f"round trip: {len(r['mismatches'])} mismatch(es), first: "
+                                         f"{r['mismatches'][0]}")
     raise AssertionError(args)
 
 
@@ -467,16 +509,90 @@ def _quiet() -> None:
         pass
 
 
-def _error(message: str) -> int:
+def _error(message: str, code: int = 2) -> int:
+    if "bridge.progress" in sys.modules:
+        sys.modules["bridge.progress"].end_bars()  # a progress bar on screen ends its line first
+    if sys.stderr.isatty():
+        sys.stderr.write("\r\x1b[K")  # over a "starting" status line
     print("error: " + " ".join(str(message).split()), file=sys.stderr, flush=True)  # one line, whatever the message
-    return 2
+    return code
+
+
+def _failed(message: str) -> int:
+    """A check that ran and failed: one ``failed:`` line on stderr (the report is on stdout), exit status 1."""
+    print("failed: " + " ".join(str(message).split()), file=sys.stderr, flush=True)
+    return 1
+
+
+class _Terminated(BaseException):
+    """SIGTERM, raised in the main thread like ``KeyboardInterrupt`` so that every cleanup runs."""
+
+
+def _raise_terminated(signum, frame):
+    raise _Terminated()
+
+
+def _output_of(args) -> str | None:
+    flag = _OUTPUT_FLAG.get(_subcommand(args))
+    value = getattr(args, flag, None) if flag else None
+    return value if isinstance(value, str) else None
+
+
+def _snapshot(path: str | None):
+    """Enough of an output path's state to tell whether a run changed it: markers and entries one level down."""
+    from .output import read_marker
+
+    if path is None:
+        return None
+    p = Path(path)
+    try:
+        if not (p.exists() or p.is_symlink()):
+            return "absent"
+        if not p.is_dir():
+            st = p.stat()
+            return st.st_size, st.st_mtime_ns
+        return read_marker(p), sorted((e.name, read_marker(e.path) if e.is_dir() else e.stat().st_mtime_ns)
+                                      for e in os.scandir(p))
+    except OSError:
+        return None
+
+
+def _interrupted(args, before, code: int) -> int:
+    """One line for Ctrl-C (130) and SIGTERM (143). The staged outputs were removed on the way out; whether the
+    output path itself changed is checked, not assumed (the signal may come after an output was committed)."""
+    out = _output_of(args)
+    if out is None:
+        return _error("interrupted; nothing was written", code)
+    if before is not None and _snapshot(out) == before:
+        return _error(f"interrupted; nothing was written at {out}", code)
+    return _error(f"interrupted after writing to {out}: it holds only complete outputs (staged ones were removed)",
+                  code)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args, before, previous = None, None, None
     try:
-        args = build_parser().parse_args(argv)
-    except _UsageError as e:
-        return _error(str(e))
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    except ValueError:  # not the main thread: SIGTERM keeps its handler
+        pass
+    try:
+        try:
+            args = build_parser().parse_args(argv)
+        except _UsageError as e:
+            return _error(str(e))
+        before = _snapshot(_output_of(args))
+        return _main(args)
+    except KeyboardInterrupt:
+        return _interrupted(args, before, 128 + signal.SIGINT) if args is not None else 128 + signal.SIGINT
+    except _Terminated:
+        return _interrupted(args, before, 128 + signal.SIGTERM) if args is not None else 128 + signal.SIGTERM
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(args) -> int:
+    _starting(args)
     if getattr(args, "device", None) == "cpu":
         # megatron-core puts some buffers on the current CUDA device whenever one is visible: hide the GPUs before
         # anything initialises CUDA (bridge.parity.resolve_device refuses cpu while they are visible).

@@ -157,41 +157,49 @@ def _import_rank(*, hf_path: str, out: str, tp: int, pp: int, ep: int, dtype: st
     t0 = time.perf_counter()
     rank, _ = world()
     register_writer(out)  # every rank: the partial directory is live while any of its writers is
+    # the bar from the start: reading the headers and planning the boxes takes seconds on a real model
+    bar = Progress(desc=f"import{f' rank {rank}' if rank else ''}", enabled=progress if rank == 0 else False)
     try:
-        src = open_hf_source(hf_path)
-        ok, msg = True, ""
-    except (BridgeError, ValueError) as e:
-        ok, msg, src = False, str(e), None
-    all_ok(ok, msg)
-    if src is None:
-        raise BridgeError(msg)
-    mat = Materializer(src, parse_dtype(dtype))
-    with model_parallel(tp, pp, ep):
-        model = build_skeleton(src.arch, tp, pp, ep)
-        plan = sharded_boxes(model, src.expansion, mat.target_dtype)
-        del model
-    plan.chunks.sort(key=lambda c: (*mat.source_order(plan.pieces[(c.key, c.offsets)].logical), c.key, c.offsets))
-    ckpt_dir = iteration_dir(Path(out), iteration)
-    if rank == 0:
-        meta = {"format_version": FORMAT_VERSION, "hf_config": src.raw, **src.layout.meta(),
-                "source_fp8": bool(src.fp8_names), "hf_source": str(src.path), "passthrough": len(src.passthrough)}
-        args = megatron_args(mcore_kwargs(src.arch), tp=tp, pp=pp, ep=ep)
-        plan.objects[COMMON_STATE_KEY] = common_state(args=args, iteration=iteration, bridge_meta=meta)
+        try:
+            src = open_hf_source(hf_path)
+            ok, msg = True, ""
+        except (BridgeError, ValueError) as e:
+            ok, msg, src = False, str(e), None
+        all_ok(ok, msg)
+        if src is None:
+            raise BridgeError(msg)
+        mat = Materializer(src, parse_dtype(dtype))
+        with model_parallel(tp, pp, ep):
+            model = build_skeleton(src.arch, tp, pp, ep)
+            plan = sharded_boxes(model, src.expansion, mat.target_dtype)
+            del model
+        plan.chunks.sort(key=lambda c: (*mat.source_order(plan.pieces[(c.key, c.offsets)].logical), c.key,
+                                        c.offsets))
+        ckpt_dir = iteration_dir(Path(out), iteration)
+        if rank == 0:
+            meta = {"format_version": FORMAT_VERSION, "hf_config": src.raw, **src.layout.meta(),
+                    "source_fp8": bool(src.fp8_names), "hf_source": str(src.path),
+                    "passthrough": len(src.passthrough)}
+            args = megatron_args(mcore_kwargs(src.arch), tp=tp, pp=pp, ep=ep)
+            plan.objects[COMMON_STATE_KEY] = common_state(args=args, iteration=iteration, bridge_meta=meta)
 
-    bar = Progress(total=len(plan.chunks), total_bytes=sum(c.nbytes for c in plan.chunks),
-                   desc=f"import{f' rank {rank}' if rank else ''}", enabled=progress if rank == 0 else False)
+        bar.start(len(plan.chunks), sum(c.nbytes for c in plan.chunks))
 
-    mat.prefetch([(p.logical, p.offsets, p.sizes) for p in (plan.pieces[(c.key, c.offsets)] for c in plan.chunks)])
+        mat.prefetch([(p.logical, p.offsets, p.sizes)
+                      for p in (plan.pieces[(c.key, c.offsets)] for c in plan.chunks)])
 
-    def resolve(chunk: Chunk) -> torch.Tensor:
-        piece = plan.pieces[(chunk.key, chunk.offsets)]
-        return mat.box(piece.logical, piece.offsets, piece.sizes).reshape(chunk.sizes).to(chunk.dtype)
+        def resolve(chunk: Chunk) -> torch.Tensor:
+            piece = plan.pieces[(chunk.key, chunk.offsets)]
+            return mat.box(piece.logical, piece.offsets, piece.sizes).reshape(chunk.sizes).to(chunk.dtype)
 
-    try:
-        write_dist_checkpoint(ckpt_dir, plan.chunks, plan.objects, resolve,
-                              on_written=lambda c: bar.update(c.nbytes), sync_files=sync_files)
-    finally:
-        mat.close()
+        try:
+            write_dist_checkpoint(ckpt_dir, plan.chunks, plan.objects, resolve,
+                                  on_written=lambda c: bar.update(c.nbytes), sync_files=sync_files)
+        finally:
+            mat.close()
+    except BaseException:
+        bar.abort()
+        raise
     bar.close()
     src.reader.close()
     if rank == 0:
@@ -233,6 +241,19 @@ def _export_config(raw: Mapping, weights_dtype: torch.dtype) -> dict:
         for k in keys:
             cfg[k] = name
     return cfg
+
+
+def _parse_config(raw: Mapping, hf_config, ckpt_dir: Path):
+    """``parse_architecture`` with a field error prefixed by where the config came from."""
+    from .preflight import parse_config
+
+    if hf_config is None:
+        where = f"{ckpt_dir} (its stored HF config.json)"
+    elif isinstance(hf_config, Mapping):
+        return parse_architecture(raw)
+    else:
+        where = hf_config
+    return parse_config(dict(raw), where)
 
 
 def _logical_sources(ckpt: DistCheckpoint) -> dict[str, tuple[str, int | None, tuple[int, ...]]]:
@@ -279,6 +300,7 @@ def convert_megatron_to_hf(
     ckpt_dir = resolve_checkpoint_dir(megatron_path)
     assets_dir = next((d for d in (ckpt_dir.parent / HF_ASSETS_DIR, ckpt_dir / HF_ASSETS_DIR) if d.is_dir()), None)
     final = check_output_dir(hf_path, overwrite=overwrite, sources=[megatron_path, ckpt_dir, assets_dir])
+    bar = Progress(desc="export", enabled=progress)  # from the start: .metadata and the plan take seconds
     ckpt = DistCheckpoint(ckpt_dir)
     meta = ckpt.common_state().get(BRIDGE_KEY) or {}
     if hf_config is None:
@@ -290,7 +312,7 @@ def convert_megatron_to_hf(
         raw = dict(hf_config)
     else:
         raw = load_hf_config(hf_config)
-    arch = parse_architecture(raw)
+    arch = _parse_config(raw, hf_config, ckpt_dir)
     hf_layout = HFLayout.from_meta(meta, expert_layout=expert_layout)
     layout = hf_layout.expert_layout
     expansion = expand_for(arch, hf_layout)
@@ -332,7 +354,7 @@ def convert_megatron_to_hf(
     maps = sorted(expansion.maps, key=lambda m: (natural_key(m.hf[0].name), m.hf[0].row or 0))
     total = sum(int(torch.Size(p.shape).numel()) * torch.empty((), dtype=p.dtype).element_size()
                 for p in planned.values())
-    bar = Progress(total=len(maps), total_bytes=total, desc="export", enabled=progress)
+    bar.start(len(maps), total)
     reads: list[list[tuple]] = []  # per map, the boxes it reads, in order
     for m in maps:
         key, row, shape = sources[m.mcore]

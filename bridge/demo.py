@@ -10,6 +10,10 @@ transformers' own ``save_pretrained``.
 4. export the trained model to HF and compare its logits with transformers' ``GlmMoeDsaForCausalLM`` on the
    exported files (sequence longer than ``index_topk``, so the sparse attention is really sparse);
 5. print a table.
+
+With ``--out DIR`` the four outputs (``DIR/hf``, ``megatron``, ``hf_roundtrip``, ``hf_trained``) follow the output
+rules of ``convert`` (:mod:`bridge.output`): a rerun replaces the demo's own earlier outputs, and anything else in
+their place is refused before the demo starts; nothing else in ``DIR`` is touched.
 """
 
 from __future__ import annotations
@@ -70,18 +74,26 @@ def run_demo(*, out_dir: str | Path | None = None, steps: int = 4, keep: bool = 
     from megatron_glm5.architectures import parse_architecture
     from megatron_glm5.parallel import initialize_model_parallel
 
+    from .output import atomic_output_dir
+    from .preflight import demo_outputs
+
     t_start = time.perf_counter()
-    work = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="megatron-glm5-demo-"))
-    work.mkdir(parents=True, exist_ok=True)
-    for sub in ("hf", "megatron", "hf_roundtrip", "hf_trained"):
-        shutil.rmtree(work / sub, ignore_errors=True)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     if model_name not in MODELS:
         raise ValueError(f"unknown demo model {model_name!r}; valid: {list(MODELS)}")
+    if out_dir is not None:  # outputs of an earlier demo are replaced, anything else in the way is refused
+        work = demo_outputs(out_dir, flag="out_dir")
+        work.mkdir(parents=True, exist_ok=True)
+    else:
+        work = Path(tempfile.mkdtemp(prefix="megatron-glm5-demo-"))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        raw, description = _write_checkpoint(model_name, work / "hf")
-        imp = bridge.convert_hf_to_megatron(hf_path=work / "hf", megatron_path=work / "megatron", progress=False)
-        bridge.convert_megatron_to_hf(megatron_path=work / "megatron", hf_path=work / "hf_roundtrip", progress=False)
+        with atomic_output_dir(work / "hf", overwrite=True, kind="hf", source=f"megatron-glm5 demo ({model_name})",
+                               sources=[]) as tmp:
+            raw, description = _write_checkpoint(model_name, tmp)
+        imp = bridge.convert_hf_to_megatron(hf_path=work / "hf", megatron_path=work / "megatron", overwrite=True,
+                                            progress=False)
+        bridge.convert_megatron_to_hf(megatron_path=work / "megatron", hf_path=work / "hf_roundtrip",
+                                      overwrite=True, progress=False)
         rt = bridge.compare_hf_checkpoints(work / "hf", work / "hf_roundtrip")
 
         created = not ps.model_parallel_is_initialized()
@@ -105,7 +117,8 @@ def run_demo(*, out_dir: str | Path | None = None, steps: int = 4, keep: bool = 
 
         model.eval()
         t_exp = time.perf_counter()
-        exp = bridge.export_hf(model.cpu() if device != "cpu" else model, work / "hf_trained", hf_config=raw)
+        exp = bridge.export_hf(model.cpu() if device != "cpu" else model, work / "hf_trained", hf_config=raw,
+                               overwrite=True)
         exp_seconds = time.perf_counter() - t_exp
         par = bridge.verify(hf_path=work / "hf_trained", model=model, seq_len=seq_len)
         if created:

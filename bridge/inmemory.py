@@ -79,8 +79,8 @@ def load_hf_weights(model, hf_path: str | Path, *, progress: bool | None = False
     with base_only():  # a LoRA model's adapters are not HF weights: they keep their values
         plan = sharded_boxes(model, src.expansion, mat.target_dtype, main_replicas_only=False, keep_data=True)
     plan.chunks.sort(key=lambda c: (*mat.source_order(plan.pieces[(c.key, c.offsets)].logical), c.key, c.offsets))
-    bar = Progress(total=len(plan.chunks), total_bytes=sum(c.nbytes for c in plan.chunks), desc="load",
-                   enabled=progress)
+    bar = Progress(desc="load", enabled=progress)
+    bar.start(len(plan.chunks), sum(c.nbytes for c in plan.chunks))
     pieces = [plan.pieces[(c.key, c.offsets)] for c in plan.chunks]
     mat.prefetch([(p.logical, p.offsets, p.sizes) for p in pieces])
     try:

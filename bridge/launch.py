@@ -187,6 +187,8 @@ def _rank_entry(fn: Callable[..., Any], rank: int, nprocs: int, port: int, kwarg
         queue.put((rank, "ok", result))
     except (BridgeError, GLM5ConfigError) as e:
         queue.put((rank, "bridge", (type(e).__name__, str(e))))
+    except OSError as e:  # a full disk, a read-only output: the parent reports it like its own
+        queue.put((rank, "oserror", (e.errno, e.strerror, e.filename, e.filename2, str(e))))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -195,6 +197,24 @@ def _rank_entry(fn: Callable[..., Any], rank: int, nprocs: int, port: int, kwarg
                 dist.destroy_process_group()
             except Exception:
                 pass
+
+
+@contextmanager
+def _ranks_ignore_sigint() -> Iterator[None]:
+    """Ranks started meanwhile ignore SIGINT (an ignored signal survives exec): Ctrl-C reaches the whole process
+    group, and the ranks, half-way through their imports, would each print a KeyboardInterrupt traceback. The
+    parent handles it and stops them (:func:`run_local_ranks`)."""
+    import signal
+
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def run_local_ranks(fn: Callable[..., Any], nprocs: int, **kwargs: Any) -> list[Any]:
@@ -210,10 +230,12 @@ def run_local_ranks(fn: Callable[..., Any], nprocs: int, **kwargs: Any) -> list[
     levels = {name: logging.getLogger(name).level for name in _QUIET_LOGGERS}
     procs = [ctx.Process(target=_rank_entry, args=(fn, r, nprocs, port, kwargs, queue, filters, levels), daemon=False)
              for r in range(nprocs)]
-    for p in procs:
-        p.start()
+    with _ranks_ignore_sigint():
+        for p in procs:
+            p.start()
     results: dict[int, Any] = {}
-    failure: tuple[str, str] | None = None
+    failure: tuple[str, Any] | None = None
+    interrupted = False
     try:
         while len(results) < nprocs and failure is None:
             while not queue.empty():
@@ -228,8 +250,11 @@ def run_local_ranks(fn: Callable[..., Any], nprocs: int, **kwargs: Any) -> list[
                 if dead and queue.empty():
                     failure = ("error", f"rank process {procs.index(dead[0])} died with exit code {dead[0].exitcode}")
                 time.sleep(0.05)
+    except BaseException:  # Ctrl-C, SIGTERM: no rank outlives the command
+        interrupted = True
+        raise
     finally:
-        if failure is not None:
+        if failure is not None or interrupted:
             for p in procs:
                 if p.is_alive():
                     p.kill()
@@ -237,6 +262,9 @@ def run_local_ranks(fn: Callable[..., Any], nprocs: int, **kwargs: Any) -> list[
             p.join()
     if failure is not None:
         status, payload = failure
+        if status == "oserror":
+            code, strerror, filename, filename2, text = payload
+            raise OSError(code, strerror, filename, None, filename2) if code is not None else OSError(text)
         if status == "bridge":
             name, message = payload
             if name == "GLM5ConfigError":

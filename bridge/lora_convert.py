@@ -36,6 +36,7 @@ from .adapters import (
     ADAPTER_CONFIG,
     Adapter,
     AdapterSet,
+    adapted_targets,
     adapter_table,
     from_peft,
     model_arch,
@@ -46,6 +47,7 @@ from .adapters import (
 )
 from .errors import BridgeError, CheckpointFormatError
 from .output import atomic_output_dir, check_output_dir
+from .preflight import parse_config
 from .progress import Progress
 from .source import open_hf_source
 
@@ -114,9 +116,11 @@ def convert_checkpoint_to_peft(ckpt_dir: str | Path, out_dir: str | Path, *, hf_
         raw = getattr(common["args"], "hf_config")
     if raw is None:
         raise BridgeError(f"{ckpt_dir}: the checkpoint does not record the model's config.json; pass --hf-config")
+    where = raw if not isinstance(raw, Mapping) else f"{ckpt_dir} (the HF config.json it records)"
     if not isinstance(raw, Mapping):
         raw = load_hf_config(raw)
-    arch = parse_hf_config(raw)
+    arch = parse_hf_config(raw) if isinstance(hf_config, Mapping) else parse_config(dict(raw), where,
+                                                                                     parse=parse_hf_config)
     saved = (common.get(LORA_META_KEY) or {}).get("config")
     if saved is None:  # a Megatron-LM --save: the --lora-* flags
         args = common.get("args")
@@ -174,7 +178,7 @@ def convert_peft_to_checkpoint(*, adapter_path: str | Path, megatron_path: str |
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
     from megatron_glm5.config import mcore_kwargs
-    from megatron_glm5.lora import MEGATRON_TARGETS, add_lora, scope_of
+    from megatron_glm5.lora import add_lora
     from megatron_glm5.lora_checkpoint import FORMAT_VERSION, LORA_META_KEY, adapter_sharded_state_dict
 
     from .boxes import build_skeleton
@@ -183,15 +187,15 @@ def convert_peft_to_checkpoint(*, adapter_path: str | Path, megatron_path: str |
         write_dist_checkpoint, write_tracker
 
     raw = dict(hf_config) if isinstance(hf_config, Mapping) else load_hf_config(hf_config)
-    arch = parse_hf_config(raw)
+    arch = parse_hf_config(raw) if isinstance(hf_config, Mapping) else parse_config(raw, hf_config,
+                                                                                     parse=parse_hf_config)
     tensors, config = read_peft_dir(adapter_path)
     adapters = from_peft(tensors, config, adapter_table(arch), source=str(adapter_path))
     if not adapters:
         raise BridgeError(f"{adapter_path}: the adapter holds no LoRA factors")
     final = check_output_dir(megatron_path, overwrite=overwrite, sources=[adapter_path])
-    targets = sorted({scope_of(m)[0] for m in adapters}, key=MEGATRON_TARGETS.index)
     lcfg = LoraConfig(int(config["r"]), float(config["lora_alpha"]), dropout=float(config.get("lora_dropout") or 0),
-                      target_modules=targets)
+                      target_modules=adapted_targets(adapters))
     with model_parallel(1, 1, 1):
         skeleton = build_skeleton(arch, 1, 1, 1)
         add_lora(skeleton, lcfg, only={k: (ad.rank, ad.alpha) for k, ad in adapters.items()})
@@ -257,7 +261,9 @@ def hf_delta_plan(adapters: AdapterSet, expansion) -> DeltaPlan:
 
 def read_adapter(adapter_path: str | Path, table) -> tuple[AdapterSet, str]:
     """An adapter set from a PEFT directory or a Megatron checkpoint with adapters, and which kind it was."""
-    path = Path(adapter_path)
+    from .preflight import adapter_dir
+
+    path = adapter_dir(adapter_path, flag=None, megatron_ok=True)  # names the missing adapter_config.json
     if (path / ADAPTER_CONFIG).is_file():
         tensors, config = read_peft_dir(path)
         return from_peft(tensors, config, table, source=str(path)), "peft"
@@ -286,6 +292,7 @@ def merge_adapter_into_hf(
     """``hf_path`` (base HF checkpoint) + ``adapter_path`` -> a merged HF checkpoint at ``out_path``, streaming."""
     t0 = time.perf_counter()
     final = check_output_dir(out_path, overwrite=overwrite, sources=[hf_path, adapter_path])
+    bar = Progress(desc="merge", enabled=progress)  # from the start: the headers and the adapter take seconds
     src = open_hf_source(hf_path)
     if src.fp8_names:
         raise BridgeError(f"{hf_path}: block-FP8 weights: merging LoRA into FP8 would requantise them; convert to "
@@ -296,7 +303,7 @@ def merge_adapter_into_hf(
     reader = src.reader
     names = sorted(reader.names, key=natural_key)
     planned = [hf_io.PlannedTensor(n, reader.info(n).shape, reader.info(n).dtype) for n in names]
-    bar = Progress(total=len(names), total_bytes=reader.total_bytes(), desc="merge", enabled=progress)
+    bar.start(len(names), reader.total_bytes())
     deltas: dict[str, torch.Tensor] = {}
 
     def delta(module: str) -> torch.Tensor:

@@ -37,6 +37,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch.futures import Future
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo  # the writer must produce the reader's records
 from torch.distributed.checkpoint.metadata import (
@@ -205,6 +206,19 @@ class _StreamingWriter(FileSystemWriter):
         return fut
 
 
+def _first_failure(e: CheckpointException) -> BaseException:
+    """The exception a rank raised inside ``dcp.save`` (its lowest failing rank's). torch wraps every failure -
+    a full disk (``OSError`` ENOSPC), a bad source tensor (:class:`~bridge.errors.BridgeError`), Ctrl-C - in a
+    ``CheckpointException``, a ``BaseException`` whose message is a formatted traceback; re-raised as itself, the
+    caller (the CLI) reports it like any other error of its kind."""
+    failures = getattr(e, "failures", None) or {}
+    for rank in sorted(failures):
+        exc = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
+        if isinstance(exc, BaseException):
+            return exc
+    return e
+
+
 @contextmanager
 def _no_crc32():
     """``torch.save`` computes a CRC-32 of every record by default, at 1-2 GB/s: about a third of the conversion's
@@ -245,7 +259,10 @@ def write_dist_checkpoint(
     writer = _StreamingWriter(ckpt_dir, max_file_bytes=max_file_bytes, sync_files=sync_files)
     with warnings.catch_warnings(), _no_crc32():  # "assuming the intent is to save in a single process": it is
         warnings.filterwarnings("ignore", module=r"torch\.distributed\.checkpoint")
-        dcp.save({}, storage_writer=writer, planner=planner, no_dist=not distributed)
+        try:
+            dcp.save({}, storage_writer=writer, planner=planner, no_dist=not distributed)
+        except CheckpointException as e:
+            raise _first_failure(e) from None
     if not distributed or dist.get_rank() == 0:
         save_config(CheckpointingConfig("torch_dist", 1), str(ckpt_dir))
     if distributed:

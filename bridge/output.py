@@ -4,10 +4,14 @@ whose leftovers from interrupted runs can be found and removed safely.
 * Everything is written into a hidden sibling ``.<name>.partial-<id>`` and moved to the final path only after the
   last file (the Megatron tracker file / the HF index) is written. A run that fails cleans up after itself; a run
   that is killed (``kill -9``) leaves only the hidden partial directory, never anything at the requested path.
-* Every committed output carries a marker file (:data:`MARKER_FILE`: tool, version, kind, source, time).
-  ``overwrite`` replaces only a marked directory (an earlier output of this tool) or an empty one: ``--overwrite``
-  with a mistyped path must not delete a source checkpoint or unrelated files. An output path that equals, contains
-  or lies inside a source is refused outright, with or without ``overwrite``.
+* Every committed output carries a marker file (:data:`MARKER_FILE`: tool, version, kind, source, time, and the
+  list of every file and directory it wrote). ``overwrite`` replaces only a marked directory (an earlier output of
+  this tool) that still holds nothing but what the marker lists, or an empty one: ``--overwrite`` with a mistyped
+  path must not delete a source checkpoint or unrelated files, and files a user added to an earlier output (notes,
+  a tokenizer, Megatron-LM's next ``iter_*``) are named and kept. An existing *empty* directory is a fine output even
+  without ``overwrite`` (``mkdir out``, ``tempfile.mkdtemp()``). An output path that equals, contains or lies inside
+  a source is refused outright, with or without ``overwrite``, and so is a mount point (the finished output is
+  renamed into place, which a mount point cannot be).
 * Replacing an existing output swaps the new directory in with one atomic ``renameat2(RENAME_EXCHANGE)`` (Linux),
   so at every instant the path holds either the complete old output or the complete new one; the old copy is
   deleted afterwards. Where the exchange is not available (another OS, a filesystem without it) two renames are
@@ -93,32 +97,94 @@ def read_marker(path: str | Path) -> dict | None:
     return data if isinstance(data, dict) and data.get("tool") == TOOL else None
 
 
-def _replaceable(final: Path) -> None:
-    """``final`` may be replaced only if this tool wrote it (it has the marker) or it is empty."""
+def _ours(relative: str) -> bool:
+    """Bookkeeping files of this tool inside an output: the marker (and its temporary) and writer records."""
+    name = relative.rsplit("/", 1)[-1]
+    return "/" not in relative and (name.startswith(MARKER_FILE) or name.startswith(WRITER_PREFIX))
+
+
+def list_entries(directory: Path) -> list[str]:
+    """Every file and directory below ``directory`` as relative POSIX paths (directories end in ``/``), without
+    this tool's bookkeeping files; symlinks are entries, never followed."""
+    out = []
+    for root, dirs, files in os.walk(directory):
+        rel = Path(root).relative_to(directory)
+        for d in dirs:
+            out.append((rel / d).as_posix() + "/")
+        out += [(rel / f).as_posix() for f in files]
+    return sorted(e for e in out if not _ours(e))
+
+
+def _shown(names: list[str], limit: int = 5) -> str:
+    return ", ".join(names[:limit]) + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def is_empty_dir(path: Path) -> bool:
+    """A real directory (not a symlink to one) with nothing in it."""
+    try:
+        return path.is_dir() and not path.is_symlink() and next(os.scandir(path), None) is None
+    except OSError:
+        return False
+
+
+def check_renameable(final: Path) -> None:
+    """An existing output path is replaced by renaming a sibling onto it; a mount point (or anything on another
+    file system than its parent) cannot be, and the rename would fail only after the whole conversion."""
+    try:
+        foreign = os.path.ismount(final) or final.stat().st_dev != final.parent.stat().st_dev
+    except OSError:
+        return
+    if foreign:
+        raise OutputExistsError(
+            f"{final}: is a mount point; outputs are written next to the output path and renamed into place, which "
+            f"a mount point cannot be: give a path inside it (e.g. {final / 'out'})")
+
+
+def _replaceable(final: Path, how: str = "with --overwrite") -> None:
+    """``final`` may be replaced only if it is empty, or if this tool wrote it (it has the marker) and it still
+    holds nothing but what the marker lists. ``how``: the words after "not replacing it" in the error."""
     if not final.is_dir() or final.is_symlink():
         what = " (a symlink)" if final.is_symlink() else ""
         raise OutputExistsError(f"{final}: exists and is not a directory{what}; not replacing it")
-    if read_marker(final) is not None:
+    check_renameable(final)
+    marker = read_marker(final)
+    entries = list_entries(final)
+    if marker is None:
+        if entries:
+            raise OutputExistsError(
+                f"{final}: not replacing it {how}: a non-empty directory that {TOOL} did not write (no "
+                f"{MARKER_FILE} marker; it holds {_shown(entries)}); remove it yourself or choose another output "
+                "path")
         return
-    entries = sorted(p.name for p in final.iterdir())
-    if entries:
-        shown = ", ".join(entries[:5]) + (f", ... ({len(entries) - 5} more)" if len(entries) > 5 else "")
+    written = marker.get("files")
+    if not isinstance(written, list):
         raise OutputExistsError(
-            f"{final}: not replacing it with --overwrite: a non-empty directory that {TOOL} did not write (no "
-            f"{MARKER_FILE} marker; it holds {shown}); remove it yourself or choose another output path"
-        )
+            f"{final}: not replacing it {how}: its {MARKER_FILE} marker (an older {TOOL}) does not list "
+            "the files it wrote, so files added since cannot be told apart; remove it yourself or choose another "
+            "output path")
+    added = sorted(set(entries) - set(written))
+    added = [e for e in added if not any(e.startswith(d) for d in added if d.endswith("/") and d != e)]  # top-most
+    if added:
+        raise OutputExistsError(
+            f"{final}: not replacing it {how}: it holds {len(added)} file(s) or folder(s) that {TOOL} did not write "
+            f"({_shown(added)}; {MARKER_FILE} lists what it wrote); move them out or choose another output path")
 
 
-def check_output_dir(final: str | Path, *, overwrite: bool, sources: Iterable[str | Path | None] = ()) -> Path:
-    """The absolute output path, after checking that it is not a source and that it is free (or, with
-    ``overwrite``, replaceable). Reports leftovers of interrupted runs at this path (see :func:`find_partials`)."""
+def check_output_dir(final: str | Path, *, overwrite: bool, sources: Iterable[str | Path | None] = (),
+                     how: str = "with --overwrite") -> Path:
+    """The absolute output path, after checking that it is not a source and that it is free (absent or an empty
+    directory) or, with ``overwrite``, replaceable (``how`` words the refusal). Reports leftovers of interrupted
+    runs at this path (see :func:`find_partials`)."""
     final = Path(final).expanduser().absolute()
     check_sources(final, sources)
     if final.exists() or final.is_symlink():
-        if not overwrite:
+        if is_empty_dir(final):
+            check_renameable(final)
+        elif not overwrite:
             raise OutputExistsError(f"{final}: output directory already exists; pass --overwrite (overwrite=True) "
                                     "to replace it")
-        _replaceable(final)
+        else:
+            _replaceable(final, how)
     warn_leftovers(final)
     return final
 
@@ -187,6 +253,15 @@ def _drop_writer_records(directory: Path) -> None:
     for p in list(directory.iterdir()):
         if p.name.startswith(WRITER_PREFIX):
             p.unlink(missing_ok=True)
+
+
+def unregister_writer(directory: str | Path) -> None:
+    """Remove this process's writer record from ``directory`` (best effort)."""
+    me = _this_writer()
+    try:
+        _writer_file(Path(directory), me["pid"], me["host"]).unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 def _writer_state(w: dict) -> tuple[bool, str]:
@@ -405,7 +480,7 @@ def write_marker(directory: Path, *, kind: str, source: str | Path | None) -> No
     if isinstance(source, Path) or (isinstance(source, str) and Path(source).exists()):
         source = str(_real(source))
     marker = {"tool": TOOL, "version": __version__, "kind": kind, "source": source,
-              "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+              "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "files": list_entries(Path(directory))}
     path = Path(directory) / MARKER_FILE
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
@@ -413,10 +488,12 @@ def write_marker(directory: Path, *, kind: str, source: str | Path | None) -> No
 
 
 def commit_dir(tmp: Path, final: Path, *, overwrite: bool, kind: str, source: str | Path | None) -> None:
-    """Mark ``tmp`` as an output of this tool and move it to ``final``. An existing ``final`` is replaced only with
-    ``overwrite`` and only if replaceable (marked or empty, checked again now), by an atomic exchange; the old copy,
-    which then sits at ``tmp`` with this process's writer record, is deleted last."""
+    """Mark ``tmp`` as an output of this tool and move it to ``final``. An existing ``final`` is replaced only if it
+    is an empty directory, or with ``overwrite`` if replaceable (checked again now), by an atomic exchange; the old
+    copy, which then sits at ``tmp`` with this process's writer record, is deleted last."""
     write_marker(tmp, kind=kind, source=source)
+    if is_empty_dir(final):
+        overwrite = True  # nothing to lose; _replaceable below checks it again
     if not (final.exists() or final.is_symlink()):
         try:
             moved = _renameat2(tmp, final, _RENAME_NOREPLACE)
@@ -435,11 +512,20 @@ def commit_dir(tmp: Path, final: Path, *, overwrite: bool, kind: str, source: st
         register_writer(final)  # the old copy is recognisable as this process's leftover once it moves away
     except OSError:
         pass  # then it is reported as a leftover without a writer record, should its deletion be cut short
-    if _exchange(tmp, final):
+    try:
+        exchanged = _exchange(tmp, final)
+    except BaseException:
+        unregister_writer(final)  # still the old output: leave it as it was
+        raise
+    if exchanged:
         old = tmp
     else:  # no atomic exchange here: two renames, the old copy restored if the second one fails
         old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
-        final.rename(old)
+        try:
+            final.rename(old)
+        except BaseException:
+            unregister_writer(final)
+            raise
         try:
             tmp.rename(final)
         except BaseException:
@@ -466,7 +552,8 @@ def atomic_output_dir(final: str | Path, *, overwrite: bool, kind: str, source: 
 
 
 __all__ = ["MARKER_FILE", "Leftover", "atomic_output_dir", "check_output_dir", "commit_dir", "find_partials",
-           "find_stale_partials", "make_partial_dir", "read_marker", "register_writer", "remove_stale_partials"]
+           "find_stale_partials", "is_empty_dir", "list_entries", "make_partial_dir", "read_marker",
+           "register_writer", "remove_stale_partials", "unregister_writer"]
 
 
 def staging_dir(final: Path, *, overwrite: bool, work_dir: str | Path | None = None) -> Path:

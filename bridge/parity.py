@@ -75,10 +75,9 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-
 
 from .errors import BridgeError
+from .metrics import logit_cosine
 from .parity_reference import boundary_ties, reference_for
 from .preflight import hf_checkpoint_dir, read_hf_config
 
@@ -455,7 +454,7 @@ def verify(
     del replayed
     max_rel, mean_rel = _rel(diff, theirs)
     replay_max_rel, replay_mean_rel = _rel(replay_diff, theirs)
-    cosine = F.cosine_similarity(ours.reshape(1, -1), theirs.reshape(1, -1)).item()
+    cosine = logit_cosine(ours, theirs)  # fp64, never above 1
     layers = [i for i in sorted(ours_hidden) if i in hf_hidden]
     layer_rel = [_rel((ours_hidden[i].reshape(hf_hidden[i].shape) - hf_hidden[i]).abs(), hf_hidden[i])
                  for i in layers]

@@ -71,6 +71,25 @@ def read_hf_config(path: str | Path, *, flag: str | None = "--hf-path") -> dict[
     return raw
 
 
+def parse_config(raw: dict[str, Any], path: str | Path, *, flag: str | None = None, parse=None):
+    """The architecture of a raw ``config.json`` read from ``path`` (a checkpoint directory or the file) by
+    ``parse`` (default :func:`~megatron_glm5.architectures.parse_architecture`): a field error
+    (:class:`~megatron_glm5.config.GLM5ConfigError`, "config field 'model_type': expected ...") is prefixed with the
+    file it is in, as every other error names its file."""
+    from megatron_glm5.config import GLM5ConfigError
+
+    if parse is None:
+        from megatron_glm5.architectures import parse_architecture as parse
+    p = Path(path)
+    cfg = p / "config.json" if p.is_dir() else p
+    try:
+        return parse(raw)
+    except GLM5ConfigError as e:
+        if str(e).startswith(str(cfg)):
+            raise
+        raise GLM5ConfigError(f"{_where(flag, cfg)}: {e}") from None
+
+
 def megatron_checkpoint_dir(path: str | Path, *, flag: str | None = "--megatron-path") -> Path:
     """``path`` is a Megatron-LM save directory (tracker file) or one ``iter_XXXXXXX`` / ``release`` directory
     whose ``.metadata`` exists. Returns the iteration directory."""
@@ -96,6 +115,32 @@ def megatron_checkpoint_dir(path: str | Path, *, flag: str | None = "--megatron-
     return ckpt
 
 
+ADAPTER_CONFIG = "adapter_config.json"  # bridge.adapters.ADAPTER_CONFIG
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def adapter_dir(path: str | Path, *, flag: str | None = "--adapter-path", megatron_ok: bool = False) -> Path:
+    """``path`` is an HF PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``) or, with
+    ``megatron_ok`` (``lora merge``), a Megatron checkpoint holding adapters. The error names the missing file."""
+    p = Path(path)
+    where = _where(flag, path)
+    expected = f"expected a PEFT adapter directory ({ADAPTER_CONFIG} + {ADAPTER_WEIGHTS})" + (
+        f" or a Megatron checkpoint with LoRA adapters ({TRACKER_FILE} or an iter_XXXXXXX directory)"
+        if megatron_ok else "")
+    if not p.exists():
+        raise CheckpointFormatError(f"{where}: no such directory; {expected}")
+    if not p.is_dir():
+        raise CheckpointFormatError(f"{where}: is a file, not a directory; {expected}")
+    if (p / ADAPTER_CONFIG).is_file():
+        return p
+    if megatron_ok and any((p / f).is_file() for f in (TRACKER_FILE, "metadata.json", ".metadata")):
+        return p
+    found = sorted(q.name for q in p.iterdir())[:5]
+    raise CheckpointFormatError(
+        f"{where}: missing {ADAPTER_CONFIG}" + (f" (and no {TRACKER_FILE} or metadata.json)" if megatron_ok else "")
+        + f"; {expected}" + (f"; found {', '.join(found)}" if found else "; the directory is empty"))
+
+
 def output_dir(path: str | Path, *, flag: str | None) -> Path:
     """The output can be created: it is not an existing file, and its nearest existing ancestor is a writable
     directory (outputs are written to a hidden sibling and renamed, so the parent must be writable). Whether an
@@ -105,6 +150,13 @@ def output_dir(path: str | Path, *, flag: str | None) -> Path:
     if p.exists() and not p.is_dir():
         raise BridgeError(f"{where}: exists and is a file; expected a directory to create (or an existing one with "
                           "--overwrite)")
+    if p.is_dir():
+        from .output import check_renameable
+
+        try:
+            check_renameable(p)
+        except BridgeError as e:
+            raise BridgeError(f"{flag}: {e}" if flag else str(e)) from None
     parent = p.parent
     while not parent.exists():
         parent = parent.parent
@@ -141,3 +193,21 @@ def work_dir(path: str | Path, *, flag: str | None) -> Path:
         return p
     return output_dir(p, flag=flag)
 
+
+
+DEMO_OUTPUTS = ("hf", "megatron", "hf_roundtrip", "hf_trained")  # what `megatron-glm5 demo` writes into --out
+
+
+def demo_outputs(work: str | Path, *, flag: str | None = "--out") -> Path:
+    """The demo writes :data:`DEMO_OUTPUTS` into its work directory with the output rules of ``convert`` (never an
+    ``rmtree``): each must be absent, an empty directory, or an earlier output of this tool that holds only what
+    its marker lists. Anything else (a user's ``hf/mydata.txt``) is refused here, before the demo starts."""
+    from .output import check_output_dir
+
+    w = Path(work).absolute()
+    for sub in DEMO_OUTPUTS:
+        try:
+            check_output_dir(w / sub, overwrite=True, how="(the demo replaces only its own earlier outputs)")
+        except BridgeError as e:
+            raise BridgeError(f"{_where(flag, work)}: {e}") from None
+    return w

@@ -17,6 +17,7 @@ def from_hf_pretrained(
     num_layers: int | None = None,
 ):
     """Build the model described by ``hf_path/config.json`` for this rank and load the HF weights into it.
+    ``hf_path`` is a local checkpoint directory (a Hub id is not downloaded).
 
     If megatron-core's parallel state is not initialised, a single-process one is created (TP=PP=EP=1; gloo on
     CPU, NCCL with a GPU); otherwise the model is built for the existing layout and this rank loads only its
@@ -34,7 +35,9 @@ def from_hf_pretrained(
     """
     from megatron.core import parallel_state as ps
 
+    from .errors import CheckpointFormatError
     from .inmemory import load_hf_weights
+    from .preflight import parse_config
     from .source import truncate_hf_config
 
     from megatron_glm5.architectures import parse_architecture
@@ -45,7 +48,13 @@ def from_hf_pretrained(
     cuda = torch.cuda.is_available()
     if params_dtype is None:
         params_dtype = torch.bfloat16 if cuda else torch.float32
+    if not Path(hf_path).is_dir():
+        raise CheckpointFormatError(
+            f"from_hf_pretrained: {hf_path} is not a local directory; it takes an HF checkpoint directory on disk "
+            "(config.json + safetensors), not a Hub id: download it first (e.g. `huggingface-cli download "
+            "zai-org/GLM-5 --local-dir GLM-5`)")
     raw = load_hf_config(hf_path)
+    parse_config(raw, hf_path)  # a field error names the file
     if num_layers is not None:
         raw = truncate_hf_config(raw, num_layers, source=f"{hf_path}/config.json")
     arch = parse_architecture(raw)

@@ -74,7 +74,25 @@ def load_batch(path: str | Path) -> RolloutBatch:
         PackedBatch.build(batch.input_ids, batch.cu_seqlens)
     except ValueError as e:
         raise BridgeError(f"--batch {p}: {e}") from None
+    check_rollout_logprobs(batch, f"--batch {p}")
     return batch
+
+
+def check_rollout_logprobs(batch: RolloutBatch, where: str = "--batch") -> None:
+    """Every rollout log-prob is a log-probability: finite and <= 0 (NaN marks a token without one). A value above 0
+    (a probability > 1, e.g. a logit or a sign error) or an infinity would make every KL below meaningless."""
+    import torch
+
+    lps = batch.rollout_logprobs
+    bad = ((lps > 0) | torch.isinf(lps)).nonzero()[:, 0]
+    if bad.numel() == 0:
+        return
+    t = int(bad[0])
+    starts = torch.tensor(batch.cu_seqlens[:-1])
+    seq = int(torch.searchsorted(starts, torch.tensor(t), right=True)) - 1
+    raise BridgeError(f"{where}: rollout log-prob {float(lps[t]):g} of token {int(batch.input_ids[t])} (sample {seq}, "
+                      f"position {t - int(starts[seq])}) is not a log-probability: expected a finite value <= 0"
+                      + (f" ({bad.numel()} such values)" if bad.numel() > 1 else ""))
 
 
 def _load_json(p: Path) -> RolloutBatch:
@@ -98,6 +116,11 @@ def _load_json(p: Path) -> RolloutBatch:
         if len(tokens) < 2 or len(rollout) > len(tokens) - 1:
             raise BridgeError(f"--batch {p}: sample {i} has {len(tokens)} tokens and {len(rollout)} rollout log-probs; "
                               "expected at least 2 tokens and at most one log-prob per token after the first")
+        nan = next((j for j, v in enumerate(rollout) if v != v), None)
+        if nan is not None:
+            pos = len(tokens) - len(rollout) + nan
+            raise BridgeError(f"--batch {p}: sample {i} rollout_logprobs[{nan}] is NaN (token {tokens[pos]} at "
+                              f"position {pos}): list only the tokens the engine scored (the last R tokens)")
         ids.extend(tokens)
         lps.extend([math.nan] * (len(tokens) - len(rollout)) + [float(v) for v in rollout])
         cu.append(cu[-1] + len(tokens))
@@ -237,6 +260,7 @@ def rollout_parity(*, hf_path: str | Path, batch: str | Path | RolloutBatch, bac
     if plot is not None:
         check_plot_path(plot)
     data = batch if isinstance(batch, RolloutBatch) else load_batch(batch)
+    check_rollout_logprobs(data, "batch")
     cuda = torch.cuda.is_available() if device is None else device == "cuda"
     params_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[dtype]
     model = from_hf_pretrained(hf_path, backend=backend, params_dtype=params_dtype)

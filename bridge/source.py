@@ -20,6 +20,7 @@ from . import hf_io
 from .errors import BridgeError, CheckpointFormatError
 from .mapping import Expansion, TensorMap, check_hf_shapes
 from .prefetch import Prefetcher
+from .preflight import parse_config
 from .tables import HFLayout, account_for, detect_layout, expand_for, truncate_config
 from .transforms import dequantize_block_fp8
 
@@ -95,6 +96,20 @@ def _skip_reason(name: str, arch: Architecture, num_layers: int) -> str:
     return f"not part of the model of the first {num_layers} layers"  # pragma: no cover - global tensors are kept
 
 
+def check_hf_dtypes(names, reader: hf_io.HFCheckpointReader, *, source: str) -> None:
+    """Every mapped HF tensor is floating point (bf16 / fp16 / fp32, or FP8 with fp32 scales). An integer or bool
+    tensor under a weight's name would be cast to the model dtype without a word and train garbage. GLM-5.x releases
+    carry no integer buffers among the mapped tensors (``rotary_emb.inv_freq`` is ignored, vision tensors of
+    GLM-5.3-Flash pass through untouched), so there is nothing to exempt."""
+    bad = [f"{n}: {dtype_name(reader.tensors[n].dtype)}{list(reader.tensors[n].shape)}" for n in sorted(names)
+           if not reader.tensors[n].dtype.is_floating_point]
+    if bad:
+        more = f" (and {len(bad) - 10} more)" if len(bad) > 10 else ""
+        raise CheckpointFormatError(f"{source}: {len(bad)} weight tensor(s) are not floating point: "
+                                    + "; ".join(bad[:10]) + more + "; expected bf16, fp16 or fp32 weights (or "
+                                    "block-FP8 with fp32 scales)")
+
+
 def open_hf_source(hf_path: str | Path, *, num_layers: int | None = None) -> HFSource:
     """Open and validate an HF checkpoint: config, index, headers, exact key accounting and shapes of *every*
     tensor (nothing is read beyond headers).
@@ -109,7 +124,7 @@ def open_hf_source(hf_path: str | Path, *, num_layers: int | None = None) -> HFS
     if not (path / "config.json").is_file():
         raise CheckpointFormatError(f"{path}: missing config.json")
     raw = load_hf_config(path)
-    arch = parse_architecture(raw)
+    arch = parse_config(raw, path)
     if num_layers is not None:
         check_num_layers(num_layers, arch, source=str(path / "config.json"))
     reader = hf_io.HFCheckpointReader(path)
@@ -124,6 +139,7 @@ def open_hf_source(hf_path: str | Path, *, num_layers: int | None = None) -> HFS
     expansion = expand_for(arch, layout, fp8_names=fp8, fp8_block=block)
     ignored, passthrough = account_for(arch, expansion, reader.names, source=str(path), layout=layout)
     check_hf_shapes(expansion, reader.shapes(), source=str(path))
+    check_hf_dtypes(expansion.hf_shapes(), reader, source=str(path))
     if num_layers is None:
         return HFSource(path, raw, arch, reader, expansion, ignored, fp8, block, layout=layout, passthrough=passthrough)
     full_arch, full_names = arch, expansion.hf_shapes()

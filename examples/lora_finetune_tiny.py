@@ -49,7 +49,7 @@ def main(argv=None) -> dict:
     import bridge
     from megatron_glm5 import from_hf_pretrained
     from megatron_glm5.cpu import enable_cpu_mode
-    from megatron_glm5.lora import LoraConfig, add_lora, lora_parameters
+    from megatron_glm5.lora import DEFAULT_TARGET_MODULES, LoraConfig, add_lora, lora_parameters
     from megatron_glm5.testing import load_hf_reference_model, match_norm_eps, tiny_glm52_config, write_hf_checkpoint
 
     enable_cpu_mode()  # a no-op with CUDA
@@ -59,8 +59,9 @@ def main(argv=None) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
 
     model = from_hf_pretrained(hf_path, backend=args.backend, params_dtype=torch.float32)
-    exclude = () if args.merged else ("dense_mlp", "shared_experts")
-    add_lora(model, LoraConfig(r=8, alpha=16, exclude_modules=exclude))
+    # the default targets (attention, routed experts) are what a PEFT adapter holds; merging takes any linear
+    merge_only = ("dense_mlp", "shared_experts") if args.merged else ()
+    add_lora(model, LoraConfig(r=8, alpha=16, target_modules=(*DEFAULT_TARGET_MODULES, *merge_only)))
     params = [p for _, p in lora_parameters(model)]
     total = sum(p.numel() for p in model.parameters())
     print(f"LoRA: {sum(p.numel() for p in params):,} trainable of {total:,} parameters "

@@ -3,8 +3,13 @@
 ``add_lora(model, LoraConfig(r=16, alpha=32))`` wraps the targeted linears of a built ``GPTModel`` (either attention
 backend, any TP / SP / EP / PP layout, MTP layers included) and freezes every base weight. Targets are HF names
 (``q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj, gate_proj, up_proj, down_proj`` and the indexer's
-``wq_b, wk, weights_proj``) or megatron-core names (``linear_q_down_proj, ...``); the MLP names reach the dense MLP,
-the shared experts and every routed expert (one adapter per expert).
+``wq_b, wk, weights_proj``), megatron-core names (``linear_q_down_proj, ...``) or groups (``attention``,
+``indexer``, ``routed_experts``, ``dense_mlp``, ``shared_experts``: every linear of the group). The MLP names mean
+what they mean to peft on transformers 5: the routed experts (one adapter per expert). The dense MLP and the shared
+experts are adapted only when their group is named (``target_modules=(*DEFAULT_TARGET_MODULES, "dense_mlp",
+"shared_experts")``): an HF PEFT adapter cannot hold them (:mod:`bridge.adapters`), so the defaults - attention and
+routed experts - are exactly what ``bridge.export_peft_adapter`` can write; adapters on them are merge-only. A
+target that matches no module of the model is refused with the names the model has.
 
 Design (why our own wrapper): peft 0.21 ships tensor-parallel LoRA layers for megatron-core
 (``peft.tuners.lora.tp_layer``), but on megatron-core 0.19 they do not construct (``KeyError: 'fan_in_fan_out'``,
@@ -121,6 +126,10 @@ DEFAULT_TARGET_MODULES: tuple[str, ...] = (
 )
 # Groups usable in ``exclude_modules`` (besides target names and regular expressions on module names).
 SCOPES = ("attention", "indexer", "dense_mlp", "shared_experts", "routed_experts", "mtp")
+# Groups usable in ``target_modules``: every linear of the group. The dense MLP and shared experts are reached only
+# this way (no HF PEFT representation), never by the MLP names.
+TARGET_GROUPS = ("attention", "indexer", "routed_experts", "dense_mlp", "shared_experts")
+MERGE_ONLY_GROUPS = frozenset({"dense_mlp", "shared_experts"})
 
 # Where each target lives, relative to a decoder (or MTP inner) layer; ``{e}`` is the global expert id.
 _MODULE_RE = re.compile(
@@ -131,13 +140,13 @@ _MODULE_RE = re.compile(
 
 
 def _valid_targets() -> list[str]:
-    return sorted(HF_TO_MEGATRON) + list(MEGATRON_TARGETS) + ["all-linear"]
+    return sorted(HF_TO_MEGATRON) + list(MEGATRON_TARGETS) + list(TARGET_GROUPS) + ["all-linear"]
 
 
 def resolve_targets(names: Iterable[str]) -> tuple[str, ...]:
     """HF or megatron target names -> megatron-core linear names (sorted, unique). ``gate_proj`` and ``up_proj`` are
     one megatron linear (``linear_fc1``), so they come together; ``all-linear`` is :data:`DEFAULT_TARGET_MODULES`."""
-    names = list(names)
+    names = [n for n in names if n not in TARGET_GROUPS]
     unknown = [n for n in names if n not in HF_TO_MEGATRON and n not in MEGATRON_TARGETS and n != "all-linear"]
     if unknown:
         raise ValueError(f"unknown LoRA target(s) {unknown}; valid targets: {_valid_targets()} (the indexer's "
@@ -159,7 +168,10 @@ class LoraConfig:
 
     ``r`` / ``alpha``: rank and scale (``alpha / r``); ``linear_fc1`` (gate + up) adapters get rank ``2r`` and
     alpha ``2*alpha``, as peft does for transformers' fused ``gate_up_proj``. ``target_modules``: HF or megatron names
-    (see :func:`resolve_targets`). ``exclude_modules``: target names, groups (:data:`SCOPES`: ``attention``,
+    (see :func:`resolve_targets`; the MLP names reach the routed experts) and groups (:data:`TARGET_GROUPS`; the only
+    way to reach the dense MLP and shared experts, whose adapters HF PEFT cannot hold). The default is attention +
+    routed experts: what ``bridge.export_peft_adapter`` writes. ``exclude_modules``: target names, groups
+    (:data:`SCOPES`: ``attention``,
     ``indexer``, ``dense_mlp``, ``shared_experts``, ``routed_experts``, ``mtp``) or regular expressions searched in
     module names such as ``decoder.layers.3.mlp.experts.local_experts.5.linear_fc1``. ``init_lora_weights=False``
     draws ``B`` at random too (non-zero adapter from the start; for tests), ``seed`` seeds the initialisation."""
@@ -172,6 +184,7 @@ class LoraConfig:
     init_lora_weights: bool = True
     seed: int = 0
     targets: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    groups: frozenset[str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.r, bool) or not isinstance(self.r, int) or self.r <= 0:
@@ -185,7 +198,16 @@ class LoraConfig:
             object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
         if not self.target_modules:
             raise ValueError(f"LoraConfig.target_modules is empty; valid targets: {_valid_targets()}")
-        object.__setattr__(self, "targets", resolve_targets(self.target_modules))
+        names = [n for n in self.target_modules if n not in TARGET_GROUPS]
+        object.__setattr__(self, "targets", resolve_targets(names) if names else ())
+        object.__setattr__(self, "groups", frozenset(n for n in self.target_modules if n in TARGET_GROUPS))
+
+    def selects(self, target: str, group: str) -> bool:
+        """Whether a linear (megatron ``target`` name, :func:`scope_of` ``group``) is a target: its group is named,
+        or its name is and it is not in a merge-only group (dense MLP, shared experts)."""
+        if group in self.groups:
+            return True
+        return group not in MERGE_ONLY_GROUPS and target in self.targets
 
     def rank_for(self, target: str) -> int:
         return 2 * self.r if target == "linear_fc1" else self.r
@@ -391,7 +413,7 @@ def add_lora(model, config: LoraConfig, *, only: Mapping[str, tuple[int, float]]
         raise TypeError(f"add_lora expects a megatron_glm5.lora.LoraConfig, got {type(config).__name__}")
     chunks = _chunks(model)
     only_set = None if only is None else dict(only)
-    indexer = sorted(INDEXER_TARGETS & set(config.targets))
+    indexer = sorted(INDEXER_TARGETS & set(config.targets)) + (["indexer"] if "indexer" in config.groups else [])
     if indexer:
         warnings.warn(
             f"LoRA on the DSA indexer ({', '.join(indexer)}): the indexer runs without gradient (its top-k is "
@@ -399,7 +421,7 @@ def add_lora(model, config: LoraConfig, *, only: Mapping[str, tuple[int, float]]
             "forward and exported) and are not trained", stacklevel=2)
     planned: list[tuple[str, torch.nn.Module, str]] = []
     used_excludes: set[str] = set()
-    seen_targets: set[str] = set()
+    present: set[tuple[str, str]] = set()  # (target, group) of every adaptable linear of this rank's chunks
     for chunk in chunks:
         _check_config(chunk.config)
         for name, module in logical_modules(chunk):
@@ -407,16 +429,19 @@ def add_lora(model, config: LoraConfig, *, only: Mapping[str, tuple[int, float]]
             if scope is None:
                 continue
             target, group = scope
-            if target not in config.targets:
-                continue
-            if only_set is not None and name not in only_set:
+            present.add(scope)
+            if only_set is not None:
+                if name not in only_set:
+                    continue
+            elif not config.selects(target, group):
                 continue
             hit = _excluded(name, target, group, config.exclude_modules)
             if hit is not None:
                 used_excludes.add(hit)
                 continue
             planned.append((name, module, target))
-            seen_targets.add(target)
+    if only_set is None:
+        _check_targets_match(config, present, chunks)
     if not planned:
         raise ValueError(f"LoRA: no module of the model matches target_modules={list(config.target_modules)} "
                          f"(exclude_modules={list(config.exclude_modules)})")
@@ -438,6 +463,52 @@ def add_lora(model, config: LoraConfig, *, only: Mapping[str, tuple[int, float]]
                 module._glm5_lora_hook = module.register_forward_hook(_embedding_output_requires_grad)
         setattr(chunk, LORA_CONFIG_ATTR, config)
     return model
+
+
+def _entry_matches(entry: str, config: LoraConfig, target: str, group: str) -> bool:
+    if entry in TARGET_GROUPS:
+        return group == entry
+    return HF_TO_MEGATRON.get(entry, entry) == target and config.selects(target, group)
+
+
+def _present_everywhere(present: set[tuple[str, str]], chunks) -> set[tuple[str, str]]:
+    """``present`` united over the pipeline stages: a stage holds only its own layers (the dense MLP may live on the
+    first stage alone), and whether a target matches is a property of the whole model."""
+    import torch.distributed as dist
+
+    try:
+        from megatron.core import parallel_state as ps
+
+        pp = ps.get_pipeline_model_parallel_world_size() if ps.model_parallel_is_initialized() else 1
+    except (ImportError, AssertionError, RuntimeError):
+        pp = 1
+    if pp <= 1 or not dist.is_initialized():
+        return present
+    group = ps.get_pipeline_model_parallel_group()
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, sorted(present), group=group)
+    return {tuple(x) for stage in everyone for x in stage}
+
+
+def _check_targets_match(config: LoraConfig, present: set[tuple[str, str]], chunks) -> None:
+    """Refuse a ``target_modules`` entry that reaches no linear of the model (a misspelled intent, e.g. the dense
+    MLP's ``gate_proj`` without ``dense_mlp``, or the indexer of a model without one), naming what the model has."""
+    if tuple(config.target_modules) == DEFAULT_TARGET_MODULES:
+        return  # not the user's words: a model without routed experts simply gets attention adapters
+    everywhere = _present_everywhere(present, chunks)
+    unmatched = [e for e in config.target_modules if e != "all-linear"
+                 and not any(_entry_matches(e, config, t, g) for t, g in everywhere)]
+    if not unmatched:
+        return
+    targets = [t for t in MEGATRON_TARGETS if any(t == x for x, _ in everywhere)]
+    hf = sorted(h for h, m in HF_TO_MEGATRON.items() if m in targets)
+    groups = [g for g in TARGET_GROUPS if any(g == y for _, y in everywhere)]
+    hint = ""
+    if any(HF_TO_MEGATRON.get(e, e) in ("linear_fc1", "linear_fc2") for e in unmatched):
+        hint = ("; the MLP names reach the routed experts only: name 'dense_mlp' / 'shared_experts' for the dense MLP "
+                "and the shared experts")
+    raise ValueError(f"LoRA target_modules {unmatched} match no module of this model; it has HF names {hf}, "
+                     f"megatron names {targets} and groups {groups}{hint}")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -490,5 +561,5 @@ __all__ = [
     "DEFAULT_TARGET_MODULES", "HF_TO_MEGATRON", "INDEXER_TARGETS", "LORA_CONFIG_ATTR", "LoraColumn", "LoraConfig",
     "LoraDuplicated", "LoraLinear", "LoraRow", "LoraWeightRead", "MEGATRON_TARGETS", "MergedWeights", "SCOPES",
     "add_lora", "base_only", "is_lora_parameter", "linear_weight", "logical_modules", "lora_config", "lora_modules",
-    "lora_parameters", "resolve_targets", "scope_of",
+    "lora_parameters", "resolve_targets", "scope_of", "TARGET_GROUPS",
 ]

@@ -49,8 +49,10 @@ def build_model(
     if isinstance(arch, GLM5NextArchitecture):  # GLM-5.3-Flash: its own block (KDA, mHC) and config
         from .glm5_next.model import build_model as build_glm5_next_model
 
+        check_parallel_state(config if config is not None else policy or RuntimePolicy())
         return build_glm5_next_model(arch, policy, backend=backend, config=config, vp_stage=vp_stage,
                                      pre_process=pre_process, post_process=post_process, indexer_types=indexer_types)
+    check_parallel_state(config if config is not None else policy or RuntimePolicy())
     config = config if config is not None else build_transformer_config(arch, policy)
     if pre_process is None:
         pre_process = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
@@ -81,6 +83,41 @@ def build_model(
     if warmup:
         freeze_all_but_indexers(model)
     return attach_cpu_mode(model)
+
+
+_PARALLEL_SIZES = (  # (policy / TransformerConfig field, megatron-core parallel_state getter)
+    ("tensor_model_parallel_size", "get_tensor_model_parallel_world_size"),
+    ("pipeline_model_parallel_size", "get_pipeline_model_parallel_world_size"),
+    ("expert_model_parallel_size", "get_expert_model_parallel_world_size"),
+    ("expert_tensor_parallel_size", "get_expert_tensor_parallel_world_size"),
+    ("context_parallel_size", "get_context_parallel_world_size"),
+)
+
+
+def check_parallel_state(sizes) -> None:
+    """``sizes`` (a :class:`~megatron_glm5.config.RuntimePolicy` or a ``TransformerConfig``) must describe the
+    initialised megatron-core parallel state. megatron-core shards every layer by the parallel state, not by the
+    config, so a mismatch silently built a model whose config says TP=4 in a TP=1 world (unsharded weights, wrong
+    checkpoints and collectives). ``expert_tensor_parallel_size`` None means "= TP", as in megatron-core."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return  # megatron-core itself refuses to build without it
+    kind = type(sizes).__name__
+    bad = []
+    for field_name, getter in _PARALLEL_SIZES:
+        want = getattr(sizes, field_name, None)
+        if want is None and field_name == "expert_tensor_parallel_size":
+            want = getattr(sizes, "tensor_model_parallel_size", 1)
+        if want is None:
+            continue
+        have = getattr(ps, getter)()
+        if int(want) != int(have):
+            bad.append(f"{field_name}={want} but the initialised parallel state has {have}")
+    if bad:
+        raise ValueError(f"{kind}: {'; '.join(bad)}; initialise megatron-core with these sizes first "
+                         "(megatron_glm5.parallel.initialize_model_parallel, or torchrun + Megatron-LM) or build with "
+                         "a policy that matches the parallel state")
 
 
 def check_position_ids(model, args: tuple, kwargs: dict) -> None:

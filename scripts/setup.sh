@@ -39,4 +39,5 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/python -m pip install -q -e ".[${extras}]"
-.venv/bin/python -c "import megatron.core, transformers, megatron_glm5, bridge; print('megatron-glm5 ready: megatron-core', megatron.core.__version__, '| transformers', transformers.__version__)"
+# the installed distributions' versions: megatron.core.__version__ appends the git hash of the enclosing checkout
+.venv/bin/python -c "import megatron.core, transformers, megatron_glm5, bridge; from importlib.metadata import version as v; print('megatron-glm5 ready: megatron-core', v('megatron-core'), '| transformers', v('transformers'))"

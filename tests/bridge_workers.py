@@ -157,3 +157,108 @@ def killed_while_replacing(src: str, dst: str) -> None:
 
     output._remove_tree = die
     convert_hf_to_megatron(hf_path=src, megatron_path=dst, overwrite=True, progress=False)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# A full disk, injected into a CLI subprocess and every rank it spawns
+# --------------------------------------------------------------------------------------------------------------------
+
+_FULL_DISK_SITE = '''\
+"""Test-only: every data file of a torch_dist checkpoint (*.distcp) opened for writing fails with ENOSPC on its
+first write, as a full disk does. Loaded by every Python process started with this directory on PYTHONPATH."""
+import builtins
+import errno
+import os
+
+_open = builtins.open
+
+
+class _FullDisk:
+    def __init__(self, f):
+        self._f = f
+
+    def write(self, data):
+        del data  # a real full disk fails inside C, keeping no reference to the caller's buffer
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+
+def open(file, mode="r", *args, **kwargs):
+    f = _open(file, mode, *args, **kwargs)
+    if ("w" in mode or "a" in mode) and str(file).endswith(".distcp"):
+        return _FullDisk(f)
+    return f
+
+
+builtins.open = open
+'''
+
+
+def full_disk_env(root: Path) -> dict[str, str]:
+    """Environment for a subprocess whose Megatron-side checkpoint writes hit a full disk (``sitecustomize``)."""
+    site = Path(root) / "full_disk_site"
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text(_FULL_DISK_SITE)
+    repo = Path(__file__).resolve().parent.parent
+    return {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{repo}"}
+
+
+_SLOW_DISK_SITE = '''\
+"""Test-only: every write to a torch_dist data file (*.distcp) takes 50 ms, as on a slow disk; the first one creates
+the file named by GLM5_TEST_WRITING. Loaded by every Python process started with this directory on PYTHONPATH."""
+import builtins
+import os
+import time
+
+_open = builtins.open
+_marker = os.environ.get("GLM5_TEST_WRITING")
+
+
+class _SlowDisk:
+    def __init__(self, f):
+        self._f = f
+
+    def write(self, data):
+        if _marker and not os.path.exists(_marker):
+            _open(_marker, "w").close()
+        time.sleep(0.05)
+        return self._f.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+
+def open(file, mode="r", *args, **kwargs):
+    f = _open(file, mode, *args, **kwargs)
+    if "w" in mode and str(file).endswith(".distcp"):
+        return _SlowDisk(f)
+    return f
+
+
+builtins.open = open
+'''
+
+
+def slow_disk_env(root: Path) -> tuple[dict[str, str], Path]:
+    """Environment for a subprocess (and its ranks) whose checkpoint data writes are slow, and the file that appears
+    when the first one starts."""
+    site = Path(root) / "slow_disk_site"
+    site.mkdir(parents=True, exist_ok=True)
+    (site / "sitecustomize.py").write_text(_SLOW_DISK_SITE)
+    marker = Path(root) / "WRITING"
+    repo = Path(__file__).resolve().parent.parent
+    return {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{repo}", "GLM5_TEST_WRITING": str(marker)}, marker

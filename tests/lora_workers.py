@@ -12,7 +12,10 @@ import torch.distributed as dist
 from tests.parallel_workers import load_weights, make_batches, tensor_sharded_state_dict, train_step_grads
 from megatron_glm5.parallel import destroy_model_parallel
 
-LORA = dict(r=4, alpha=8, init_lora_weights=False, seed=3)  # B random: A gets a gradient on step 1
+# B random: A gets a gradient on step 1; every adaptable linear, the merge-only dense MLP / shared experts included
+LORA = dict(r=4, alpha=8, init_lora_weights=False, seed=3,
+            target_modules=("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj",
+                            "up_proj", "down_proj", "dense_mlp", "shared_experts"))
 
 
 def _lora_only(sharded: dict) -> dict:

@@ -19,19 +19,21 @@ REPO = Path(__file__).resolve().parent.parent
 
 # Adding a flag is a deliberate change: update this table (torchtitan's test_no_new_cli_options idea).
 FROZEN_FLAGS = {
-    "demo": ["--keep", "--model", "--out", "--steps"],
+    "demo": ["--keep", "--model", "--out", "--steps", "--verbose"],
     "convert import": ["--dtype", "--ep", "--hf-path", "--iteration", "--megatron-path", "--no-progress",
-                       "--overwrite", "--pp", "--tp"],
+                       "--overwrite", "--pp", "--tp", "--verbose"],
     "convert export": ["--dtype", "--expert-layout", "--hf-config", "--hf-path", "--max-shard-size",
-                       "--megatron-path", "--no-progress", "--overwrite"],
-    "convert roundtrip": ["--ep", "--hf-path", "--keep", "--no-progress", "--pp", "--tp", "--work-dir"],
-    "clean": ["--dry-run"],
+                       "--megatron-path", "--no-progress", "--overwrite", "--verbose"],
+    "convert roundtrip": ["--ep", "--hf-path", "--keep", "--no-progress", "--pp", "--tp", "--verbose", "--work-dir"],
+    "clean": ["--dry-run", "--verbose"],
     "verify": ["--batch-size", "--device", "--dtype", "--hf-path", "--megatron-path", "--num-layers", "--seed",
-               "--seq-len", "--tol"],
-    "lora export": ["--adapter-path", "--hf-config", "--megatron-path", "--overwrite"],
-    "lora import": ["--adapter-path", "--hf-config", "--megatron-path", "--overwrite"],
-    "lora merge": ["--adapter-path", "--hf-path", "--max-shard-size", "--no-progress", "--out", "--overwrite"],
-    "rollout-parity": ["--backend", "--batch", "--device", "--dtype", "--hf-path", "--max-kl", "--plot"],
+               "--seq-len", "--tol", "--verbose"],
+    "lora export": ["--adapter-path", "--hf-config", "--megatron-path", "--overwrite", "--verbose"],
+    "lora import": ["--adapter-path", "--hf-config", "--megatron-path", "--overwrite", "--verbose"],
+    "lora merge": ["--adapter-path", "--hf-path", "--max-shard-size", "--no-progress", "--out", "--overwrite",
+                   "--verbose"],
+    "rollout-parity": ["--backend", "--batch", "--device", "--dtype", "--hf-path", "--max-kl", "--plot",
+                       "--verbose"],
 }
 
 
@@ -79,8 +81,13 @@ def test_convert_import_export_roundtrip_and_verify(fixtures, tmp_path, capsys, 
     line = capsys.readouterr().out.strip()
     assert "\n" not in line
     report = json.loads(line)
-    assert report["max_abs_logit_diff"] <= 1e-4 and report["logit_cosine"] > 0.999999
+    assert report["max_abs_logit_diff"] <= 1e-4 and 0.999999 < report["logit_cosine"] <= 1.0
     assert set(report["topk_overlap"]) == {"0", "2"}
+    # a failed check: exit 1, the report on stdout, one `failed:` line on stderr naming the limit
+    assert cli.main(["verify", "--hf-path", str(tmp_path / "hf"), "--seq-len", "64", "--tol", "1e-12"]) == 1
+    out, err = capsys.readouterr()
+    assert json.loads(out.strip())["ok"] is False
+    assert err.count("\n") == 1 and err.startswith("failed: verify: max_rel_logit_diff ") and "> tol 1e-12" in err
 
 
 def test_roundtrip_with_locally_spawned_ranks(fixtures, capsys):
@@ -192,3 +199,15 @@ def test_import_into_a_read_only_location_is_a_user_error(fixtures, tmp_path):
     finally:
         if os.geteuid() != 0:
             target.parent.chmod(0o755)
+
+
+def test_verbose_is_accepted_after_the_subcommand(tmp_path):
+    """Was: `megatron-glm5 convert import ... --verbose` -> "unrecognized arguments: --verbose"."""
+    parser = cli.build_parser()
+    for argv, want in ((["convert", "import", "--hf-path", "a", "--megatron-path", "b", "--verbose"], True),
+                       (["--verbose", "lora", "merge", "--hf-path", "a", "--adapter-path", "b", "--out", "c"], True),
+                       (["demo", "--verbose"], True), (["verify", "--hf-path", "a"], False)):
+        assert parser.parse_args(argv).verbose is want, argv
+    proc = _cli("convert", "import", "--hf-path", "/nonexistent/GLM-5", "--megatron-path", str(tmp_path / "o"),
+                "--verbose", guarded=True)
+    _assert_user_error(proc, "--hf-path /nonexistent/GLM-5: no such directory")

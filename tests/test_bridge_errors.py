@@ -7,6 +7,7 @@ import errno
 import json
 import multiprocessing as mp
 import os
+import re
 import shutil
 import signal
 import time
@@ -84,6 +85,27 @@ def test_shape_mismatch(base, tmp_path, capsys):
     _assert_import_fails(capsys, hf, tmp_path, f"{name}: expected [192, 64], found [190, 64]")
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.bool])
+def test_non_float_weight_is_refused(base, tmp_path, capsys, model_parallel, dtype):
+    """Was: an int32 (or any integer / bool) weight was accepted with exit 0 and cast to the model dtype. Now import
+    and from_hf_pretrained refuse it, naming the tensor, its dtype and shape."""
+    from bridge.pretrained import from_hf_pretrained
+
+    from safetensors.torch import save_file
+
+    name = "model.layers.0.self_attn.q_b_proj.weight"
+    hf = _copy(base["glm5"], tmp_path / "hf")
+    shard = hf / json.loads((hf / "model.safetensors.index.json").read_text())["weight_map"][name]
+    tensors = load_file(shard)
+    tensors[name] = torch.ones(192, 64, dtype=dtype)
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    want = f"{name}: {str(dtype).removeprefix('torch.')}[192, 64]"
+    with pytest.raises(CheckpointFormatError, match=re.escape(want)):
+        from_hf_pretrained(hf)
+    capsys.readouterr()  # import-time chatter of a fresh process
+    _assert_import_fails(capsys, hf, tmp_path, "1 weight tensor(s) are not floating point", want)
+
+
 def test_indexer_on_a_shared_layer(base, tmp_path, capsys):
     add = {f"model.layers.1.self_attn.indexer.{n}": torch.zeros(32, 128) for n in ("wk.weight",)}
     hf = _rewrite(base["glm52"], tmp_path / "hf", add=add)
@@ -136,8 +158,12 @@ def test_existing_output_needs_overwrite(base, tmp_path, capsys):
     assert code == 2 and "already exists; pass --overwrite" in err and (out / "old.txt").is_file()
     code, err = _run(capsys, "convert", "import", "--hf-path", str(base["glm5"]), "--megatron-path", str(out),
                      "--overwrite", "--no-progress")
+    assert code == 2 and "did not write (old.txt;" in err and (out / "old.txt").read_text() == "x", err  # kept
+    (out / "old.txt").unlink()
+    code, err = _run(capsys, "convert", "import", "--hf-path", str(base["glm5"]), "--megatron-path", str(out),
+                     "--overwrite", "--no-progress")
     assert code == 0, err
-    assert not (out / "old.txt").exists() and (out / "latest_checkpointed_iteration.txt").is_file()
+    assert (out / "latest_checkpointed_iteration.txt").is_file()
     assert _leftovers(tmp_path, "out") == ["out"]
 
 
@@ -449,3 +475,188 @@ def test_parallel_layout_is_checked_against_the_released_configs():
             check_parallel_layout(arch, 1, 1, 3)
         with pytest.raises(BridgeError, match=r"--pp 5: cannot split 78 layers"):
             check_parallel_layout(arch, 1, 5, 1)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# A full disk while the Megatron-side writers run, on the real process (ranks included)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _cli_proc(*argv: str, env: dict | None = None, cwd: Path | None = None):
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    return subprocess.run([sys.executable, "-m", "bridge.cli", *argv], capture_output=True, text=True, timeout=600,
+                          cwd=cwd or repo, env=env or {**os.environ, "PYTHONPATH": str(repo)})
+
+
+def _assert_one_line(proc, code: int, *fragments: str) -> str:
+    assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    for f in fragments:
+        assert f in lines[0], (f, lines[0])
+    return lines[0]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_disk_full_during_import_and_roundtrip_is_one_line(base, tmp_path, tp):
+    """Was: exit 1 and a 48-71 line `[rank0]` traceback ending in `OSError: [Errno 28] No space left on device`
+    (torch's checkpoint writer wraps every failure in a CheckpointException, a BaseException). Now the failure is
+    the OSError itself: one line naming the output, exit 2, nothing left behind - also from spawned ranks (TP=2)."""
+    from tests.bridge_workers import full_disk_env
+
+    env = full_disk_env(tmp_path / "site")
+    out = tmp_path / "out"
+    proc = _cli_proc("convert", "import", "--hf-path", str(base["glm5"]), "--megatron-path", str(out),
+                     "--tp", str(tp), "--no-progress", env=env)
+    _assert_one_line(proc, 2, f"error: --megatron-path {out}", "No space left on device")
+    assert _leftovers(tmp_path, "out") == []
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = _cli_proc("convert", "roundtrip", "--hf-path", str(base["glm5"]), "--work-dir", str(work),
+                     "--tp", str(tp), "--no-progress", env=env)
+    _assert_one_line(proc, 2, f"error: --work-dir {work}", "No space left on device")
+    assert list(work.iterdir()) == []
+
+
+def test_disk_full_on_a_real_small_file_system(base, tmp_path):
+    """The same on a real 1 MB tmpfs (root only; the fixture needs about 6 MB)."""
+    import subprocess
+
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        out = mnt / "out"
+        proc = _cli_proc("convert", "import", "--hf-path", str(base["glm5"]), "--megatron-path", str(out),
+                         "--no-progress")
+        _assert_one_line(proc, 2, f"error: --megatron-path {out}", "No space left on device")
+        assert list(mnt.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Ctrl-C and SIGTERM: one line, 130 / 143, nothing left behind
+# --------------------------------------------------------------------------------------------------------------------
+
+# The CLI with every checkpoint box slowed down, announcing on stdout when it starts writing boxes.
+_SLOW_CLI = """
+import sys, time
+import bridge.megatron_io as mio
+
+resolve = mio._BoxPlanner.resolve_data
+started = []
+
+def slow(self, item):
+    if not started:
+        started.append(1)
+        print("WRITING", flush=True)
+    time.sleep(0.2)
+    return resolve(self, item)
+
+mio._BoxPlanner.resolve_data = slow
+from bridge.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_interrupted_conversion_is_one_line_and_leaves_nothing(base, tmp_path, sig, code):
+    """Was: Ctrl-C printed a ~49-line KeyboardInterrupt traceback, SIGTERM exited 143 silently (leaving the staged
+    checkpoint behind). Now both print one line and remove what they staged; an output being replaced with
+    --overwrite is left exactly as it was."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parent.parent
+    out = tmp_path / "out"
+    for overwrite in (False, True):
+        if overwrite:
+            assert cli.main(["convert", "import", "--hf-path", str(base["glm52"]), "--megatron-path", str(out),
+                             "--no-progress"]) == 0
+        before = sorted((p.relative_to(out).as_posix(), p.stat().st_mtime_ns) for p in out.rglob("*")) \
+            if out.exists() else None
+        proc = subprocess.Popen([sys.executable, "-c", _SLOW_CLI, "convert", "import", "--hf-path",
+                                 str(base["glm5"]), "--megatron-path", str(out), "--no-progress",
+                                 *(["--overwrite"] if overwrite else [])],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=repo,
+                                env={**os.environ, "PYTHONPATH": str(repo)})
+        assert proc.stdout.readline().strip() == "WRITING"
+        assert [p for p in tmp_path.iterdir() if p.name.startswith(".out.partial-")]  # mid-way, really
+        proc.send_signal(sig)
+        stdout, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == code, (proc.returncode, stdout, stderr)
+        assert stderr.splitlines() == [f"error: interrupted; nothing was written at {out}"], stderr
+        assert _leftovers(tmp_path, "out") == (["out"] if overwrite else [])
+        after = sorted((p.relative_to(out).as_posix(), p.stat().st_mtime_ns) for p in out.rglob("*")) \
+            if out.exists() else None
+        assert after == before
+
+
+def test_config_field_errors_name_the_file(base, tmp_path, capsys):
+    """Was: `error: config field 'model_type': expected one of ...` without the file. Every path that reads a
+    config.json - the CLI's checks and the library's own - now puts the file in front."""
+    from bridge.source import open_hf_source
+    from megatron_glm5.config import GLM5ConfigError
+
+    bad = _copy(base["glm52"], tmp_path / "bad")
+    raw = json.loads((bad / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**raw, "model_type": "llama"}))
+    field = "config field 'model_type': expected one of"
+    cfg = bad / "config.json"
+    for argv, flag in ((["convert", "import", "--hf-path", bad, "--megatron-path", tmp_path / "o"], "--hf-path"),
+                       (["verify", "--hf-path", bad], "--hf-path"),
+                       (["convert", "export", "--megatron-path", tmp_path, "--hf-path", tmp_path / "o",
+                         "--hf-config", cfg], None),
+                       (["lora", "import", "--adapter-path", tmp_path / "a", "--megatron-path", tmp_path / "o",
+                         "--hf-config", cfg], None)):
+        if argv[0] == "lora":
+            (tmp_path / "a").mkdir(exist_ok=True)
+            (tmp_path / "a" / "adapter_config.json").write_text("{}")
+        if argv[1] == "export":
+            continue  # needs a Megatron checkpoint first: below
+        code, err = _run(capsys, *map(str, argv))
+        assert code == 2 and err.count("\n") == 1, err
+        assert f"{flag or '--hf-config'} {cfg}: {field}" in err, err
+    with pytest.raises(GLM5ConfigError, match=f"^{cfg}: {field}"):
+        open_hf_source(bad)
+    assert cli.main(["convert", "import", "--hf-path", str(base["glm52"]), "--megatron-path", str(tmp_path / "mc"),
+                     "--no-progress"]) == 0
+    code, err = _run(capsys, "convert", "export", "--megatron-path", str(tmp_path / "mc"), "--hf-path",
+                     str(tmp_path / "o"), "--hf-config", str(cfg))
+    assert code == 2 and f"--hf-config {cfg}: {field}" in err, err
+
+
+def test_ctrl_c_during_a_conversion_over_spawned_ranks(base, tmp_path):
+    """Ctrl-C in a terminal reaches the whole process group: the parent and the TP=2 ranks it spawned. One line, 130,
+    no rank left running, nothing left at the output or beside it."""
+    import subprocess
+    import sys
+
+    from tests.bridge_workers import slow_disk_env
+
+    env, writing = slow_disk_env(tmp_path / "site")
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "bridge.cli", "convert", "import", "--hf-path", str(base["glm5"]),
+                             "--megatron-path", str(out), "--tp", "2", "--no-progress"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while not writing.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert writing.exists(), proc.communicate()
+    os.killpg(proc.pid, signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, (proc.returncode, stdout, stderr)
+    assert stderr.splitlines() == [f"error: interrupted; nothing was written at {out}"], stderr
+    assert _leftovers(tmp_path, "out") == []
+    for _ in range(100):  # multiprocessing's resource tracker notices its parent is gone within a moment
+        ps = subprocess.run(["ps", "-o", "pid=,args=", "-s", str(proc.pid)], capture_output=True, text=True)
+        if not ps.stdout.strip():
+            break
+        time.sleep(0.1)
+    assert ps.stdout.strip() == "", f"processes of the session still running: {ps.stdout}"

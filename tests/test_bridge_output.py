@@ -4,14 +4,17 @@ interrupted runs are found and removed only when their writers are dead."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -134,6 +137,155 @@ def test_overwrite_refuses_a_file(fixtures, tmp_path, capsys):
     with pytest.raises(OutputExistsError, match="exists and is not a directory"):  # the library's own
         bridge.convert_hf_to_megatron(hf_path=make_fixture(fixtures, "glm5"), megatron_path=out, overwrite=True)
     assert out.read_text() == "x"
+
+
+def _tree(path: Path) -> dict[str, bytes]:
+    return {q.relative_to(path).as_posix(): q.read_bytes() for q in sorted(path.rglob("*")) if q.is_file()}
+
+
+def test_overwrite_keeps_files_the_user_added_to_an_earlier_output(fixtures, tmp_path, capsys):
+    """Was: `--overwrite` on a marked earlier output deleted notes.txt, a tokenizer file added to an HF export and
+    Megatron-LM's iter_0000100/ saved into the imported folder, with exit 0. The marker lists what was written;
+    anything else makes --overwrite refuse, naming it, and everything stays as it was."""
+    src = make_fixture(fixtures, "glm5")
+    out, hf = tmp_path / "out", tmp_path / "hf"
+    assert cli.main(["convert", "import", "--hf-path", str(src), "--megatron-path", str(out), "--no-progress"]) == 0
+    assert cli.main(["convert", "export", "--megatron-path", str(out), "--hf-path", str(hf), "--no-progress"]) == 0
+    capsys.readouterr()
+    (out / "notes.txt").write_text("my notes")
+    (out / "iter_0000100").mkdir()
+    (out / "iter_0000100" / "__0_0.distcp").write_bytes(b"a Megatron-LM save")
+    (hf / "tokenizer.json").write_text("{}")
+    before_out, before_hf = _tree(out), _tree(hf)
+    code, err = _run(capsys, "convert", "import", "--hf-path", src, "--megatron-path", out, "--overwrite",
+                     "--no-progress")
+    _one_error(code, err, f"{out}: not replacing it with --overwrite", "2 file(s)", "iter_0000100/", "notes.txt")
+    code, err = _run(capsys, "convert", "export", "--megatron-path", out, "--hf-path", hf, "--overwrite",
+                     "--no-progress")
+    _one_error(code, err, f"{hf}: not replacing it with --overwrite", "tokenizer.json")
+    assert _tree(out) == before_out and _tree(hf) == before_hf
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "out"]  # nothing staged was left behind
+
+    # a file added inside one of our own directories counts too
+    (out / "notes.txt").unlink()
+    shutil.rmtree(out / "iter_0000100")
+    (out / "hf_assets" / "mine.txt").write_text("x")
+    code, err = _run(capsys, "convert", "import", "--hf-path", src, "--megatron-path", out, "--overwrite",
+                     "--no-progress")
+    _one_error(code, err, "hf_assets/mine.txt")
+    assert (out / "hf_assets" / "mine.txt").read_text() == "x"
+
+    # once only our own files are left, --overwrite replaces the output as before
+    (out / "hf_assets" / "mine.txt").unlink()
+    code, err = _run(capsys, "convert", "import", "--hf-path", src, "--megatron-path", out, "--overwrite",
+                     "--no-progress")
+    assert code == 0, err
+    assert "iter_0000000/" in output.read_marker(out)["files"]
+
+
+def test_an_existing_empty_directory_is_a_fine_output(fixtures, tmp_path, capsys):
+    """Was: `mkdir out && megatron-glm5 convert import ... out` refused 'already exists; pass --overwrite'."""
+    src = make_fixture(fixtures, "glm5")
+    out, hf = tmp_path / "out", Path(tempfile.mkdtemp(dir=tmp_path))
+    out.mkdir()
+    code, err = _run(capsys, "convert", "import", "--hf-path", src, "--megatron-path", out, "--no-progress")
+    assert code == 0, err
+    code, err = _run(capsys, "convert", "export", "--megatron-path", out, "--hf-path", hf, "--no-progress")
+    assert code == 0, err
+    assert output.read_marker(out)["kind"] == "megatron" and output.read_marker(hf)["kind"] == "hf"
+    assert (hf / "model.safetensors.index.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([hf.name, "out"])
+    # not an empty one: still needs --overwrite
+    code, err = _run(capsys, "convert", "import", "--hf-path", src, "--megatron-path", out, "--no-progress")
+    _one_error(code, err, "already exists; pass --overwrite")
+
+
+def test_demo_never_deletes_files_in_its_out_directory(tmp_path):
+    """Was: `megatron-glm5 demo --out DIR` ran shutil.rmtree on DIR/hf, DIR/megatron, ... and deleted the user's
+    DIR/hf/mydata.txt and DIR/megatron/run.txt with exit 0. Now the demo's outputs follow convert's rules, checked
+    before it starts."""
+    work = tmp_path / "demo"
+    (work / "hf").mkdir(parents=True)
+    (work / "megatron").mkdir()
+    (work / "hf" / "mydata.txt").write_text("mine")
+    (work / "megatron" / "run.txt").write_text("mine too")
+    (work / "notes.txt").write_text("untouched")
+    before = _tree(work)
+    proc = subprocess.run([sys.executable, "-m", "bridge.cli", "demo", "--out", str(work), "--steps", "1"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: --out {work}: {work / 'hf'}: not replacing it"), lines
+    assert "mydata.txt" in lines[0] and "demo replaces only its own earlier outputs" in lines[0]
+    assert _tree(work) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo"]
+
+
+def test_demo_outputs_are_replaced_only_when_they_are_the_demos_own(tmp_path):
+    """The check behind the demo: absent, empty or marked-and-unchanged outputs pass; an added file is refused."""
+    from bridge.preflight import DEMO_OUTPUTS, demo_outputs
+
+    work = tmp_path / "demo"
+    work.mkdir()
+    for sub in DEMO_OUTPUTS[:2]:
+        _fake_output(work / sub, sub)
+    (work / "hf_roundtrip").mkdir()
+    assert demo_outputs(work) == work
+    (work / "megatron" / "run.txt").write_text("mine")
+    with pytest.raises(BridgeError, match=r"megatron: not replacing it .*1 file\(s\).*run\.txt"):
+        demo_outputs(work)
+
+
+def _mount_tmpfs(path: Path, size: str = "64m") -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                          capture_output=True).returncode == 0
+
+
+def test_a_mount_point_output_is_refused_up_front(fixtures, tmp_path, capsys, monkeypatch):
+    """Was: with --overwrite, the whole conversion ran, then the final rename failed with EBUSY (a 21-line
+    traceback, exit 1) and left a .megatron-glm5-writer.*.json behind. Now the path is checked before anything is
+    written: one error line naming it and suggesting a path inside it. A real tmpfs where this process may mount one
+    (root), else a directory that os.path.ismount reports as a mount point."""
+    src = make_fixture(fixtures, "glm5")
+    mnt = tmp_path / "mnt"
+    real = os.geteuid() == 0 and _mount_tmpfs(mnt)
+    try:
+        if not real:
+            mnt.mkdir(exist_ok=True)
+            is_mount = os.path.ismount
+            monkeypatch.setattr(os.path, "ismount", lambda p: Path(p) == mnt or is_mount(p))
+        for extra in ([], ["--overwrite"]):
+            code, err = _run(capsys, "convert", "import", "--hf-path", src, "--megatron-path", mnt, *extra,
+                             "--no-progress")
+            _one_error(code, err, f"--megatron-path: {mnt}: is a mount point", f"{mnt / 'out'}")
+        with pytest.raises(OutputExistsError, match="is a mount point"):  # the library's own check
+            bridge.convert_hf_to_megatron(hf_path=src, megatron_path=mnt, overwrite=True, progress=False)
+        assert list(mnt.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["mnt"]
+        code, err = _run(capsys, "convert", "import", "--hf-path", src, "--megatron-path", mnt / "out",
+                         "--no-progress")
+        assert code == 0, err
+    finally:
+        if real:
+            subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_a_failed_final_rename_leaves_no_writer_record(tmp_path, monkeypatch):
+    """Whatever makes the final rename fail (EBUSY on a mount point the check could not see), the old output is
+    left exactly as it was: no writer record of this process stays in it."""
+    final = _fake_output(tmp_path / "out", "old")
+    tmp = output.make_partial_dir(final)
+    (tmp / "data.txt").write_text("new")
+
+    def busy(a, b):
+        raise OSError(errno.EBUSY, "Device or resource busy", str(a), None, str(b))
+
+    monkeypatch.setattr(output, "_exchange", busy)
+    with pytest.raises(OSError, match="busy"):
+        output.commit_dir(tmp, final, overwrite=True, kind="megatron", source=None)
+    assert sorted(p.name for p in final.iterdir()) == sorted(["data.txt", output.MARKER_FILE])
+    assert (final / "data.txt").read_text() == "old"
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -367,4 +519,7 @@ def test_export_hf_checks_the_output_before_writing(fixtures, tmp_path, model_pa
     marker = output.read_marker(tmp_path / "hf")
     assert marker["kind"] == "hf" and marker["source"] == "in-memory model (export_hf)"
     bridge.export_hf(model, tmp_path / "hf", overwrite=True)  # its own earlier output
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "out"]
+    empty = Path(tempfile.mkdtemp(dir=tmp_path))  # an existing empty directory needs no overwrite
+    bridge.export_hf(model, empty)
+    assert output.read_marker(empty)["kind"] == "hf" and (empty / "model.safetensors.index.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["hf", "out", empty.name])

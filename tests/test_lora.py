@@ -14,7 +14,9 @@ index_topk (DSA sparse), MTP present, both attention backends:
 from __future__ import annotations
 
 import json
+import shutil
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,7 +26,14 @@ from bridge.adapters import adapter_table, model_adapter_set, read_peft_dir, to_
 from bridge.errors import BridgeError
 from megatron_glm5 import from_hf_pretrained
 from megatron_glm5.config import parse_hf_config
-from megatron_glm5.lora import LoraConfig, add_lora, lora_modules, lora_parameters, resolve_targets
+from megatron_glm5.lora import (
+    DEFAULT_TARGET_MODULES,
+    LoraConfig,
+    add_lora,
+    lora_modules,
+    lora_parameters,
+    resolve_targets,
+)
 from megatron_glm5.testing import load_hf_reference_model, match_norm_eps, tiny_glm52_config, write_hf_checkpoint
 
 peft = pytest.importorskip("peft")
@@ -37,7 +46,7 @@ def within_logit_tol(diff: float, ref: torch.Tensor) -> bool:
     return diff <= LOGIT_TOL * max(1.0, ref.abs().max().item())
 GRAD_RTOL = 1e-5
 ATTENTION = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
-PEFT_REPRESENTABLE = ("dense_mlp", "shared_experts")  # excluded: peft cannot hold them (bridge.adapters docstring)
+ALL_TARGETS = (*DEFAULT_TARGET_MODULES, "dense_mlp", "shared_experts")  # + the merge-only groups peft cannot hold
 BACKENDS = ["megatron", "tilelang"]
 
 
@@ -108,7 +117,7 @@ def test_add_lora_wraps_targets_and_freezes_base(checkpoint, model_parallel):
     raw, path = checkpoint
     model = from_hf_pretrained(path)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    add_lora(model, LoraConfig(4, 8, exclude_modules=["shared_experts", r"^mtp\."]))
+    add_lora(model, LoraConfig(4, 8, target_modules=ALL_TARGETS, exclude_modules=["shared_experts", r"^mtp\."]))
     names = {m.lora_name for m in lora_modules(model)}
     arch = parse_hf_config(raw)
     n_moe = sum(t == "sparse" for t in arch.mlp_layer_types)
@@ -147,6 +156,63 @@ def test_unmatched_exclude_warns_and_empty_selection_fails(checkpoint, model_par
         add_lora(model, LoraConfig(4, 8, target_modules=["o_proj"], exclude_modules=["nothing_here"]))
 
 
+def test_default_targets_are_what_a_peft_adapter_holds(checkpoint, model_parallel):
+    """Was: the README's `add_lora(model, LoraConfig(r=16, alpha=32))` then `bridge.export_peft_adapter(model, dir)`
+    raised, because the default targets included the dense MLP and shared experts, which peft 0.21 + transformers 5
+    cannot represent. Now the defaults are attention + routed experts; the export goes into an existing empty
+    directory, and peft loads every tensor of it onto transformers' model."""
+    import tempfile
+
+    from peft.utils import get_peft_model_state_dict
+
+    from megatron_glm5.lora import scope_of
+
+    _, path = checkpoint
+    model = from_hf_pretrained(path)
+    add_lora(model, LoraConfig(r=16, alpha=32))
+    groups = {scope_of(m.lora_name)[1] for m in lora_modules(model)}
+    assert groups == {"attention", "routed_experts"}
+    out = Path(tempfile.mkdtemp())
+    try:
+        report = bridge.export_peft_adapter(model, out)
+        assert report["target_parameters"] == ["gate_up_proj", "down_proj"]
+        from bridge.adapters import read_peft_dir
+
+        tensors, _ = read_peft_dir(out)
+        loaded = get_peft_model_state_dict(_peft_model(_hf(path), out))
+        in_model = {k for k in tensors if int(k.split(".layers.")[1].split(".")[0]) < 4}  # peft has no MTP layer
+        assert {k.replace(".default", "") for k in loaded} >= in_model and len(in_model) > 0
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    # the merge-only groups are there when named
+    named = add_lora(from_hf_pretrained(path), LoraConfig(4, 8, target_modules=["o_proj", "dense_mlp"]))
+    assert {scope_of(m.lora_name) for m in lora_modules(named)} == {
+        ("linear_proj", "attention"), ("linear_fc1", "dense_mlp"), ("linear_fc2", "dense_mlp")}
+
+
+def test_targets_that_match_nothing_are_refused(model_parallel):
+    """A target_modules entry that reaches no linear of the model is an error naming what the model has (HF and
+    megatron spellings, groups), not a silently smaller adapter: the merge-only groups on a model without them,
+    and the MLP names, which reach the routed experts only, on a model without experts."""
+    from megatron_glm5.model import build_model, default_cpu_policy
+
+    all_moe = parse_hf_config(tiny_glm52_config(first_k_dense_replace=0, n_shared_experts=0))
+    model = build_model(all_moe, default_cpu_policy())
+    with pytest.raises(ValueError, match=r"target_modules \['dense_mlp', 'shared_experts'\] match no module of "
+                                         r"this model; it has HF names \[.*'q_a_proj'.*\], megatron names "
+                                         r"\[.*'linear_q_down_proj'.*\] and groups \['attention', 'indexer', "
+                                         r"'routed_experts'\]"):
+        add_lora(model, LoraConfig(4, 8, target_modules=["o_proj", "dense_mlp", "shared_experts"]))
+    assert not lora_modules(model) and all(p.requires_grad for p in model.parameters())  # nothing changed
+    dense = parse_hf_config(tiny_glm52_config(first_k_dense_replace=4, num_nextn_predict_layers=0))
+    model = build_model(dense, default_cpu_policy())
+    with pytest.raises(ValueError, match=r"\['gate_proj', 'up_proj', 'down_proj'\] match no module.*the MLP names "
+                                         r"reach the routed experts only: name 'dense_mlp'"):
+        add_lora(model, LoraConfig(4, 8, target_modules=["o_proj", "gate_proj", "up_proj", "down_proj"]))
+    add_lora(model, LoraConfig(4, 8))  # the defaults never fail: a model without experts gets attention adapters
+    assert {m.lora_name.rsplit(".", 1)[1] for m in lora_modules(model)} >= {"linear_proj", "linear_q_down_proj"}
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # Logits against transformers + peft
 # --------------------------------------------------------------------------------------------------------------------
@@ -157,7 +223,7 @@ def test_exported_adapter_in_peft_matches(checkpoint, backend, model_parallel, t
     """Our adapter (attention incl. kv_b_proj, routed experts, MTP layer) -> PEFT files -> peft on transformers."""
     raw, path = checkpoint
     model = from_hf_pretrained(path, backend=backend)
-    add_lora(model, LoraConfig(4, 8, init_lora_weights=False, exclude_modules=PEFT_REPRESENTABLE))
+    add_lora(model, LoraConfig(4, 8, init_lora_weights=False))
     report = bridge.export_peft_adapter(model, tmp_path / "adapter")
     assert report["target_parameters"] == ["gate_up_proj", "down_proj"]
     cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
@@ -233,11 +299,11 @@ def test_merged_export_equals_base_plus_lora(checkpoint, backend, model_parallel
 
     raw, path = checkpoint
     model = from_hf_pretrained(path, backend=backend)
-    add_lora(model, LoraConfig(4, 8, init_lora_weights=False))
+    add_lora(model, LoraConfig(4, 8, init_lora_weights=False, target_modules=ALL_TARGETS))
     with pytest.raises(BridgeError, match="merge_lora=True"):
         bridge.export_hf(model, tmp_path / "unmerged")
     with pytest.raises(BridgeError, match=r"dense MLP / shared experts \(decoder\.layers\.0\.mlp\.linear_fc1, .*"
-                                          r"merge_lora=True.*exclude_modules"):
+                                          r"merge_lora=True.*default targets"):
         bridge.export_peft_adapter(model, tmp_path / "peft")
     bridge.export_hf(model, tmp_path / "merged", merge_lora=True)
     src, out = HFCheckpointReader(path), HFCheckpointReader(tmp_path / "merged")
@@ -269,7 +335,7 @@ def test_merged_export_equals_peft(checkpoint, model_parallel, tmp_path):
     """A peft-representable adapter: transformers on our merged export = transformers + peft, within 1e-5 (relative)."""
     raw, path = checkpoint
     model = from_hf_pretrained(path)
-    add_lora(model, LoraConfig(4, 8, init_lora_weights=False, exclude_modules=PEFT_REPRESENTABLE))
+    add_lora(model, LoraConfig(4, 8, init_lora_weights=False))
     bridge.export_peft_adapter(model, tmp_path / "adapter")
     bridge.export_hf(model, tmp_path / "merged", merge_lora=True)
     ids = _tokens(raw, seed=9)
@@ -320,7 +386,7 @@ def test_every_factor_gets_gradient_with_mtp(checkpoint, backend, model_parallel
     gradient from the LM + MTP loss (B random at init so that A's gradient is not zero by construction)."""
     raw, path = checkpoint
     model = from_hf_pretrained(path, backend=backend)
-    add_lora(model, LoraConfig(4, 8, init_lora_weights=False))
+    add_lora(model, LoraConfig(4, 8, init_lora_weights=False, target_modules=ALL_TARGETS))
     model.train()
     ids = _tokens(raw, batch=4, seq=SEQ, seed=11)
     model(ids, torch.arange(SEQ)[None].expand_as(ids), None, labels=ids).sum().backward()
@@ -346,7 +412,7 @@ def test_full_recompute_keeps_first_layer_adapters_training(checkpoint, backend,
                                                           recompute_num_layers=1))):
         model = build_model(arch, policy, backend=backend)
         model.load_state_dict(state)
-        add_lora(model, LoraConfig(4, 8, init_lora_weights=False))
+        add_lora(model, LoraConfig(4, 8, init_lora_weights=False, target_modules=ALL_TARGETS))
         model.train()
         ids = _tokens(raw, seed=12)
         model(ids, torch.arange(SEQ)[None].expand_as(ids), None, labels=ids).sum().backward()

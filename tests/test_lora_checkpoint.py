@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatron_glm5.config import parse_hf_config
-from megatron_glm5.lora import LoraConfig, add_lora, lora_parameters
+from megatron_glm5.lora import DEFAULT_TARGET_MODULES, LoraConfig, add_lora, lora_parameters
 from megatron_glm5.lora_checkpoint import (
     LoraCheckpointError,
     checkpoint_has_adapters,
@@ -31,7 +31,8 @@ from megatron_glm5.model import build_model, default_cpu_policy
 from megatron_glm5.testing import tiny_glm52_config
 
 SEQ = 48
-CONFIG = dict(r=4, alpha=8, init_lora_weights=False)
+CONFIG = dict(r=4, alpha=8, init_lora_weights=False,
+              target_modules=(*DEFAULT_TARGET_MODULES, "dense_mlp", "shared_experts"))  # every adaptable linear
 
 
 def _model(seed=0, backend="megatron"):

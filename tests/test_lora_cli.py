@@ -14,7 +14,7 @@ from bridge.lora_convert import adapters_from_checkpoint, merged_reference
 from bridge.mapping import expand
 from megatron_glm5 import from_hf_pretrained
 from megatron_glm5.config import parse_hf_config
-from megatron_glm5.lora import LoraConfig, add_lora, lora_parameters
+from megatron_glm5.lora import DEFAULT_TARGET_MODULES, LoraConfig, add_lora, lora_parameters
 from megatron_glm5.lora_checkpoint import load_lora_checkpoint, save_lora_checkpoint
 from megatron_glm5.testing import tiny_glm52_config, write_hf_checkpoint
 
@@ -34,7 +34,7 @@ def _run(capsys, *argv):
 def test_lora_export_import_round_trip(hf, tmp_path, capsys, model_parallel):
     raw, path = hf
     model = from_hf_pretrained(path)
-    add_lora(model, LoraConfig(4, 8, init_lora_weights=False, exclude_modules=["dense_mlp", "shared_experts"]))
+    add_lora(model, LoraConfig(4, 8, init_lora_weights=False))
     save_lora_checkpoint(model, tmp_path / "adapters")  # records the HF config (from_hf_pretrained keeps it)
 
     rc, out, _ = _run(capsys, "lora", "export", "--megatron-path", str(tmp_path / "adapters"), "--adapter-path",
@@ -48,7 +48,7 @@ def test_lora_export_import_round_trip(hf, tmp_path, capsys, model_parallel):
     assert set(before) == set(after)
     assert all(torch.equal(before[k].a, after[k].a) and torch.equal(before[k].b, after[k].b)
                and before[k].alpha == after[k].alpha for k in before)
-    fresh = add_lora(from_hf_pretrained(path), LoraConfig(4, 8, exclude_modules=["dense_mlp", "shared_experts"]))
+    fresh = add_lora(from_hf_pretrained(path), LoraConfig(4, 8))
     load_lora_checkpoint(fresh, tmp_path / "imported" / "iter_0000000")
     want = dict(lora_parameters(model))
     assert all(torch.equal(p, want[n]) for n, p in lora_parameters(fresh))
@@ -59,8 +59,8 @@ def test_lora_merge(hf, tmp_path, capsys, model_parallel, kind):
     """Both adapter kinds; the Megatron one also adapts the dense MLP and shared experts (no PEFT form)."""
     raw, path = hf
     model = from_hf_pretrained(path)
-    exclude = ["dense_mlp", "shared_experts"] if kind == "peft" else []
-    add_lora(model, LoraConfig(4, 8, init_lora_weights=False, exclude_modules=exclude))
+    merge_only = [] if kind == "peft" else ["dense_mlp", "shared_experts"]
+    add_lora(model, LoraConfig(4, 8, init_lora_weights=False, target_modules=[*DEFAULT_TARGET_MODULES, *merge_only]))
     if kind == "peft":
         import bridge
 
@@ -122,7 +122,7 @@ def test_lora_export_of_a_megatron_lm_full_checkpoint(hf, tmp_path, capsys, mode
 
     raw, path = hf
     model = from_hf_pretrained(path)
-    add_lora(model, LoraConfig(4, 8, init_lora_weights=False, exclude_modules=["dense_mlp", "shared_experts"]))
+    add_lora(model, LoraConfig(4, 8, init_lora_weights=False))
     ckpt = tmp_path / "save" / "iter_0000005"
     ckpt.mkdir(parents=True)
     dist_checkpointing.save({"model": model.sharded_state_dict(), "iteration": 5,
@@ -139,3 +139,43 @@ def test_lora_export_of_a_megatron_lm_full_checkpoint(hf, tmp_path, capsys, mode
     direct, direct_cfg = read_peft_dir(tmp_path / "direct")
     assert set(tensors) == set(direct) and all(torch.equal(tensors[k], direct[k]) for k in direct)
     assert cfg["alpha_pattern"] == direct_cfg["alpha_pattern"]
+
+
+def test_an_adapter_directory_without_adapter_config_is_named(hf, tmp_path, capsys):
+    """Was (lora merge): "not a Megatron checkpoint ... an interrupted conversion leaves no tracker file" for a
+    directory that simply lacks adapter_config.json. Both commands now name the missing file."""
+    raw, path = hf
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_model.safetensors").write_bytes(b"x")
+    rc, _, err = _run(capsys, "lora", "import", "--adapter-path", str(adapter), "--megatron-path",
+                      str(tmp_path / "o"), "--hf-config", str(path))
+    assert rc == 2 and err.count("\n") == 1, err
+    assert f"--adapter-path {adapter}: missing adapter_config.json; expected a PEFT adapter directory" in err, err
+    rc, _, err = _run(capsys, "lora", "merge", "--hf-path", str(path), "--adapter-path", str(adapter),
+                      "--out", str(tmp_path / "m"))
+    assert rc == 2 and err.count("\n") == 1 and "not a Megatron checkpoint" not in err, err
+    assert f"--adapter-path {adapter}: missing adapter_config.json (and no latest_checkpointed_iteration.txt" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]
+
+
+def test_disk_full_during_lora_import_is_one_line(hf, tmp_path, model_parallel):
+    """Was: exit 1 and a long `[rank0]` traceback ending in ENOSPC. Now one line, exit 2, nothing left behind."""
+    import os
+    import subprocess
+    import sys
+
+    import bridge
+    from tests.bridge_workers import full_disk_env
+
+    raw, path = hf
+    model = from_hf_pretrained(path)
+    add_lora(model, LoraConfig(4, 8))
+    bridge.export_peft_adapter(model, tmp_path / "peft")
+    out = tmp_path / "imported"
+    proc = subprocess.run([sys.executable, "-m", "bridge.cli", "lora", "import", "--adapter-path",
+                           str(tmp_path / "peft"), "--megatron-path", str(out), "--hf-config", str(path)],
+                          capture_output=True, text=True, timeout=300, env=full_disk_env(tmp_path / "site"))
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert proc.stderr.splitlines() == [f"error: --megatron-path {out}: No space left on device"], proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["peft", "site"]

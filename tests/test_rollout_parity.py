@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from bridge import cli
+from bridge.errors import BridgeError
 from bridge.rollout_parity import RolloutBatch, load_batch, rollout_parity, save_batch
 from megatron_glm5 import from_hf_pretrained
 from megatron_glm5.rl.replay import capture_choices
@@ -85,8 +86,16 @@ def test_report_replay_on_and_off(rollout, capsys, model_parallel):
 
 
 def test_max_kl_fails_the_check(rollout, capsys, model_parallel):
+    """Was: exit 1 with nothing on stderr. Now one line says which KL exceeded the limit and by how much."""
     _, path, batch_json, _, _ = rollout
     assert cli.main(["rollout-parity", "--hf-path", str(path), "--batch", str(batch_json), "--max-kl", "1e-30"]) == 1
+    out, err = capsys.readouterr()
+    kl = json.loads(out.strip().splitlines()[-1])["replay_on"]["kl"]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("failed: rollout-parity: KL (replay on) "), err
+    assert f"{kl:.4g} exceeds --max-kl 1e-30 by {kl - 1e-30:.4g}" in lines[0], (kl, lines[0])
+    assert cli.main(["rollout-parity", "--hf-path", str(path), "--batch", str(batch_json), "--max-kl", "1"]) == 0
+    assert capsys.readouterr().err == ""
 
 
 def _one_error_line(capsys) -> str:
@@ -119,3 +128,35 @@ def test_user_errors_are_one_line_exit_2(rollout, capsys, model_parallel):
     assert cli.main(base + [str(future)]) == 2
     line = _one_error_line(capsys)
     assert "sample 1, layer 0, token 3: index 6 is in the future" in line
+
+
+def test_log_probs_above_zero_or_nan_are_refused(rollout, capsys, model_parallel):
+    """Was: a rollout log-prob of +5.0 (a probability > 1) was accepted and the KL computed from it. Now a value
+    > 0, an infinity and (in JSON, where absent tokens are simply not listed) a NaN are refused, naming the sample,
+    the position and the token."""
+    raw, path, batch_json, _, tmp = rollout
+    data = json.loads(batch_json.read_text())
+    ids = data["samples"][1]["input_ids"]
+    r = len(data["samples"][1]["rollout_logprobs"])
+    base = ["rollout-parity", "--hf-path", str(path), "--batch"]
+    for value, fragment in ((5.0, "rollout log-prob 5 of token"), (float("inf"), "rollout log-prob inf of token"),
+                            (float("nan"), "sample 1 rollout_logprobs[2] is NaN")):
+        bad = json.loads(batch_json.read_text())
+        bad["samples"][1]["rollout_logprobs"][2] = value
+        f = tmp / "bad_logprob.json"
+        f.write_text(json.dumps(bad))  # Python's json writes NaN / Infinity, as engines' dumps do
+        assert cli.main(base + [str(f)]) == 2
+        line = _one_error_line(capsys)
+        pos = len(ids) - r + 2
+        assert fragment in line and f"{ids[pos]}" in line and f"position {pos}" in line, line
+    # the packed format: NaN means "no log-prob here" and passes; +5 is refused
+    loaded = load_batch(batch_json)
+    packed = RolloutBatch(input_ids=loaded.input_ids, cu_seqlens=loaded.cu_seqlens,
+                          rollout_logprobs=loaded.rollout_logprobs.clone(), temperature=0.8)
+    assert packed.rollout_logprobs.isnan().any()
+    packed.rollout_logprobs[10] = 5.0
+    st = save_batch(tmp / "bad_logprob.safetensors", packed)
+    assert cli.main(base + [str(st)]) == 2
+    assert "rollout log-prob 5 of token" in _one_error_line(capsys)
+    with pytest.raises(BridgeError, match="is not a log-probability"):
+        rollout_parity(hf_path=path, batch=packed)

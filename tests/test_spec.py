@@ -113,11 +113,43 @@ def test_glm5_all_full_layers(model_parallel):
     assert all(layer.self_attention.computes_topk for layer in model.decoder.layers)
 
 
-def test_context_parallel_needs_the_tilelang_backend(model_parallel):
+def test_context_parallel_needs_the_tilelang_backend(model_parallel, monkeypatch):
+    import megatron_glm5.model
+
     arch, _ = _config()
+    monkeypatch.setattr(megatron_glm5.model, "check_parallel_state", lambda sizes: None)  # CP=2 needs 2 ranks
     with pytest.raises(NotImplementedError, match="GLMSparseAttention does not support context_parallel_size > 1; "
                                                   "use the 'tilelang' backend"):
         build_model(arch, default_cpu_policy(context_parallel_size=2))
+
+
+@pytest.mark.parametrize("field", ["tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                   "expert_model_parallel_size", "context_parallel_size"])
+def test_a_policy_that_does_not_match_the_parallel_state_is_refused(model_parallel, field):
+    """Was: RuntimePolicy(tensor_model_parallel_size=4) in a TP=1 world built an unsharded model whose config said
+    TP=4. build_model (and from_hf_pretrained, which calls it) now compares every parallel size with the initialised
+    parallel state and names the mismatch."""
+    from megatron_glm5.config import RuntimePolicy
+
+    arch, _ = _config()
+    policy = default_cpu_policy(**{field: 4})
+    with pytest.raises(ValueError, match=f"RuntimePolicy: {field}=4 but the initialised parallel state has 1"):
+        build_model(arch, policy)
+    with pytest.raises(ValueError, match=f"MLATransformerConfig: {field}=4 but the initialised parallel state"):
+        build_model(arch, config=build_transformer_config(arch, policy))
+    with pytest.raises(ValueError, match="expert_tensor_parallel_size=2 but the initialised parallel state has 1"):
+        build_model(arch, RuntimePolicy(expert_tensor_parallel_size=2, params_dtype=default_cpu_policy().params_dtype,
+                                        use_cpu_initialization=True))
+    build_model(arch, default_cpu_policy())  # a matching one builds
+
+
+def test_from_hf_pretrained_refuses_a_policy_for_another_layout(model_parallel, tmp_path):
+    from bridge.pretrained import from_hf_pretrained
+    from megatron_glm5.testing import write_hf_checkpoint
+
+    path = write_hf_checkpoint(tmp_path / "hf", tiny_glm52_config(), seed=0)
+    with pytest.raises(ValueError, match="tensor_model_parallel_size=4 but the initialised parallel state has 1"):
+        from_hf_pretrained(path, policy=default_cpu_policy(tensor_model_parallel_size=4))
 
 
 def test_settings_without_their_implementation_are_refused_with_the_flag(model_parallel):

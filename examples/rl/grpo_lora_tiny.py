@@ -206,9 +206,9 @@ def main(argv=None) -> dict:
         raw = tiny_glm52_config(vocab_size=VOCAB)
         hf_path = write_hf_checkpoint(out / "base", raw, seed=args.seed)
         model = from_hf_pretrained(hf_path, params_dtype=torch.float32)  # parallel state: TP = PP = EP = 1
-        # dense MLP / shared experts: HF PEFT cannot hold them for this model; MTP: neither the rollout engine nor
-        # the log-prob objective runs it
-        lora = LoraConfig(r=8, alpha=32, exclude_modules=("dense_mlp", "shared_experts", "mtp"), seed=args.seed)
+        # the default targets (attention, routed experts: what HF PEFT holds); MTP excluded: neither the rollout
+        # engine nor the log-prob objective runs it
+        lora = LoraConfig(r=8, alpha=32, exclude_modules=("mtp",), seed=args.seed)
         add_lora(model, lora)
         params = [p for _, p in lora_parameters(model)]
         opt = torch.optim.Adam(params, lr=args.lr)
