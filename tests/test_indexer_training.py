@@ -226,3 +226,32 @@ def test_warmup_spec_freezes_a_model_built_by_someone_else(model_parallel, capsy
         assert all(p.requires_grad for p in torch.nn.Linear(2, 2).parameters())
     finally:
         warmup_freeze.disarm()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("loss", [SPARSE, DENSE], ids=["sparse", "dense"])
+def test_thd_packed_loss_is_the_row_weighted_mean_of_the_sequences(model_parallel, backend, loss):
+    """THD packing (documents never see each other): the logged loss of a packed batch is the mean over all its rows,
+    i.e. the row-weighted mean of the sequences' own losses."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    raw, arch, model = _model(backend, **loss)
+    model.train()
+    lens = [40, 9, 31]  # one sequence shorter than index_topk (16)
+    gen = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, raw["vocab_size"], (n,), generator=gen) for n in lens]
+    n_full = len(arch.full_indexer_layers) + arch.num_nextn_predict_layers
+
+    def logged(ids, psp=None):
+        DSAIndexerLossLoggingHelper.tracker.clear()
+        pos = torch.cat([torch.arange(len(s)) for s in ids]) if psp else torch.arange(ids[0].numel())
+        model(torch.cat(ids)[None], pos[None], None, labels=torch.cat(ids)[None], packed_seq_params=psp).sum().backward()
+        return DSAIndexerLossLoggingHelper.tracker["values"].clone()
+
+    cu = torch.tensor([0, 40, 49, 80], dtype=torch.int32)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=40, max_seqlen_kv=40)
+    packed = logged(seqs, psp)
+    alone = [logged([s]) for s in seqs]
+    expected = sum(n * v for n, v in zip(lens, alone)) / sum(lens)
+    assert packed.shape == (n_full,)
+    torch.testing.assert_close(packed, expected, rtol=1e-5, atol=1e-9)
