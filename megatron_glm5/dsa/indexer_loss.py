@@ -76,6 +76,22 @@ def row_weights(valid: torch.Tensor, coeff: float, per_token: bool) -> torch.Ten
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def _row_chunks(topk: torch.Tensor, chunk: int):
+    """``(c0, c1, idx int64 [c, K], valid [c, K])`` per chunk of rows of a top-k."""
+    for c0 in range(0, topk.shape[0], chunk):
+        c1 = min(topk.shape[0], c0 + chunk)
+        idx = topk[c0:c1].long()
+        yield c0, c1, idx, idx >= 0
+
+
+def _head_summed_probs(logits: torch.Tensor, lse: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``sum_h exp(logits - lse_h)`` over ``logits [c, H, K]`` (-inf where masked): each head's softmax, or with
+    ``lse [c, H]`` the attention's own LSE; rows without a key (LSE +-inf) give 0. Consumes ``logits``."""
+    row_lse = torch.logsumexp(logits, dim=-1, keepdim=True) if lse is None else lse[..., None].to(logits.dtype)
+    row_lse = torch.where(torch.isfinite(row_lse), row_lse, torch.zeros_like(row_lse))  # empty rows: exp(-inf) = 0
+    return logits.sub_(row_lse).exp_().sum(1)
+
+
 def _gather_rows(src: torch.Tensor, idx: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """``src`` rows of each slot, ``[c, K, D]``, zero on -1 slots."""
     c, k = idx.shape
@@ -107,32 +123,20 @@ def sparse_target(
     out = torch.zeros(t_total, k, dtype=acc, device=query.device)
     chunk = _rows_per_chunk(k * (d + 2 * heads), budget_bytes)
     kv_acc = kv.to(acc)
-    for c0 in range(0, t_total, chunk):
-        c1 = min(t_total, c0 + chunk)
-        idx = topk[c0:c1].long()
-        valid = idx >= 0
+    for c0, c1, idx, valid in _row_chunks(topk, chunk):
         keys = _gather_rows(kv_acc, idx, valid)
         logits = torch.bmm(query[c0:c1].to(acc), keys.transpose(1, 2)).mul_(softmax_scale)  # [c, H, K]
         logits.masked_fill_(~valid[:, None, :], float("-inf"))
-        if lse is None:
-            row_lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-        else:
-            row_lse = lse[c0:c1, :, None].to(acc)
-        row_lse = torch.where(torch.isfinite(row_lse), row_lse, torch.zeros_like(row_lse))  # empty rows: exp(-inf)=0
-        out[c0:c1] = logits.sub_(row_lse).exp_().sum(1)
+        out[c0:c1] = _head_summed_probs(logits, None if lse is None else lse[c0:c1])
     return _normalise_(_all_reduce(out, tp_group))
 
 
 def _dense_target_chunk(query_c: torch.Tensor, kv_window: torch.Tensor, valid: torch.Tensor, softmax_scale: float,
                         tp_group) -> torch.Tensor:
     """Normalised head-summed probabilities of one chunk over its key window ``[c, W]`` (invalid keys 0)."""
-    acc = kv_window.dtype
-    logits = torch.einsum("chd,wd->chw", query_c.to(acc), kv_window).mul_(softmax_scale)
+    logits = torch.einsum("chd,wd->chw", query_c.to(kv_window.dtype), kv_window).mul_(softmax_scale)
     logits.masked_fill_(~valid[:, None, :], float("-inf"))
-    row_lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-    row_lse = torch.where(torch.isfinite(row_lse), row_lse, torch.zeros_like(row_lse))
-    probs = logits.sub_(row_lse).exp_().sum(1)
-    return _normalise_(_all_reduce(probs, tp_group))
+    return _normalise_(_all_reduce(_head_summed_probs(logits), tp_group))
 
 
 @torch.no_grad()
@@ -146,10 +150,7 @@ def sparse_index_scores(qi: torch.Tensor, ki: torch.Tensor, w: torch.Tensor, top
     out = torch.empty(t_total, k, dtype=acc, device=qi.device)
     chunk = _rows_per_chunk(k * (di + 2 * hi), budget_bytes)
     ki_acc = ki.to(acc)
-    for c0 in range(0, t_total, chunk):
-        c1 = min(t_total, c0 + chunk)
-        idx = topk[c0:c1].long()
-        valid = idx >= 0
+    for c0, c1, idx, valid in _row_chunks(topk, chunk):
         _, score = _scores(qi[c0:c1].to(acc), _gather_rows(ki_acc, idx, valid), w[c0:c1].to(acc), shared_keys=False)
         out[c0:c1] = score.masked_fill_(~valid, float("-inf"))
     return out
@@ -205,10 +206,7 @@ class _SparseIndexerKL(torch.autograd.Function):
         ki_acc = ki.to(acc)
         lse = torch.zeros(t_total, dtype=acc, device=qi.device)
         total = torch.zeros((), dtype=acc, device=qi.device)
-        for c0 in range(0, t_total, chunk):
-            c1 = min(t_total, c0 + chunk)
-            idx = topk[c0:c1].long()
-            valid = idx >= 0
+        for c0, c1, idx, valid in _row_chunks(topk, chunk):
             keys = _gather_rows(ki_acc, idx, valid)
             _, score = _scores(qi[c0:c1].to(acc), keys, w[c0:c1].to(acc), shared_keys=False)
             log_pred, lse[c0:c1] = _log_softmax_masked(score, valid)
@@ -227,10 +225,7 @@ class _SparseIndexerKL(torch.autograd.Function):
         dki = torch.zeros(ki.shape[0] + 1, ki.shape[1], dtype=acc, device=ki.device)  # + a scratch row for -1 slots
         dw = torch.zeros_like(w, dtype=acc)
         scale = rw * grad.to(acc)
-        for c0 in range(0, qi.shape[0], ctx.chunk):
-            c1 = min(qi.shape[0], c0 + ctx.chunk)
-            idx = topk[c0:c1].long()
-            valid = idx >= 0
+        for c0, c1, idx, valid in _row_chunks(topk, ctx.chunk):
             keys = _gather_rows(ki_acc, idx, valid)
             qi_c, w_c = qi[c0:c1].to(acc), w[c0:c1].to(acc)
             z, score = _scores(qi_c, keys, w_c, shared_keys=False)
