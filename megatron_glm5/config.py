@@ -571,9 +571,9 @@ class RuntimeEnvironment:
         cuda = torch.cuda.is_available()
         kernels = False
         if cuda:
-            from megatron.core.utils import _missing_tilelang_dsa_kernel_dependencies
+            from .compat import missing_tilelang_dsa_kernel_dependencies
 
-            kernels = not _missing_tilelang_dsa_kernel_dependencies()
+            kernels = not missing_tilelang_dsa_kernel_dependencies()
         try:
             import fused_weight_gradient_mlp_cuda  # noqa: F401  (apex)
 

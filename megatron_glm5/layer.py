@@ -37,31 +37,20 @@ slower.
 
 from __future__ import annotations
 
-import sys
 from typing import Optional
 
 import torch
-from megatron.core.tensor_parallel.random import CheckpointFunction, is_checkpointing
+from megatron.core.tensor_parallel.random import is_checkpointing
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import deprecate_inference_params
 
 from . import offload
+from .compat import checkpoint_node as _checkpoint_node
 from .device_check import check_on_device
 
-_CHECKPOINT_FRAMES = (CheckpointFunction.forward.__code__, CheckpointFunction.backward.__code__)
 _STASH = "_glm5_dsa_topk"  # attribute of the checkpoint node: {layer module: (topk, fingerprint)}
 FINGERPRINT_GROUPS = 64
 FINGERPRINT_RTOL = 2e-2  # per group, relative to the group's sum of |x|
-
-
-def _checkpoint_node():
-    """The autograd node (``ctx``) of the innermost megatron-core ``CheckpointFunction`` running on this thread."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code in _CHECKPOINT_FRAMES:
-            return frame.f_locals.get("ctx")
-        frame = frame.f_back
-    return None
 
 
 def fingerprint(x: torch.Tensor) -> torch.Tensor:

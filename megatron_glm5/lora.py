@@ -81,6 +81,7 @@ from typing import Iterable, Iterator, Mapping, Sequence
 
 import torch
 
+from . import compat
 from .lora_layers import (
     LoraColumn,
     LoraDuplicated,
@@ -329,7 +330,7 @@ def _attach(module, mixin: type, name: str, target: str, config: LoraConfig, *, 
     a = a.contiguous().to(weight.device) if weight.device.type != "meta" else torch.empty_like(a, device="meta")
     b = b.contiguous().to(weight.device) if weight.device.type != "meta" else torch.empty_like(b, device="meta")
 
-    module.__class__ = _lora_class(mixin, type(module))
+    compat.swap_class(module, _lora_class(mixin, type(module)))
     module.lora_A = LoraFactor(a)
     module.lora_B = LoraFactor(b)
     module.lora_dropout = torch.nn.Dropout(config.dropout) if config.dropout else torch.nn.Identity()

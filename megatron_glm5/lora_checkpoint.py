@@ -20,6 +20,7 @@ from typing import Any, Mapping
 
 import torch
 
+from . import compat
 from .lora import (
     LORA_CONFIG_ATTR,
     LoraConfig,
@@ -197,7 +198,7 @@ class AdapterOnlyCheckpoint:
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         _load_adapter_state(self, {k: v for k, v in state_dict.items() if not k.endswith("_extra_state")},
                             source="adapter-only checkpoint")
-        return torch.nn.modules.module._IncompatibleKeys([], [])
+        return compat.incompatible_keys([], [])
 
 
 _ADAPTER_ONLY: dict[type, type] = {}
@@ -218,7 +219,7 @@ def use_adapter_only_checkpoints(model):
             _ADAPTER_ONLY[cls] = type(name, (AdapterOnlyCheckpoint, cls), {"__module__": __name__,
                                                                           "__qualname__": name})
             globals()[name] = _ADAPTER_ONLY[cls]
-        chunk.__class__ = _ADAPTER_ONLY[cls]
+        compat.swap_class(chunk, _ADAPTER_ONLY[cls])
     return model
 
 

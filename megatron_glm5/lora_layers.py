@@ -216,12 +216,12 @@ def _lora_class(mixin: type, base: type) -> type:
 
 def _kind_of(module, target: str) -> type:
     """The mixin for a base linear, by megatron-core class; a clear error for anything else."""
-    from megatron.core.post_training.modelopt.layers import Linear as ModeloptLinear
+    from .compat import modelopt_linear
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     if isinstance(module, LoraLinear):
         raise ValueError(f"{module.lora_name} already has a LoRA adapter (add_lora was applied twice)")
-    if isinstance(module, ModeloptLinear):
+    if isinstance(module, modelopt_linear()):
         return LoraDuplicated
     if isinstance(module, ColumnParallelLinear):
         if module.gather_output:

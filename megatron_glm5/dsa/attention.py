@@ -23,7 +23,6 @@ from typing import Optional
 
 import torch
 from megatron.core import tensor_parallel
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.experimental_attention_variant import dsa_kernels
 from megatron.core.transformer.experimental_attention_variant.absorbed_mla import AbsorbedMLASelfAttention
@@ -31,7 +30,7 @@ from megatron.core.transformer.experimental_attention_variant.dsa import DSAtten
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
-from .. import offload
+from .. import compat, offload
 from ..device_check import check_on_device
 from ..lora import linear_weight
 from . import indexer_loss, reference
@@ -269,14 +268,6 @@ class GLMSparseAttention(DSACoreAttention):
         return out.reshape(out.shape[0], -1)
 
 
-def _mcore_accepts_down_projection(cls) -> bool:
-    """megatron-core's MLA classes whitelist their q/kv down-projection classes (TELinear -> duplicated; Linear /
-    TE or local ColumnParallelLinear -> TP-sharded), by identity."""
-    from megatron.core.transformer.experimental_attention_variant import absorbed_mla as _am
-
-    return cls is not None and cls in (_am.TELinear, _am.Linear, _am.TEColumnParallelLinear, ColumnParallelLinear)
-
-
 def with_mcore_down_projections(submodules):
     """``(submodules for megatron-core's constructor, duplicated class to rebuild with or None)``.
 
@@ -290,10 +281,11 @@ def with_mcore_down_projections(submodules):
     a reduce-scatter backward, weight gradients summed over TP through their ``sequence_parallel`` tag.
     """
     down = submodules.linear_q_down_proj
-    if _mcore_accepts_down_projection(down):
+    if compat.mcore_accepts_down_projection(down):
         return submodules, None
     return (
-        dataclasses.replace(submodules, linear_q_down_proj=ColumnParallelLinear, linear_kv_down_proj=ColumnParallelLinear),
+        dataclasses.replace(submodules, linear_q_down_proj=compat.column_parallel_linear(),
+                            linear_kv_down_proj=compat.column_parallel_linear()),
         down,
     )
 

@@ -54,6 +54,7 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.random import is_checkpointing
 from megatron.core.transformer.moe.router_replay import RouterReplay
 
+from .. import compat
 from ..dsa.layout import TokenLayout
 from ..inventory import LayerInventory
 from ..layer import replayed_topk, stash_topk
@@ -403,16 +404,10 @@ class GLMRouterReplay(RouterReplay):
         self._hooks = weakref.ref(hooks)
         self.key = key
         self.replaced = replaced
-        instances = RouterReplay.global_router_replay_instances
-        for i, inst in enumerate(instances):
-            if inst is replaced:
-                instances[i] = self
+        compat.replace_router_replay(replaced, self)
 
     def restore(self) -> RouterReplay | None:
-        instances = RouterReplay.global_router_replay_instances
-        for i, inst in enumerate(instances):
-            if inst is self:
-                instances[i] = self.replaced
+        compat.replace_router_replay(self, self.replaced)
         return self.replaced
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
@@ -452,7 +447,7 @@ class ReplayHooks:
         self._cores = []
         for key, core in self.layers.full.items():
             original = core.compute_topk
-            core.compute_topk = _ReplayingTopk(self, key, core, original)
+            compat.override_method(core, "compute_topk", _ReplayingTopk(self, key, core, original))
             self._cores.append(core)
         self._routers = []
         for key, router in self.layers.routers.items():
@@ -469,7 +464,7 @@ class ReplayHooks:
     def remove(self) -> None:
         """Uninstall (the model runs as before; later recomputes of graphs built under replay lose their ids)."""
         for core in self._cores:
-            del core.compute_topk
+            compat.restore_method(core, "compute_topk")
         for router in self._routers:
             router.router_replay = router.router_replay.restore()
         for model, hooks in list(_HOOKS.items()):
