@@ -7,7 +7,7 @@ nothing from :mod:`bridge`; :mod:`bridge` (HF <-> Megatron conversion) builds on
 use. Importing the package does nothing to megatron-core or torch: heavy modules load on first use.
 """
 
-__version__ = "0.1.0"
+from .version import __version__
 
 
 def from_hf_pretrained(hf_path, **kwargs):

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 MCORE = "megatron-core 0.19.2"
-TORCH = "torch 2.11"
+TORCH = "torch 2.11 (GPU machine) and 2.14 (CPU)"
 TRANSFORMERS = "transformers 5.24"
 
 

@@ -72,6 +72,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from .device_check import check_on_device
+from .dsa.hooks import install_replicated_marker
 
 # megatron-core offload_modules names whose activations live in the attention half of the layer: megatron-core cannot
 # offload them for DSA attention, so any of them turns on this window (which covers the whole layer call).
@@ -196,6 +197,9 @@ def mark_replicated(tensor: torch.Tensor, group) -> None:
         return
     storage = tensor.untyped_storage()
     _tls.replicated[(tensor.device, storage.data_ptr())] = (weakref.ref(storage), group)
+
+
+install_replicated_marker(mark_replicated)  # the DSA attention marks its top-k through megatron_glm5.dsa.hooks
 
 
 def _replicated_group(device: torch.device, storage: torch.UntypedStorage):

@@ -40,12 +40,11 @@ from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
 
-from . import offload
 from .dsa import reference
 from .dsa.attention import DSACoreAttention, rebuild_down_projections, with_mcore_down_projections
+from .dsa.hooks import linear_weight, mark_replicated
 from .dsa.layout import TokenLayout
 from .dsa.rope import apply_interleaved_rope, rope_cos_sin
-from .lora import linear_weight
 
 @functools.cache
 def _tilelang_available() -> bool:
@@ -212,7 +211,7 @@ class TileLangMLASelfAttention(MLASelfAttention):
     def kv_up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(W_kc [H, qk_head_dim, kv_lora_rank], W_vc [H, v_head_dim, kv_lora_rank])`` viewed from
         ``linear_kv_up_proj``'s effective weight (per-head rows ``[k_nope | v]``; a LoRA delta included, see
-        :func:`megatron_glm5.lora.linear_weight`), recomputed on every call."""
+        :func:`megatron_glm5.dsa.hooks.linear_weight`), recomputed on every call."""
         cfg = self.config
         w = linear_weight(self.linear_kv_up_proj).view(-1, cfg.qk_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         return w[:, : cfg.qk_head_dim], w[:, cfg.qk_head_dim :]
@@ -274,7 +273,7 @@ class TileLangMLASelfAttention(MLASelfAttention):
         elif topk is None:
             topk = sparse.compute_topk(x, q_c, layout, rope_q, rope_k, gather)
         if dsa_topk is None:
-            offload.mark_replicated(topk, self.pg_collection.tp)  # every TP rank ran the whole indexer
+            mark_replicated(topk, self.pg_collection.tp)  # every TP rank ran the whole indexer
 
         core = (lambda q_, kv_, t_: sparse(q_, kv_, t_, self.softmax_scale, cfg.kv_lora_rank))
         if sparse.loss.warmup:  # dense main attention, frozen: only the indexer trains

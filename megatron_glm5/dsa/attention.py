@@ -30,10 +30,10 @@ from megatron.core.transformer.experimental_attention_variant.dsa import DSAtten
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
-from .. import compat, offload
+from .. import compat
 from ..device_check import check_on_device
-from ..lora import linear_weight
 from . import indexer_loss, reference
+from .hooks import linear_weight, mark_replicated
 from .indexer_training import RECALL, IndexerLossSettings, LossSlot, attach_loss, warmup_freeze
 from .layout import TokenLayout
 
@@ -319,7 +319,7 @@ class GLMAbsorbedMLASelfAttention(AbsorbedMLASelfAttention):
 
     def _get_kv_up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """megatron-core's ``(W_kc, W_vc)`` per-head views, of ``linear_kv_up_proj``'s effective weight
-        (:func:`megatron_glm5.lora.linear_weight`: a LoRA delta included, with its gradients): absorbed attention
+        (:func:`megatron_glm5.dsa.hooks.linear_weight`: a LoRA delta included, with its gradients): absorbed attention
         reads this weight and never calls the module."""
         cfg = self.config
         w = linear_weight(self.linear_kv_up_proj).view(
@@ -385,7 +385,7 @@ class GLMAbsorbedMLASelfAttention(AbsorbedMLASelfAttention):
         elif topk is None:
             topk = core.compute_topk(hidden_states, q_compressed, packed_seq_params, layout)
         if dsa_topk is None:
-            offload.mark_replicated(topk, self.pg_collection.tp)  # every TP rank ran the whole indexer
+            mark_replicated(topk, self.pg_collection.tp)  # every TP rank ran the whole indexer
 
         if core.loss.warmup:  # dense main attention, frozen: only the indexer trains
             latent = core.dense_latent(query, kv, layout, self.config.kv_lora_rank)

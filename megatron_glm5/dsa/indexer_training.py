@@ -90,12 +90,12 @@ def attach_loss(output: torch.Tensor, loss: torch.Tensor, slot: LossSlot, *, cp_
 
 
 def _core_attentions(model) -> Iterator[torch.nn.Module]:
-    from .attention import DSACoreAttention
-
+    """Our DSA core attentions (both backends, both families): the modules that declare ``supports_indexer_loss``
+    (recognised by that attribute, so this module need not import the attention that imports it)."""
     modules = model if isinstance(model, (list, tuple)) else [model]
     for m in modules:
         for sub in m.modules():
-            if isinstance(sub, DSACoreAttention):
+            if hasattr(type(sub), "supports_indexer_loss"):
                 yield sub
 
 
