@@ -113,7 +113,7 @@ def load_lora_checkpoint(model, ckpt_dir: str | Path) -> dict:
 
 def check_same_adapters(mine: Mapping[str, list], theirs: Mapping[str, list], *, source: str) -> None:
     """Same adapted modules, ranks and alphas, or a :class:`LoraCheckpointError` naming the differences."""
-    from .config import natural_key
+    from .core.hf_config import natural_key
 
     def names(xs):
         xs = sorted(xs, key=natural_key)

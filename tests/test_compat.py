@@ -67,15 +67,16 @@ def test_checkpoint_node_is_the_running_checkpoint():
     assert seen[0] is not None and seen[1] is seen[0]  # the recompute sees the same node
 
 
-def test_patches_are_undone_by_remove_all():
+def test_patches_are_remembered_and_undone():
     marker = object()
 
     class Owner:
         attr = marker
 
     compat.install_patches(((Owner, "attr", 1),))
+    compat.install_patches(((Owner, "attr", 2),))  # once: the first original is kept
     assert Owner.attr == 1 and compat.is_patched(Owner, "attr")
-    compat.remove_all_patches()
+    compat.remove_patches(((Owner, "attr", None),))
     assert Owner.attr is marker and not compat.is_patched(Owner, "attr")
 
 

@@ -12,12 +12,12 @@ import torch
 from megatron.core.transformer.moe.router_replay import RouterReplay
 
 from megatron_glm5.config import GLM5ConfigError
-from megatron_glm5.layer import GLMTransformerLayer
+from megatron_glm5.glm5.layer import GLMTransformerLayer
 from megatron_glm5.rl import add_rl_args, compute_logprobs
 from megatron_glm5.rl.provider import get_model_provider, policy_from_args
 from megatron_glm5.rl.replay import GLMRouterReplay, ReplayHooks
 from megatron_glm5.testing import tiny_glm52_config, write_hf_checkpoint
-from megatron_glm5.tilelang_attention import TileLangMLASelfAttention
+from megatron_glm5.dsa.tilelang_attention import TileLangMLASelfAttention
 from tests.test_rl_logprobs import packed_batch
 
 

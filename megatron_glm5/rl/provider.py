@@ -34,8 +34,11 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import GLM5ConfigError, RuntimePolicy, load_hf_config, mcore_kwargs, parse_hf_config
-from ..spec import BACKENDS
+from ..core.hf_config import GLM5ConfigError, load_hf_config
+from ..core.policy import RuntimePolicy
+from ..glm5.config import parse_hf_config
+from ..glm5.mcore_config import mcore_kwargs
+from ..glm5.spec import BACKENDS
 
 _FLAGS = (
     ("--hf-checkpoint", dict(type=str, default=None,

@@ -57,7 +57,7 @@ from megatron.core.transformer.moe.router_replay import RouterReplay
 from .. import compat
 from ..dsa.layout import TokenLayout
 from ..inventory import LayerInventory
-from ..layer import replayed_topk, stash_topk
+from ..core.layer import replayed_topk, stash_topk
 from .model_io import forward_kwargs, model_device, unwrap
 from .packing import PackedBatch, ParallelSizes, RankPlan
 from .payload import (
