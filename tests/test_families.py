@@ -1,0 +1,71 @@
+"""The family registry (:mod:`megatron_glm5.families`, :mod:`bridge.families`): every row provides the whole
+interface, dispatch goes through it, and every combination a family does not support is refused by name before
+anything is built."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+from megatron_glm5 import families
+from megatron_glm5.core.layer import DSADecoderLayer
+from megatron_glm5.families import FAMILIES, UnsupportedFeatureError, family_of_architecture, parse_architecture
+from megatron_glm5.glm5_next.testing import tiny_flash_config
+from megatron_glm5.model import build_model, default_cpu_policy
+from megatron_glm5.testing import tiny_glm52_config
+
+
+def _flash_arch():
+    return parse_architecture({"model_type": "glm5_next", **tiny_flash_config()["text_config"]})
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+def test_every_family_provides_the_whole_interface(family):
+    module = family.module
+    wanted = [n for n in families.FamilyModule.__annotations__] + [
+        n for n, _ in inspect.getmembers(families.FamilyModule, inspect.isfunction)]
+    missing = [n for n in wanted if not hasattr(module, n)]
+    assert not missing, f"{family.name}: {missing}"
+    assert issubclass(family.decoder_layer(), DSADecoderLayer)
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
+def test_every_family_has_a_bridge_row_and_a_parity_reference(family):
+    from bridge.families import BRIDGE_FAMILIES
+    from bridge.parity_reference import REFERENCES
+
+    assert family.name in BRIDGE_FAMILIES and family.name in REFERENCES
+
+
+def test_dispatch_by_model_type():
+    assert family_of_architecture(parse_architecture(tiny_glm52_config())).name == "glm5"
+    assert family_of_architecture(_flash_arch()).name == "glm5_next"
+    with pytest.raises(ValueError, match=r"'model_type': expected one of \['glm_moe_dsa', 'glm5_next'"):
+        parse_architecture({"model_type": "llama"})
+
+
+def test_glm5_supports_everything_the_registry_names():
+    glm5 = families.family_named("glm5")
+    for feature in ("context parallelism", "the indexer loss", "the indexer warm-up"):
+        glm5.refuse(feature)  # no error
+
+
+@pytest.mark.parametrize(
+    "policy, build, feature",
+    [
+        (dict(context_parallel_size=2), {}, "context parallelism"),
+        (dict(dsa_indexer_loss_coeff=1.0), {}, "the indexer loss"),
+        (dict(dsa_indexer_warmup=True), {}, "the indexer warm-up"),
+        ({}, dict(indexer_warmup=True), "the indexer warm-up"),
+    ],
+    ids=["context-parallel", "indexer-loss", "warmup-policy", "warmup-argument"],
+)
+def test_flash_refuses_unsupported_combinations_by_name(model_parallel, policy, build, feature):
+    with pytest.raises(UnsupportedFeatureError, match=rf"GLM-5.3-Flash does not support {feature} yet: "):
+        build_model(_flash_arch(), default_cpu_policy(**policy), **build)
+
+
+def test_family_build_options_are_the_familys_own(model_parallel):
+    with pytest.raises(TypeError, match=r"GLM-5.x models take no build options \['kda_kernel'\]"):
+        build_model(parse_architecture(tiny_glm52_config()), default_cpu_policy(), kda_kernel="torch")
