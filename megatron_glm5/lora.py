@@ -291,14 +291,14 @@ def _global_factors(name: str, rank: int, in_features: int, out_features: int, c
     return a.to(dtype), b.to(dtype)
 
 
-def _tp_rank_size(module) -> tuple[int, int]:
+def tp_rank_size(module) -> tuple[int, int]:
     g = getattr(module, "tp_group", None)
     if g is None:
         return 0, 1
     return g.rank(), g.size()
 
 
-def _local_rows(t: torch.Tensor, rank: int, size: int, swiglu: bool) -> torch.Tensor:
+def local_rows(t: torch.Tensor, rank: int, size: int, swiglu: bool) -> torch.Tensor:
     """This TP rank's rows of a column-parallel global tensor (``[gate_t; up_t]`` for a SwiGLU fc1)."""
     if size == 1:
         return t
@@ -314,7 +314,7 @@ def _attach(module, mixin: type, name: str, target: str, config: LoraConfig, *, 
 
     rank, alpha = rank_alpha if rank_alpha is not None else (config.rank_for(target), config.alpha_for(target))
     weight = module.weight
-    tp_rank, tp_size = _tp_rank_size(module) if mixin is not LoraDuplicated else (0, 1)
+    tp_rank, tp_size = tp_rank_size(module) if mixin is not LoraDuplicated else (0, 1)
     swiglu = target == "linear_fc1" and bool(module.config.gated_linear_unit)
     if mixin is LoraRow:
         out_f, in_f = weight.shape[0], weight.shape[1] * tp_size
@@ -326,7 +326,7 @@ def _attach(module, mixin: type, name: str, target: str, config: LoraConfig, *, 
     if mixin is LoraRow:
         a = a.chunk(tp_size, dim=1)[tp_rank] if tp_size > 1 else a
     elif mixin is not LoraDuplicated:
-        b = _local_rows(b, tp_rank, tp_size, swiglu)
+        b = local_rows(b, tp_rank, tp_size, swiglu)
     a = a.contiguous().to(weight.device) if weight.device.type != "meta" else torch.empty_like(a, device="meta")
     b = b.contiguous().to(weight.device) if weight.device.type != "meta" else torch.empty_like(b, device="meta")
 

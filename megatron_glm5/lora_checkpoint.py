@@ -67,7 +67,7 @@ def save_lora_checkpoint(model, ckpt_dir: str | Path, *, extra: Mapping[str, Any
 
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    meta = _all_ranks_meta(model)
+    meta = all_ranks_meta(model)
     state: dict[str, Any] = {"model": adapter_sharded_state_dict(model), LORA_META_KEY: meta}
     for k, v in (extra or {}).items():
         state[k] = v
@@ -75,7 +75,7 @@ def save_lora_checkpoint(model, ckpt_dir: str | Path, *, extra: Mapping[str, Any
     return ckpt_dir
 
 
-def _all_ranks_meta(model) -> dict:
+def all_ranks_meta(model) -> dict:
     """:func:`lora_meta` with the modules of every rank (pipeline stages and expert ranks hold different ones)."""
     import torch.distributed as dist
 
@@ -103,7 +103,7 @@ def load_lora_checkpoint(model, ckpt_dir: str | Path) -> dict:
     meta = read_lora_meta(ckpt_dir)
     if not meta:
         raise LoraCheckpointError(f"{ckpt_dir}: not a LoRA adapter checkpoint (no '{LORA_META_KEY}' entry)")
-    mine = _all_ranks_meta(model)["modules"]
+    mine = all_ranks_meta(model)["modules"]
     theirs = {k: list(v) for k, v in meta["modules"].items()}
     check_same_adapters(mine, theirs, source=str(ckpt_dir))
     loaded = dist_checkpointing.load({"model": adapter_sharded_state_dict(model)}, str(ckpt_dir))
