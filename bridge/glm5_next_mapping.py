@@ -57,6 +57,7 @@ from .mapping import (
     RuleExpander,
     TensorMap,
     account_tensors,
+    one_layout,
 )
 
 AttentionType = Literal["indexed_attention", "linear_attention"]
@@ -323,18 +324,8 @@ def passthrough_names(hf_names: Iterable[str]) -> list[str]:
 def detect_naming(hf_names: Iterable[str]) -> Naming:
     """``"disk"`` or ``"memory"`` from the mHC / KDA tensor names (every decoder layer has mHC tensors); an error if
     both appear."""
-    disk = memory = None
-    for n in hf_names:
-        if disk is None and _DISK_MARK.search(n):
-            disk = n
-        if memory is None and _MEMORY_MARK.search(n):
-            memory = n
-    if disk and memory:
-        raise TensorSetError(
-            f"the checkpoint mixes transformers' on-disk names (e.g. {disk}) and its in-memory module names (e.g. "
-            f"{memory}); expected one naming"
-        )
-    return "memory" if memory else "disk"
+    return one_layout(hf_names, ("disk", _DISK_MARK, "transformers' on-disk names"),
+                      ("memory", _MEMORY_MARK, "its in-memory module names"), "naming")  # type: ignore[return-value]
 
 
 def detect_prefix(hf_names: Iterable[str]) -> str:

@@ -322,20 +322,26 @@ _PER_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.")
 _FUSED = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)(\.weight)?$")
 
 
+def one_layout(hf_names: Iterable[str], default: tuple[str, re.Pattern, str], other: tuple[str, re.Pattern, str],
+               what: str) -> str:
+    """``other``'s label when a name matches its pattern, else ``default``'s (``(label, pattern, description)``);
+    a checkpoint with names of both is refused, with an example of each."""
+    found = {label: None for label, _, _ in (default, other)}
+    for n in hf_names:
+        for label, pattern, _ in (default, other):
+            if found[label] is None and pattern.search(n):
+                found[label] = n
+    (a, _, desc_a), (b, _, desc_b) = default, other
+    if found[a] and found[b]:
+        raise TensorSetError(f"the checkpoint mixes {desc_a} (e.g. {found[a]}) and {desc_b} (e.g. {found[b]}); "
+                             f"expected one {what}")
+    return b if found[b] else a
+
+
 def detect_expert_layout(hf_names: Iterable[str]) -> ExpertLayout:
     """``per_expert`` (released safetensors) or ``fused`` (transformers-v5 3-D tensors); an error if both."""
-    per = fused = None
-    for n in hf_names:
-        if per is None and _PER_EXPERT.search(n):
-            per = n
-        if fused is None and _FUSED.search(n):
-            fused = n
-    if per and fused:
-        raise TensorSetError(
-            f"the checkpoint mixes per-expert expert tensors (e.g. {per}) and fused 3-D expert tensors "
-            f"(e.g. {fused}); expected one layout"
-        )
-    return "fused" if fused else "per_expert"
+    return one_layout(hf_names, ("per_expert", _PER_EXPERT, "per-expert expert tensors"),
+                      ("fused", _FUSED, "fused 3-D expert tensors"), "layout")  # type: ignore[return-value]
 
 
 def account_tensors(expansion: Expansion, hf_names: Iterable[str], *, source: str, indexer_types: Sequence[str],

@@ -10,7 +10,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerSubmodules, DSAttentionSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from .hf_config import GLM5ConfigError
+from .hf_config import INDEXER_K_NORM_EPS, GLM5ConfigError
 
 
 def mla_fields(provider) -> dict[str, ModuleSpec]:
@@ -58,10 +58,33 @@ def dsa_attention_spec(provider, *, attention: type, core: type, submodules: typ
     )
 
 
-def wrong_fields(config, required: Sequence[tuple[str, Any, str]], sep: str = "; ") -> list[str]:
-    """``(attribute, expected, why or flag)`` rows the config does not match, each as one readable line."""
-    return [f"{attr}={getattr(config, attr, None)!r} (expected {want!r}{sep}{why})"
-            for attr, want, why in required if getattr(config, attr, None) != want]
+# The numerics every MLA + DSA family's megatron-core config must carry (Megatron-LM builds it from flags, so they
+# are checked when a spec is built): (attribute, expected, the Megatron-LM flag that sets it, why)
+DSA_NUMERICS: tuple[tuple[str, Any, str, str], ...] = (
+    ("multi_latent_attention", True, "--multi-latent-attention", "MLA"),
+    ("experimental_attention_variant", "dsa", "--experimental-attention-variant dsa", "DSA attention"),
+    ("rope_type", "rope", "--rope-type rope (no YaRN)",
+     "plain RoPE (GLM-5.3-Flash: width 0; YaRN would build a width-0 YarnRotaryEmbedding)"),
+    ("apply_rope_fusion", False, "--no-rope-fusion", "refused for DSA (and unverified at width 0)"),
+    ("dsa_indexer_rotate_activation", False, "--no-dsa-indexer-rotate-activation", "no Hadamard in the indexer"),
+    ("dsa_indexer_scoring_relu", True, "(default; do not pass --no-dsa-indexer-scoring-relu)", "ReLU'd indexer scores"),
+    ("dsa_indexer_k_norm_epsilon", INDEXER_K_NORM_EPS, "--dsa-indexer-k-norm-epsilon 1e-6",
+     "transformers' k_norm LayerNorm eps"),
+    ("qk_layernorm", True, "--qk-layernorm", "q_a / kv_a RMSNorms"),
+    ("add_bias_linear", False, "--disable-bias-linear", "no attention / MLP bias"),
+)
+
+
+def wrong_numerics(config, extra: Sequence[tuple[str, Any, str, str]] = (), *, explain: str = "flag") -> list[str]:
+    """The rows of :data:`DSA_NUMERICS` plus a family's ``extra`` rows that ``config`` does not match, each as one
+    readable line naming the Megatron-LM flag (``explain="flag"``) or the reason (``explain="why"``)."""
+    out = []
+    for attr, want, flag, why in (*extra, *DSA_NUMERICS):
+        found = getattr(config, attr, None)
+        if found != want:
+            out.append(f"{attr}={found!r} (expected {want!r}; {flag})" if explain == "flag"
+                       else f"{attr}={found!r} (expected {want!r}: {why})")
+    return out
 
 
 def check_runtime_dependencies(config) -> None:

@@ -8,6 +8,7 @@ from .config import GLM5Architecture
 from .config import parse_hf_config as parse_config
 from .layer import GLMTransformerLayer
 from .mcore_config import architecture_kwargs, build_transformer_config, gpt_model_kwargs, mcore_kwargs
+from .spec import build_glm5_block_spec, build_glm5_mtp_spec
 
 ARCHITECTURE = GLM5Architecture
 DECODER_LAYER = GLMTransformerLayer
@@ -31,8 +32,6 @@ def config_only_fields() -> frozenset[str]:
 
 def block_spec(config, arch: GLM5Architecture | None, *, backend: str = "megatron", vp_stage: int | None = None,
                indexer_types: Sequence[str] | None = None, activation_offload=None, indexer_warmup: bool = False):
-    from .spec import build_glm5_block_spec
-
     types = indexer_types if indexer_types is not None else (arch.indexer_types if arch is not None else None)
     return build_glm5_block_spec(config, backend=backend, vp_stage=vp_stage, indexer_types=types,
                                  activation_offload=activation_offload, indexer_warmup=indexer_warmup)
@@ -40,8 +39,6 @@ def block_spec(config, arch: GLM5Architecture | None, *, backend: str = "megatro
 
 def mtp_spec(config, arch: GLM5Architecture | None, *, backend: str = "megatron", activation_offload=None,
              indexer_types: Sequence[str] | None = None, indexer_warmup: bool = False):
-    from .spec import build_glm5_mtp_spec
-
     types = indexer_types if indexer_types is not None else (arch.indexer_types if arch is not None else None)
     return build_glm5_mtp_spec(config, backend=backend, activation_offload=activation_offload, indexer_types=types,
                                indexer_warmup=indexer_warmup)

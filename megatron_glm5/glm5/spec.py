@@ -36,8 +36,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
-from ..core.hf_config import INDEXER_K_NORM_EPS, GLM5ConfigError, load_hf_config
-from ..core.mla_spec import check_runtime_dependencies, dsa_attention_spec, wrong_fields
+from ..core.hf_config import GLM5ConfigError, load_hf_config
+from ..core.mla_spec import check_runtime_dependencies, dsa_attention_spec, wrong_numerics
 from ..core.patterns import indexer_types_from_mcore, mlp_types_from_mcore
 from ..core.stages import local_layer_ids, pipeline_stages
 from ..core.stages import validate_stage_layers as _validate_stages
@@ -113,25 +113,15 @@ def get_backend(name: str) -> AttentionBackend:
 # GLM numerics the config must carry (checked, since Megatron-LM builds the config from flags)
 # --------------------------------------------------------------------------------------------------------------------
 
-_REQUIRED = (
-    # (attribute, expected, Megatron-LM flag that sets it)
-    ("multi_latent_attention", True, "--multi-latent-attention"),
-    ("experimental_attention_variant", "dsa", "--experimental-attention-variant dsa"),
-    ("rope_type", "rope", "--rope-type rope (GLM-5.x has no YaRN)"),
-    ("apply_rope_fusion", False, "--no-rope-fusion"),
-    ("dsa_indexer_rope_interleaved", True, "--dsa-indexer-rope-interleaved"),
-    ("dsa_indexer_rotate_activation", False, "--no-dsa-indexer-rotate-activation"),
-    ("dsa_indexer_scoring_relu", True, "(default; do not pass --no-dsa-indexer-scoring-relu)"),
-    ("dsa_indexer_k_norm_epsilon", INDEXER_K_NORM_EPS, "--dsa-indexer-k-norm-epsilon 1e-6"),
-    ("dsa_indexer_k_norm_fp32", True, "--dsa-indexer-k-norm-fp32"),
-    ("qk_layernorm", True, "--qk-layernorm"),
-    ("add_bias_linear", False, "--disable-bias-linear"),
+_GLM5_NUMERICS = (  # beyond the shared DSA_NUMERICS: (attribute, expected, Megatron-LM flag, why)
+    ("dsa_indexer_rope_interleaved", True, "--dsa-indexer-rope-interleaved", "GLM-5.x interleaves the indexer RoPE"),
+    ("dsa_indexer_k_norm_fp32", True, "--dsa-indexer-k-norm-fp32", "the indexer k_norm runs in fp32"),
 )
 
 
 def check_glm5_numerics(config) -> None:
     """Refuse a config that would silently run GLM-5.x with the wrong numerics; name the flag that fixes it."""
-    bad = wrong_fields(config, _REQUIRED)
+    bad = wrong_numerics(config, _GLM5_NUMERICS)
     if config.num_moe_experts and getattr(config, "moe_router_score_function", None) != "sigmoid":
         bad.append("moe_router_score_function must be 'sigmoid' (--moe-router-score-function sigmoid)")
     if bad:

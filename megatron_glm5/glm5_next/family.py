@@ -12,6 +12,7 @@ from .config import GLM5NextArchitecture
 from .config import parse_glm5_next_config as parse_config
 from .layer import GLM5NextTransformerLayer
 from .mcore_config import GLM5NextTransformerConfig, architecture_kwargs, build_transformer_config, mcore_kwargs
+from .spec import build_glm5_next_block_spec, build_glm5_next_mtp_spec
 
 ARCHITECTURE = GLM5NextArchitecture
 DECODER_LAYER = GLM5NextTransformerLayer
@@ -43,8 +44,6 @@ def config_from_megatron_lm(config, arch: GLM5NextArchitecture) -> GLM5NextTrans
 
 def block_spec(config, arch: GLM5NextArchitecture, *, backend: str = "megatron", vp_stage: int | None = None,
                indexer_types: Sequence[str] | None = None, activation_offload=None, indexer_warmup: bool = False):
-    from .spec import build_glm5_next_block_spec
-
     types = tuple(indexer_types) if indexer_types is not None else arch.indexer_types
     return build_glm5_next_block_spec(config, layer_types=arch.layer_types, indexer_types=types, backend=backend,
                                       vp_stage=vp_stage, activation_offload=activation_offload)
@@ -52,8 +51,6 @@ def block_spec(config, arch: GLM5NextArchitecture, *, backend: str = "megatron",
 
 def mtp_spec(config, arch: GLM5NextArchitecture, *, backend: str = "megatron", activation_offload=None,
              indexer_types: Sequence[str] | None = None, indexer_warmup: bool = False):
-    from .spec import build_glm5_next_mtp_spec
-
     return build_glm5_next_mtp_spec(config, backend=backend, activation_offload=activation_offload)
 
 

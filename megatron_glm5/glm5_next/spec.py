@@ -37,12 +37,19 @@ from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_bac
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 from megatron.core.transformer.experimental_attention_variant.absorbed_mla import AbsorbedMLASelfAttentionSubmodules
 from megatron.core.transformer.multi_latent_attention import MLASelfAttentionSubmodules
+
+# imported with the module, not in the builder: megatron-core creates MTPLossAutoScaler's class-level loss scale
+# tensor at import, which inside a model built on the meta device would be a meta tensor for good
+from megatron.core.transformer.multi_token_prediction import (
+    MultiTokenPredictionBlockSubmodules,
+    get_mtp_layer_spec_for_backend,
+)
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
-from ..core.hf_config import INDEXER_K_NORM_EPS, GLM5ConfigError
-from ..core.mla_spec import check_runtime_dependencies, dsa_attention_spec, indexer_spec, wrong_fields
+from ..core.hf_config import GLM5ConfigError
+from ..core.mla_spec import check_runtime_dependencies, dsa_attention_spec, indexer_spec, wrong_numerics
 from ..core.patterns import mlp_types_from_mcore
 from ..core.stages import local_layer_ids
 from ..core.stages import topk_sources as _topk_sources
@@ -89,19 +96,8 @@ def _choice(value: str, valid: Sequence[str], what: str) -> str:
 # config check
 # --------------------------------------------------------------------------------------------------------------------
 
-_REQUIRED = (
-    # (attribute, expected, why)
-    ("qk_pos_emb_head_dim", 0, "GLM-5.3-Flash attention is NoPE (HF qk_rope_head_dim = 0)"),
-    ("multi_latent_attention", True, "MLA"),
-    ("experimental_attention_variant", "dsa", "DSA attention"),
-    ("rope_type", "rope", "a width-0 plain RoPE; YaRN would build a width-0 YarnRotaryEmbedding"),
-    ("apply_rope_fusion", False, "the fused MLA RoPE is unverified at width 0 (and refused for DSA)"),
-    ("dsa_indexer_rotate_activation", False, "no Hadamard in the KPool indexer"),
-    ("dsa_indexer_scoring_relu", True, "ReLU'd indexer scores"),
-    ("dsa_indexer_k_norm_epsilon", INDEXER_K_NORM_EPS, "transformers' k_norm LayerNorm eps"),
-    ("qk_layernorm", True, "q_a / kv_a RMSNorms"),
-    ("add_bias_linear", False, "no attention / MLP bias"),
-)
+_NOPE = (("qk_pos_emb_head_dim", 0, "--qk-pos-emb-head-dim 0",
+          "GLM-5.3-Flash attention is NoPE (HF qk_rope_head_dim = 0)"),)  # beyond the shared DSA_NUMERICS
 
 
 def check_glm5_next_numerics(config) -> None:
@@ -111,7 +107,7 @@ def check_glm5_next_numerics(config) -> None:
             f"config is a {type(config).__name__} without dsa_indexer_kpool: build it with "
             "megatron_glm5.glm5_next.mcore_config.build_transformer_config (GLM5NextTransformerConfig)"
         )
-    bad = wrong_fields(config, _REQUIRED, sep=": ")
+    bad = wrong_numerics(config, _NOPE, explain="why")
     if config.dsa_indexer_kpool < 1 or config.dsa_indexer_topk % config.dsa_indexer_kpool:
         bad.append(f"dsa_indexer_topk={config.dsa_indexer_topk!r} (expected a multiple of "
                    f"dsa_indexer_kpool={config.dsa_indexer_kpool!r}: whole pools)")
@@ -275,11 +271,6 @@ def build_glm5_next_mtp_spec(config, *, backend: str = "megatron", provider=None
     own (full) KPool indexer and the MoE MLP, without mHC: it takes the decoder output after the final norm."""
     if not config.mtp_num_layers:
         return None
-    from megatron.core.transformer.multi_token_prediction import (
-        MultiTokenPredictionBlockSubmodules,
-        get_mtp_layer_spec_for_backend,
-    )
-
     provider = provider or default_provider()
     inner = build_glm5_next_layer_spec(config, "indexed_attention", "sparse" if config.num_moe_experts else "dense",
                                        "full", backend, provider, activation_offload=activation_offload)
