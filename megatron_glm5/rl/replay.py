@@ -20,7 +20,7 @@ per-instance hooks on a built model, once):
 * each full layer's core attention gets an instance-level ``compute_topk`` that returns the replayed rows instead
   of running the indexer (or runs it too, only to measure the overlap, when statistics are requested). The attention
   then uses exactly those indices, bounds-checks them on device, and passes them on like its own: to the IndexShare
-  layers (layer ``context``) and to the activation-recompute stash (:mod:`megatron_glm5.layer`), so a full-layer
+  layers (layer ``context``) and to the activation-recompute stash (:mod:`megatron_glm5.core.layer`), so a full-layer
   recompute in backward replays the same indices with no replay data in sight;
 * each MoE router's ``router_replay`` slot (megatron-core's hook for exactly this) holds a :class:`GLMRouterReplay`,
   a ``RouterReplay`` that takes the rows of the running micro-batch, falls back to its own choice on tokens without
