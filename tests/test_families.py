@@ -69,3 +69,23 @@ def test_flash_refuses_unsupported_combinations_by_name(model_parallel, policy, 
 def test_family_build_options_are_the_familys_own(model_parallel):
     with pytest.raises(TypeError, match=r"GLM-5.x models take no build options \['kda_kernel'\]"):
         build_model(parse_architecture(tiny_glm52_config()), default_cpu_policy(), kda_kernel="torch")
+
+
+@pytest.mark.parametrize("family", ["glm5", "glm5_next"])
+def test_lora_adapts_both_families(model_parallel, family):
+    """LoRA goes through the same builder and layer base for both families: every adapter gets a gradient."""
+    import torch
+
+    from megatron_glm5.lora import LoraConfig, add_lora, lora_modules
+
+    arch = parse_architecture(tiny_glm52_config()) if family == "glm5" else _flash_arch()
+    torch.manual_seed(0)
+    model = build_model(arch, default_cpu_policy())
+    add_lora(model, LoraConfig(4, 8))
+    assert lora_modules(model)
+    ids = torch.randint(0, arch.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
+    model(ids, torch.arange(32)[None], None, labels=ids).sum().backward()
+    lora = {n: p for n, p in model.named_parameters() if ".lora_" in n}
+    assert all(p.grad is not None for p in lora.values())
+    assert all(p.requires_grad == (n in lora) for n, p in model.named_parameters())
+    assert any(p.grad.abs().sum() > 0 for n, p in lora.items() if ".lora_B." in n)
