@@ -8,7 +8,7 @@ mask or ``packed_seq_params``.
   core attention, so selective ``core_attn`` recompute replays the saved indices and never re-runs the indexer.
 * :class:`GLMSparseAttention` is the core attention: megatron-core's ``DSAIndexer`` on "full" layers (none on
   "shared" layers, so they own no indexer parameters), causal per-sequence top-k padded to a fixed width with -1, and
-  sparse attention over the absorbed latent. With ``dsa_kernel_backend != "none"`` both steps go through
+  sparse attention over the absorbed latent. With ``mcore_dsa_kernels != "none"`` both steps go through
   megatron-core's fused kernel hooks (TileLang / cuDNN); when a hook declines (or on CPU) the chunked pure-PyTorch
   path of :mod:`megatron_glm5.dsa.reference` runs, whose peak memory is O(chunk x S) instead of megatron-core's
   dense ``[b, heads, S, S]`` fallback.
