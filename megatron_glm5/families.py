@@ -32,12 +32,12 @@ class UnsupportedFeatureError(GLM5ConfigError, NotImplementedError):
 class FamilyModule(Protocol):
     """What each family's ``family`` module provides (``megatron_glm5/<family>/family.py``)."""
 
-    ARCHITECTURE: type  # the frozen parsed architecture
-    DECODER_LAYER: type  # a subclass of megatron_glm5.core.layer.DSADecoderLayer
+    ARCHITECTURE: type  # the frozen parsed architecture (importing the module loads no more than its parser)
     # config_from_megatron_lm writes the whole architecture into the config, so an architecture field Megatron-LM
     # has no argument for is not an error (GLM-5.3-Flash); otherwise every field must be a Megatron-LM argument
     PROVIDER_SETS_ARCHITECTURE: bool
 
+    def decoder_layer(self) -> type: ...  # a subclass of megatron_glm5.core.layer.DSADecoderLayer
     def parse_config(self, raw: Mapping[str, Any]) -> Any: ...
     def architecture_kwargs(self, arch: Any) -> dict[str, Any]: ...
     def mcore_kwargs(self, arch: Any, policy: Any = None) -> dict[str, Any]: ...
@@ -67,7 +67,7 @@ class Family:
         return self.module.ARCHITECTURE
 
     def decoder_layer(self) -> type:
-        return self.module.DECODER_LAYER
+        return self.module.decoder_layer()
 
     def parse_config(self, raw: Mapping[str, Any]) -> Any:
         return self.module.parse_config(raw)

@@ -8,6 +8,10 @@ from typing import Any, Sequence
 
 import torch
 
+# imported with this module, before any caller opens a meta-device scope around build_model: megatron-core creates
+# MTPLossAutoScaler's class-level loss scale at import, which would otherwise be a meta tensor for good
+from megatron.core.models.gpt.gpt_model import GPTModel
+
 from .core.policy import RuntimePolicy
 from .cpu import attach_cpu_mode, cpu_mode
 from .device_check import check_on_device
@@ -47,7 +51,6 @@ def build_model(
     :class:`~megatron_glm5.families.UnsupportedFeatureError` naming it, before anything is built.
     """
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt.gpt_model import GPTModel
 
     family = family_of_architecture(arch)
     warmup = bool(policy.dsa_indexer_warmup if policy is not None else False) if indexer_warmup is None \

@@ -89,3 +89,29 @@ def test_lora_adapts_both_families(model_parallel, family):
     assert all(p.grad is not None for p in lora.values())
     assert all(p.requires_grad == (n in lora) for n, p in model.named_parameters())
     assert any(p.grad.abs().sum() > 0 for n, p in lora.items() if ".lora_B." in n)
+
+
+def test_registry_lookups_import_no_megatron_core():
+    """The command line checks a layout against config.json before megatron-core is imported: parsing a config and
+    finding its family (and its bridge row) must stay that cheap."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys\n"
+        "from megatron_glm5.families import family_of_architecture, parse_architecture\n"
+        "from megatron_glm5.testing import tiny_glm52_config\n"
+        "from megatron_glm5.glm5_next.testing import tiny_flash_config\n"
+        "from bridge.families import bridge_family\n"
+        "for raw in (tiny_glm52_config(), {'model_type': 'glm5_next', **tiny_flash_config()['text_config']}):\n"
+        "    arch = parse_architecture(raw)\n"
+        "    bridge_family(arch).check_layout(arch, 1, 1, 1, source='x')\n"
+        "    print(family_of_architecture(arch).name)\n"
+        "print('megatron.core imported:', 'megatron.core' in sys.modules)\n"
+    )
+    repo = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(repo)}).stdout
+    assert out.split() == ["glm5", "glm5_next", "megatron.core", "imported:", "False"]

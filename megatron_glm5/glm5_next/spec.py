@@ -37,9 +37,6 @@ from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_bac
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 from megatron.core.transformer.experimental_attention_variant.absorbed_mla import AbsorbedMLASelfAttentionSubmodules
 from megatron.core.transformer.multi_latent_attention import MLASelfAttentionSubmodules
-
-# imported with the module, not in the builder: megatron-core creates MTPLossAutoScaler's class-level loss scale
-# tensor at import, which inside a model built on the meta device would be a meta tensor for good
 from megatron.core.transformer.multi_token_prediction import (
     MultiTokenPredictionBlockSubmodules,
     get_mtp_layer_spec_for_backend,
