@@ -49,8 +49,6 @@ from . import transforms as T
 from .errors import TensorSetError, format_names
 from .mapping import (
     LAYER_RULES,
-    MTP_INNER,
-    MTP_RULES,
     Expansion,
     ExpertLayout,
     Rule,
@@ -292,17 +290,9 @@ def expand_glm5_next(
         maps += ex.rows(rule, hf_prefix, "")
     if lm_head and not arch.tie_word_embeddings:
         maps += ex.rows(LM_HEAD_RULE, "", "")
-    n = arch.num_hidden_layers
-    for i in range(n) if layers is None else layers:
-        maps += ex.layer(rules, kinds[i], f"{hf_prefix}layers.{i}.", f"decoder.layers.{i}.")
-    for k in range(arch.num_nextn_predict_layers if mtp else 0):
-        hf, mc = f"{hf_prefix}layers.{n + k}.", f"mtp.layers.{k}."
-        for rule in MTP_RULES:
-            maps += ex.rows(rule, hf, mc)
-        maps += ex.layer(rules, kinds[n + k], hf, f"{mc}{MTP_INNER}.")
-    by_mcore = {m.mcore: m for m in maps}
-    assert len(by_mcore) == len(maps), "duplicate megatron name in the expanded table"
-    return Expansion(tuple(maps), expert_layout, kinds, by_mcore)  # type: ignore[arg-type]
+    maps += ex.layers(rules, kinds, f"{hf_prefix}layers.", num_layers=arch.num_hidden_layers,
+                      mtp_layers=arch.num_nextn_predict_layers if mtp else 0, only=layers)
+    return ex.expansion(maps, kinds)
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -283,6 +283,23 @@ class RuleExpander:
         return [m for rule in rules if rule.when(kind) and rule.experts in (None, self.expert_layout)
                 for m in self.rows(rule, hf_prefix, mc_prefix)]
 
+    def layers(self, rules: Sequence[Rule], kinds: Sequence, hf_layers: str, *, num_layers: int, mtp_layers: int,
+               only: Iterable[int] | None = None) -> list[TensorMap]:
+        """The decoder layers (``only``: those) and the MTP layers after them: HF numbers MTP layer ``k`` on as
+        ``{hf_layers}{num_layers + k}.``, megatron-core as ``mtp.layers.{k}`` around its inner layer."""
+        maps = [m for i in (range(num_layers) if only is None else only)
+                for m in self.layer(rules, kinds[i], f"{hf_layers}{i}.", f"decoder.layers.{i}.")]
+        for k in range(mtp_layers):
+            hf, mc = f"{hf_layers}{num_layers + k}.", f"mtp.layers.{k}."
+            maps += [m for rule in MTP_RULES for m in self.rows(rule, hf, mc)]
+            maps += self.layer(rules, kinds[num_layers + k], hf, f"{mc}{MTP_INNER}.")
+        return maps
+
+    def expansion(self, maps: list[TensorMap], kinds: Sequence) -> "Expansion":
+        by_mcore = {m.mcore: m for m in maps}
+        assert len(by_mcore) == len(maps), "duplicate megatron name in the expanded table"
+        return Expansion(tuple(maps), self.expert_layout, tuple(kinds), by_mcore)
+
 
 def expand(
     arch: GLM5Architecture,
@@ -300,18 +317,9 @@ def expand(
         if rule.mcore == "output_layer.weight" and arch.tie_word_embeddings:
             continue
         maps += ex.rows(rule, "", "")
-    n = arch.num_hidden_layers
-    for i in range(n):
-        maps += ex.layer(LAYER_RULES, kinds[i], f"model.layers.{i}.", f"decoder.layers.{i}.")
-    for k in range(arch.num_nextn_predict_layers):
-        hf_prefix, mc_prefix = f"model.layers.{n + k}.", f"mtp.layers.{k}."
-        for rule in MTP_RULES:
-            maps += ex.rows(rule, hf_prefix, mc_prefix)
-        maps += ex.layer(LAYER_RULES, kinds[n + k], hf_prefix, f"{mc_prefix}{MTP_INNER}.")
-
-    by_mcore = {m.mcore: m for m in maps}
-    assert len(by_mcore) == len(maps), "duplicate megatron name in the expanded table"
-    return Expansion(tuple(maps), expert_layout, kinds, by_mcore)
+    maps += ex.layers(LAYER_RULES, kinds, "model.layers.", num_layers=arch.num_hidden_layers,
+                      mtp_layers=arch.num_nextn_predict_layers)
+    return ex.expansion(maps, kinds)
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 A family is a kind of checkpoint (a set of ``config.json`` ``model_type`` values) with its own folder: GLM-5.x
 (``glm_moe_dsa``) in :mod:`megatron_glm5.glm5`, GLM-5.3-Flash (``glm5_next``) in :mod:`megatron_glm5.glm5_next`.
-Each folder's ``family`` module provides the same names (:class:`FamilyModule`); the model builder, the pretraining
+Each folder's ``family`` module provides the same names (:class:`FamilyEntry`: the config parser, cheap to import;
+:class:`FamilyBuild`: the model side, imported on first use); the model builder, the pretraining
 entry point, RL, activation offload and the bridge reach a family only through its :class:`Family` row here, never
 by testing for one family by name. A third family is one more folder plus one more row; a feature that meets a model
 of no registered family, or a combination a family does not support (:attr:`Family.unsupported`), fails naming it.
@@ -29,16 +30,23 @@ class UnsupportedFeatureError(GLM5ConfigError, NotImplementedError):
     """A feature a family does not support (yet); the message names both and says why."""
 
 
-class FamilyModule(Protocol):
-    """What each family's ``family`` module provides (``megatron_glm5/<family>/family.py``)."""
+class FamilyEntry(Protocol):
+    """A family's ``megatron_glm5/<family>/family.py``: importing it loads no more than the config parser."""
 
-    ARCHITECTURE: type  # the frozen parsed architecture (importing the module loads no more than its parser)
+    ARCHITECTURE: type  # the frozen parsed architecture
+
+    def parse_config(self, raw: Mapping[str, Any]) -> Any: ...
+    def build(self) -> "FamilyBuild": ...  # the model side, imported on first use
+
+
+class FamilyBuild(Protocol):
+    """A family's model side (``megatron_glm5/<family>/build.py``, imports megatron-core)."""
+
+    DECODER_LAYER: type  # a subclass of megatron_glm5.core.layer.DSADecoderLayer
     # config_from_megatron_lm writes the whole architecture into the config, so an architecture field Megatron-LM
     # has no argument for is not an error (GLM-5.3-Flash); otherwise every field must be a Megatron-LM argument
     PROVIDER_SETS_ARCHITECTURE: bool
 
-    def decoder_layer(self) -> type: ...  # a subclass of megatron_glm5.core.layer.DSADecoderLayer
-    def parse_config(self, raw: Mapping[str, Any]) -> Any: ...
     def architecture_kwargs(self, arch: Any) -> dict[str, Any]: ...
     def mcore_kwargs(self, arch: Any, policy: Any = None) -> dict[str, Any]: ...
     def transformer_config(self, arch: Any, policy: Any = None, **options: Any) -> Any: ...
@@ -60,51 +68,57 @@ class Family:
     unsupported: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
-    def module(self) -> FamilyModule:
+    def entry(self) -> FamilyEntry:
         return self.load()  # type: ignore[return-value]
 
-    def architecture(self) -> type:
-        return self.module.ARCHITECTURE
+    @property
+    def build(self) -> FamilyBuild:
+        return self.entry.build()
 
-    def decoder_layer(self) -> type:
-        return self.module.decoder_layer()
+    def architecture(self) -> type:
+        return self.entry.ARCHITECTURE
 
     def parse_config(self, raw: Mapping[str, Any]) -> Any:
-        return self.module.parse_config(raw)
+        return self.entry.parse_config(raw)
+
+    def decoder_layer(self) -> type:
+        return self.build.DECODER_LAYER
 
     def architecture_kwargs(self, arch: Any) -> dict[str, Any]:
         """megatron-core config kwargs that describe the checkpoint (no runtime policy)."""
-        return self.module.architecture_kwargs(arch)
+        return self.build.architecture_kwargs(arch)
 
     def mcore_kwargs(self, arch: Any, policy: Any = None) -> dict[str, Any]:
-        return self.module.mcore_kwargs(arch, policy)
+        return self.build.mcore_kwargs(arch, policy)
 
     def transformer_config(self, arch: Any, policy: Any = None, **options: Any) -> Any:
-        """The family's megatron-core config class built from ``arch`` and ``policy`` (``options``: the family's own
-        build options, e.g. GLM-5.3-Flash's ``kda_kernel``)."""
-        return self.module.transformer_config(arch, policy, **options)
+        """The family's megatron-core config built from ``arch`` and ``policy`` (``options``: the family's own build
+        options, e.g. GLM-5.3-Flash's ``kda_kernel``)."""
+        return self.build.transformer_config(arch, policy, **options)
 
     def config_from_megatron_lm(self, config: Any, arch: Any) -> Any:
         """Megatron-LM's ``MLATransformerConfig`` (built from its flags) as the family's config, with the
         architecture fields Megatron-LM has no flags for."""
-        return self.module.config_from_megatron_lm(config, arch)
+        return self.build.config_from_megatron_lm(config, arch)
 
     def config_only_fields(self) -> frozenset[str]:
         """Config fields with no Megatron-LM argument (they reach the model config in the model provider)."""
-        return self.module.config_only_fields()
+        return self.build.config_only_fields()
 
     @property
     def provider_sets_architecture(self) -> bool:
-        return bool(self.module.PROVIDER_SETS_ARCHITECTURE)
+        return bool(self.build.PROVIDER_SETS_ARCHITECTURE)
 
     def block_spec(self, config: Any, arch: Any, **kwargs: Any) -> Any:
-        return self.module.block_spec(config, arch, **kwargs)
+        """This stage's decoder block spec (``backend``, ``vp_stage``, ``indexer_types``, ``activation_offload``,
+        ``indexer_warmup``)."""
+        return self.build.block_spec(config, arch, **kwargs)
 
     def mtp_spec(self, config: Any, arch: Any, **kwargs: Any) -> Any:
-        return self.module.mtp_spec(config, arch, **kwargs)
+        return self.build.mtp_spec(config, arch, **kwargs)
 
     def gpt_model_kwargs(self, arch: Any) -> dict[str, Any]:
-        return self.module.gpt_model_kwargs(arch)
+        return self.build.gpt_model_kwargs(arch)
 
     def refuse(self, feature: str) -> None:
         """Raise :class:`UnsupportedFeatureError` if this family does not support ``feature``."""

@@ -36,6 +36,7 @@ config fields: the block spec takes them explicitly (``megatron_glm5.glm5_next.s
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -177,3 +178,28 @@ def build_transformer_config(
     """Instantiate :class:`GLM5NextTransformerConfig` (megatron-core's own validation runs in ``__post_init__``)."""
     return GLM5NextTransformerConfig(**mcore_kwargs(arch, policy, kda_kernel=kda_kernel))
 
+
+def config_only_fields() -> frozenset[str]:
+    """KPool, KDA and mHC fields: Megatron-LM has no arguments for them (they reach the config in its model
+    provider, :func:`config_from_megatron_lm`)."""
+    base = {f.name for f in dataclasses.fields(MLATransformerConfig)}
+    return frozenset(f.name for f in dataclasses.fields(GLM5NextTransformerConfig)) - base
+
+
+def config_from_megatron_lm(config, arch: GLM5NextArchitecture) -> GLM5NextTransformerConfig:
+    """Megatron-LM's ``MLATransformerConfig`` (parallelism, precision, recompute, ...) as a
+    ``GLM5NextTransformerConfig`` with the whole GLM-5.3-Flash architecture (KPool, KDA, mHC included)."""
+    kw = {f.name: getattr(config, f.name) for f in dataclasses.fields(MLATransformerConfig) if f.init}
+    kw.update(architecture_kwargs(arch))
+    return GLM5NextTransformerConfig(**kw)
+
+
+def gpt_model_kwargs(arch: GLM5NextArchitecture) -> dict[str, Any]:
+    """Kwargs for megatron-core ``GPTModel`` that come from the checkpoint: no position embedding (NoPE; megatron-core's
+    MLA builds a width-0 rotary embedding of its own, a no-op)."""
+    return dict(
+        vocab_size=arch.vocab_size,
+        max_sequence_length=arch.max_position_embeddings,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="none",
+    )
