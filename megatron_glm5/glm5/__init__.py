@@ -5,7 +5,8 @@ family on the core (:mod:`megatron_glm5.core`). Importing the package loads noth
 * :mod:`.mcore_config`: the architecture -> megatron-core ``MLATransformerConfig`` kwargs, ``GPTModel`` kwargs.
 * :mod:`.layer`: the decoder layer (the core's DSA decoder layer with a pre-norm residual).
 * :mod:`.spec`: attention backends, layer / block / MTP specs, the ``--spec`` entry points.
-* :mod:`.family`: what the registry (:mod:`megatron_glm5.families`) reaches through.
+* :mod:`.family` / :mod:`.build`: what the registry (:mod:`megatron_glm5.families`) reaches through (the config
+  parser; the model side, imported on first use).
 """
 
 from .config import GLM5Architecture, parse_hf_config

@@ -11,7 +11,7 @@ clamped-SwiGLU MoE. Importing the package loads nothing heavy and patches nothin
 * :mod:`.mhc`: the mHC residual streams (hyper-connection coefficients, Sinkhorn, stream-mean final norm).
 * :mod:`.layer` / :mod:`.spec`: the decoder layer (KDA or DSA mixer, dense or MoE MLP, plain or mHC residual), layer /
   block / MTP specs, IndexShare sources across KDA layers.
-* :mod:`.family`: what the registry (:mod:`megatron_glm5.families`) reaches through, so
+* :mod:`.family` / :mod:`.build`: what the registry (:mod:`megatron_glm5.families`) reaches through, so
   :func:`megatron_glm5.model.build_model` builds this family too; :mod:`.testing`: tiny checkpoints written by
   transformers.
 * The KPool indexer lives with the other DSA code: :mod:`megatron_glm5.dsa.kpool` (torch reference) and
