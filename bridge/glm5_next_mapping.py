@@ -46,7 +46,7 @@ import torch
 from megatron_glm5.glm5_next.config import GLM5NextArchitecture
 
 from . import transforms as T
-from .errors import TensorSetError, format_names
+from .errors import TensorSetError
 from .mapping import (
     LAYER_RULES,
     Expansion,

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.bounds import causal_bounds
+from ..kernels.bounds import causal_bounds  # noqa: F401  (re-exported: the kernels own it, callers read it here)
 
 # Query rows per chunk: bounds the temporaries to chunk x S fp32 (indexer) and chunk x topk x d (attention, forward
 # and backward); the backends' torch fallbacks use it too.
