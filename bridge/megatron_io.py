@@ -38,7 +38,6 @@ import torch
 from torch.futures import Future
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from megatron_glm5.compat import storage_info, torch_save_crc32  # the writer must produce the reader's records
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -60,6 +59,8 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.storage import WriteResult
+
+from megatron_glm5.compat import storage_info, torch_save_crc32  # the writer must produce the reader's records
 
 from .errors import CheckpointFormatError
 
