@@ -480,12 +480,12 @@ def write_adapter_checkpoint(model, ckpt_dir: str | Path, *, hf_config: Mapping 
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories, is_main_replica
 
-    from megatron_glm5.lora_checkpoint import LORA_META_KEY, _all_ranks_meta, adapter_sharded_state_dict
+    from megatron_glm5.lora_checkpoint import LORA_META_KEY, all_ranks_meta, adapter_sharded_state_dict
 
     from .launch import world
     from .megatron_io import COMMON_STATE_KEY, Chunk, write_dist_checkpoint
 
-    meta = _all_ranks_meta(_first(model))
+    meta = all_ranks_meta(_first(model))
     if hf_config is not None:
         meta["hf_config"] = dict(hf_config)
     ssd = adapter_sharded_state_dict(_first(model))
@@ -544,9 +544,9 @@ def load_peft_adapter(model, adapter_dir: str | Path, *, hf_config: Mapping | st
         stray = sorted(set(mine) - set(adapters))
         assert not stray, stray
     else:
-        from megatron_glm5.lora_checkpoint import _all_ranks_meta
+        from megatron_glm5.lora_checkpoint import all_ranks_meta
 
-        everywhere = _all_ranks_meta(model)["modules"]  # collective: stages / expert ranks adapt different modules
+        everywhere = all_ranks_meta(model)["modules"]  # collective: stages / expert ranks adapt different modules
         try:
             check_same_adapters(everywhere, {k: [ad.rank, ad.alpha] for k, ad in adapters.items()},
                                 source=str(adapter_dir))
@@ -561,13 +561,13 @@ def load_peft_adapter(model, adapter_dir: str | Path, *, hf_config: Mapping | st
 
 def set_global_factors(module, a: torch.Tensor, b: torch.Tensor) -> None:
     """Copy global ``A [R, in]`` / ``B [out, R]`` into an adapted linear's local shards."""
-    from megatron_glm5.lora import LoraDuplicated, LoraRow, _local_rows, _tp_rank_size
+    from megatron_glm5.lora import LoraDuplicated, LoraRow, local_rows, tp_rank_size
 
-    rank, size = (0, 1) if isinstance(module, LoraDuplicated) else _tp_rank_size(module)
+    rank, size = (0, 1) if isinstance(module, LoraDuplicated) else tp_rank_size(module)
     if isinstance(module, LoraRow):
         a = a.chunk(size, dim=1)[rank] if size > 1 else a
     elif not isinstance(module, LoraDuplicated):
-        b = _local_rows(b, rank, size, module.lora_swiglu)
+        b = local_rows(b, rank, size, module.lora_swiglu)
     with torch.no_grad():
         for factor, value in ((module.lora_A.weight, a), (module.lora_B.weight, b)):
             if tuple(factor.shape) != tuple(value.shape):

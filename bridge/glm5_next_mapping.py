@@ -46,8 +46,17 @@ import torch
 from megatron_glm5.glm5_next.config import GLM5NextArchitecture
 
 from . import transforms as T
-from .errors import TensorSetError, format_names
-from .mapping import LAYER_RULES, MTP_INNER, MTP_RULES, Expansion, ExpertLayout, Rule, RuleExpander, TensorMap
+from .errors import TensorSetError
+from .mapping import (
+    LAYER_RULES,
+    Expansion,
+    ExpertLayout,
+    Rule,
+    RuleExpander,
+    TensorMap,
+    account_tensors,
+    one_layout,
+)
 
 AttentionType = Literal["indexed_attention", "linear_attention"]
 Naming = Literal["disk", "memory"]
@@ -281,17 +290,9 @@ def expand_glm5_next(
         maps += ex.rows(rule, hf_prefix, "")
     if lm_head and not arch.tie_word_embeddings:
         maps += ex.rows(LM_HEAD_RULE, "", "")
-    n = arch.num_hidden_layers
-    for i in range(n) if layers is None else layers:
-        maps += ex.layer(rules, kinds[i], f"{hf_prefix}layers.{i}.", f"decoder.layers.{i}.")
-    for k in range(arch.num_nextn_predict_layers if mtp else 0):
-        hf, mc = f"{hf_prefix}layers.{n + k}.", f"mtp.layers.{k}."
-        for rule in MTP_RULES:
-            maps += ex.rows(rule, hf, mc)
-        maps += ex.layer(rules, kinds[n + k], hf, f"{mc}{MTP_INNER}.")
-    by_mcore = {m.mcore: m for m in maps}
-    assert len(by_mcore) == len(maps), "duplicate megatron name in the expanded table"
-    return Expansion(tuple(maps), expert_layout, kinds, by_mcore)  # type: ignore[arg-type]
+    maps += ex.layers(rules, kinds, f"{hf_prefix}layers.", num_layers=arch.num_hidden_layers,
+                      mtp_layers=arch.num_nextn_predict_layers if mtp else 0, only=layers)
+    return ex.expansion(maps, kinds)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -313,18 +314,8 @@ def passthrough_names(hf_names: Iterable[str]) -> list[str]:
 def detect_naming(hf_names: Iterable[str]) -> Naming:
     """``"disk"`` or ``"memory"`` from the mHC / KDA tensor names (every decoder layer has mHC tensors); an error if
     both appear."""
-    disk = memory = None
-    for n in hf_names:
-        if disk is None and _DISK_MARK.search(n):
-            disk = n
-        if memory is None and _MEMORY_MARK.search(n):
-            memory = n
-    if disk and memory:
-        raise TensorSetError(
-            f"the checkpoint mixes transformers' on-disk names (e.g. {disk}) and its in-memory module names (e.g. "
-            f"{memory}); expected one naming"
-        )
-    return "memory" if memory else "disk"
+    return one_layout(hf_names, ("disk", _DISK_MARK, "transformers' on-disk names"),
+                      ("memory", _MEMORY_MARK, "its in-memory module names"), "naming")  # type: ignore[return-value]
 
 
 def detect_prefix(hf_names: Iterable[str]) -> str:
@@ -339,55 +330,13 @@ def detect_prefix(hf_names: Iterable[str]) -> str:
 
 def account_glm5_next(arch: GLM5NextArchitecture, expansion: Expansion, hf_names: Iterable[str], *, source: str,
                       hf_prefix: str = DEFAULT_PREFIX) -> tuple[dict[str, str], tuple[str, ...]]:
-    """Check that the HF tensors are exactly the table's plus the vision tower. Returns ``({ignored name: reason},
-    passthrough names)``; raises :class:`TensorSetError` naming what is missing / unexpected, with a specific message
-    for IndexShare mismatches and for MTP tensors the config does not announce."""
-    from .mapping import ignored_reason
-
+    """GLM-5.3-Flash's exact key accounting (:func:`bridge.mapping.account_tensors`): the table's tensors plus the
+    vision tower (carried through). Returns ``({ignored name: reason}, passthrough names)``."""
     names = set(hf_names)
-    ignored = {n: r for n in names if (r := ignored_reason(n)) is not None}
     passthrough = tuple(passthrough_names(names))
-    present = names - set(ignored) - set(passthrough)
-    expected = set(expansion.hf_shapes())
-    missing, unexpected = expected - present, present - expected
-    layer_re = re.compile(rf"^{re.escape(hf_prefix)}layers\.(\d+)\.")
-    n = arch.num_hidden_layers
-
-    def layer_of(name: str) -> int | None:
-        m = layer_re.match(name)
-        return int(m.group(1)) if m else None
-
-    beyond = sorted(x for x in unexpected if (i := layer_of(x)) is not None and i >= len(expansion.layer_kinds))
-    if beyond and arch.num_nextn_predict_layers == 0:
-        layers = sorted({layer_of(x) for x in beyond})
-        raise TensorSetError(
-            f"{source}: the checkpoint has tensors of layer(s) {layers} after the {n} decoder layers (an MTP layer, "
-            f"e.g. {beyond[0]}) but config.json announces no MTP layer; add \"num_nextn_predict_layers\": "
-            f"{len(layers)} to the text config",
-            unexpected=beyond,
-        )
-    kinds = expansion.layer_kinds
-    idx_extra = sorted(x for x in unexpected if ".self_attn.indexer." in x and (i := layer_of(x)) is not None
-                       and i < len(kinds) and kinds[i].indexer == "shared")
-    if idx_extra:
-        raise TensorSetError(
-            f"{source}: DSA layer(s) {sorted({layer_of(x) for x in idx_extra})} are 'shared' in config.json's "
-            f"indexer_types ({list(arch.indexer_types)}) and must have no indexer tensors, but the checkpoint has "
-            f"{format_names(idx_extra)}",
-            unexpected=idx_extra,
-        )
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} missing: {format_names(missing)}")
-        if unexpected:
-            parts.append(f"{len(unexpected)} unexpected (not in the mapping table, not the vision tower, not in "
-                         f"IGNORED_HF_KEYS): {format_names(unexpected)}")
-        raise TensorSetError(
-            f"{source}: the tensors do not match config.json (GLM-5.3-Flash, {n} layers: "
-            f"{len(arch.kda_layers)} KDA / {len(arch.dsa_layers)} DSA, {arch.num_nextn_predict_layers} MTP, "
-            f"{arch.n_routed_experts} experts, {expansion.expert_layout} experts): " + "; ".join(parts),
-            missing=missing, unexpected=unexpected,
-        )
+    ignored = account_tensors(
+        expansion, names, source=source, indexer_types=arch.indexer_types, layer_prefix=f"{hf_prefix}layers.",
+        passthrough=passthrough, mtp_hint="the text config", mtp_layers=arch.num_nextn_predict_layers,
+        describe=f"GLM-5.3-Flash, {arch.num_hidden_layers} layers: {len(arch.kda_layers)} KDA / "
+                 f"{len(arch.dsa_layers)} DSA, {arch.num_nextn_predict_layers} MTP, {arch.n_routed_experts} experts")
     return ignored, passthrough
-

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 
 import torch
 
-from megatron_glm5.architectures import is_glm5_next, mcore_kwargs, parse_architecture
+from megatron_glm5.architectures import mcore_kwargs, parse_architecture
 from megatron_glm5.config import load_hf_config
 
 from .boxes import sharded_boxes
@@ -26,6 +26,7 @@ from .source import Materializer, open_hf_source, parse_dtype, truncate_hf_confi
 from .errors import BridgeError
 from .launch import all_ok, barrier, broadcast_object, world
 from .passthrough import SOURCE_ATTR, passthrough_dir
+from .families import bridge_family
 from .tables import HFLayout, expand_for
 from .megatron_io import (
     BRIDGE_KEY,
@@ -143,7 +144,7 @@ def export_hf(
     out_dtype = parse_dtype(dtype) or _config_dtype(raw)
     expansion = expand_for(arch, HFLayout(expert_layout))
     passthrough_from = passthrough_from or getattr(model, SOURCE_ATTR, None)
-    if is_glm5_next(arch) and arch.vision_config is not None and passthrough_from is None:
+    if bridge_family(arch).needs_passthrough(arch) and passthrough_from is None:
         raise BridgeError("export_hf: this GLM-5.3-Flash config has a vision tower, which the Megatron model does not "
                           "hold; pass passthrough_from=<the HF checkpoint it came from> (models loaded with "
                           "from_hf_pretrained or load_megatron_checkpoint remember it)")

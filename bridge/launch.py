@@ -111,12 +111,9 @@ def check_parallel_layout(arch, tp: int, pp: int, ep: int, *, source: str = "con
     for flag, v in (("--tp", tp), ("--pp", pp), ("--ep", ep)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise BridgeError(f"{flag}: expected an integer >= 1, got {v!r}")
-    from megatron_glm5.architectures import is_glm5_next
+    from .families import bridge_family
 
-    if is_glm5_next(arch):
-        from .tables import check_glm5_next_layout
-
-        check_glm5_next_layout(arch, tp, pp, ep, source=source)
+    bridge_family(arch).check_layout(arch, tp, pp, ep, source=source)
     moe = "sparse" in arch.mlp_layer_types or arch.num_nextn_predict_layers > 0
     by_tp = [("num_attention_heads", arch.num_attention_heads), ("vocab_size", arch.vocab_size)]
     if "dense" in arch.mlp_layer_types:

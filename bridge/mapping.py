@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Literal, Mapping, Sequence
 
-from megatron_glm5.config import GLM5Architecture
+from megatron_glm5.glm5.config import GLM5Architecture
 
 from . import transforms as T
 from .errors import ShapeMismatchError, TensorSetError, format_names
@@ -283,6 +283,23 @@ class RuleExpander:
         return [m for rule in rules if rule.when(kind) and rule.experts in (None, self.expert_layout)
                 for m in self.rows(rule, hf_prefix, mc_prefix)]
 
+    def layers(self, rules: Sequence[Rule], kinds: Sequence, hf_layers: str, *, num_layers: int, mtp_layers: int,
+               only: Iterable[int] | None = None) -> list[TensorMap]:
+        """The decoder layers (``only``: those) and the MTP layers after them: HF numbers MTP layer ``k`` on as
+        ``{hf_layers}{num_layers + k}.``, megatron-core as ``mtp.layers.{k}`` around its inner layer."""
+        maps = [m for i in (range(num_layers) if only is None else only)
+                for m in self.layer(rules, kinds[i], f"{hf_layers}{i}.", f"decoder.layers.{i}.")]
+        for k in range(mtp_layers):
+            hf, mc = f"{hf_layers}{num_layers + k}.", f"mtp.layers.{k}."
+            maps += [m for rule in MTP_RULES for m in self.rows(rule, hf, mc)]
+            maps += self.layer(rules, kinds[num_layers + k], hf, f"{mc}{MTP_INNER}.")
+        return maps
+
+    def expansion(self, maps: list[TensorMap], kinds: Sequence) -> "Expansion":
+        by_mcore = {m.mcore: m for m in maps}
+        assert len(by_mcore) == len(maps), "duplicate megatron name in the expanded table"
+        return Expansion(tuple(maps), self.expert_layout, tuple(kinds), by_mcore)
+
 
 def expand(
     arch: GLM5Architecture,
@@ -300,18 +317,9 @@ def expand(
         if rule.mcore == "output_layer.weight" and arch.tie_word_embeddings:
             continue
         maps += ex.rows(rule, "", "")
-    n = arch.num_hidden_layers
-    for i in range(n):
-        maps += ex.layer(LAYER_RULES, kinds[i], f"model.layers.{i}.", f"decoder.layers.{i}.")
-    for k in range(arch.num_nextn_predict_layers):
-        hf_prefix, mc_prefix = f"model.layers.{n + k}.", f"mtp.layers.{k}."
-        for rule in MTP_RULES:
-            maps += ex.rows(rule, hf_prefix, mc_prefix)
-        maps += ex.layer(LAYER_RULES, kinds[n + k], hf_prefix, f"{mc_prefix}{MTP_INNER}.")
-
-    by_mcore = {m.mcore: m for m in maps}
-    assert len(by_mcore) == len(maps), "duplicate megatron name in the expanded table"
-    return Expansion(tuple(maps), expert_layout, kinds, by_mcore)
+    maps += ex.layers(LAYER_RULES, kinds, "model.layers.", num_layers=arch.num_hidden_layers,
+                      mtp_layers=arch.num_nextn_predict_layers)
+    return ex.expansion(maps, kinds)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -320,52 +328,67 @@ def expand(
 
 _PER_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.")
 _FUSED = re.compile(r"\.mlp\.experts\.(gate_up_proj|down_proj)(\.weight)?$")
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def one_layout(hf_names: Iterable[str], default: tuple[str, re.Pattern, str], other: tuple[str, re.Pattern, str],
+               what: str) -> str:
+    """``other``'s label when a name matches its pattern, else ``default``'s (``(label, pattern, description)``);
+    a checkpoint with names of both is refused, with an example of each."""
+    found = {label: None for label, _, _ in (default, other)}
+    for n in hf_names:
+        for label, pattern, _ in (default, other):
+            if found[label] is None and pattern.search(n):
+                found[label] = n
+    (a, _, desc_a), (b, _, desc_b) = default, other
+    if found[a] and found[b]:
+        raise TensorSetError(f"the checkpoint mixes {desc_a} (e.g. {found[a]}) and {desc_b} (e.g. {found[b]}); "
+                             f"expected one {what}")
+    return b if found[b] else a
 
 
 def detect_expert_layout(hf_names: Iterable[str]) -> ExpertLayout:
     """``per_expert`` (released safetensors) or ``fused`` (transformers-v5 3-D tensors); an error if both."""
-    per = fused = None
-    for n in hf_names:
-        if per is None and _PER_EXPERT.search(n):
-            per = n
-        if fused is None and _FUSED.search(n):
-            fused = n
-    if per and fused:
-        raise TensorSetError(
-            f"the checkpoint mixes per-expert expert tensors (e.g. {per}) and fused 3-D expert tensors "
-            f"(e.g. {fused}); expected one layout"
-        )
-    return "fused" if fused else "per_expert"
+    return one_layout(hf_names, ("per_expert", _PER_EXPERT, "per-expert expert tensors"),
+                      ("fused", _FUSED, "fused 3-D expert tensors"), "layout")  # type: ignore[return-value]
 
 
-def account_hf_names(
-    arch: GLM5Architecture, expansion: Expansion, hf_names: Iterable[str], *, source: str
-) -> dict[str, str]:
-    """Check that the HF tensors are exactly the ones the table expects. Returns {ignored name: reason}.
-    Raises :class:`TensorSetError` naming what is missing / unexpected, with a specific message when the
-    difference is an IndexShare mismatch (indexer tensors on a "shared" layer, or none on a "full" one)."""
+def account_tensors(expansion: Expansion, hf_names: Iterable[str], *, source: str, indexer_types: Sequence[str],
+                    describe: str, layer_prefix: str = "model.layers.", passthrough: Iterable[str] = (),
+                    mtp_hint: str | None = None, mtp_layers: int = 0) -> dict[str, str]:
+    """Exact key accounting for any family: the HF tensors must be exactly the table's, plus ``passthrough`` (carried
+    as is) and the ignored ones. Returns {ignored name: reason}. Raises :class:`TensorSetError` naming what is
+    missing / unexpected (``describe``: what config.json says, for the message), with a specific message when the
+    difference is an IndexShare mismatch (indexer tensors on a "shared" layer, or none on a "full" one) or, with
+    ``mtp_hint`` (where to announce it), tensors of an MTP layer config.json does not announce."""
     names = set(hf_names)
     ignored = {n: r for n in names if (r := ignored_reason(n)) is not None}
-    present = names - set(ignored)
+    present = names - set(ignored) - set(passthrough)
     expected = set(expansion.hf_shapes())
-    missing = expected - present
-    unexpected = present - expected
-
-    n_layers = arch.num_hidden_layers
+    missing, unexpected = expected - present, present - expected
     kinds = expansion.layer_kinds
+    n_layers = len(indexer_types)
+    layer_re = re.compile(rf"^{re.escape(layer_prefix)}(\d+)\.")
 
     def layer_of(name: str) -> int | None:
-        m = _LAYER.match(name)
+        m = layer_re.match(name)
         return int(m.group(1)) if m else None
 
-    idx_extra = sorted(n for n in unexpected if ".self_attn.indexer." in n and layer_of(n) is not None
-                       and layer_of(n) < len(kinds) and kinds[layer_of(n)].indexer == "shared")
+    beyond = sorted(x for x in unexpected if (i := layer_of(x)) is not None and i >= len(kinds))
+    if beyond and mtp_hint is not None and mtp_layers == 0:
+        layers = sorted({layer_of(x) for x in beyond})
+        raise TensorSetError(
+            f"{source}: the checkpoint has tensors of layer(s) {layers} after the {n_layers} decoder layers (an MTP "
+            f"layer, e.g. {beyond[0]}) but config.json announces no MTP layer; add \"num_nextn_predict_layers\": "
+            f"{len(layers)} to {mtp_hint}",
+            unexpected=beyond,
+        )
+    idx_extra = sorted(n for n in unexpected if ".self_attn.indexer." in n and (i := layer_of(n)) is not None
+                       and i < len(kinds) and kinds[i].indexer == "shared")
     if idx_extra:
         layers = sorted({layer_of(n) for n in idx_extra})
         raise TensorSetError(
             f"{source}: decoder layer(s) {layers} are 'shared' in config.json's IndexShare pattern (indexer_types = "
-            f"{list(arch.indexer_types)}) and must have no indexer tensors, but the checkpoint has "
+            f"{list(indexer_types)}) and must have no indexer tensors, but the checkpoint has "
             f"{format_names(idx_extra)}. Either config.json's indexer_types is wrong or the weights belong to "
             "another model",
             unexpected=idx_extra,
@@ -375,7 +398,7 @@ def account_hf_names(
         layers = sorted({layer_of(n) for n in idx_missing})
         raise TensorSetError(
             f"{source}: layer(s) {layers} are 'full' in config.json's IndexShare pattern (indexer_types = "
-            f"{list(arch.indexer_types)}; MTP layers {list(range(n_layers, len(kinds)))} always have an indexer) "
+            f"{list(indexer_types)}; MTP layers {list(range(n_layers, len(kinds)))} always have an indexer) "
             f"but the checkpoint lacks {format_names(idx_missing)}",
             missing=idx_missing,
         )
@@ -384,16 +407,25 @@ def account_hf_names(
         if missing:
             parts.append(f"{len(missing)} missing: {format_names(missing)}")
         if unexpected:
-            parts.append(f"{len(unexpected)} unexpected (not in the mapping table, not in IGNORED_HF_KEYS): "
+            carried = ", not carried through" if passthrough else ""
+            parts.append(f"{len(unexpected)} unexpected (not in the mapping table{carried}, not in IGNORED_HF_KEYS): "
                          f"{format_names(unexpected)}")
         raise TensorSetError(
-            f"{source}: the tensors do not match config.json ({arch.num_hidden_layers} layers, "
-            f"{arch.num_nextn_predict_layers} MTP, {arch.n_routed_experts} experts, {expansion.expert_layout} "
-            f"expert layout): " + "; ".join(parts),
+            f"{source}: the tensors do not match config.json ({describe}, {expansion.expert_layout} expert "
+            "layout): " + "; ".join(parts),
             missing=missing,
             unexpected=unexpected,
         )
     return ignored
+
+
+def account_hf_names(
+    arch: GLM5Architecture, expansion: Expansion, hf_names: Iterable[str], *, source: str
+) -> dict[str, str]:
+    """GLM-5.x's exact key accounting (:func:`account_tensors`). Returns {ignored name: reason}."""
+    return account_tensors(expansion, hf_names, source=source, indexer_types=arch.indexer_types,
+                           describe=f"{arch.num_hidden_layers} layers, {arch.num_nextn_predict_layers} MTP, "
+                                    f"{arch.n_routed_experts} experts")
 
 
 def check_hf_shapes(expansion: Expansion, actual: Mapping[str, Shape], *, source: str) -> None:

@@ -39,7 +39,6 @@ from torch.futures import Future
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import _StorageInfo  # the writer must produce the reader's records
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -61,6 +60,8 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.storage import WriteResult
+
+from megatron_glm5.compat import storage_info, torch_save_crc32  # the writer must produce the reader's records
 
 from .errors import CheckpointFormatError
 
@@ -197,7 +198,7 @@ class _StreamingWriter(FileSystemWriter):
                 length = stream.tell() - offset
                 del data
                 results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                           storage_data=_StorageInfo(name, offset, length)))
+                                           storage_data=storage_info(name, offset, length)))
                 planner.written(item)
         finally:
             close(stream)
@@ -223,17 +224,8 @@ def _first_failure(e: CheckpointException) -> BaseException:
 def _no_crc32():
     """``torch.save`` computes a CRC-32 of every record by default, at 1-2 GB/s: about a third of the conversion's
     time on fast storage. Nothing reads it back (``torch.load`` does not check it), so our records skip it."""
-    try:
-        from torch.utils.serialization import config
-    except ImportError:  # pragma: no cover - torch without the serialization config
+    with torch_save_crc32(False):
         yield
-        return
-    previous = config.save.compute_crc32
-    config.save.compute_crc32 = False
-    try:
-        yield
-    finally:
-        config.save.compute_crc32 = previous
 
 
 def write_dist_checkpoint(

@@ -475,7 +475,7 @@ def _exchange(a: Path, b: Path) -> bool:
 def write_marker(directory: Path, *, kind: str, source: str | Path | None) -> None:
     """The marker that lets a later ``--overwrite`` recognise this directory as ours. ``source``: a path (stored
     absolute) or a description (a str that is not an existing path, e.g. "in-memory model")."""
-    from megatron_glm5 import __version__
+    from megatron_glm5.version import __version__
 
     if isinstance(source, Path) or (isinstance(source, str) and Path(source).exists()):
         source = str(_real(source))

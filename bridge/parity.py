@@ -75,6 +75,9 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+
+from megatron_glm5 import compat
 
 from .errors import BridgeError
 from .metrics import logit_cosine
@@ -205,7 +208,7 @@ def _replay_forward(model, ids, pos, *, device, dsa_topk: dict, experts: dict) -
                     our_topk[gi] = original(*args, **kwargs).cpu()
                     return dsa_topk[gi]
 
-                core.compute_topk = forced
+                compat.override_method(core, "compute_topk", forced)
                 patched.append(core)
             router = getattr(layer.mlp, "router", None)
             if router is not None and gi in experts:
@@ -217,11 +220,10 @@ def _replay_forward(model, ids, pos, *, device, dsa_topk: dict, experts: dict) -
         logits = model(ids, pos, None).float().cpu()
     finally:
         for core in patched:
-            del core.compute_topk  # back to the class's method
+            compat.restore_method(core, "compute_topk")  # back to the class's method
         for _, router, previous, replay in replays:
             router.router_replay = previous
-            if replay in RouterReplay.global_router_replay_instances:
-                RouterReplay.global_router_replay_instances.remove(replay)
+            compat.forget_router_replay(replay)
     return logits, our_topk, {gi: r.natural.cpu() for gi, _, _, r in replays if r.natural is not None}
 
 

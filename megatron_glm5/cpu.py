@@ -24,7 +24,8 @@ Scopes, so that a library call never changes what a user's own code does:
 * :func:`enable_cpu_mode` is the explicit process-wide switch of everything, for a CPU-only *program's* ``main``
   (the CLI, test sessions, CPU rehearsal scripts); library code never calls it. :func:`disable_cpu_mode` undoes it.
 
-Nothing here runs at import, and everything is a no-op when CUDA is available.
+Nothing here runs at import, and everything is a no-op when CUDA is available. The patches go through
+:func:`megatron_glm5.compat.install_patches`, which undoes any still installed when the interpreter exits.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from contextlib import contextmanager
 from typing import Iterator
 
 import torch
+
+from .compat import install_patches, remove_patches
 
 
 def _cpu_current_device() -> torch.device:
@@ -59,7 +62,6 @@ _QUERY_SHIMS = (
     (torch.cuda, "synchronize", _no_synchronize),
 )
 _BUILD_SHIMS = ((torch.Tensor, "cuda", _stay_on_cpu),)
-_originals: dict[tuple[int, str], object] = {}
 _lock = threading.RLock()
 _depth = 0  # nesting depth of cpu_mode() scopes (any thread)
 _dynamo_before: bool | None = None
@@ -70,19 +72,8 @@ def cpu_mode_needed() -> bool:
     return not torch.cuda.is_available()
 
 
-def _install(shims) -> None:
-    for module, name, replacement in shims:
-        key = (id(module), name)
-        if key not in _originals:
-            _originals[key] = getattr(module, name)
-            setattr(module, name, replacement)
-
-
-def _remove(shims) -> None:
-    for module, name, _ in shims:
-        original = _originals.pop((id(module), name), None)
-        if original is not None:
-            setattr(module, name, original)
+_install = install_patches  # remembered originals; compat undoes whatever is left at interpreter exit
+_remove = remove_patches
 
 
 def enable_cpu_mode() -> bool:

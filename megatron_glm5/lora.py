@@ -9,70 +9,12 @@ what they mean to peft on transformers 5: the routed experts (one adapter per ex
 experts are adapted only when their group is named (``target_modules=(*DEFAULT_TARGET_MODULES, "dense_mlp",
 "shared_experts")``): an HF PEFT adapter cannot hold them (:mod:`bridge.adapters`), so the defaults - attention and
 routed experts - are exactly what ``bridge.export_peft_adapter`` can write; adapters on them are merge-only. A
-target that matches no module of the model is refused with the names the model has.
+target that matches no module of the model is refused with the names the model has. A wrapped linear keeps its
+parameter names (adapters are child modules ``lora_A`` / ``lora_B``); weight-read linears (``kv_b_proj``) reach the
+attention through :func:`megatron_glm5.dsa.hooks.linear_weight`.
 
-Design (why our own wrapper): peft 0.21 ships tensor-parallel LoRA layers for megatron-core
-(``peft.tuners.lora.tp_layer``), but on megatron-core 0.19 they do not construct (``KeyError: 'fan_in_fan_out'``,
-then ``'default'``), do not run (megatron linears return ``(output, bias)``), give wrong gradients to the replicated
-factor under sequence parallelism, know nothing of experts (``explicit_expert_comm``, expert-DP ``allreduce``), rename
-the base parameters (breaking checkpoints and the SwiGLU sharding factory) and write wrong dist-checkpoint shards
-(tried with peft 0.21.2 on megatron-core 0.19.2, CPU/gloo). So the adapters here are a thin layer on megatron-core's
-own linears (:mod:`megatron_glm5.lora_layers`); HF PEFT is only the file format on the HF side
-(:mod:`bridge.adapters`). Adapter checkpoints and the Megatron-LM hook: :mod:`megatron_glm5.lora_checkpoint`,
-``python -m megatron_glm5.pretrain --lora-rank ...``; files and merging: :mod:`bridge.lora_convert`,
-``megatron-glm5 lora export|import|merge``.
-
-* **Names.** A wrapped linear keeps its class (a subclass of it, swapped in place) and its parameter names;
-  adapters are child modules ``lora_A`` / ``lora_B`` with a ``weight`` each
-  (``...self_attention.linear_proj.lora_A.weight``), so base checkpoints, megatron-core's key-based loaders and the
-  SwiGLU factory see exactly the parameters they saw before.
-* **Layouts** (T = the linear's TP group, "SP rows" = the local sequence shard):
-
-  ============================  ==========================  ==========================  ==============================
-  base                          ``lora_A``                  ``lora_B``                  gradient of the replicated one
-  ============================  ==========================  ==========================  ==============================
-  column-parallel (q_up, fc1)   replicated ``[R, in]``,     rows ``[out/T, R]``         A tagged ``sequence_parallel``
-                                on the SP rows, the R-wide                              (``finalize_model_grads`` sums
-                                activation all-gathered                                 it over TP)
-  row-parallel (o_proj, fc2)    columns ``[R, in/T]``,      replicated ``[out, R]``     B tagged ``sequence_parallel``
-                                reduce-scattered to SP rows
-  duplicated (q_a, kv_a,        replicated                  replicated                  both tagged like the base
-  indexer)                                                                              (SP rows)
-  ``kv_b_proj`` (weight-read)   replicated                  rows (heads)                autograd all-reduce over TP
-  routed expert fc1 / fc2       as column / row on the expert-TP group, no SP           autograd all-reduce over
-                                collectives (the dispatcher moves the tokens)           expert-TP; ``allreduce`` copied
-                                                                                        from the base (expert-DP)
-  ============================  ==========================  ==========================  ==============================
-
-  ``linear_fc1`` is ``[gate; up]``: its adapter is one rank-``2r`` LoRA with alpha ``2*alpha`` (scaling unchanged),
-  exactly what peft makes of ``gate_proj`` + ``up_proj`` on transformers' fused ``gate_up_proj``; ``lora_B`` is
-  sharded like the base (``[gate_t; up_t]`` per rank) and saved through megatron-core's SwiGLU factory.
-* **kv_b_proj.** Both attention backends read ``linear_kv_up_proj``'s weight instead of calling it (absorbed MLA:
-  ``W_kc`` / ``W_vc``). They read it through :func:`linear_weight`, which for an adapted linear returns
-  ``W + alpha/r * B_local @ copy_to_tp(A)`` on every call: the delta reaches both absorbed weights, and the
-  copy's backward all-reduce gives ``A`` its whole gradient at any TP (a non-differentiable gather would leave ``A``
-  frozen). The ``tilelang`` backend's indexer ``weights_proj`` is read the same way.
-* **Initialisation** does not depend on the layout: each adapter's *global* factors are drawn from a generator
-  seeded by ``(config.seed, module name)`` and every rank keeps its slice (``A`` as peft, kaiming-uniform; ``B``
-  zero, or random with ``init_lora_weights=False``).
-* **Frozen base.** Every non-adapter parameter gets ``requires_grad=False`` (megatron-core's DDP then allocates no
-  gradient buffer and its optimizers no state for them). The embedding output is made to require grad, as HF's
-  ``enable_input_require_grads`` does, so that megatron-core's reentrant activation checkpointing still back-propagates
-  into adapters of a checkpointed chunk whose input would otherwise not require grad.
-* **Indexer** targets are not in the defaults and, when asked for, are added frozen with a warning: the indexer
-  runs under ``no_grad`` (its top-k is discrete), so the LM loss sends it no gradient, in transformers as here.
-  Such adapters load, change the top-k in forward and export.
-* Transformer Engine linears (``TELinear`` duplicated, ``TEColumnParallelLinear``, ``TERowParallelLinear``) are
-  mapped to the same kinds; TE is not installed where this is tested, so that path is untested.
-
-* Grouped-GEMM routed experts without TE (``moe_grouped_gemm``:
-  :class:`~megatron_glm5.moe.grouped_experts.TorchGroupedMLP`) have ``SequentialMLP``'s per-expert linears and take
-  adapters the same way; once adapted they run the per-expert loop (the grouped GEMMs would skip the adapters).
-
-Refused: ``qk_clip`` (it rewrites ``.weight`` and would clip only the base), ``cache_mla_latents`` (caches the
-absorbed weight once), TP > 1 without sequence parallelism (megatron-core's AbsorbedMLA requires it too),
-Transformer Engine's ``TEGroupedMLP`` experts (``moe_grouped_gemm`` with TE), a model already wrapped in DDP (call
-``add_lora`` before wrapping), ``add_lora`` twice.
+Why our own wrapper instead of peft's megatron-core layers, the per-layout sharding of the factors, initialisation,
+the frozen base and what is refused: ``docs/design/lora.md``.
 """
 
 from __future__ import annotations
@@ -86,6 +28,7 @@ from typing import Iterable, Iterator, Mapping, Sequence
 
 import torch
 
+from . import compat
 from .lora_layers import (
     LoraColumn,
     LoraDuplicated,
@@ -312,14 +255,14 @@ def _global_factors(name: str, rank: int, in_features: int, out_features: int, c
     return a.to(dtype), b.to(dtype)
 
 
-def _tp_rank_size(module) -> tuple[int, int]:
+def tp_rank_size(module) -> tuple[int, int]:
     g = getattr(module, "tp_group", None)
     if g is None:
         return 0, 1
     return g.rank(), g.size()
 
 
-def _local_rows(t: torch.Tensor, rank: int, size: int, swiglu: bool) -> torch.Tensor:
+def local_rows(t: torch.Tensor, rank: int, size: int, swiglu: bool) -> torch.Tensor:
     """This TP rank's rows of a column-parallel global tensor (``[gate_t; up_t]`` for a SwiGLU fc1)."""
     if size == 1:
         return t
@@ -335,7 +278,7 @@ def _attach(module, mixin: type, name: str, target: str, config: LoraConfig, *, 
 
     rank, alpha = rank_alpha if rank_alpha is not None else (config.rank_for(target), config.alpha_for(target))
     weight = module.weight
-    tp_rank, tp_size = _tp_rank_size(module) if mixin is not LoraDuplicated else (0, 1)
+    tp_rank, tp_size = tp_rank_size(module) if mixin is not LoraDuplicated else (0, 1)
     swiglu = target == "linear_fc1" and bool(module.config.gated_linear_unit)
     if mixin is LoraRow:
         out_f, in_f = weight.shape[0], weight.shape[1] * tp_size
@@ -347,11 +290,11 @@ def _attach(module, mixin: type, name: str, target: str, config: LoraConfig, *, 
     if mixin is LoraRow:
         a = a.chunk(tp_size, dim=1)[tp_rank] if tp_size > 1 else a
     elif mixin is not LoraDuplicated:
-        b = _local_rows(b, tp_rank, tp_size, swiglu)
+        b = local_rows(b, tp_rank, tp_size, swiglu)
     a = a.contiguous().to(weight.device) if weight.device.type != "meta" else torch.empty_like(a, device="meta")
     b = b.contiguous().to(weight.device) if weight.device.type != "meta" else torch.empty_like(b, device="meta")
 
-    module.__class__ = _lora_class(mixin, type(module))
+    compat.swap_class(module, _lora_class(mixin, type(module)))
     module.lora_A = LoraFactor(a)
     module.lora_B = LoraFactor(b)
     module.lora_dropout = torch.nn.Dropout(config.dropout) if config.dropout else torch.nn.Identity()

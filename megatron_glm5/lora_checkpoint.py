@@ -20,6 +20,7 @@ from typing import Any, Mapping
 
 import torch
 
+from . import compat
 from .lora import (
     LORA_CONFIG_ATTR,
     LoraConfig,
@@ -66,7 +67,7 @@ def save_lora_checkpoint(model, ckpt_dir: str | Path, *, extra: Mapping[str, Any
 
     ckpt_dir = Path(ckpt_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    meta = _all_ranks_meta(model)
+    meta = all_ranks_meta(model)
     state: dict[str, Any] = {"model": adapter_sharded_state_dict(model), LORA_META_KEY: meta}
     for k, v in (extra or {}).items():
         state[k] = v
@@ -74,7 +75,7 @@ def save_lora_checkpoint(model, ckpt_dir: str | Path, *, extra: Mapping[str, Any
     return ckpt_dir
 
 
-def _all_ranks_meta(model) -> dict:
+def all_ranks_meta(model) -> dict:
     """:func:`lora_meta` with the modules of every rank (pipeline stages and expert ranks hold different ones)."""
     import torch.distributed as dist
 
@@ -102,7 +103,7 @@ def load_lora_checkpoint(model, ckpt_dir: str | Path) -> dict:
     meta = read_lora_meta(ckpt_dir)
     if not meta:
         raise LoraCheckpointError(f"{ckpt_dir}: not a LoRA adapter checkpoint (no '{LORA_META_KEY}' entry)")
-    mine = _all_ranks_meta(model)["modules"]
+    mine = all_ranks_meta(model)["modules"]
     theirs = {k: list(v) for k, v in meta["modules"].items()}
     check_same_adapters(mine, theirs, source=str(ckpt_dir))
     loaded = dist_checkpointing.load({"model": adapter_sharded_state_dict(model)}, str(ckpt_dir))
@@ -112,7 +113,7 @@ def load_lora_checkpoint(model, ckpt_dir: str | Path) -> dict:
 
 def check_same_adapters(mine: Mapping[str, list], theirs: Mapping[str, list], *, source: str) -> None:
     """Same adapted modules, ranks and alphas, or a :class:`LoraCheckpointError` naming the differences."""
-    from .config import natural_key
+    from .core.hf_config import natural_key
 
     def names(xs):
         xs = sorted(xs, key=natural_key)
@@ -197,7 +198,7 @@ class AdapterOnlyCheckpoint:
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         _load_adapter_state(self, {k: v for k, v in state_dict.items() if not k.endswith("_extra_state")},
                             source="adapter-only checkpoint")
-        return torch.nn.modules.module._IncompatibleKeys([], [])
+        return compat.incompatible_keys([], [])
 
 
 _ADAPTER_ONLY: dict[type, type] = {}
@@ -218,7 +219,7 @@ def use_adapter_only_checkpoints(model):
             _ADAPTER_ONLY[cls] = type(name, (AdapterOnlyCheckpoint, cls), {"__module__": __name__,
                                                                           "__qualname__": name})
             globals()[name] = _ADAPTER_ONLY[cls]
-        chunk.__class__ = _ADAPTER_ONLY[cls]
+        compat.swap_class(chunk, _ADAPTER_ONLY[cls])
     return model
 
 

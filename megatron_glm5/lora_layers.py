@@ -13,6 +13,10 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
+from .dsa.hooks import install_weight_reader
+from .dsa.hooks import linear_weight as hooks_linear_weight
+
+
 class LoraFactor(torch.nn.Module):
     """One LoRA factor: a ``weight`` only (so that names read ``...lora_A.weight`` as in peft)."""
 
@@ -216,12 +220,12 @@ def _lora_class(mixin: type, base: type) -> type:
 
 def _kind_of(module, target: str) -> type:
     """The mixin for a base linear, by megatron-core class; a clear error for anything else."""
-    from megatron.core.post_training.modelopt.layers import Linear as ModeloptLinear
+    from .compat import modelopt_linear
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     if isinstance(module, LoraLinear):
         raise ValueError(f"{module.lora_name} already has a LoRA adapter (add_lora was applied twice)")
-    if isinstance(module, ModeloptLinear):
+    if isinstance(module, modelopt_linear()):
         return LoraDuplicated
     if isinstance(module, ColumnParallelLinear):
         if module.gather_output:
@@ -251,16 +255,19 @@ def _kind_of(module, target: str) -> type:
     raise NotImplementedError(f"LoRA does not know how to adapt {type(module).__name__} ({target})")
 
 
-def linear_weight(module: torch.nn.Module) -> torch.Tensor:
-    """The weight ``module`` computes with: ``module.weight``, plus the LoRA delta (differentiable) when adapted.
-    For code that reads a linear's weight instead of calling the module (absorbed MLA's ``W_kc`` / ``W_vc``, the
-    ``tilelang`` indexer's fp32 ``weights_proj``)."""
+def _lora_weight(module: torch.nn.Module) -> torch.Tensor | None:
+    """The DSA attention's weight reader (:mod:`megatron_glm5.dsa.hooks`): the LoRA-adapted effective weight
+    (differentiable), None for a module without an adapter."""
     if isinstance(module, (LoraWeightRead, LoraDuplicated)):
         return module.lora_weight()
     if isinstance(module, LoraLinear):
         raise NotImplementedError(f"{module.lora_name}: reading the effective weight of a {module.lora_kind} "
                                   "adapter is not supported")
-    return module.weight
+    return None
+
+
+install_weight_reader(_lora_weight)
+linear_weight = hooks_linear_weight  # the weight ``module`` computes with, LoRA delta included when adapted
 
 
 __all__ = ["LoraColumn", "LoraDuplicated", "LoraFactor", "LoraLinear", "LoraRow", "LoraWeightRead", "base_only",

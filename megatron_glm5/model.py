@@ -1,22 +1,28 @@
-"""Build a megatron-core ``GPTModel`` for a GLM-5.x architecture (the model provider of our entry points)."""
+"""Build a megatron-core ``GPTModel`` for any registered family (the model provider of our entry points): the family
+(:mod:`megatron_glm5.families`) gives the config, the block and MTP specs and the ``GPTModel`` kwargs; everything
+else (CPU mode, activation offload, the indexer warm-up's freeze, the position-id check) is the same for all."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
-from .config import GLM5Architecture, RuntimePolicy, build_transformer_config, gpt_model_kwargs
+# imported with this module, before any caller opens a meta-device scope around build_model: megatron-core creates
+# MTPLossAutoScaler's class-level loss scale at import, which would otherwise be a meta tensor for good
+from megatron.core.models.gpt.gpt_model import GPTModel
+
+from .core.policy import RuntimePolicy
 from .cpu import attach_cpu_mode, cpu_mode
 from .device_check import check_on_device
 from .dsa.indexer_training import freeze_all_but_indexers
 from .dsa.layout import TokenLayout
+from .families import family_of_architecture
 from .offload import activation_offload_for, attach
-from .spec import build_glm5_block_spec, build_glm5_mtp_spec
 
 
 def build_model(
-    arch: GLM5Architecture,
+    arch,
     policy: RuntimePolicy | None = None,
     *,
     backend: str = "megatron",
@@ -26,46 +32,42 @@ def build_model(
     post_process: bool | None = None,
     indexer_types: Sequence[str] | None = None,
     indexer_warmup: bool | None = None,
+    **options: Any,
 ):
-    """A GPTModel for this rank's pipeline stage (megatron-core parallel state must be initialised). A GLM-5.3-Flash
-    architecture (:class:`~megatron_glm5.glm5_next.config.GLM5NextArchitecture`) is built by
-    :func:`megatron_glm5.glm5_next.model.build_model`.
+    """A GPTModel for this rank's pipeline stage (megatron-core parallel state must be initialised), for an
+    architecture of any registered family (``parse_architecture``'s result).
 
-    ``config`` overrides the ``MLATransformerConfig`` built from ``arch`` and ``policy`` (Megatron-LM builds its own
-    from flags); ``indexer_types`` defaults to the architecture's IndexShare pattern. Activation offload
-    (:mod:`megatron_glm5.offload`) is on when ``policy.activation_offload`` is, or megatron-core's
-    ``fine_grained_activation_offloading`` names an attention module in ``offload_modules``. On a machine without
-    CUDA the model is built in :func:`~megatron_glm5.cpu.cpu_mode` and runs its forward with TorchDynamo off
+    ``config`` overrides the megatron-core config built from ``arch`` and ``policy`` (Megatron-LM builds its own
+    from flags); ``indexer_types`` defaults to the architecture's IndexShare pattern; ``options`` are the family's
+    own build options (GLM-5.3-Flash: ``kda_kernel``). Activation offload (:mod:`megatron_glm5.offload`) is on
+    when ``policy.activation_offload`` is, or megatron-core's ``fine_grained_activation_offloading`` names an
+    attention module in ``offload_modules``. On a machine without CUDA the model is built in
+    :func:`~megatron_glm5.cpu.cpu_mode` and runs its forward with TorchDynamo off
     (:func:`~megatron_glm5.cpu.attach_cpu_mode`); nothing else of the process changes.
 
     ``indexer_warmup`` (default ``policy.dsa_indexer_warmup``) builds the indexer warm-up stage and freezes every
-    parameter but the indexers' (:func:`~megatron_glm5.dsa.indexer_training.freeze_all_but_indexers`).
+    parameter but the indexers' (:func:`~megatron_glm5.dsa.indexer_training.freeze_all_but_indexers`). A
+    combination the family does not support (GLM-5.3-Flash with context parallelism or the indexer loss) raises
+    :class:`~megatron_glm5.families.UnsupportedFeatureError` naming it, before anything is built.
     """
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from .glm5_next.config import GLM5NextArchitecture
-
-    if isinstance(arch, GLM5NextArchitecture):  # GLM-5.3-Flash: its own block (KDA, mHC) and config
-        from .glm5_next.model import build_model as build_glm5_next_model
-
-        check_parallel_state(config if config is not None else policy or RuntimePolicy())
-        return build_glm5_next_model(arch, policy, backend=backend, config=config, vp_stage=vp_stage,
-                                     pre_process=pre_process, post_process=post_process, indexer_types=indexer_types)
+    family = family_of_architecture(arch)
+    warmup = bool(policy.dsa_indexer_warmup if policy is not None else False) if indexer_warmup is None \
+        else indexer_warmup
     check_parallel_state(config if config is not None else policy or RuntimePolicy())
-    config = config if config is not None else build_transformer_config(arch, policy)
+    config = config if config is not None else family.transformer_config(arch, policy, **options)
+    family.refuse_config(config, indexer_warmup=warmup)
     if pre_process is None:
         pre_process = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     if post_process is None:
         post_process = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
     types = tuple(indexer_types) if indexer_types is not None else arch.indexer_types
     offload = activation_offload_for(config, policy)
-    warmup = bool(policy.dsa_indexer_warmup if policy is not None else False) if indexer_warmup is None \
-        else indexer_warmup
-    block = build_glm5_block_spec(config, backend=backend, vp_stage=vp_stage, indexer_types=types,
-                                  activation_offload=offload, indexer_warmup=warmup)
-    mtp = build_glm5_mtp_spec(config, backend=backend, activation_offload=offload, indexer_types=types,
-                              indexer_warmup=warmup)
+    block = family.block_spec(config, arch, backend=backend, vp_stage=vp_stage, indexer_types=types,
+                              activation_offload=offload, indexer_warmup=warmup)
+    mtp = family.mtp_spec(config, arch, backend=backend, activation_offload=offload, indexer_types=types,
+                          indexer_warmup=warmup)
     with cpu_mode():
         model = GPTModel(
             config=config,
@@ -74,7 +76,7 @@ def build_model(
             pre_process=pre_process,
             post_process=post_process,
             vp_stage=vp_stage,
-            **gpt_model_kwargs(arch),
+            **family.gpt_model_kwargs(arch),
         )
     if config.context_parallel_size == 1:  # under CP, position ids are each rank's zigzag shard
         model.register_forward_pre_hook(check_position_ids, with_kwargs=True)
@@ -143,6 +145,6 @@ def check_position_ids(model, args: tuple, kwargs: dict) -> None:
 
 def default_cpu_policy(**overrides) -> RuntimePolicy:
     """Policy for fp32 CPU runs (tests, the demo): deterministic CPU initialisation, torch paths everywhere."""
-    kw = dict(params_dtype=torch.float32, use_cpu_initialization=True, dsa_kernel_backend="none")
+    kw = dict(params_dtype=torch.float32, use_cpu_initialization=True, mcore_dsa_kernels="none")
     kw.update(overrides)
     return RuntimePolicy(**kw)

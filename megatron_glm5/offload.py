@@ -1,62 +1,13 @@
-"""Activation offload for GLM-5.x layers: one saved-tensor window per decoder-layer call moves what autograd keeps
-for the backward (the layer input, attention and MoE activations, the DSA top-k) to host memory, and brings it back
-when the backward needs it.
+"""Activation offload for the DSA decoder layers of every family: one saved-tensor window per decoder-layer call
+(:class:`megatron_glm5.core.layer.DSADecoderLayer`) moves what autograd keeps for the backward (the layer input,
+attention and MoE activations, the DSA top-k) to host memory, and brings it back when the backward needs it.
 
-What megatron-core 0.19.2 offers (``pipeline_parallel/fine_grained_activation_offload.py``, read in the wheel):
-``fine_grained_activation_offloading`` with ``offload_modules`` offloads the *input of named modules*
-(``attn_norm``, ``qkv_linear``, ``core_attn``, ``attn_proj``, ``mlp_norm``, ``expert_fc1``, ``moe_act``,
-``fused_group_mlp``) through ``saved_tensors_hooks`` driven by a process-wide ``PipelineOffloadManager``: a module
-opts in by wrapping its forward in ``FineGrainedActivationOffloadingInterface(flag, tensor, name)`` (identity
-autograd functions mark a group's start and commit), D2H copies run per group on a side stream after the module's
-forward, the next group's H2D reload starts when a group's backward starts, host buffers come from a pinned pool keyed
-by shape; parameters, tensors below ``min_offloaded_tensor_size`` elements and tensors tagged ``_do_not_offload``
-(or TE's ``_TE_do_not_offload``) stay. The state machine is tied to the schedules (``GPTModel.forward`` opens a
-chunk handler per micro-batch, ``forward_backward_func`` resets it, the first iteration is a warm-up that records the
-groups). It does not fit GLM-5.x's DSA layers: megatron-core's ``AbsorbedMLASelfAttention`` / ``DSAttention`` never
-open a group, so ``core_attn`` / ``qkv_linear`` / ``attn_proj`` do nothing for DSA (and our layer replaces the
-``_forward_attention`` that reads ``attn_norm``); entering any group raises ``RuntimeError("TE CPU offload is not
-available")`` without Transformer Engine, i.e. with the local spec; only CUDA tensors are managed and the manager's
-constructor creates CUDA streams, so with the flag on ``GPTModel.forward`` fails on a machine without CUDA; views are
-``.contiguous()``-copied one by one (no storage sharing); it works with selective recompute but has nothing for full
-recompute (there the layer forward saves nothing and the checkpoint's inputs are saved outside any group; upstream
-Megatron-LM added a ``layer_input`` module after 0.19.2). So its machinery is not reused; its user-facing switch, names
-and conventions are: ``--fine-grained-activation-offloading --offload-modules ...`` with any of the attention-side
-names turns on this window for our layers (:func:`activation_offload_for`), ``min_offloaded_tensor_size`` is the
-threshold, ``_do_not_offload`` / ``_TE_do_not_offload`` opt a tensor out, and megatron-core's own groups
-(``mlp_norm``, ``expert_fc1``, ``moe_act`` with Transformer Engine) still work inside our window (the innermost
-``saved_tensors_hooks`` wins). Its D2H-stream / ``record_stream`` / event pattern is the one used here.
-
-How this window works:
-
-* **Scope.** A window covers one decoder-layer call (:class:`GLMTransformerLayer.forward`). Under full recompute the
-  layer runs under ``no_grad`` in the forward and the tensors kept are the checkpoint's inputs, saved by
-  megatron-core's ``CheckpointFunction`` *after* the layer returned: a block scope (:func:`attach`, forward hooks on
-  the decoder / MTP block) catches those that are a chunk's layer input or incoming top-k and files them with the
-  chunk's window (the chunk is found through megatron-core's ``CheckpointFunction`` node; under another checkpoint,
-  e.g. Transformer Engine's for fp8, or ``--distribute-saved-activations``, only the kept top-k moves). The recompute
-  in backward runs without a window (what it saves is used at once).
-* **What moves.** Tensors whose storage holds at least ``min_numel`` elements, on the device (CUDA; on a machine
-  without CUDA, CPU tensors into a separate CPU buffer, so CPU tests run the same pack / unpack path). Not moved:
-  parameters and views of them, leaves that require grad, tensor subclasses, tensors tagged ``_do_not_offload``, and
-  the layer's other inputs (masks, RoPE, which the caller keeps alive anyway).
-* **Storage-matched.** The unit is a tensor's untyped storage: views of one storage share one host copy and one
-  decision, and come back as views of one reloaded storage. A copy is reused by a later pack (another window, e.g.
-  the top-k a shared layer saves again) only while the very same storage object is alive and unmodified (weak
-  reference + version counter), so a freed address that the allocator hands out again can never alias it.
-* **Streams.** D2H: on a side stream that first waits for the current stream (the producer), into pinned host memory
-  from PyTorch's caching host allocator (which rounds each block up to a power of two: budget host memory
-  accordingly); ``record_stream`` keeps the device block from being reused before the copy ends. H2D: synchronous
-  on the consuming stream at the first unpack of a copy (after its D2H event), which in practice happens only for
-  the last layer of each micro-batch's backward: the first unpack in a window prefetches the previous non-empty
-  window of the same block call on a side stream, so layer ``L-1``'s reload overlaps layer ``L``'s backward. The
-  reloaded storage serves every later unpack of the copy and lives as long as the copy, i.e. until the last node
-  that saved it has run: as long as it would without offload, from its reload on.
-* **DSA top-k.** The top-k kept on a checkpoint's node for the recompute replay (:mod:`megatron_glm5.layer`) is held
-  through the window (:func:`hold` / :func:`release`), so it leaves the device too, and it is the same copy as the
-  top-k a later chunk or shared layer saves. It is replicated over tensor parallelism (every TP rank runs the whole
-  indexer), so each TP rank keeps only its ``1/TP`` share of the bytes (:func:`mark_replicated`) and the reload
-  all-gathers the shares over the TP group, checking on device that the assembled top-k has the local one's
-  per-share checksums (a rank whose top-k differed would otherwise train on another rank's indices).
+Turned on by ``RuntimePolicy.activation_offload`` or megatron-core's ``--fine-grained-activation-offloading`` with an
+attention-side ``--offload-modules`` name (:func:`activation_offload_for`). Storage-matched host copies (views of one
+storage share one copy), D2H / H2D on side streams with prefetch of the previous window, the top-k kept for the
+recompute replay held through the window (:func:`hold` / :func:`release`), and each TP rank keeping its share of the
+TP-replicated top-k (:func:`mark_replicated`, installed into :mod:`megatron_glm5.dsa.hooks`). Why megatron-core's
+own offload manager is not reused, and how the window works in detail: ``docs/design/offload.md``.
 """
 
 from __future__ import annotations
@@ -72,6 +23,7 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from .device_check import check_on_device
+from .dsa.hooks import install_replicated_marker
 
 # megatron-core offload_modules names whose activations live in the attention half of the layer: megatron-core cannot
 # offload them for DSA attention, so any of them turns on this window (which covers the whole layer call).
@@ -196,6 +148,9 @@ def mark_replicated(tensor: torch.Tensor, group) -> None:
         return
     storage = tensor.untyped_storage()
     _tls.replicated[(tensor.device, storage.data_ptr())] = (weakref.ref(storage), group)
+
+
+install_replicated_marker(mark_replicated)  # the DSA attention marks its top-k through megatron_glm5.dsa.hooks
 
 
 def _replicated_group(device: torch.device, storage: torch.UntypedStorage):

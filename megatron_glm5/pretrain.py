@@ -6,7 +6,8 @@ Every Megatron-LM flag works as with ``pretrain_gpt.py`` (parallelism, batch siz
 into Megatron-LM's arguments before validation, so its bookkeeping (layer split, FLOP counts, vocab) agrees with the
 model. Passing an architecture flag that contradicts the HF config is an error. ``--glm5-backend`` picks the DSA
 attention backend (``megatron`` or ``tilelang``). A GLM-5.3-Flash config (``glm5_next``) trains the same way; its KPool,
-KDA and mHC fields, which Megatron-LM has no flags for, go straight into the model config (:func:`glm5_next_config`).
+KDA and mHC fields, which Megatron-LM has no flags for, go straight into the model config (the family's
+``config_from_megatron_lm``, :mod:`megatron_glm5.families`).
 Not yet with pipeline parallelism (the mHC streams would cross stage boundaries; refused when the model is built).
 
 LoRA (:mod:`megatron_glm5.lora`): ``--lora-rank R`` adds adapters in the model provider, after the model is built
@@ -31,9 +32,11 @@ from typing import Any
 
 import torch
 
-from .architectures import Architecture, is_glm5_next, parse_architecture
-from .config import architecture_kwargs, gpt_model_kwargs, load_hf_config
-from .spec import BACKENDS
+from .core.hf_config import load_hf_config
+from .families import family_of_architecture, parse_architecture
+from .glm5.spec import BACKENDS
+
+Architecture = Any  # an architecture of any registered family (megatron_glm5.families)
 
 # megatron-core config field -> Megatron-LM argument name, where they differ.
 _ARG_NAMES = {"num_moe_experts": "num_experts"}
@@ -73,36 +76,15 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _family_kwargs(arch: Architecture) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(megatron-core config kwargs, GPTModel kwargs) of either family."""
-    if is_glm5_next(arch):
-        from .glm5_next.mcore_config import architecture_kwargs as next_kwargs
-        from .glm5_next.model import gpt_model_kwargs as next_model_kwargs
-
-        return next_kwargs(arch), next_model_kwargs(arch)
-    return architecture_kwargs(arch), gpt_model_kwargs(arch)
-
-
-def _config_only_fields() -> set[str]:
-    """GLM-5.3-Flash config fields with no Megatron-LM argument (KPool, KDA, mHC, clamped-SwiGLU details): they
-    reach the model config in :func:`model_provider`, not through Megatron-LM's arguments."""
-    import dataclasses
-
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
-
-    from .glm5_next.mcore_config import GLM5NextTransformerConfig
-
-    base = {f.name for f in dataclasses.fields(MLATransformerConfig)}
-    return {f.name for f in dataclasses.fields(GLM5NextTransformerConfig)} - base
-
-
 def architecture_args(arch: Architecture, args=None) -> dict[str, Any]:
-    """Megatron-LM argument values that describe ``arch``. For GLM-5.3-Flash, fields Megatron-LM has no argument for
-    (``args`` given: any it lacks) are left to :func:`model_provider`."""
-    kwargs, model = _family_kwargs(arch)
+    """Megatron-LM argument values that describe ``arch``. For a family whose model provider writes the whole
+    architecture into the config (GLM-5.3-Flash: KPool, KDA, mHC), fields Megatron-LM has no argument for (``args``
+    given: any it lacks) are left to :func:`model_provider`."""
+    family = family_of_architecture(arch)
+    kwargs, model = family.architecture_kwargs(arch), family.gpt_model_kwargs(arch)
     values = {_ARG_NAMES.get(k, k): v for k, v in kwargs.items() if k not in _DERIVED_ARGS}
-    if is_glm5_next(arch):
-        skip = _config_only_fields()
+    if family.provider_sets_architecture:
+        skip = family.config_only_fields()
         values = {k: v for k, v in values.items() if k not in skip and (args is None or hasattr(args, k))}
     values.update(
         swiglu=True,
@@ -119,7 +101,8 @@ def apply_architecture(args, arch: Architecture, argv: list[str]) -> list[str]:
     """Write ``arch`` into Megatron-LM's parsed ``args``; refuse explicit flags that disagree. Returns the names of
     the arguments that were changed (for the start-up log)."""
     changed, conflicts = [], []
-    for name, value in architecture_args(arch, args if is_glm5_next(arch) else None).items():
+    lenient = family_of_architecture(arch).provider_sets_architecture
+    for name, value in architecture_args(arch, args if lenient else None).items():
         if not hasattr(args, name):
             raise RuntimeError(f"Megatron-LM has no argument '{name}' (megatron-core version mismatch?)")
         current = getattr(args, name)
@@ -159,7 +142,7 @@ def choose_dsa_kernels(args, argv: list[str]) -> str | None:
     Returns the choice made, or None when the flag was given."""
     if "--dsa-kernel-backend" in argv:
         return None
-    from .config import RuntimeEnvironment
+    from .core.policy import RuntimeEnvironment
 
     env = RuntimeEnvironment.detect()
     args.dsa_kernel_backend = "tilelang" if (env.mcore_tilelang_kernels and args.bf16) else "none"
@@ -188,8 +171,8 @@ def check_data_flags(args) -> None:
     """Document boundaries must reach DSA attention (:func:`megatron_glm5.spec.check_document_masking`). This
     entry point reads plain ``[b, s]`` micro-batches, so THD packing (``--dataloader-inter-document-masking``) is
     Megatron-LM's ``pretrain_gpt.py --spec megatron_glm5.spec get_glm5_spec``'s job."""
-    from .config import GLM5ConfigError
-    from .spec import check_document_masking
+    from .core.hf_config import GLM5ConfigError
+    from .glm5.spec import check_document_masking
 
     try:
         if getattr(args, "dataloader_inter_document_masking", False):
@@ -214,8 +197,7 @@ def model_provider(arch: Architecture, backend: str, pre_process=True, post_proc
     args = get_args()
     if config is None:
         config = core_transformer_config_from_args(get_args(), MLATransformerConfig)
-        if is_glm5_next(arch):
-            config = glm5_next_config(config, arch)
+        config = family_of_architecture(arch).config_from_megatron_lm(config, arch)
     model = build_model(arch, config=config, backend=backend, vp_stage=vp_stage, pre_process=pre_process,
                         post_process=post_process, indexer_warmup=bool(getattr(args, "dsa_indexer_warmup", False)))
     return apply_lora_args(model, args)
@@ -269,21 +251,6 @@ def _has_checkpoint(path) -> bool:
 
     p = Path(path)
     return (p / "latest_checkpointed_iteration.txt").is_file() or (p / ".metadata").is_file()
-
-
-def glm5_next_config(config, arch):
-    """Megatron-LM's ``MLATransformerConfig`` (built from its arguments: parallelism, precision, recompute, ...) as
-    a ``GLM5NextTransformerConfig`` with the whole GLM-5.3-Flash architecture (KPool, KDA, mHC included: Megatron-LM
-    has no arguments for them)."""
-    import dataclasses
-
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
-
-    from .glm5_next.mcore_config import GLM5NextTransformerConfig, architecture_kwargs as next_kwargs
-
-    kw = {f.name: getattr(config, f.name) for f in dataclasses.fields(MLATransformerConfig) if f.init}
-    kw.update(next_kwargs(arch))
-    return GLM5NextTransformerConfig(**kw)
 
 
 _BATCH_KEYS = (("tokens", torch.int64), ("labels", torch.int64), ("loss_mask", torch.float32),

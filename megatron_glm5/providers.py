@@ -32,9 +32,12 @@ import torch
 import torch.nn.functional as F
 from megatron.core.extensions.transformer_engine import HAVE_TE
 from megatron.core.models.backends import LocalSpecProvider
-from megatron.core.post_training.modelopt.layers import Linear as _ModeloptLinear
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+from .compat import modelopt_linear
+
+_ModeloptLinear = modelopt_linear()
 
 
 class DuplicatedLinear(_ModeloptLinear):

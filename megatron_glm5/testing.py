@@ -29,7 +29,7 @@ from typing import Any, Literal, Mapping
 
 import torch
 
-from .config import natural_key
+from .core.hf_config import natural_key
 
 FP8_BLOCK = 128
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -183,7 +183,7 @@ def _mtp_shapes(raw: Mapping[str, Any], shapes: Mapping[str, tuple[torch.Size, t
 
 
 def _indexer_types(raw: Mapping[str, Any]) -> list[str]:
-    from .config import resolve_indexer_types
+    from .glm5.config import resolve_indexer_types
 
     return list(resolve_indexer_types(raw, raw["num_hidden_layers"]))
 

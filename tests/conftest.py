@@ -67,7 +67,7 @@ def indexer_calls(monkeypatch):
     """Count indexer runs of both backends (test-only instrumentation): ``calls[0]``."""
     from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexer
 
-    from megatron_glm5.tilelang_attention import TileLangSparseAttention
+    from megatron_glm5.dsa.tilelang_attention import TileLangSparseAttention
 
     calls = [0]
 

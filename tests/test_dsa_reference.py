@@ -295,7 +295,7 @@ def test_backend_torch_fallbacks_go_through_sparse_mla():
     from types import SimpleNamespace
 
     from megatron_glm5.dsa import attention
-    from megatron_glm5.tilelang_attention import TileLangSparseAttention
+    from megatron_glm5.dsa.tilelang_attention import TileLangSparseAttention
 
     torch.manual_seed(8)
     q = torch.randn(9, 2, 12, requires_grad=True)

@@ -134,7 +134,7 @@ def test_per_expert_layout_reads_one_tensor_per_expert():
 def test_table_covers_our_model_parameters(model_parallel, backend):
     """Our GPTModel (KDA and DSA layers, full and shared indexers, dense and MoE MLPs, mHC, MTP): names and shapes
     are the table's, in both namings."""
-    from megatron_glm5.glm5_next.model import build_model
+    from megatron_glm5.model import build_model
     from megatron_glm5.model import default_cpu_policy
 
     raw = tiny_raw(layer_types=["linear_attention", "indexed_attention", "indexed_attention", "linear_attention"],

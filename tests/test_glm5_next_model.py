@@ -197,7 +197,7 @@ def test_gradients_match_transformers(model_parallel, flash_checkpoint, hf_model
 def test_recompute_gives_the_same_gradients(model_parallel, recompute):
     """Activation recompute over mHC layers (streams through megatron-core's checkpoint; KDA recomputed, DSA top-k
     replayed) gives the no-recompute gradients; recomputing the input norms is refused with the remedy."""
-    from megatron_glm5.glm5_next.model import build_model
+    from megatron_glm5.model import build_model
     from megatron_glm5.glm5_next.testing import tiny_flash_config
     from megatron_glm5.model import default_cpu_policy
 

@@ -1,11 +1,18 @@
 """Package dependencies are one-way.
 
-* ``bridge`` builds on ``megatron_glm5``; ``megatron_glm5`` imports nothing from ``bridge`` (except the documented
-  lazy ``megatron_glm5.from_hf_pretrained`` alias).
-* No import circles between the files of either package, counting every import (module level and inside
-  functions, as ``farm-studio look`` draws them), except through that alias. Circles removed in issue 21 (phase 1)
-  are named so that a regression says which one is back: ``bridge/adapters.py`` <-> ``bridge/lora_convert.py``,
-  ``bridge/parity.py`` <-> ``bridge/parity_next.py``, ``megatron_glm5/rl/logprobs.py`` <-> ``rl/replay.py``.
+* The layers, lowest first (:data:`RANKS`): kernels and the floor (``compat``, ``device_check``, ``version``) <-
+  ``dsa`` (and ``moe``) <- ``core`` (with the mechanisms its layer base carries: ``offload``, ``cpu``, ``providers``)
+  <- the families (``families.py``, ``glm5/``, ``glm5_next/``) <- model / pretrain / rl / LoRA (and the public
+  re-export modules) <- ``bridge`` <- the command line (``bridge/cli.py``, ``bridge/demo.py``). A file imports only
+  files of its own layer or below, counting every import (module level and inside functions, as ``farm-studio
+  look`` draws them); the one allowed upward edge is the documented lazy ``megatron_glm5.from_hf_pretrained`` alias.
+* Kernels import no model code. No file imports a private (``_``) name from another package (folder). Code inside
+  ``megatron_glm5`` never imports the public re-export modules kept for users (``megatron_glm5.config``,
+  ``megatron_glm5.spec``).
+* No import circles between the files of either package. Circles removed in issue 21 are named so that a regression
+  says which one is back: ``bridge/adapters.py`` <-> ``bridge/lora_convert.py``, ``bridge/parity.py`` <->
+  ``bridge/parity_next.py``, ``megatron_glm5/rl/logprobs.py`` <-> ``rl/replay.py``, ``megatron_glm5/dsa/attention.py``
+  <-> ``dsa/indexer_training.py``.
 """
 
 from __future__ import annotations
@@ -20,7 +27,22 @@ REMOVED_CIRCLES = (
     ("bridge/adapters.py", "bridge/lora_convert.py"),
     ("bridge/parity.py", "bridge/parity_next.py"),
     ("megatron_glm5/rl/logprobs.py", "megatron_glm5/rl/replay.py"),
+    ("megatron_glm5/dsa/attention.py", "megatron_glm5/dsa/indexer_training.py"),
 )
+
+# (layer, path prefixes): the longest matching prefix places a file; a file may import its own layer or lower ones
+RANKS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("floor", ("megatron_glm5/kernels/", "megatron_glm5/compat.py", "megatron_glm5/device_check.py",
+               "megatron_glm5/version.py", "megatron_glm5/__init__.py")),
+    ("dsa", ("megatron_glm5/dsa/", "megatron_glm5/moe/")),
+    ("core", ("megatron_glm5/core/", "megatron_glm5/offload.py", "megatron_glm5/cpu.py", "megatron_glm5/providers.py",
+              "megatron_glm5/parallel.py")),
+    ("families", ("megatron_glm5/families.py", "megatron_glm5/glm5/", "megatron_glm5/glm5_next/")),
+    ("features", ("megatron_glm5/",)),  # model, pretrain, rl, lora*, inventory, architectures, testing, re-exports
+    ("bridge", ("bridge/",)),
+    ("cli", ("bridge/cli.py", "bridge/demo.py", "bridge/__init__.py")),
+)
+SHIMS = ("megatron_glm5/config.py", "megatron_glm5/spec.py")  # public re-export modules, for users only
 
 
 def _imports(path: Path) -> set[str]:
@@ -134,6 +156,76 @@ def test_cycle_detection_sees_function_level_imports():
     assert "bridge/parity.py" in graph["bridge/parity_next.py"]  # module level
     assert "bridge/pretrained.py" not in graph["megatron_glm5/__init__.py"]  # the allowed alias (in a function)
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def _rank(rel: str) -> int:
+    best, rank = "", None
+    for i, (_, prefixes) in enumerate(RANKS):
+        for prefix in prefixes:
+            if rel.startswith(prefix) and len(prefix) > len(best):
+                best, rank = prefix, i
+    assert rank is not None, f"{rel} is in no layer of RANKS"
+    return rank
+
+
+def test_imports_point_down_the_layers():
+    upward = []
+    for rel, targets in _graph().items():
+        for target in targets:
+            if _rank(target) > _rank(rel):
+                upward.append(f"{rel} ({RANKS[_rank(rel)][0]}) imports {target} ({RANKS[_rank(target)][0]})")
+    assert not upward, upward
+
+
+def test_kernels_import_no_model_code():
+    graph = _graph()
+    bad = [f"{rel} imports {t}" for rel in graph if rel.startswith("megatron_glm5/kernels/")
+           for t in graph[rel] if not t.startswith("megatron_glm5/kernels/")]
+    assert not bad, bad
+
+
+def test_package_code_does_not_import_the_public_reexports():
+    graph = _graph()
+    bad = [f"{rel} imports {t}" for rel in graph if rel.startswith("megatron_glm5/") and rel not in SHIMS
+           for t in graph[rel] if t in SHIMS]
+    assert not bad, bad
+
+
+def _private_imports(rel: str) -> list[tuple[str, str]]:
+    """``(imported file, name)`` for every ``from x import _name`` of file ``rel``."""
+    out = []
+    here = _package_of(rel)
+    for node in ast.walk(ast.parse((REPO / rel).read_text(), rel)):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        base = here[: len(here) - node.level + 1] if node.level else []
+        module = ".".join(base + ([node.module] if node.module else []))
+        target = _module_file(module)
+        for alias in node.names:
+            if alias.name.startswith("_") and not alias.name.startswith("__") and target is not None:
+                out.append((target, alias.name))
+    return out
+
+
+def test_no_private_name_imported_across_packages():
+    bad = []
+    for pkg in PACKAGES:
+        for path in sorted((REPO / pkg).rglob("*.py")):
+            rel = path.relative_to(REPO).as_posix()
+            for target, name in _private_imports(rel):
+                if target.rsplit("/", 1)[0] != rel.rsplit("/", 1)[0]:
+                    bad.append(f"{rel} imports {name} from {target}")
+    assert not bad, bad
+
+
+def test_rank_table_places_files_where_the_design_says():
+    assert RANKS[_rank("megatron_glm5/kernels/bounds.py")][0] == "floor"
+    assert RANKS[_rank("megatron_glm5/dsa/tilelang_attention.py")][0] == "dsa"
+    assert RANKS[_rank("megatron_glm5/core/layer.py")][0] == "core"
+    assert RANKS[_rank("megatron_glm5/glm5/spec.py")][0] == "families"
+    assert RANKS[_rank("megatron_glm5/model.py")][0] == "features"
+    assert RANKS[_rank("bridge/tables.py")][0] == "bridge"
+    assert RANKS[_rank("bridge/cli.py")][0] == "cli"
 
 
 def test_alias_resolves_to_the_bridge_function():

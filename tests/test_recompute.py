@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_glm5.config import parse_hf_config
-from megatron_glm5.layer import fingerprint, fingerprints_match
+from megatron_glm5.core.layer import fingerprint, fingerprints_match
 from megatron_glm5.model import build_model, default_cpu_policy
 from megatron_glm5.testing import tiny_glm52_config
 

@@ -12,12 +12,12 @@ import torch
 from megatron.core.transformer.moe.router_replay import RouterReplay
 
 from megatron_glm5.config import GLM5ConfigError
-from megatron_glm5.layer import GLMTransformerLayer
+from megatron_glm5.glm5.layer import GLMTransformerLayer
 from megatron_glm5.rl import add_rl_args, compute_logprobs
 from megatron_glm5.rl.provider import get_model_provider, policy_from_args
 from megatron_glm5.rl.replay import GLMRouterReplay, ReplayHooks
 from megatron_glm5.testing import tiny_glm52_config, write_hf_checkpoint
-from megatron_glm5.tilelang_attention import TileLangMLASelfAttention
+from megatron_glm5.dsa.tilelang_attention import TileLangMLASelfAttention
 from tests.test_rl_logprobs import packed_batch
 
 
@@ -56,3 +56,16 @@ def test_provider_builds_our_model_with_routing_replay(tmp_path, model_parallel)
         assert compute_logprobs(model, ids, cu).shape == (ids.numel(),)
     with pytest.raises(GLM5ConfigError, match="--hf-checkpoint"):
         get_model_provider(argparse.Namespace())()
+
+
+def test_provider_builds_a_glm53_flash_model_from_its_checkpoint(tmp_path, model_parallel):
+    """The provider dispatches through the family registry: a GLM-5.3-Flash checkpoint gives its own layers."""
+    from megatron_glm5.glm5_next.layer import GLM5NextTransformerLayer
+    from megatron_glm5.glm5_next.testing import write_transformers_checkpoint
+
+    path = write_transformers_checkpoint(tmp_path / "hf", seed=3)
+    args = argparse.Namespace(hf_checkpoint=str(path), use_rollout_routing_replay=True, params_dtype=torch.float32)
+    model = get_model_provider(args)()
+    layers = [m for m in model.modules() if isinstance(m, GLM5NextTransformerLayer)]
+    assert len(layers) == 4 + 1 and model.config.moe_enable_routing_replay  # 4 decoder layers + MTP
+    assert type(model.config).__name__ == "GLM5NextTransformerConfig"

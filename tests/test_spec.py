@@ -8,7 +8,7 @@ import json
 import pytest
 
 from megatron_glm5.config import GLM5ConfigError, build_transformer_config, parse_hf_config
-from megatron_glm5.layer import GLMTransformerLayer
+from megatron_glm5.glm5.layer import GLMTransformerLayer
 from megatron_glm5.model import build_model, default_cpu_policy
 from megatron_glm5.spec import (
     BACKENDS,
@@ -157,7 +157,7 @@ def test_settings_without_their_implementation_are_refused_with_the_flag(model_p
     them the spec names the flag to add instead of megatron-core failing inside the first linear."""
     from megatron.core.extensions.transformer_engine import HAVE_TE
 
-    from megatron_glm5.spec import _apex_gradient_accumulation_fusion
+    from megatron_glm5.core.mla_spec import apex_gradient_accumulation_fusion as _apex_gradient_accumulation_fusion
 
     if HAVE_TE or _apex_gradient_accumulation_fusion():
         pytest.skip("checks the refusal on a machine without Transformer Engine and apex")

@@ -16,7 +16,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron_glm5.config import parse_hf_config
 from megatron_glm5.model import build_model, default_cpu_policy
 from megatron_glm5.testing import tiny_glm52_config
-from megatron_glm5.tilelang_attention import TileLangMLASelfAttention
+from megatron_glm5.dsa.tilelang_attention import TileLangMLASelfAttention
 
 
 @pytest.fixture

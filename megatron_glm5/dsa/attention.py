@@ -8,7 +8,7 @@ mask or ``packed_seq_params``.
   core attention, so selective ``core_attn`` recompute replays the saved indices and never re-runs the indexer.
 * :class:`GLMSparseAttention` is the core attention: megatron-core's ``DSAIndexer`` on "full" layers (none on
   "shared" layers, so they own no indexer parameters), causal per-sequence top-k padded to a fixed width with -1, and
-  sparse attention over the absorbed latent. With ``dsa_kernel_backend != "none"`` both steps go through
+  sparse attention over the absorbed latent. With ``mcore_dsa_kernels != "none"`` both steps go through
   megatron-core's fused kernel hooks (TileLang / cuDNN); when a hook declines (or on CPU) the chunked pure-PyTorch
   path of :mod:`megatron_glm5.dsa.reference` runs, whose peak memory is O(chunk x S) instead of megatron-core's
   dense ``[b, heads, S, S]`` fallback.
@@ -23,7 +23,6 @@ from typing import Optional
 
 import torch
 from megatron.core import tensor_parallel
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.experimental_attention_variant import dsa_kernels
 from megatron.core.transformer.experimental_attention_variant.absorbed_mla import AbsorbedMLASelfAttention
@@ -31,10 +30,10 @@ from megatron.core.transformer.experimental_attention_variant.dsa import DSAtten
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 
-from .. import offload
+from .. import compat
 from ..device_check import check_on_device
-from ..lora import linear_weight
 from . import indexer_loss, reference
+from .hooks import linear_weight, mark_replicated
 from .indexer_training import RECALL, IndexerLossSettings, LossSlot, attach_loss, warmup_freeze
 from .layout import TokenLayout
 
@@ -278,14 +277,6 @@ class GLMSparseAttention(DSACoreAttention):
         return out.reshape(out.shape[0], -1)
 
 
-def _mcore_accepts_down_projection(cls) -> bool:
-    """megatron-core's MLA classes whitelist their q/kv down-projection classes (TELinear -> duplicated; Linear /
-    TE or local ColumnParallelLinear -> TP-sharded), by identity."""
-    from megatron.core.transformer.experimental_attention_variant import absorbed_mla as _am
-
-    return cls is not None and cls in (_am.TELinear, _am.Linear, _am.TEColumnParallelLinear, ColumnParallelLinear)
-
-
 def with_mcore_down_projections(submodules):
     """``(submodules for megatron-core's constructor, duplicated class to rebuild with or None)``.
 
@@ -299,10 +290,11 @@ def with_mcore_down_projections(submodules):
     a reduce-scatter backward, weight gradients summed over TP through their ``sequence_parallel`` tag.
     """
     down = submodules.linear_q_down_proj
-    if _mcore_accepts_down_projection(down):
+    if compat.mcore_accepts_down_projection(down):
         return submodules, None
     return (
-        dataclasses.replace(submodules, linear_q_down_proj=ColumnParallelLinear, linear_kv_down_proj=ColumnParallelLinear),
+        dataclasses.replace(submodules, linear_q_down_proj=compat.column_parallel_linear(),
+                            linear_kv_down_proj=compat.column_parallel_linear()),
         down,
     )
 
@@ -336,7 +328,7 @@ class GLMAbsorbedMLASelfAttention(AbsorbedMLASelfAttention):
 
     def _get_kv_up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """megatron-core's ``(W_kc, W_vc)`` per-head views, of ``linear_kv_up_proj``'s effective weight
-        (:func:`megatron_glm5.lora.linear_weight`: a LoRA delta included, with its gradients): absorbed attention
+        (:func:`megatron_glm5.dsa.hooks.linear_weight`: a LoRA delta included, with its gradients): absorbed attention
         reads this weight and never calls the module."""
         cfg = self.config
         w = linear_weight(self.linear_kv_up_proj).view(
@@ -402,7 +394,7 @@ class GLMAbsorbedMLASelfAttention(AbsorbedMLASelfAttention):
         elif topk is None:
             topk = core.compute_topk(hidden_states, q_compressed, packed_seq_params, layout)
         if dsa_topk is None:
-            offload.mark_replicated(topk, self.pg_collection.tp)  # every TP rank ran the whole indexer
+            mark_replicated(topk, self.pg_collection.tp)  # every TP rank ran the whole indexer
         core.record_recall(query, kv, topk, layout, loss is not None)
 
         if core.loss.warmup:  # dense main attention, frozen: only the indexer trains

@@ -190,9 +190,9 @@ class WarmupFreeze:
 
     def arm(self) -> None:
         if self._handle is None:
-            from torch.nn.modules.module import register_module_parameter_registration_hook
+            from ..compat import register_parameter_hook
 
-            self._handle = register_module_parameter_registration_hook(self._freeze)
+            self._handle = register_parameter_hook(self._freeze)
 
     def _freeze(self, module, name, param):
         if param is not None:

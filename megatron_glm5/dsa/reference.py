@@ -32,25 +32,11 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.bounds import causal_bounds  # noqa: F401  (re-exported: the kernels own it, callers read it here)
+
 # Query rows per chunk: bounds the temporaries to chunk x S fp32 (indexer) and chunk x topk x d (attention, forward
 # and backward); the backends' torch fallbacks use it too.
 DEFAULT_CHUNK = 1024
-
-
-def causal_bounds(cu_seqlens: torch.Tensor, total: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row candidate key range for packed causal attention: row ``t`` of sequence ``i`` may attend to
-    ``[cu_seqlens[i], t + 1)``. Returns ``(starts, ends)`` int32 ``[T]``. Rows past ``cu_seqlens[-1]`` (padding)
-    get an empty range."""
-    cu = cu_seqlens.to(torch.int64)
-    t_total = int(cu[-1]) if total is None else total
-    rows = torch.arange(t_total, device=cu.device)
-    seq = torch.searchsorted(cu[1:], rows, right=True).clamp(max=cu.numel() - 2)
-    starts = cu[seq]
-    ends = rows + 1
-    pad = rows >= cu[-1]
-    starts = torch.where(pad, rows, starts)
-    ends = torch.where(pad, rows, ends)
-    return starts.to(torch.int32), ends.to(torch.int32)
 
 
 def uniform_cu_seqlens(batch: int, seqlen: int, device: torch.device | str = "cpu") -> torch.Tensor:

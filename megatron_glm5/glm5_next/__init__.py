@@ -11,13 +11,14 @@ clamped-SwiGLU MoE. Importing the package loads nothing heavy and patches nothin
 * :mod:`.mhc`: the mHC residual streams (hyper-connection coefficients, Sinkhorn, stream-mean final norm).
 * :mod:`.layer` / :mod:`.spec`: the decoder layer (KDA or DSA mixer, dense or MoE MLP, plain or mHC residual), layer /
   block / MTP specs, IndexShare sources across KDA layers.
-* :mod:`.model`: the GPTModel builder (:func:`megatron_glm5.model.build_model` dispatches to it); :mod:`.testing`:
-  tiny checkpoints written by transformers.
+* :mod:`.family` / :mod:`.build`: what the registry (:mod:`megatron_glm5.families`) reaches through, so
+  :func:`megatron_glm5.model.build_model` builds this family too; :mod:`.testing`: tiny checkpoints written by
+  transformers.
 * The KPool indexer lives with the other DSA code: :mod:`megatron_glm5.dsa.kpool` (torch reference) and
   :mod:`megatron_glm5.dsa.kpool_indexer` (the megatron-core module and its selection over a token layout).
 
-Not yet: pipeline parallelism (the mHC streams would cross stage boundaries), context parallelism for KDA, an
-inference cache.
+Not yet: pipeline parallelism (the mHC streams would cross stage boundaries), context parallelism and the KPool
+indexer's loss (both refused by name, ``Family.unsupported``), an inference cache.
 """
 
 from .config import GLM5NextArchitecture, parse_glm5_next_config

@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-from megatron_glm5.dsa.attention import GLMSparseAttention
-from megatron_glm5.dsa.kpool_indexer import kpool_select
-from megatron_glm5.dsa.layout import TokenLayout
-from megatron_glm5.tilelang_attention import SequenceGather, TileLangSparseAttention
+from ..dsa.attention import GLMSparseAttention
+from ..dsa.kpool_indexer import kpool_select
+from ..dsa.layout import TokenLayout
+from ..dsa.tilelang_attention import SequenceGather, TileLangSparseAttention
 
 
 class _KPoolTopK:

@@ -36,7 +36,8 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Literal, Mapping
 
-from megatron_glm5.config import GLM5ConfigError
+from ..core.hf_config import INDEXER_K_NORM_EPS, MISSING, GLM5ConfigError, MLAGeometry, get_field
+from ..core.patterns import indexshare_types, moe_pattern
 
 SUPPORTED_MODEL_TYPES = ("glm5_next", "glm5_next_text")
 TEXT_MODEL_TYPE = "glm5_next_text"
@@ -46,15 +47,16 @@ MlpLayerType = Literal["dense", "sparse"]
 IndexerType = Literal["full", "shared"]
 
 # Numerics that transformers 5.24 hard-codes (they are not config fields).
-INDEXER_K_NORM_EPS = 1e-6  # Glm5NextTextIndexer.k_norm = nn.LayerNorm(index_head_dim, eps=1e-6), affine with bias
+# INDEXER_K_NORM_EPS (core): Glm5NextTextIndexer.k_norm = nn.LayerNorm(index_head_dim, eps=1e-6), affine with bias
 KDA_QK_L2NORM_EPS = 1e-6  # x / sqrt(sum(x^2) + eps) on KDA q and k, per head, fp32
 ROUTER_NORM_EPS = 1e-20  # top-k weights / (sum + eps) when norm_topk_prob
 
-_MISSING = object()
+_MISSING = MISSING
+FAMILY = "GLM-5.3-Flash (glm5_next)"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class GLM5NextArchitecture:
+class GLM5NextArchitecture(MLAGeometry):
     """What a GLM-5.3-Flash checkpoint's text model is. Field names follow HF; per-layer lists are tuples of
     ``num_hidden_layers`` entries, 0-indexed."""
 
@@ -124,11 +126,6 @@ class GLM5NextArchitecture:
     # ---- derived geometry ----
 
     @property
-    def qk_head_dim(self) -> int:
-        """Per-head q/k width of the expanded (non-absorbed) attention: nope + rope = 256 (rope is 0)."""
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
     def softmax_scale(self) -> float:
         """``qk_head_dim ** -0.5`` (1/16); no yarn mscale."""
         return self.qk_head_dim**-0.5
@@ -181,11 +178,6 @@ class GLM5NextArchitecture:
     def kda_o_norm_eps(self) -> float:
         return self.rms_norm_eps
 
-    @property
-    def is_fp8(self) -> bool:
-        """A block-FP8 checkpoint (``quantization_config.quant_method == "fp8"``)."""
-        return bool(self.quantization) and self.quantization.get("quant_method") == "fp8"
-
     # ---- per-layer views ----
 
     @property
@@ -228,21 +220,7 @@ class GLM5NextArchitecture:
 
 
 def _get(raw: Mapping[str, Any], name: str, typ: type | tuple[type, ...], default: Any = _MISSING) -> Any:
-    value = raw.get(name, _MISSING)
-    if value is _MISSING or value is None:
-        if default is _MISSING:
-            raise GLM5ConfigError(
-                f"config field '{name}' is required for a GLM-5.3-Flash (glm5_next) config but is missing"
-            )
-        return default
-    if typ is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if isinstance(value, bool) and typ in (int, float):
-        raise GLM5ConfigError(f"config field '{name}': expected {typ.__name__}, found bool {value!r}")
-    if not isinstance(value, typ):
-        names = typ.__name__ if isinstance(typ, type) else "/".join(t.__name__ for t in typ)
-        raise GLM5ConfigError(f"config field '{name}': expected {names}, found {type(value).__name__} {value!r}")
-    return value
+    return get_field(raw, name, typ, default, family=FAMILY)
 
 
 def _nullable(raw: Mapping[str, Any], name: str, typ: type, default: Any) -> Any:
@@ -296,8 +274,7 @@ def _layer_types(text: Mapping[str, Any], n: int) -> tuple[LayerType, ...]:
 def _mlp_layer_types(text: Mapping[str, Any], n: int) -> tuple[MlpLayerType, ...]:
     raw_types = text.get("mlp_layer_types")
     if raw_types is None:
-        dense = min(3, n)
-        return ("dense",) * dense + ("sparse",) * (n - dense)
+        return moe_pattern(n, 3, 1)  # transformers' default: the first 3 layers dense
     return _checked_list(raw_types, "mlp_layer_types", n, ("dense", "sparse"))  # type: ignore[return-value]
 
 
@@ -318,7 +295,7 @@ def _indexer_types(text: Mapping[str, Any], n: int) -> tuple[IndexerType, ...]:
     # transformers: freq = max(freq, 1); layer i is full iff max(i - offset + 1, 0) % freq == 0 (defaults: all full)
     freq = max(_get(text, "index_topk_freq", int, 1), 1)
     offset = _get(text, "index_skip_topk_offset", int, 2)
-    return tuple("full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n))
+    return indexshare_types(n, freq, offset)
 
 
 def _checked_list(value: Any, name: str, n: int, allowed: tuple[str, ...]) -> tuple[str, ...]:

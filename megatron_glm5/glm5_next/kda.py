@@ -48,7 +48,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-from megatron_glm5.config import GLM5ConfigError
+from ..core.hf_config import GLM5ConfigError
 from megatron_glm5.dsa.kpool_indexer import layout_documents
 from megatron_glm5.dsa.layout import TokenLayout
 

@@ -1,10 +1,11 @@
 """GLM-5.3-Flash architecture -> megatron-core ``MLATransformerConfig`` kwargs (+ our KPool, KDA and mHC fields).
 
-The glm5_next counterpart of :mod:`megatron_glm5.config`'s steps 2-3. megatron-core has no field for KPool, KDA or
+The glm5_next counterpart of :mod:`megatron_glm5.glm5.mcore_config`, on the same shared MLA + DSA + MoE table
+(:mod:`megatron_glm5.core.mcore_fields`). megatron-core has no field for KPool, KDA or
 mHC: :class:`GLM5NextTransformerConfig` adds them (``dsa_indexer_kpool*``, ``kda_*``, ``hc_*``). Same three visible
 sections:
 
-1. ``_DIRECT_FIELDS``: a 1:1 ``(GLM5NextArchitecture field, megatron-core field)`` table, checked for duplicate
+1. ``_FIELDS``: 1:1 ``(GLM5NextArchitecture field, megatron-core field)`` rows beyond the shared table, checked for duplicate
    targets at import.
 2. Fixed numerics (``_CONSTANTS``) and derived fields (:func:`architecture_kwargs`): MoE layer pattern, shared-expert
    width, clamped SwiGLU (:func:`megatron_glm5.glm5_next.swiglu.clamped_swiglu_kwargs`).
@@ -35,12 +36,15 @@ config fields: the block spec takes them explicitly (``megatron_glm5.glm5_next.s
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-from megatron_glm5.config import GLM5ConfigError, RuntimePolicy, runtime_kwargs
+from ..core import mcore_fields
+from ..core.hf_config import GLM5ConfigError
+from ..core.policy import RuntimePolicy, merge_kwargs, runtime_kwargs
 
 from .config import GLM5NextArchitecture, parse_glm5_next_config
 from .swiglu import clamped_swiglu_kwargs
@@ -110,29 +114,12 @@ class GLM5NextTransformerConfig(MLATransformerConfig):
         return self.dsa_indexer_topk + tail
 
 
-# (GLM5NextArchitecture field, megatron-core field)
-_DIRECT_FIELDS: tuple[tuple[str, str], ...] = (
-    ("num_hidden_layers", "num_layers"),
-    ("hidden_size", "hidden_size"),
-    ("num_attention_heads", "num_attention_heads"),
-    ("intermediate_size", "ffn_hidden_size"),
-    ("q_lora_rank", "q_lora_rank"),
-    ("kv_lora_rank", "kv_lora_rank"),
-    ("qk_nope_head_dim", "qk_head_dim"),  # naming trap: megatron's qk_head_dim is HF's nope part
-    ("qk_rope_head_dim", "qk_pos_emb_head_dim"),  # 0: NoPE
-    ("v_head_dim", "v_head_dim"),
-    ("rms_norm_eps", "layernorm_epsilon"),  # every RMSNorm, incl. q_a / kv_a (transformers reads rms_norm_eps too)
-    ("index_n_heads", "dsa_indexer_n_heads"),
-    ("index_head_dim", "dsa_indexer_head_dim"),
-    ("index_topk", "dsa_indexer_topk"),
+# GLM-5.3-Flash's rows beyond the shared table: (GLM5NextArchitecture field, megatron-core field)
+_FIELDS: tuple[tuple[str, str], ...] = (
     ("indexer_k_norm_eps", "dsa_indexer_k_norm_epsilon"),  # hard-coded 1e-6 LayerNorm in transformers
     ("index_kpool", "dsa_indexer_kpool"),
     ("index_kpool_always_select_tail", "dsa_indexer_kpool_select_tail"),
     ("attention_dropout", "attention_dropout"),
-    ("n_routed_experts", "num_moe_experts"),
-    ("num_experts_per_tok", "moe_router_topk"),
-    ("moe_intermediate_size", "moe_ffn_hidden_size"),
-    ("routed_scaling_factor", "moe_router_topk_scaling_factor"),
     ("linear_num_heads", "kda_num_heads"),
     ("linear_head_dim", "kda_head_dim"),
     ("linear_conv_kernel_dim", "kda_conv_kernel_dim"),
@@ -142,33 +129,16 @@ _DIRECT_FIELDS: tuple[tuple[str, str], ...] = (
     ("hc_eps", "hc_eps"),
     ("hc_sinkhorn_iters", "hc_sinkhorn_iters"),
 )
-_targets = [t for _, t in _DIRECT_FIELDS]
-assert len(_targets) == len(set(_targets)), "duplicate megatron-core target in _DIRECT_FIELDS"
 
-# Fixed GLM-5.3-Flash numerics that are not stored in config.json.
+# GLM-5.3-Flash's fixed numerics beyond the shared ones
 _CONSTANTS: dict[str, Any] = dict(
-    multi_latent_attention=True,
-    normalization="RMSNorm",
-    qk_layernorm=True,
-    add_bias_linear=False,  # checked against attention_bias
-    add_qkv_bias=False,
-    apply_rope_fusion=False,  # megatron-core asserts this for DSA; the fused MLA RoPE is unverified at width 0
     # NoPE on megatron-core (pitfalls): a width-0 plain RoPE, scale 1/sqrt(qk_head_dim)
     rope_type="rope",
     rotary_scaling_factor=1.0,
     mscale=1.0,
     mscale_all_dim=0.0,
-    experimental_attention_variant="dsa",
-    dsa_indexer_rotate_activation=False,  # no Hadamard
-    dsa_indexer_scoring_relu=True,
-    dsa_indexer_k_norm_fp32=True,
     dsa_indexer_topk_freq=1,  # IndexShare is passed per layer to the block spec, never as freq/offset
     dsa_indexer_skip_topk_offset=0,
-    moe_router_score_function="sigmoid",
-    moe_router_enable_expert_bias=True,  # e_score_correction_bias
-    moe_router_pre_softmax=True,
-    moe_router_dtype="fp32",
-    hidden_dropout=0.0,
 )
 
 
@@ -184,16 +154,7 @@ def architecture_kwargs(arch: GLM5NextArchitecture) -> dict[str, Any]:
             f"config field 'qk_rope_head_dim': expected 0 (GLM-5.3-Flash attention has no RoPE), found "
             f"{arch.qk_rope_head_dim}"
         )
-    kw: dict[str, Any] = {mcore: getattr(arch, hf) for hf, mcore in _DIRECT_FIELDS}
-    kw.update(_CONSTANTS)
-    kw.update(clamped_swiglu_kwargs(arch.swiglu_limit))
-    kw["moe_layer_freq"] = [1 if t == "sparse" else 0 for t in arch.mlp_layer_types]
-    kw["moe_shared_expert_intermediate_size"] = arch.shared_expert_intermediate_size or None
-    if arch.n_group > 1:
-        kw["moe_router_num_groups"] = arch.n_group
-        kw["moe_router_group_topk"] = arch.topk_group
-    kw["mtp_num_layers"] = arch.num_nextn_predict_layers or None
-    return kw
+    return mcore_fields.architecture_kwargs(arch, _FIELDS, {**_CONSTANTS, **clamped_swiglu_kwargs(arch.swiglu_limit)})
 
 
 def mcore_kwargs(
@@ -208,9 +169,7 @@ def mcore_kwargs(
     r = runtime_kwargs(policy or RuntimePolicy())
     r.pop("bias_activation_fusion")  # the fused bias-SwiGLU takes no clamp (pitfalls)
     r["kda_kernel"] = kda_kernel
-    overlap = set(a) & set(r)
-    assert not overlap, f"architecture and runtime kwargs overlap: {sorted(overlap)}"
-    return {**a, **r}
+    return merge_kwargs(a, r)
 
 
 def build_transformer_config(
@@ -219,3 +178,28 @@ def build_transformer_config(
     """Instantiate :class:`GLM5NextTransformerConfig` (megatron-core's own validation runs in ``__post_init__``)."""
     return GLM5NextTransformerConfig(**mcore_kwargs(arch, policy, kda_kernel=kda_kernel))
 
+
+def config_only_fields() -> frozenset[str]:
+    """KPool, KDA and mHC fields: Megatron-LM has no arguments for them (they reach the config in its model
+    provider, :func:`config_from_megatron_lm`)."""
+    base = {f.name for f in dataclasses.fields(MLATransformerConfig)}
+    return frozenset(f.name for f in dataclasses.fields(GLM5NextTransformerConfig)) - base
+
+
+def config_from_megatron_lm(config, arch: GLM5NextArchitecture) -> GLM5NextTransformerConfig:
+    """Megatron-LM's ``MLATransformerConfig`` (parallelism, precision, recompute, ...) as a
+    ``GLM5NextTransformerConfig`` with the whole GLM-5.3-Flash architecture (KPool, KDA, mHC included)."""
+    kw = {f.name: getattr(config, f.name) for f in dataclasses.fields(MLATransformerConfig) if f.init}
+    kw.update(architecture_kwargs(arch))
+    return GLM5NextTransformerConfig(**kw)
+
+
+def gpt_model_kwargs(arch: GLM5NextArchitecture) -> dict[str, Any]:
+    """Kwargs for megatron-core ``GPTModel`` that come from the checkpoint: no position embedding (NoPE; megatron-core's
+    MLA builds a width-0 rotary embedding of its own, a no-op)."""
+    return dict(
+        vocab_size=arch.vocab_size,
+        max_sequence_length=arch.max_position_embeddings,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="none",
+    )

@@ -15,7 +15,7 @@ The layer (:class:`~.layer.GLM5NextTransformerLayer`) is a plain pre-norm residu
 are wrapped in mHC streams (:mod:`.mhc`). :func:`build_glm5_next_mtp_spec` gives the MTP block (plain layers).
 
 Top-k passing: a DSA layer takes the incoming top-k and returns its own through the layer ``context`` slot (see
-:mod:`megatron_glm5.layer`); a "shared" layer attends with the incoming one. Any layer without DSA attention (the
+:mod:`megatron_glm5.core.layer`); a "shared" layer attends with the incoming one. Any layer without DSA attention (the
 KDA layers) must return the ``context`` it received, unchanged, so the top-k reaches the next DSA layer
 across it: the source of a shared layer is the nearest earlier *full DSA* layer (:func:`topk_sources`), not the
 previous decoder layer (transformers 5.24 only passes it between adjacent layers). A pipeline stage starts with no
@@ -35,20 +35,26 @@ from typing import Callable, Sequence
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
-from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.experimental_attention_variant.absorbed_mla import AbsorbedMLASelfAttentionSubmodules
-from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerSubmodules, DSAttentionSubmodules
 from megatron.core.transformer.multi_latent_attention import MLASelfAttentionSubmodules
+from megatron.core.transformer.multi_token_prediction import (
+    MultiTokenPredictionBlockSubmodules,
+    get_mtp_layer_spec_for_backend,
+)
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
-from megatron_glm5.config import INDEXER_K_NORM_EPS, GLM5ConfigError
-from megatron_glm5.dsa.attention import GLMAbsorbedMLASelfAttention
-from megatron_glm5.dsa.kpool_indexer import KPoolIndexer
-from megatron_glm5.providers import default_provider
-from megatron_glm5.spec import _local_layer_ids, _mla_fields, check_runtime_dependencies
-from megatron_glm5.tilelang_attention import TileLangMLASelfAttention
+from ..core.hf_config import GLM5ConfigError
+from ..core.mla_spec import check_runtime_dependencies, dsa_attention_spec, indexer_spec, wrong_numerics
+from ..core.patterns import mlp_types_from_mcore
+from ..core.stages import local_layer_ids
+from ..core.stages import topk_sources as _topk_sources
+from ..core.stages import validate_stage_layers as _validate_stages
+from ..dsa.attention import GLMAbsorbedMLASelfAttention
+from ..dsa.kpool_indexer import KPoolIndexer
+from ..dsa.tilelang_attention import TileLangMLASelfAttention
+from ..providers import default_provider
 
 from .attention import GLM5NextSparseAttention, TileLangGLM5NextSparseAttention
 from .kda import KDASubmodules, KimiDeltaAttention
@@ -87,19 +93,8 @@ def _choice(value: str, valid: Sequence[str], what: str) -> str:
 # config check
 # --------------------------------------------------------------------------------------------------------------------
 
-_REQUIRED = (
-    # (attribute, expected, why)
-    ("qk_pos_emb_head_dim", 0, "GLM-5.3-Flash attention is NoPE (HF qk_rope_head_dim = 0)"),
-    ("multi_latent_attention", True, "MLA"),
-    ("experimental_attention_variant", "dsa", "DSA attention"),
-    ("rope_type", "rope", "a width-0 plain RoPE; YaRN would build a width-0 YarnRotaryEmbedding"),
-    ("apply_rope_fusion", False, "the fused MLA RoPE is unverified at width 0 (and refused for DSA)"),
-    ("dsa_indexer_rotate_activation", False, "no Hadamard in the KPool indexer"),
-    ("dsa_indexer_scoring_relu", True, "ReLU'd indexer scores"),
-    ("dsa_indexer_k_norm_epsilon", INDEXER_K_NORM_EPS, "transformers' k_norm LayerNorm eps"),
-    ("qk_layernorm", True, "q_a / kv_a RMSNorms"),
-    ("add_bias_linear", False, "no attention / MLP bias"),
-)
+_NOPE = (("qk_pos_emb_head_dim", 0, "--qk-pos-emb-head-dim 0",
+          "GLM-5.3-Flash attention is NoPE (HF qk_rope_head_dim = 0)"),)  # beyond the shared DSA_NUMERICS
 
 
 def check_glm5_next_numerics(config) -> None:
@@ -109,8 +104,7 @@ def check_glm5_next_numerics(config) -> None:
             f"config is a {type(config).__name__} without dsa_indexer_kpool: build it with "
             "megatron_glm5.glm5_next.mcore_config.build_transformer_config (GLM5NextTransformerConfig)"
         )
-    bad = [f"{attr}={getattr(config, attr, None)!r} (expected {want!r}: {why})"
-           for attr, want, why in _REQUIRED if getattr(config, attr, None) != want]
+    bad = wrong_numerics(config, _NOPE, explain="why")
     if config.dsa_indexer_kpool < 1 or config.dsa_indexer_topk % config.dsa_indexer_kpool:
         bad.append(f"dsa_indexer_topk={config.dsa_indexer_topk!r} (expected a multiple of "
                    f"dsa_indexer_kpool={config.dsa_indexer_kpool!r}: whole pools)")
@@ -135,15 +129,7 @@ def check_glm5_next_numerics(config) -> None:
 
 def kpool_indexer_spec(provider) -> ModuleSpec:
     """megatron-core ``DSAIndexer`` submodules (replicated projections and ``k_norm``) + KPool parameters."""
-    return ModuleSpec(
-        module=KPoolIndexer,
-        submodules=DSAIndexerSubmodules(
-            linear_wq_b=provider.linear(),
-            linear_wk=provider.linear(),
-            k_norm=provider.replicated_norm(),
-            linear_weights_proj=provider.linear(),
-        ),
-    )
+    return indexer_spec(KPoolIndexer, provider)
 
 
 def nope_dsa_attention_spec(indexer_type: str, backend: str, provider) -> ModuleSpec:
@@ -154,16 +140,8 @@ def nope_dsa_attention_spec(indexer_type: str, backend: str, provider) -> Module
     except KeyError:
         raise ValueError(f"unknown GLM-5.3-Flash attention backend {backend!r}; valid backends: "
                          f"{sorted(BACKENDS)}") from None
-    core = ModuleSpec(
-        module=chosen.core_attention,
-        params={"indexer_type": indexer_type},
-        submodules=DSAttentionSubmodules(indexer=kpool_indexer_spec(provider) if indexer_type == "full" else None),
-    )
-    return ModuleSpec(
-        module=chosen.attention,
-        params={"attn_mask_type": AttnMaskType.causal},
-        submodules=chosen.submodules(**_mla_fields(provider), core_attention=core),
-    )
+    return dsa_attention_spec(provider, attention=chosen.attention, core=chosen.core_attention,
+                              submodules=chosen.submodules, indexer=KPoolIndexer, indexer_type=indexer_type)
 
 
 def kda_attention_spec(provider) -> ModuleSpec:
@@ -194,11 +172,12 @@ def mlp_spec(config, mlp_type: str, provider) -> Callable:
 
 def build_glm5_next_layer_spec(config, layer_type: str, mlp_type: str, indexer_type: str = "full",
                                backend: str = "megatron", provider=None, *, hyper_connections: bool = False,
-                               expand_streams: bool = False) -> ModuleSpec:
+                               expand_streams: bool = False, activation_offload=None) -> ModuleSpec:
     """One GLM-5.3-Flash decoder layer (module docstring). ``hyper_connections``: wrap both sublayers in mHC streams
     (the decoder layers of the real model; ``expand_streams`` on its first layer), else a plain pre-norm layer (the
-    MTP layer, single-layer fixtures). ``config`` is checked by :func:`check_glm5_next_numerics` and
-    :func:`megatron_glm5.spec.check_runtime_dependencies`."""
+    MTP layer, single-layer fixtures). ``activation_offload``: the layer's offload window
+    (:mod:`megatron_glm5.offload`). ``config`` is checked by :func:`check_glm5_next_numerics` and
+    :func:`megatron_glm5.core.mla_spec.check_runtime_dependencies`."""
     check_glm5_next_numerics(config)
     check_runtime_dependencies(config)
     provider = provider or default_provider()
@@ -210,7 +189,8 @@ def build_glm5_next_layer_spec(config, layer_type: str, mlp_type: str, indexer_t
         raise GLM5ConfigError(f"hyper_connections needs hc_mult >= 1 in the config, found {config.hc_mult}")
     return ModuleSpec(
         module=GLM5NextTransformerLayer,
-        params={"hyper_connections": hyper_connections, "expand_streams": expand_streams},
+        params={"hyper_connections": hyper_connections, "expand_streams": expand_streams,
+                **({"activation_offload": activation_offload} if activation_offload is not None else {})},
         submodules=TransformerLayerSubmodules(
             input_layernorm=provider.layer_norm(rms_norm=True),
             self_attention=mixer,
@@ -229,55 +209,18 @@ def build_glm5_next_layer_spec(config, layer_type: str, mlp_type: str, indexer_t
 
 def topk_sources(layer_types: Sequence[str], indexer_types: Sequence[str]) -> tuple[int | None, ...]:
     """Per layer: the DSA layer whose top-k it attends with (itself when full; the nearest earlier full DSA layer
-    when shared, skipping non-DSA layers), or None for a non-DSA layer. Raises naming ``indexer_types[i]`` for a
-    shared layer with no full DSA layer before it."""
-    if len(layer_types) != len(indexer_types):
-        raise GLM5ConfigError(f"layer_types ({len(layer_types)} entries) and indexer_types ({len(indexer_types)}) "
-                              "differ in length")
-    sources: list[int | None] = []
-    last_full = None
-    for i, (lt, it) in enumerate(zip(layer_types, indexer_types)):
+    when shared, skipping non-DSA layers), or None for a non-DSA layer (:func:`megatron_glm5.core.stages.topk_sources`).
+    Raises naming ``indexer_types[i]`` for a shared layer with no full DSA layer before it."""
+    for i, lt in enumerate(layer_types):
         _choice(lt, LAYER_TYPES, f"layer_types[{i}]")
-        _choice(it, INDEXER_TYPES, f"indexer_types[{i}]")
-        if lt != "indexed_attention":
-            sources.append(None)
-        elif it == "full":
-            last_full = i
-            sources.append(i)
-        elif last_full is None:
-            raise GLM5ConfigError(
-                f"indexer_types[{i}]: DSA layer {i} is 'shared' but no 'full' DSA layer comes before it to take the "
-                "top-k from; expected 'full'"
-            )
-        else:
-            sources.append(last_full)
-    return tuple(sources)
+    return _topk_sources(indexer_types, [lt == "indexed_attention" for lt in layer_types])
 
 
 def validate_stage_layers(layer_types: Sequence[str], indexer_types: Sequence[str],
                           local_layer_ids: Sequence[int]) -> None:
     """A pipeline stage (or virtual chunk) starts without a top-k: its first DSA layer must be full."""
-    sources = topk_sources(layer_types, indexer_types)
-    for i in local_layer_ids:
-        if sources[i] is None:
-            continue
-        if sources[i] != i:
-            raise GLM5ConfigError(
-                f"pipeline split is invalid for IndexShare: the first DSA layer of a stage is decoder layer {i} "
-                f"(0-indexed), a 'shared' layer that reuses the top-k of layer {sources[i]} on an earlier stage; "
-                f"start the stage at or before a 'full' DSA layer (full DSA layers: "
-                f"{[j for j, s in enumerate(sources) if s == j]})"
-            )
-        return
-
-
-def _mlp_types(config) -> tuple[str, ...]:
-    if not config.num_moe_experts:
-        return ("dense",) * config.num_layers
-    freq = config.moe_layer_freq
-    if isinstance(freq, int):
-        return tuple("sparse" if i % freq == 0 else "dense" for i in range(config.num_layers))
-    return tuple("sparse" if f else "dense" for f in freq)
+    topk_sources(layer_types, indexer_types)
+    _validate_stages(indexer_types, local_layer_ids, is_dsa=[lt == "indexed_attention" for lt in layer_types])
 
 
 def check_pipeline_support(config) -> None:
@@ -296,7 +239,7 @@ def check_pipeline_support(config) -> None:
 
 def build_glm5_next_block_spec(config, *, layer_types: Sequence[str], indexer_types: Sequence[str],
                                backend: str = "megatron", vp_stage: int | None = None, pp_rank: int | None = None,
-                               provider=None) -> TransformerBlockSubmodules:
+                               provider=None, activation_offload=None) -> TransformerBlockSubmodules:
     """This pipeline stage's decoder layers. ``layer_types`` / ``indexer_types`` are the architecture's
     (``GLM5NextArchitecture``); the MLP types come from ``config.moe_layer_freq``. With ``config.hc_mult > 0`` every
     layer carries mHC streams (the first expands the embedding into them) and the final norm is
@@ -307,30 +250,26 @@ def build_glm5_next_block_spec(config, *, layer_types: Sequence[str], indexer_ty
     for name, seq in (("layer_types", layer_types), ("indexer_types", indexer_types)):
         if len(seq) != n:
             raise GLM5ConfigError(f"{name} has {len(seq)} entries but the config has num_layers={n}")
-    local = _local_layer_ids(config, vp_stage, pp_rank)
+    local = local_layer_ids(config, vp_stage, pp_rank)
     validate_stage_layers(layer_types, indexer_types, local)
     provider = provider or default_provider()
-    mlps = _mlp_types(config)
+    mlps = mlp_types_from_mcore(config)
     hc = config.hc_mult > 0
     layers = [build_glm5_next_layer_spec(config, layer_types[i], mlps[i], indexer_types[i], backend, provider,
-                                         hyper_connections=hc, expand_streams=hc and i == 0)
+                                         hyper_connections=hc, expand_streams=hc and i == 0,
+                                         activation_offload=activation_offload)
               for i in local]
     final_norm = StreamMeanNorm if hc else provider.layer_norm(rms_norm=True)
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=final_norm)
 
 
-def build_glm5_next_mtp_spec(config, *, backend: str = "megatron", provider=None):
+def build_glm5_next_mtp_spec(config, *, backend: str = "megatron", provider=None, activation_offload=None):
     """MTP block spec (None without MTP): each MTP layer's inner layer is a plain pre-norm NoPE-DSA layer with its
     own (full) KPool indexer and the MoE MLP, without mHC: it takes the decoder output after the final norm."""
     if not config.mtp_num_layers:
         return None
-    from megatron.core.transformer.multi_token_prediction import (
-        MultiTokenPredictionBlockSubmodules,
-        get_mtp_layer_spec_for_backend,
-    )
-
     provider = provider or default_provider()
     inner = build_glm5_next_layer_spec(config, "indexed_attention", "sparse" if config.num_moe_experts else "dense",
-                                       "full", backend, provider)
+                                       "full", backend, provider, activation_offload=activation_offload)
     layer = get_mtp_layer_spec_for_backend(mtp_model_layer_spec=inner, backend=provider)
     return MultiTokenPredictionBlockSubmodules(layer_specs=[layer] * config.mtp_num_layers)

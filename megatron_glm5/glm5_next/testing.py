@@ -139,7 +139,7 @@ def write_transformers_checkpoint(out_dir: str | Path, config: Mapping[str, Any]
     from transformers import Glm5NextConfig
     from transformers.models.glm5_next.modeling_glm5_next import Glm5NextForConditionalGeneration
 
-    from megatron_glm5.config import natural_key
+    from ..core.hf_config import natural_key
 
     if naming not in ("disk", "memory"):
         raise ValueError(f"naming: expected 'disk' or 'memory', got {naming!r}")

@@ -138,7 +138,7 @@ def kpool_indexer_topk(
         validate: check that the non-empty ranges start at document starts (one host synchronisation).
     """
     if starts is None or ends is None:
-        from megatron_glm5.dsa.reference import causal_bounds
+        from megatron_glm5.kernels.bounds import causal_bounds
 
         starts, ends = causal_bounds(cu_seqlens.to(q.device), total=q.shape[0])
     cu = cu_seqlens.to(device=q.device, dtype=torch.int64)

@@ -1,62 +1,11 @@
 """Routed experts as two grouped GEMMs (``torch.nn.functional.grouped_mm``), stored exactly like ``SequentialMLP``.
 
-Why: without Transformer Engine, megatron-core 0.19.2 runs routed experts through ``SequentialMLP``. It calls
-``tokens_per_expert.tolist()``, which is a host sync when the counts are on the device. Then it loops in Python over
-the local experts, with two GEMMs and an activation per expert, so many small experts leave the GPU idle between
-launches. megatron-core's grouped module, ``TEGroupedMLP``, needs Transformer Engine (and names its parameters
-``linear_fc1.weight{e}``, which LoRA does not adapt). The legacy ``GroupedMLP`` (the ``grouped_gemm`` package) is gone
-in 0.19.2, and ``LocalSpecProvider`` silently ignores ``moe_grouped_gemm``. The local provider of
-:mod:`megatron_glm5.providers` builds this module instead; with TE, ``TEGroupedMLP`` stays.
-
-What: :class:`TorchGroupedMLP` *is* a ``SequentialMLP``. It has the same ``local_experts.{i}.linear_fc1`` /
-``linear_fc2`` submodules, parameter names, ``state_dict`` and (inherited) ``sharded_state_dict``. So dist
-checkpoints written with either class load into the other, and LoRA and the HF bridge see the same per-expert
-linears. Only ``forward`` differs::
-
-    offs = cumsum(tokens_per_expert)       # int32 on the device; no host sync
-    h = grouped_mm(x, stack(W1)^T, offs)   # [T, 2F/etp]: [gate | up] of this expert-TP rank (megatron's fc1 layout)
-    a = act(h) * probs                     # megatron MLP's activation code; fp32 probs, cast back to h's dtype
-    y = grouped_mm(a, stack(W2)^T, offs)   # [T, H]: partial sums over expert TP, reduced by the dispatcher
-
-* **Expert TP.** megatron-core builds the expert linears with ``is_expert=True`` on the expert-TP group and leaves
-  their communication to the token dispatcher. Each rank therefore multiplies its own shards: fc1 ``[2F/etp, H]``
-  holding ``[gate shard; up shard]`` (the stride-2 layout that ``sharded_state_dict`` re-shards) and fc2
-  ``[H, F/etp]``. This module multiplies the same shards, with no collectives of its own.
-* **Router probabilities.** The dispatcher passes the permuted probs (fp32) to the experts. A ``SequentialMLP``
-  expert multiplies them into the activation output (``MLP``'s ``per_token_scale``), and so does this module.
-  ``moe_apply_probs_on_input`` (top-1 only) scales the input instead, as ``SequentialMLP`` does.
-* **Weights are stacked, not saved.** ``grouped_mm`` needs one ``[E, N, K]`` tensor, but the experts' parameters are
-  separate tensors. Under megatron-core's distributed optimizer they are views into its flat buffer, at no uniform
-  stride. So they are copied into one stacked tensor for each GEMM in forward, and copied again in backward. Keeping
-  the stacked copies for backward would hold a second copy of every layer's expert weights until backward. Per
-  layer and step this costs two read+write passes over the local expert weights. For example, 16 experts at hidden
-  6144 and ffn 2048 in bf16 are 1.2 GB, which means about 5 GB of traffic, estimated at ~1.3 ms from H200 bandwidth.
-  That is small next to the GEMMs (~4.9 TFLOP forward at 8K tokens top-8).
-  ``scripts/bench/bench_grouped_experts.py`` measures it.
-* **Zero-token experts** get an exact zero weight gradient. Some GPUs leave empty groups of ``grouped_mm``'s
-  weight-gradient form unwritten (pytorch/pytorch#172439, B200), so this module zeroes them explicitly. With host
-  counts (megatron's dispatchers) it touches only the empty experts; with device counts it applies one mask. A rank
-  with no tokens at all skips the GEMMs but still returns zero weight gradients, so every expert parameter gets a
-  gradient (megatron's DDP buckets count on it).
-* **Megatron DDP with ``overlap_param_gather``** waits for a parameter's all-gather in a forward pre-hook on the module
-  that owns the parameter: the per-expert linears, whose ``forward`` this module does not call. Their plain forward
-  pre-hooks (and the expert MLPs') therefore run here, called with no inputs, before the weights are read. A hook
-  that returns a replacement input is refused.
-
-Paths: ``grouped_mm`` runs where torch provides it. That is CUDA bf16 (sm >= 80; CUTLASS kernels on Hopper), and on
-CPU whatever the installed torch accepts (torch 2.14: fp32, bf16 and fp16, per group the same result as a per-expert
-matmul, which the CPU tests use). Anything else runs ``SequentialMLP``'s own forward, logged once per reason:
-
-* fp32 or fp16 on CUDA;
-* dimensions that break ``grouped_mm``'s 16-byte stride rule;
-* expert linears replaced after the build (LoRA), or carrying forward, keyword or backward hooks;
-* GTP-sharded weights;
-* ``impl="sequential"``.
-
-Refused at build, with the flag named: expert biases (``add_bias_linear``), fp8/fp4, ``use_te_activation_func``,
-``delay_wgrad_compute``, and ``bias_activation_fusion`` with an activation megatron-core cannot fuse with probs.
-Gradient-accumulation fusion is not used: weight gradients come back as ``.grad``, which megatron-core's DDP adds to
-``main_grad``.
+Without Transformer Engine megatron-core 0.19.2 runs routed experts through ``SequentialMLP`` (a host sync and a
+Python loop over experts); :class:`TorchGroupedMLP` *is* a ``SequentialMLP`` (same submodules, parameter names and
+checkpoints) whose ``forward`` runs two ``grouped_mm`` over the stacked expert weights, with a fallback to the
+per-expert loop where ``grouped_mm`` cannot run (logged once per reason). Expert TP, router probabilities, why the
+weights are stacked per call, zero-token experts, DDP's parameter-gather hooks, the paths and what is refused:
+``docs/design/grouped_experts.md``.
 """
 
 from __future__ import annotations

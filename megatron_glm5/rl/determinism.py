@@ -4,7 +4,7 @@ Three sources of run-to-run differences in a GLM-5.x step, and what removes each
 
 * **DSA top-k ties.** Our indexer top-k (TileLang kernel and torch reference) breaks ties towards the lower key
   index, always; replaying the rollout's top-k (:mod:`megatron_glm5.rl.replay`) removes the selection altogether.
-  (megatron-core's own fused indexer, used by the ``megatron`` backend with ``dsa_kernel_backend="tilelang"``, is
+  (megatron-core's own fused indexer, used by the ``megatron`` backend with ``mcore_dsa_kernels="tilelang"``, is
   not covered: use the ``tilelang`` backend.)
 * **Sparse-MLA backward.** The TileLang backward accumulates ``dKV`` with float atomics unless
   ``RuntimePolicy(deterministic_mode=True)`` (megatron-core's ``deterministic_mode``), which switches it to a

@@ -5,11 +5,12 @@ Megatron-LM's parsed arguments set globally (``megatron.training.get_args()``); 
 explicit ``argparse.Namespace`` instead (verl, NeMo-RL, scripts). The architecture comes from the HF checkpoint
 (``--hf-checkpoint``, as those launchers already pass it for sglang), not from architecture flags; the runtime
 (parallel sizes, dtype, recompute, dispatcher, determinism) from Megatron-LM's usual arguments. The block spec is ours
-(:mod:`megatron_glm5.spec`), so IndexShare, MTP and the PP-split checks come with it.
+(the family's, :mod:`megatron_glm5.families`), so IndexShare, MTP and the PP-split checks come with it.
 
 Arguments read (Megatron-LM / slime / miles names; all optional except ``hf_checkpoint``):
 
-* ``--hf-checkpoint DIR`` - GLM-5.x checkpoint (its ``config.json``) defining the architecture.
+* ``--hf-checkpoint DIR`` - a checkpoint of any registered family (GLM-5.x or GLM-5.3-Flash; its ``config.json``)
+  defining the architecture.
 * ``--dsa-attention-backend {megatron,tilelang}`` (miles' name; default ``megatron``).
 * ``--use-rollout-routing-replay`` (R3) or ``--moe-enable-routing-replay`` - sets megatron-core's
   ``moe_enable_routing_replay`` (its ``RouterReplay`` instances exist; :mod:`megatron_glm5.rl.replay` takes their
@@ -34,12 +35,14 @@ from typing import Any, Callable
 
 import torch
 
-from ..config import GLM5ConfigError, RuntimePolicy, load_hf_config, mcore_kwargs, parse_hf_config
-from ..spec import BACKENDS
+from ..core.hf_config import GLM5ConfigError, load_hf_config
+from ..core.policy import RuntimePolicy
+from ..families import family_of_architecture, parse_architecture
+from ..glm5.spec import BACKENDS
 
 _FLAGS = (
     ("--hf-checkpoint", dict(type=str, default=None,
-                             help="GLM-5.x HF checkpoint directory (defines the architecture)")),
+                             help="GLM-5.x or GLM-5.3-Flash HF checkpoint directory (defines the architecture)")),
     ("--dsa-attention-backend", dict(choices=sorted(BACKENDS), default="megatron",
                                      help="DSA attention backend: megatron-core modules ('megatron') or the fused "
                                           "TileLang attention ('tilelang')")),
@@ -93,19 +96,17 @@ def policy_from_args(args) -> RuntimePolicy:
 
 def build_rl_model(args, pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None):
     """The GPTModel ``args`` describe, for this rank's pipeline stage (see module docstring)."""
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
-
     from ..model import build_model
 
     path = getattr(args, "hf_checkpoint", None)
     if not path:
-        raise GLM5ConfigError("megatron_glm5.rl.provider needs --hf-checkpoint (the GLM-5.x HF checkpoint directory "
+        raise GLM5ConfigError("megatron_glm5.rl.provider needs --hf-checkpoint (the HF checkpoint directory "
                               "whose config.json defines the architecture)")
-    arch = parse_hf_config(load_hf_config(path))
+    arch = parse_architecture(load_hf_config(path))
     policy = policy_from_args(args)
-    replay = bool(getattr(args, "use_rollout_routing_replay", False)
-                  or getattr(args, "moe_enable_routing_replay", False))
-    config = MLATransformerConfig(**mcore_kwargs(arch, policy), moe_enable_routing_replay=replay)
+    config = family_of_architecture(arch).transformer_config(arch, policy)
+    config.moe_enable_routing_replay = bool(getattr(args, "use_rollout_routing_replay", False)
+                                            or getattr(args, "moe_enable_routing_replay", False))
     backend = getattr(args, "dsa_attention_backend", None) or "megatron"
     return build_model(arch, policy, backend=backend, config=config, vp_stage=vp_stage, pre_process=pre_process,
                        post_process=post_process)

@@ -20,7 +20,7 @@ per-instance hooks on a built model, once):
 * each full layer's core attention gets an instance-level ``compute_topk`` that returns the replayed rows instead
   of running the indexer (or runs it too, only to measure the overlap, when statistics are requested). The attention
   then uses exactly those indices, bounds-checks them on device, and passes them on like its own: to the IndexShare
-  layers (layer ``context``) and to the activation-recompute stash (:mod:`megatron_glm5.layer`), so a full-layer
+  layers (layer ``context``) and to the activation-recompute stash (:mod:`megatron_glm5.core.layer`), so a full-layer
   recompute in backward replays the same indices with no replay data in sight;
 * each MoE router's ``router_replay`` slot (megatron-core's hook for exactly this) holds a :class:`GLMRouterReplay`,
   a ``RouterReplay`` that takes the rows of the running micro-batch, falls back to its own choice on tokens without
@@ -54,9 +54,10 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.random import is_checkpointing
 from megatron.core.transformer.moe.router_replay import RouterReplay
 
+from .. import compat
 from ..dsa.layout import TokenLayout
 from ..inventory import LayerInventory
-from ..layer import replayed_topk, stash_topk
+from ..core.layer import replayed_topk, stash_topk
 from .model_io import forward_kwargs, model_device, unwrap
 from .packing import PackedBatch, ParallelSizes, RankPlan
 from .payload import (
@@ -403,16 +404,10 @@ class GLMRouterReplay(RouterReplay):
         self._hooks = weakref.ref(hooks)
         self.key = key
         self.replaced = replaced
-        instances = RouterReplay.global_router_replay_instances
-        for i, inst in enumerate(instances):
-            if inst is replaced:
-                instances[i] = self
+        compat.replace_router_replay(replaced, self)
 
     def restore(self) -> RouterReplay | None:
-        instances = RouterReplay.global_router_replay_instances
-        for i, inst in enumerate(instances):
-            if inst is self:
-                instances[i] = self.replaced
+        compat.replace_router_replay(self, self.replaced)
         return self.replaced
 
     def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
@@ -452,7 +447,7 @@ class ReplayHooks:
         self._cores = []
         for key, core in self.layers.full.items():
             original = core.compute_topk
-            core.compute_topk = _ReplayingTopk(self, key, core, original)
+            compat.override_method(core, "compute_topk", _ReplayingTopk(self, key, core, original))
             self._cores.append(core)
         self._routers = []
         for key, router in self.layers.routers.items():
@@ -469,7 +464,7 @@ class ReplayHooks:
     def remove(self) -> None:
         """Uninstall (the model runs as before; later recomputes of graphs built under replay lose their ids)."""
         for core in self._cores:
-            del core.compute_topk
+            compat.restore_method(core, "compute_topk")
         for router in self._routers:
             router.router_replay = router.router_replay.restore()
         for model, hooks in list(_HOOKS.items()):

@@ -1,6 +1,6 @@
 """Benchmark (c): one full GLM-5 attention layer (real dims, 16 heads per rank = GLM-5 at TP=4), 16K tokens, bf16,
 forward + backward on one GPU: our ``tilelang`` backend vs our ``megatron`` backend (megatron-core modules with its
-TileLang kernels, ``dsa_kernel_backend="tilelang"``) vs megatron-core's own DSA layer as built by its spec (the
+TileLang kernels, ``mcore_dsa_kernels="tilelang"``) vs megatron-core's own DSA layer as built by its spec (the
 baseline of shared/baselines/glm5_layer_mcore.py). Each model is a 1-layer GPTModel with a small dense MLP and a
 1024-token vocabulary, as in that baseline, so the attention layer dominates.
 
@@ -34,7 +34,7 @@ def _ours(backend: str, heads: int):
     from megatron_glm5.model import build_model
 
     policy = RuntimePolicy(params_dtype=torch.bfloat16, use_cpu_initialization=False,
-                           dsa_kernel_backend="tilelang" if backend == "megatron" and torch.cuda.is_available() else "none")
+                           mcore_dsa_kernels="tilelang" if backend == "megatron" and torch.cuda.is_available() else "none")
     return build_model(parse_hf_config(_glm5_layer_config(heads)), policy, backend=backend).cuda()
 
 
@@ -58,7 +58,7 @@ def _mcore_baseline(heads: int):
     if absorbed_mla.TELinear is None:  # benchmark-only: how megatron-core's own layer is built without TE
         absorbed_mla.TELinear = DupLinear
     arch = parse_hf_config(_glm5_layer_config(heads))
-    cfg = build_transformer_config(arch, RuntimePolicy(params_dtype=torch.bfloat16, dsa_kernel_backend="tilelang" if torch.cuda.is_available() else "none"))
+    cfg = build_transformer_config(arch, RuntimePolicy(params_dtype=torch.bfloat16, mcore_dsa_kernels="tilelang" if torch.cuda.is_available() else "none"))
     cfg.transformer_impl = "local"
     prov = Provider()
     specs = get_transformer_layer_with_experimental_attention_variant_spec(config=cfg, backend=prov)

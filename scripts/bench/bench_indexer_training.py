@@ -34,7 +34,7 @@ def build(impl: str, loss: str, heads: int):
     from megatron_glm5.config import RuntimePolicy, build_transformer_config, parse_hf_config
     from megatron_glm5.model import build_model
 
-    policy = RuntimePolicy(params_dtype=torch.bfloat16, dsa_kernel_backend="tilelang", **LOSS[loss])
+    policy = RuntimePolicy(params_dtype=torch.bfloat16, mcore_dsa_kernels="tilelang", **LOSS[loss])
     arch = parse_hf_config(_glm5_layer_config(heads))
     if impl != "mcore":
         return build_model(arch, policy, backend=impl).cuda()

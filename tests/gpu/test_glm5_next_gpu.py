@@ -143,7 +143,7 @@ def test_fla_logit_gap_is_kernel_rounding_amplified_by_selection_flips(parallel)
     from bridge.parity import _replay_forward
     from megatron_glm5.config import RuntimePolicy
     from megatron_glm5.glm5_next.config import parse_glm5_next_config
-    from megatron_glm5.glm5_next.model import build_model
+    from megatron_glm5.model import build_model
 
     _fla()
     arch = parse_glm5_next_config(_probe_config())
@@ -190,7 +190,7 @@ def test_fla_logit_gap_is_kernel_rounding_amplified_by_selection_flips(parallel)
 def test_train_20_steps_falling_loss(parallel, backend, kda_kernel):
     from megatron_glm5.config import RuntimePolicy
     from megatron_glm5.glm5_next.config import parse_glm5_next_config
-    from megatron_glm5.glm5_next.model import build_model
+    from megatron_glm5.model import build_model
     from megatron_glm5.glm5_next.testing import small_flash_config
 
     if kda_kernel == "fla":

@@ -40,12 +40,11 @@ from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
 
-from . import offload
-from .dsa import reference
-from .dsa.attention import DSACoreAttention, rebuild_down_projections, with_mcore_down_projections
-from .dsa.layout import TokenLayout
-from .dsa.rope import apply_interleaved_rope, rope_cos_sin
-from .lora import linear_weight
+from . import reference
+from .attention import DSACoreAttention, rebuild_down_projections, with_mcore_down_projections
+from .hooks import linear_weight, mark_replicated
+from .layout import TokenLayout
+from .rope import apply_interleaved_rope, rope_cos_sin
 
 @functools.cache
 def _tilelang_available() -> bool:
@@ -130,7 +129,7 @@ class TileLangSparseAttention(DSACoreAttention):
     def select(self, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, layout: TokenLayout) -> torch.Tensor:
         """Causal top-k of flattened indexer rows: int32 ``[T_q, index_topk]`` key rows, -1 tail padding."""
         if _kernels_apply(q):
-            from . import kernels
+            from .. import kernels
 
             topk = kernels.indexer_topk(q.contiguous(), k.contiguous(), w.contiguous(), layout.starts, layout.ends,
                                         self.index_topk)
@@ -150,8 +149,8 @@ class TileLangSparseAttention(DSACoreAttention):
         (:meth:`DSACoreAttention.indexer_loss`: the dense warm-up loss, CPU, fp32)."""
         if not (self.loss.sparse and _fused_indexer_loss_applies(qi, query, topk)):
             return super().indexer_loss(qi, ki, w, query, kv, topk, layout)
-        from . import kernels
-        from .dsa import indexer_loss
+        from .. import kernels
+        from . import indexer_loss
 
         query, kv = query.detach().contiguous(), kv.detach().contiguous()
         if lse is None:
@@ -173,7 +172,7 @@ class TileLangSparseAttention(DSACoreAttention):
         ``with_lse``, the natural-log LSE ``[T, H]`` fp32 the sparse indexer loss's target reuses)."""
         # GLM-5: d_qk 576 = 512 + 64 RoPE; GLM-5.3-Flash (NoPE): d_qk = d_v = 512, KPool width index_topk + P - 1
         if _kernels_apply(query) and (query.shape[-1], d_v) in ((576, 512), (512, 512)):
-            from . import kernels
+            from .. import kernels
 
             out, lse = kernels.sparse_mla_with_lse(query.contiguous(), kv.contiguous(), topk, softmax_scale, d_v,
                                                    deterministic=self.config.deterministic_mode)
@@ -186,7 +185,7 @@ def _fused_indexer_loss_applies(qi: torch.Tensor, query: torch.Tensor, topk: tor
     """Our fused sparse indexer-loss kernels take these tensors (CUDA, bf16, shapes they support)."""
     if not _kernels_apply(query):
         return False
-    from . import kernels
+    from .. import kernels
 
     supported = getattr(kernels, "indexer_loss_supported", None)
     return supported is not None and supported(qi, query, topk)
@@ -212,7 +211,7 @@ class TileLangMLASelfAttention(MLASelfAttention):
     def kv_up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(W_kc [H, qk_head_dim, kv_lora_rank], W_vc [H, v_head_dim, kv_lora_rank])`` viewed from
         ``linear_kv_up_proj``'s effective weight (per-head rows ``[k_nope | v]``; a LoRA delta included, see
-        :func:`megatron_glm5.lora.linear_weight`), recomputed on every call."""
+        :func:`megatron_glm5.dsa.hooks.linear_weight`), recomputed on every call."""
         cfg = self.config
         w = linear_weight(self.linear_kv_up_proj).view(-1, cfg.qk_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         return w[:, : cfg.qk_head_dim], w[:, cfg.qk_head_dim :]
@@ -274,7 +273,7 @@ class TileLangMLASelfAttention(MLASelfAttention):
         elif topk is None:
             topk = sparse.compute_topk(x, q_c, layout, rope_q, rope_k, gather)
         if dsa_topk is None:
-            offload.mark_replicated(topk, self.pg_collection.tp)  # every TP rank ran the whole indexer
+            mark_replicated(topk, self.pg_collection.tp)  # every TP rank ran the whole indexer
         sparse.record_recall(query, kv_full, topk, layout, indexer is not None)
 
         core = (lambda q_, kv_, t_: sparse(q_, kv_, t_, self.softmax_scale, cfg.kv_lora_rank))

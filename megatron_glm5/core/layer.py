@@ -1,5 +1,8 @@
-"""GLM-5.x transformer layer: megatron-core's ``TransformerLayer`` whose attention consumes and produces the DSA
-top-k through the layer's ``context`` slot.
+"""The DSA decoder-layer base of every family (:class:`DSADecoderLayer`): megatron-core's ``TransformerLayer``
+whose DSA attention consumes and produces the top-k through the layer's ``context`` slot, with the recompute replay
+of that top-k and the activation-offload window. GLM-5.x's layer (:mod:`megatron_glm5.glm5.layer`) and
+GLM-5.3-Flash's (:mod:`megatron_glm5.glm5_next.layer`) are its subclasses; a mixer without DSA (Flash's KDA)
+passes the incoming top-k on unchanged.
 
 Why the ``context`` slot: megatron-core's ``TransformerBlock`` (and its activation-checkpointing loop) already threads
 ``context`` from each layer's return value into the next layer's call, as a tensor, and saves it with the
@@ -37,31 +40,20 @@ slower.
 
 from __future__ import annotations
 
-import sys
 from typing import Optional
 
 import torch
-from megatron.core.tensor_parallel.random import CheckpointFunction, is_checkpointing
+from megatron.core.tensor_parallel.random import is_checkpointing
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import deprecate_inference_params
 
-from . import offload
-from .device_check import check_on_device
+from .. import offload
+from ..compat import checkpoint_node as _checkpoint_node
+from ..device_check import check_on_device
 
-_CHECKPOINT_FRAMES = (CheckpointFunction.forward.__code__, CheckpointFunction.backward.__code__)
 _STASH = "_glm5_dsa_topk"  # attribute of the checkpoint node: {layer module: (topk, fingerprint)}
 FINGERPRINT_GROUPS = 64
 FINGERPRINT_RTOL = 2e-2  # per group, relative to the group's sum of |x|
-
-
-def _checkpoint_node():
-    """The autograd node (``ctx``) of the innermost megatron-core ``CheckpointFunction`` running on this thread."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code in _CHECKPOINT_FRAMES:
-            return frame.f_locals.get("ctx")
-        frame = frame.f_back
-    return None
 
 
 def fingerprint(x: torch.Tensor) -> torch.Tensor:
@@ -161,18 +153,22 @@ def _layer_arg(name: str, args: tuple, kwargs: dict):
     return args[i] if len(args) > i else None
 
 
-class GLMTransformerLayer(TransformerLayer):
-    """``TransformerLayer`` with DSA top-k routed through ``context`` (see module docstring), and optionally an
-    activation-offload window around each call (``activation_offload``, :mod:`megatron_glm5.offload`)."""
+class DSADecoderLayer(TransformerLayer):
+    """``TransformerLayer`` with the DSA top-k routed through ``context`` (module docstring), a mixer that may be DSA
+    attention or not, and optionally an activation-offload window around each call (``activation_offload``,
+    :mod:`megatron_glm5.offload`). Subclasses set :attr:`family_title` and :attr:`build_hint` (for errors) and may
+    override :meth:`_attention_residual` (how the mixer's output joins the residual stream)."""
+
+    family_title = "DSA"
+    build_hint = "megatron_glm5.model.build_model"
 
     def __init__(self, *args, activation_offload: Optional[offload.ActivationOffload] = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.activation_offload = activation_offload
-        if not hasattr(self.self_attention, "computes_topk"):
-            raise TypeError(f"GLMTransformerLayer needs a GLM DSA attention, got {type(self.self_attention).__name__}")
+        self.is_dsa = hasattr(self.self_attention, "computes_topk")
         if self.recompute_input_layernorm or self.config.cpu_offloading:
             raise NotImplementedError(
-                "GLM-5.x layers do not support recompute of the input layernorm or CPU offloading yet"
+                f"{self.family_title} layers do not support recompute of the input layernorm or CPU offloading yet"
             )
         if activation_offload is not None and getattr(self.config, "cuda_graph_impl", "none") not in (None, "none"):
             raise NotImplementedError("activation offload moves tensors at run time and cannot be captured in a CUDA "
@@ -202,6 +198,25 @@ class GLMTransformerLayer(TransformerLayer):
         with window:
             return super().forward(*args, **kwargs)
 
+    def _mix(self, x: torch.Tensor, attention_mask, context: Optional[torch.Tensor], packed_seq_params):
+        """The mixer on the normalised input ``x``: ``(out, bias, context to pass on)``. DSA attention takes and
+        gives the top-k (:func:`dsa_attention`); any other mixer passes the incoming ``context`` on unchanged."""
+        if not self.is_dsa:
+            out, bias = self.self_attention(x, attention_mask=attention_mask, packed_seq_params=packed_seq_params)
+            return out, bias, context
+        return dsa_attention(self, x, context, attention_mask, packed_seq_params, build_hint=self.build_hint)
+
+    def _attention_residual(self, hidden_states: torch.Tensor, attention_mask, context, packed_seq_params):
+        """Pre-norm residual: input norm -> mixer -> bias-dropout-add. Returns ``(hidden_states, context)``."""
+        residual = hidden_states
+        out, bias, context = self._mix(self.input_layernorm(hidden_states), attention_mask, context,
+                                       packed_seq_params)
+        with self.bias_dropout_add_exec_handler():
+            hidden_states = self.self_attn_bda(self.training, self.config.bias_dropout_fusion)(
+                (out, bias), residual, self.hidden_dropout
+            )
+        return hidden_states, context
+
     def _forward_attention(
         self,
         hidden_states: torch.Tensor,
@@ -220,18 +235,9 @@ class GLMTransformerLayer(TransformerLayer):
         *,
         inference_params=None,
     ):
-        """Input norm -> DSA attention (top-k in via ``context``, out as the returned context) -> residual add."""
+        """megatron-core's attention half, with the top-k in through ``context`` and out as the returned context."""
         inference_context = deprecate_inference_params(inference_context, inference_params)
         if inference_context is not None:
-            raise NotImplementedError("GLM-5.x DSA layers support training and forward only, not an inference cache")
-        residual = hidden_states
-        x = self.input_layernorm(hidden_states)
-
-        out, bias, topk = dsa_attention(self, x, context, attention_mask, packed_seq_params,
-                                        build_hint="megatron_glm5.spec.get_glm5_spec")
-
-        with self.bias_dropout_add_exec_handler():
-            hidden_states = self.self_attn_bda(self.training, self.config.bias_dropout_fusion)(
-                (out, bias), residual, self.hidden_dropout
-            )
-        return hidden_states, topk
+            raise NotImplementedError(f"{self.family_title} layers support training and forward only, not an "
+                                      "inference cache")
+        return self._attention_residual(hidden_states, attention_mask, context, packed_seq_params)

@@ -1,0 +1,360 @@
+"""Every place megatron-glm5 reaches into megatron-core, torch or transformers internals, in one module.
+
+Each hook is a small function or constant here, registered in :data:`HOOKS` with the version it was checked against
+and a probe that fails when the internal moves (``tests/test_compat.py`` runs every probe). Callers import the hook
+from here, never the internal, so an upgrade is checked and fixed in one file.
+
+This module sits at the bottom of the package (beside :mod:`megatron_glm5.kernels`): it imports nothing of
+megatron-glm5, and megatron-core / transformers only inside functions.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+
+MCORE = "megatron-core 0.19.2"
+TORCH = "torch 2.11 (GPU machine) and 2.14 (CPU)"
+TRANSFORMERS = "transformers 5.24"
+
+
+@dataclass(frozen=True, slots=True)
+class Hook:
+    """One reach into an internal: what, who uses it, the version checked, and a probe (raises if it moved)."""
+
+    name: str
+    used_by: str
+    checked_against: str
+    probe: Callable[[], None]
+
+
+HOOKS: list[Hook] = []
+
+
+def _hook(name: str, used_by: str, checked_against: str):
+    def register(probe: Callable[[], None]) -> Callable[[], None]:
+        HOOKS.append(Hook(name, used_by, checked_against, probe))
+        return probe
+
+    return register
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 1. megatron-core's CheckpointFunction: the running checkpoint's autograd node (core.layer: top-k replay; offload)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def _checkpoint_frames() -> tuple:
+    from megatron.core.tensor_parallel.random import CheckpointFunction
+
+    return CheckpointFunction.forward.__code__, CheckpointFunction.backward.__code__
+
+
+_frames: tuple | None = None
+
+
+def checkpoint_node() -> Any:
+    """The autograd node (``ctx``) of the innermost megatron-core ``CheckpointFunction`` running on this thread,
+    or None. megatron-core hands the checkpointed function no handle on its node, so it is read from the ``ctx``
+    local of the ``forward`` / ``backward`` frame (a read-only walk of a few frames)."""
+    global _frames
+    if _frames is None:
+        _frames = _checkpoint_frames()
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in _frames:
+            return frame.f_locals.get("ctx")
+        frame = frame.f_back
+    return None
+
+
+@_hook("CheckpointFunction.forward/backward frames hold the node as local 'ctx'", "core/layer.py, offload.py", MCORE)
+def _probe_checkpoint_node() -> None:
+    for code in _checkpoint_frames():
+        assert code.co_varnames and code.co_varnames[0] == "ctx", f"{code.co_name}: first argument is not ctx"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 2. megatron-core's RouterReplay: the process-wide instance list and the router's replay slot (rl/replay.py, parity)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def router_replay_instances() -> list:
+    """megatron-core's process-wide ``RouterReplay.global_router_replay_instances`` (``RouterReplay.__init__``
+    appends to it; ``set_replay_data`` and friends address routers by their position in it)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    return RouterReplay.global_router_replay_instances
+
+
+def replace_router_replay(old: Any, new: Any) -> None:
+    """Put ``new`` in ``old``'s slot of the instance list (``new`` was appended by its constructor: dropped)."""
+    instances = router_replay_instances()
+    while new in instances:
+        instances.remove(new)
+    for i, inst in enumerate(instances):
+        if inst is old:
+            instances[i] = new
+
+
+def forget_router_replay(replay: Any) -> None:
+    """Remove a temporary ``RouterReplay`` from the process-wide list."""
+    instances = router_replay_instances()
+    while replay in instances:
+        instances.remove(replay)
+
+
+@_hook("RouterReplay.global_router_replay_instances, TopKRouter.router_replay, get_replay_topk",
+       "rl/replay.py, bridge/parity.py", MCORE)
+def _probe_router_replay() -> None:
+    import inspect
+
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    assert isinstance(RouterReplay.global_router_replay_instances, list)
+    params = list(inspect.signature(RouterReplay.get_replay_topk).parameters)
+    assert params[:3] == ["self", "scores", "topk"] and "default_compute_topk" in params, params
+    assert "router_replay" in inspect.getsource(TopKRouter.__init__)
+
+
+def override_method(obj: Any, name: str, fn: Callable) -> None:
+    """Shadow a method of one instance (``obj.name = fn``); :func:`restore_method` falls back to the class's."""
+    setattr(obj, name, fn)
+
+
+def restore_method(obj: Any, name: str) -> None:
+    if name in vars(obj):
+        delattr(obj, name)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 3. torch.nn.Module: class swaps (LoRA mixins, adapter-only checkpoints) and load_state_dict's result type
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def swap_class(module: torch.nn.Module, cls: type) -> None:
+    """Give a built module a subclass of its own class (a mixin in front): its state, hooks and parents stay."""
+    if not issubclass(cls, type(module)):
+        raise TypeError(f"{cls.__name__} is not a subclass of {type(module).__name__}")
+    module.__class__ = cls
+
+
+def incompatible_keys(missing: list[str], unexpected: list[str]) -> Any:
+    """What ``Module.load_state_dict`` returns (torch's private ``_IncompatibleKeys`` named tuple)."""
+    return torch.nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+@_hook("Module.__class__ assignment; torch.nn.modules.module._IncompatibleKeys", "lora.py, lora_checkpoint.py", TORCH)
+def _probe_module() -> None:
+    class _Sub(torch.nn.Linear):
+        pass
+
+    m = torch.nn.Linear(2, 2)
+    swap_class(m, _Sub)
+    assert type(m) is _Sub and m.weight.shape == (2, 2)
+    keys = incompatible_keys([], [])
+    assert keys.missing_keys == [] and keys.unexpected_keys == []
+
+
+def register_parameter_hook(fn: Callable) -> Any:
+    """torch's process-wide module parameter-registration hook (``WarmupFreeze``); returns its removable handle."""
+    from torch.nn.modules.module import register_module_parameter_registration_hook
+
+    return register_module_parameter_registration_hook(fn)
+
+
+@_hook("torch.nn.modules.module.register_module_parameter_registration_hook", "dsa/indexer_training.py", TORCH)
+def _probe_parameter_hook() -> None:
+    seen = []
+    handle = register_parameter_hook(lambda module, name, param: seen.append(name))
+    try:
+        torch.nn.Linear(1, 1)
+    finally:
+        handle.remove()
+    assert seen == ["weight", "bias"], seen
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 4. megatron-core's MLA down-projection whitelist and modelopt Linear (dsa/attention.py, providers.py, lora_layers.py)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def mcore_accepts_down_projection(cls: Any) -> bool:
+    """megatron-core's MLA classes whitelist their q/kv down-projection classes by identity (TELinear ->
+    duplicated; Linear / TE or local ColumnParallelLinear -> TP-sharded)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+    from megatron.core.transformer.experimental_attention_variant import absorbed_mla as _am
+
+    return cls is not None and cls in (_am.TELinear, _am.Linear, _am.TEColumnParallelLinear, ColumnParallelLinear)
+
+
+def column_parallel_linear() -> type:
+    """The class a replicated down-projection stands in as during megatron-core's MLA constructor."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    return ColumnParallelLinear
+
+
+@_hook("absorbed_mla.{TELinear, Linear, TEColumnParallelLinear} whitelist", "dsa/attention.py", MCORE)
+def _probe_down_projection() -> None:
+    import inspect
+
+    from megatron.core.transformer.experimental_attention_variant import absorbed_mla as _am
+
+    for name in ("TELinear", "Linear", "TEColumnParallelLinear"):
+        assert hasattr(_am, name), name
+    assert mcore_accepts_down_projection(column_parallel_linear())
+    assert "linear_q_down_proj" in inspect.getsource(_am.AbsorbedMLASelfAttention.__init__)
+
+
+def modelopt_linear() -> type:
+    """megatron-core's modelopt ``Linear`` (a ``torch.nn.Linear`` taking ``parallel_mode="duplicated"``)."""
+    from megatron.core.post_training.modelopt.layers import Linear
+
+    return Linear
+
+
+@_hook("megatron.core.post_training.modelopt.layers.Linear", "providers.py, lora_layers.py", MCORE)
+def _probe_modelopt_linear() -> None:
+    assert issubclass(modelopt_linear(), torch.nn.Linear)
+
+
+def missing_tilelang_dsa_kernel_dependencies() -> list:
+    """What megatron-core's fused TileLang DSA kernels lack on this machine (empty: usable)."""
+    from megatron.core.utils import _missing_tilelang_dsa_kernel_dependencies
+
+    return list(_missing_tilelang_dsa_kernel_dependencies())
+
+
+@_hook("megatron.core.utils._missing_tilelang_dsa_kernel_dependencies", "core/policy.py", MCORE)
+def _probe_tilelang_dependencies() -> None:
+    from megatron.core import utils
+
+    assert callable(utils._missing_tilelang_dsa_kernel_dependencies)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 5. torch.distributed.checkpoint / torch.save internals (bridge/megatron_io.py)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def storage_info(relative_path: str, offset: int, length: int) -> Any:
+    """A ``torch.distributed.checkpoint.filesystem._StorageInfo``: the record the filesystem reader expects."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    return _StorageInfo(relative_path, offset, length)
+
+
+@contextlib.contextmanager
+def torch_save_crc32(enabled: bool) -> Iterator[None]:
+    """``torch.save``'s per-record CRC-32 switched for the block (``torch.utils.serialization.config``)."""
+    from torch.utils.serialization import config
+
+    previous = config.save.compute_crc32
+    config.save.compute_crc32 = enabled
+    try:
+        yield
+    finally:
+        config.save.compute_crc32 = previous
+
+
+@_hook("torch.distributed.checkpoint.filesystem._StorageInfo; serialization config.save.compute_crc32",
+       "bridge/megatron_io.py", TORCH)
+def _probe_checkpoint_io() -> None:
+    info = storage_info("x.distcp", 0, 4)
+    assert (info.relative_path, info.offset, info.length) == ("x.distcp", 0, 4)
+    with torch_save_crc32(False):
+        from torch.utils.serialization import config
+
+        assert config.save.compute_crc32 is False
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 6. Process-wide attribute patches (cpu.py): installed by name, undone on request and at interpreter exit
+# --------------------------------------------------------------------------------------------------------------------
+
+Patch = tuple[Any, str, Any]  # (owner, attribute, replacement)
+_originals: dict[tuple[int, str], tuple[Any, str, Any]] = {}  # (id(owner), name) -> (owner, name, original)
+_patch_lock = threading.RLock()
+
+
+def install_patches(patches: tuple[Patch, ...]) -> None:
+    """Replace each ``owner.attribute`` (once; the original is remembered until :func:`remove_patches`)."""
+    with _patch_lock:
+        for owner, name, replacement in patches:
+            key = (id(owner), name)
+            if key not in _originals:
+                _originals[key] = (owner, name, getattr(owner, name))
+                setattr(owner, name, replacement)
+
+
+def remove_patches(patches: tuple[Patch, ...]) -> None:
+    with _patch_lock:
+        for owner, name, _ in patches:
+            entry = _originals.pop((id(owner), name), None)
+            if entry is not None:
+                setattr(owner, name, entry[2])
+
+
+def is_patched(owner: Any, name: str) -> bool:
+    return (id(owner), name) in _originals
+
+
+@atexit.register
+def remove_all_patches() -> None:
+    """Undo every patch still installed (also at interpreter exit: no patch outlives the code that made it)."""
+    with _patch_lock:
+        for owner, name, original in _originals.values():
+            setattr(owner, name, original)
+        _originals.clear()
+
+
+@_hook("torch.cuda.current_device / random.get_rng_state / synchronize, Tensor.cuda, torch._dynamo.config.disable",
+       "cpu.py", f"{TORCH} / {MCORE}")
+def _probe_cpu_shims() -> None:
+    import torch._dynamo
+
+    for owner, name in ((torch.cuda, "current_device"), (torch.cuda.random, "get_rng_state"),
+                        (torch.cuda, "synchronize"), (torch.Tensor, "cuda")):
+        assert callable(getattr(owner, name)), name
+    assert isinstance(torch._dynamo.config.disable, bool)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 7. transformers' GLM-5.3-Flash indexer internals (bridge/parity_reference.py: KPool tie analysis)
+# --------------------------------------------------------------------------------------------------------------------
+
+def transformers_glm5_next_indexer() -> type:
+    """transformers' GLM-5.3-Flash KPool indexer, whose pooling / visibility helpers the tie analysis calls."""
+    from transformers.models.glm5_next.modeling_glm5_next import Glm5NextTextIndexer
+
+    return Glm5NextTextIndexer
+
+
+@_hook("transformers Glm5NextTextIndexer.get_pooled_states / get_visible_tokens, "
+       "glm_moe_dsa.apply_rotary_pos_emb_interleave", "bridge/parity_reference.py", TRANSFORMERS)
+def _probe_transformers_indexer() -> None:
+    from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa
+
+    indexer = transformers_glm5_next_indexer()
+    for name in ("get_pooled_states", "get_visible_tokens"):
+        assert callable(getattr(indexer, name, None)), name
+    assert callable(modeling_glm_moe_dsa.apply_rotary_pos_emb_interleave)
+
+
+def check_all() -> list[str]:
+    """Run every probe; the names of those that fail (an empty list: every internal is where it was)."""
+    failed = []
+    for hook in HOOKS:
+        try:
+            hook.probe()
+        except Exception as e:  # noqa: BLE001 - a probe's failure of any kind means the internal moved
+            failed.append(f"{hook.name} ({hook.checked_against}): {type(e).__name__}: {e}")
+    return failed
