@@ -10,8 +10,8 @@ bf16, sequence longer than index_topk (run on the H200 machine: ``pytest tests/g
   agrees to 1e-2, the backends differ by less than either differs from fp32 (the bf16 noise floor), and the
   ``tilelang`` backend (fp32 RoPE, fp32 indexer weights) is at least as close to fp32 as the ``megatron`` one.
 * 20 training steps on fresh batches (AdamW 3e-4, gradient clipping 1.0, as in examples/pretrain_glm5_tiny.sh) with
-  matching (step 0 equal to 1e-2, mean of the last 5 within 0.05, about twice the measured run-to-run noise) and
-  falling loss curves; the megatron backend runs twice to print the run-to-run noise.
+  matching (step 0 equal to 1e-2, mean of the last 5 within twice this run's run-to-run noise plus 0.02: the megatron
+  backend runs twice) and falling loss curves.
 """
 
 from __future__ import annotations
@@ -153,7 +153,8 @@ def test_backends_train_alike(models):
     for c in (m, t):
         assert sum(c[-5:]) / 5 < c[0] - 0.5, "loss must fall"
     assert abs(m[0] - t[0]) <= 1e-2, "same weights, same batch: the first loss must agree"
-    # Bound from the measured run-to-run noise (H200, 2026-12-01, scripts/bench/RESULTS_indexer_training.md): two
-    # megatron-backend runs differ by 0.022 in the mean of the last 5 losses (max per step 0.092); the backends
-    # differed by 0.031 and 0.017 in two runs. 0.05 is about twice the run-to-run noise.
-    assert end_gap <= 0.05, f"the curves must end at the same level (gap {end_gap:.3f}, run-to-run {noise:.3f})"
+    # Bounded by this run's own run-to-run noise (the megatron backend twice): measured on the H200 (2026-12-01,
+    # scripts/bench/RESULTS_indexer_training.md) the noise in the mean of the last 5 losses was 0.022 and 0.050 in two
+    # runs (max per step 0.092 / 0.157) while the backends differed by 0.031 and 0.015: twice the noise plus 0.02.
+    bound = 2 * noise + 0.02
+    assert end_gap <= bound, f"the curves must end at the same level (gap {end_gap:.3f}, run-to-run {noise:.3f})"
