@@ -55,9 +55,10 @@ def build_model(
     family = family_of_architecture(arch)
     warmup = bool(policy.dsa_indexer_warmup if policy is not None else False) if indexer_warmup is None \
         else indexer_warmup
-    check_parallel_state(config if config is not None else policy or RuntimePolicy())
+    given = config if config is not None else policy or RuntimePolicy()  # named in the error: what the caller gave
     config = config if config is not None else family.transformer_config(arch, policy, **options)
-    family.refuse_config(config, indexer_warmup=warmup)
+    family.refuse_config(config, indexer_warmup=warmup)  # what the family cannot do at all comes first
+    check_parallel_state(given)
     if pre_process is None:
         pre_process = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
     if post_process is None:
