@@ -158,3 +158,19 @@ def test_perfect_indexer_has_zero_loss_and_recall_one():
     worse = il.attention_recall(q, kv, random_topk, starts, ends, 1.0)
     assert worse.captured < stats.captured - 0.05
     assert 0 < worse.captured <= worse.best <= 1
+
+
+def test_dense_loss_measures_the_same_recall_as_attention_recall():
+    """The warm-up takes its recall from the dense loss's own targets: the same numbers as the standalone pass."""
+    cu, starts, ends, total = _layout("thd")
+    x = _inputs(total, seed=11)
+    topk = reference.indexer_topk(x["qi"], x["ki"], x["w"], starts, ends, 8)
+    rw = il.row_weights(il.valid_query_rows(starts, ends), 1.0, False)
+    loss, stats = il.dense_indexer_loss(x["qi"], x["ki"], x["w"], x["query"], x["kv"], starts, ends, SCALE, rw,
+                                        recall_topk=topk, budget_bytes=4096)
+    alone = il.attention_recall(x["query"], x["kv"], topk, starts, ends, SCALE)
+    torch.testing.assert_close(stats.captured, alone.captured, rtol=1e-6, atol=0)
+    torch.testing.assert_close(stats.best, alone.best, rtol=1e-6, atol=0)
+    assert 0 < stats.captured < stats.best <= 1
+    torch.testing.assert_close(loss, il.indexer_loss(x["qi"], x["ki"], x["w"], x["query"], x["kv"], starts, ends,
+                                                     SCALE, coeff=1.0), rtol=0, atol=0)

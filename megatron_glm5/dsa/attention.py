@@ -180,13 +180,16 @@ class DSACoreAttention(MegatronModule):
         dense. The warm-up also records the recall diagnostic."""
         tp = self.pg_collection.tp if self.config.tensor_model_parallel_size > 1 else None
         query, kv = query.detach(), kv.detach()
-        loss = indexer_loss.indexer_loss(
-            qi, ki, w, query, kv, layout.starts, layout.ends, self.softmax_scale, coeff=self.loss.coeff,
-            topk=topk if self.loss.sparse else None, per_token=self.loss.per_token, tp_group=tp,
-        )
-        if self.loss.warmup:
-            RECALL.add(self.loss_slot, indexer_loss.attention_recall(
-                query, kv, topk, layout.starts, layout.ends, self.softmax_scale, tp_group=tp))
+        if not self.loss.warmup:
+            return indexer_loss.indexer_loss(
+                qi, ki, w, query, kv, layout.starts, layout.ends, self.softmax_scale, coeff=self.loss.coeff,
+                topk=topk if self.loss.sparse else None, per_token=self.loss.per_token, tp_group=tp,
+            )
+        rw = indexer_loss.row_weights(indexer_loss.valid_query_rows(layout.starts, layout.ends), self.loss.coeff,
+                                      self.loss.per_token)
+        loss, recall = indexer_loss.dense_indexer_loss(qi, ki, w, query, kv, layout.starts, layout.ends,
+                                                       self.softmax_scale, rw, recall_topk=topk, tp_group=tp)
+        RECALL.add(self.loss_slot, recall)  # measured on the loss's own dense targets
         return loss
 
     def record_recall(self, query: torch.Tensor, kv: torch.Tensor, topk: torch.Tensor, layout: TokenLayout,

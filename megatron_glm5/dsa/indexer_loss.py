@@ -250,29 +250,34 @@ def _windows(starts: torch.Tensor, ends: torch.Tensor, chunk: int):
 
 class _DenseIndexerKL(torch.autograd.Function):
     """Loss over every causal key; the target is rebuilt chunk by chunk in forward and backward (saved: the inputs
-    and the index LSE ``[T]``)."""
+    and the index LSE ``[T]``). With ``recall_topk`` the forward also measures that top-k's recall on the targets it
+    builds anyway (second output, ``[2, T]``: captured and best per row; no gradient)."""
 
     @staticmethod
-    def forward(ctx, qi, ki, w, query, kv, starts, ends, rw, softmax_scale, tp_group, chunk):
+    def forward(ctx, qi, ki, w, query, kv, starts, ends, rw, softmax_scale, tp_group, chunk, recall_topk):
         acc = _acc(qi.dtype)
         lse = torch.zeros(qi.shape[0], dtype=acc, device=qi.device)
         total = torch.zeros((), dtype=acc, device=qi.device)
+        recall = torch.zeros(2, qi.shape[0], dtype=acc, device=qi.device)
         ki_acc, kv_acc = ki.to(acc), kv.to(acc)
         for c0, c1, lo, hi in _windows(starts, ends, chunk):
             if hi == lo:
                 continue
             valid = _window_valid(starts[c0:c1], ends[c0:c1], lo, hi)
             target = _dense_target_chunk(query[c0:c1], kv_acc[lo:hi], valid, softmax_scale, tp_group)
+            if recall_topk is not None:
+                recall[:, c0:c1] = _recall_rows(target, recall_topk[c0:c1], lo, hi)
             _, score = _scores(qi[c0:c1].to(acc), ki_acc[lo:hi], w[c0:c1].to(acc), shared_keys=True)
             log_pred, lse[c0:c1] = _log_softmax_masked(score, valid)
             total += (_kl_rows(target, log_pred, valid) * rw[c0:c1]).sum()
         ctx.save_for_backward(qi, ki, w, query, kv, starts, ends, rw, lse)
         ctx.softmax_scale, ctx.tp_group, ctx.chunk = softmax_scale, tp_group, chunk
-        return total.to(torch.float32)
+        ctx.mark_non_differentiable(recall)
+        return total.to(torch.float32), recall
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
+    def backward(ctx, grad, _grad_recall):
         qi, ki, w, query, kv, starts, ends, rw, lse = ctx.saved_tensors
         acc = _acc(qi.dtype)
         ki_acc, kv_acc = ki.to(acc), kv.to(acc)
@@ -291,7 +296,7 @@ class _DenseIndexerKL(torch.autograd.Function):
             dq_c, dk_win, dw_c = _score_grads(ds, z, qi_c, ki_acc[lo:hi], w_c, shared_keys=True)
             dqi[c0:c1], dw[c0:c1] = dq_c, dw_c
             dki[lo:hi] += dk_win
-        return (dqi.to(qi.dtype), dki.to(ki.dtype), dw.to(w.dtype)) + (None,) * 8
+        return (dqi.to(qi.dtype), dki.to(ki.dtype), dw.to(w.dtype)) + (None,) * 9
 
 
 def _window_valid(starts_c: torch.Tensor, ends_c: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
@@ -346,8 +351,34 @@ def indexer_loss(
     if topk is not None:
         target = sparse_target(query, kv, topk, softmax_scale, tp_group=tp_group, budget_bytes=budget_bytes)
         return sparse_indexer_loss(qi, ki, w, topk, target, rw, budget_bytes=budget_bytes)
+    return dense_indexer_loss(qi, ki, w, query, kv, starts, ends, softmax_scale, rw, tp_group=tp_group,
+                              budget_bytes=budget_bytes)[0]
+
+
+def dense_indexer_loss(
+    qi: torch.Tensor,
+    ki: torch.Tensor,
+    w: torch.Tensor,
+    query: torch.Tensor,
+    kv: torch.Tensor,
+    starts: torch.Tensor,
+    ends: torch.Tensor,
+    softmax_scale: float,
+    rw: torch.Tensor,
+    *,
+    recall_topk: Optional[torch.Tensor] = None,
+    tp_group=None,
+    budget_bytes: int = DEFAULT_BUDGET_BYTES,
+) -> tuple[torch.Tensor, Optional["RecallStats"]]:
+    """The dense loss (:func:`indexer_loss` without ``topk``) with row weights ``rw`` (:func:`row_weights`), and,
+    given ``recall_topk [T, K]``, that top-k's :class:`RecallStats` measured on the same dense targets (the
+    warm-up's diagnostic at no extra pass over the keys)."""
     chunk = _rows_per_chunk(max(1, kv.shape[0]) * (query.shape[1] + 2 * qi.shape[1] + 4), budget_bytes)
-    return _DenseIndexerKL.apply(qi, ki, w, query, kv, starts, ends, rw, softmax_scale, tp_group, chunk)
+    loss, recall = _DenseIndexerKL.apply(qi, ki, w, query.detach(), kv.detach(), starts, ends, rw.detach(),
+                                         softmax_scale, tp_group, chunk, recall_topk)
+    if recall_topk is None:
+        return loss, None
+    return loss, _recall_means(recall, valid_query_rows(starts, ends))
 
 
 @dataclass(frozen=True, slots=True)
@@ -375,9 +406,7 @@ def attention_recall(
     attention probabilities) on its selected keys, and the largest mass any ``n_t`` keys could hold (``n_t`` = the
     row's valid slots). A row shorter than ``K`` selects every key: both are 1 there."""
     acc = _acc(query.dtype)
-    valid_rows = valid_query_rows(starts, ends)
-    captured = torch.zeros(query.shape[0], dtype=acc, device=query.device)
-    best = torch.zeros_like(captured)
+    recall = torch.zeros(2, query.shape[0], dtype=acc, device=query.device)
     kv_acc = kv.to(acc)
     chunk = _rows_per_chunk(max(1, kv.shape[0]) * (query.shape[1] + 2), budget_bytes)
     for c0, c1, lo, hi in _windows(starts, ends, chunk):
@@ -385,13 +414,23 @@ def attention_recall(
             continue
         valid = _window_valid(starts[c0:c1], ends[c0:c1], lo, hi)
         target = _dense_target_chunk(query[c0:c1].detach(), kv_acc[lo:hi], valid, softmax_scale, tp_group)
-        idx = topk[c0:c1].long()
-        sel = idx >= 0
-        local = (idx - lo).clamp(0, hi - lo - 1)
-        captured[c0:c1] = torch.gather(target, 1, local).masked_fill_(~sel, 0.0).sum(-1)
-        n_sel = sel.sum(-1)
-        top = torch.sort(target, dim=-1, descending=True).values
-        ranks = torch.arange(top.shape[1], device=top.device)
-        best[c0:c1] = top.masked_fill_(ranks[None, :] >= n_sel[:, None], 0.0).sum(-1)
-    n = valid_rows.sum().clamp_min(1).to(acc)
-    return RecallStats(captured=(captured * valid_rows).sum() / n, best=(best * valid_rows).sum() / n)
+        recall[:, c0:c1] = _recall_rows(target, topk[c0:c1], lo, hi)
+    return _recall_means(recall, valid_query_rows(starts, ends))
+
+
+def _recall_rows(target: torch.Tensor, topk_c: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """``[2, c]``: per row of a dense target chunk ``[c, hi - lo]``, the mass on its top-k keys and the most any as
+    many keys hold."""
+    idx = topk_c.long()
+    sel = idx >= 0
+    captured = torch.gather(target, 1, (idx - lo).clamp(0, hi - lo - 1)).masked_fill_(~sel, 0.0).sum(-1)
+    top = torch.sort(target, dim=-1, descending=True).values
+    ranks = torch.arange(top.shape[1], device=top.device)
+    best = top.masked_fill_(ranks[None, :] >= sel.sum(-1, keepdim=True), 0.0).sum(-1)
+    return torch.stack([captured, best])
+
+
+def _recall_means(recall: torch.Tensor, valid_rows: torch.Tensor) -> RecallStats:
+    n = valid_rows.sum().clamp_min(1).to(recall.dtype)
+    means = (recall * valid_rows).sum(-1) / n
+    return RecallStats(captured=means[0], best=means[1])
