@@ -16,6 +16,7 @@ import torch
 
 from megatron_glm5.cpu import disable_cpu_mode, enable_cpu_mode
 from megatron_glm5.parallel import destroy_model_parallel
+from tests.instrument import count_calls
 
 
 # tests/gpu needs a CUDA device (it runs on the GPU machine: `pytest tests/gpu`); CI is CPU-only and does not collect it.
@@ -70,32 +71,16 @@ def indexer_calls(monkeypatch):
     from megatron_glm5.dsa.tilelang_attention import TileLangSparseAttention
 
     calls = [0]
-
-    def counting(cls, name):
-        original = getattr(cls, name)
-
-        def counted(self, *args, **kwargs):
-            calls[0] += 1
-            return original(self, *args, **kwargs)
-
-        monkeypatch.setattr(cls, name, counted)
-
-    counting(DSAIndexer, "forward_before_topk")  # the megatron backend's indexer
-    counting(TileLangSparseAttention, "indexer_rows")  # the tilelang backend's indexer
+    count_calls(monkeypatch, calls, DSAIndexer, "forward_before_topk")  # the megatron backend's indexer
+    count_calls(monkeypatch, calls, TileLangSparseAttention, "indexer_rows")  # the tilelang backend's indexer
     return calls
 
 
 @pytest.fixture
 def indexer_loss_calls(monkeypatch):
-    """Count indexer-loss computations of both backends (test-only instrumentation): ``calls[0]``."""
+    """Count indexer losses attached to an attention output, either backend, torch or fused path: ``calls[0]``."""
     from megatron_glm5.dsa.attention import DSACoreAttention
 
     calls = [0]
-    original = DSACoreAttention.indexer_loss
-
-    def counted(self, *args, **kwargs):
-        calls[0] += 1
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(DSACoreAttention, "indexer_loss", counted)
+    count_calls(monkeypatch, calls, DSACoreAttention, "attach_loss", when=lambda output, loss: loss is not None)
     return calls

@@ -15,6 +15,7 @@ from megatron_glm5.dsa.kpool_indexer import KPoolIndexer
 from megatron_glm5.glm5_next.testing import tiny_flash_config
 from megatron_glm5.model import build_model, default_cpu_policy
 
+from .instrument import count_calls
 from .test_offload import FULL_1, SELECTIVE, _assert_bitwise, _run
 
 SEQ = 48  # > index_topk (16): DSA is sparse
@@ -24,13 +25,7 @@ SEQ = 48  # > index_topk (16): DSA is sparse
 def kpool_calls(monkeypatch):
     """Count KPool indexer projections (both backends run them once per full DSA layer call)."""
     calls = [0]
-    original = KPoolIndexer.project
-
-    def counted(self, *args, **kwargs):
-        calls[0] += 1
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(KPoolIndexer, "project", counted)
+    count_calls(monkeypatch, calls, KPoolIndexer, "project")
     return calls
 
 
