@@ -38,7 +38,7 @@ def _ours(backend: str, heads: int):
     return build_model(parse_hf_config(_glm5_layer_config(heads)), policy, backend=backend).cuda()
 
 
-def _mcore_baseline(heads: int):
+def _mcore_baseline(heads: int, **policy_overrides):
     """megatron-core's AbsorbedMLA + DSAttention from its own layer-spec builder (local modules, no TE)."""
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
@@ -58,7 +58,9 @@ def _mcore_baseline(heads: int):
     if absorbed_mla.TELinear is None:  # benchmark-only: how megatron-core's own layer is built without TE
         absorbed_mla.TELinear = DupLinear
     arch = parse_hf_config(_glm5_layer_config(heads))
-    cfg = build_transformer_config(arch, RuntimePolicy(params_dtype=torch.bfloat16, mcore_dsa_kernels="tilelang" if torch.cuda.is_available() else "none"))
+    kernels = "tilelang" if torch.cuda.is_available() else "none"
+    cfg = build_transformer_config(arch, RuntimePolicy(params_dtype=torch.bfloat16, mcore_dsa_kernels=kernels,
+                                                       **policy_overrides))
     cfg.transformer_impl = "local"
     prov = Provider()
     specs = get_transformer_layer_with_experimental_attention_variant_spec(config=cfg, backend=prov)

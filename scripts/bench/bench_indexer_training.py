@@ -18,7 +18,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_glm5_layer import _glm5_layer_config  # noqa: E402  (same layer shape)
+from bench_glm5_layer import _glm5_layer_config, _mcore_baseline  # noqa: E402  (same layer, same baseline)
 
 LOSS = {
     "off": {},
@@ -31,35 +31,14 @@ VARIANTS = [f"{impl}:{loss}" for impl in ("tilelang", "megatron", "mcore") for l
 
 
 def build(impl: str, loss: str, heads: int):
-    from megatron_glm5.config import RuntimePolicy, build_transformer_config, parse_hf_config
+    from megatron_glm5.config import RuntimePolicy, parse_hf_config
     from megatron_glm5.model import build_model
 
     policy = RuntimePolicy(params_dtype=torch.bfloat16, mcore_dsa_kernels="tilelang", **LOSS[loss])
     arch = parse_hf_config(_glm5_layer_config(heads))
     if impl != "mcore":
         return build_model(arch, policy, backend=impl).cuda()
-    from megatron.core.models.backends import LocalSpecProvider
-    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
-        get_transformer_layer_with_experimental_attention_variant_spec,
-    )
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.post_training.modelopt.layers import Linear as DupLinear
-    from megatron.core.transformer.experimental_attention_variant import absorbed_mla
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-
-    class Provider(LocalSpecProvider):
-        def linear(self):
-            return DupLinear
-
-    if absorbed_mla.TELinear is None:  # benchmark-only: megatron-core's own layer without TE
-        absorbed_mla.TELinear = DupLinear
-    cfg = build_transformer_config(arch, policy)
-    cfg.transformer_impl = "local"
-    prov = Provider()
-    specs = get_transformer_layer_with_experimental_attention_variant_spec(config=cfg, backend=prov)
-    block = TransformerBlockSubmodules(layer_specs=specs, layer_norm=prov.layer_norm(rms_norm=True, for_qk=False))
-    return GPTModel(config=cfg, transformer_layer_spec=block, vocab_size=1024, max_sequence_length=65536,
-                    position_embedding_type="rope", share_embeddings_and_output_weights=False).cuda()
+    return _mcore_baseline(heads, **LOSS[loss])  # megatron-core's own layer, its spec
 
 
 def measure(impl: str, loss: str, seq: int, heads: int, rep: int) -> dict:
