@@ -26,6 +26,7 @@ Megatron-LM's training loop needs CUDA (it allocates on ``device="cuda"``); on C
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from functools import partial
 from typing import Any
@@ -51,6 +52,9 @@ def add_glm5_args(parser):
     group.add_argument("--glm5-backend", choices=sorted(BACKENDS), default="megatron",
                        help="DSA attention backend: 'megatron' (megatron-core modules and kernels) or 'tilelang' "
                             "(fused TileLangMLASelfAttention)")
+    group.add_argument("--kda-kernel", choices=("auto", "fla", "torch"), default="auto",
+                       help="GLM-5.3-Flash's KDA recurrence: 'fla' (flash-linear-attention's chunk_kda), 'torch' (the "
+                            "reference; no fla needed) or 'auto' (fla when it imports)")
     group.add_argument("--dsa-indexer-warmup", action="store_true",
                        help="indexer warm-up stage (DeepSeek-V3.2's dense stage): dense main attention, the indexers "
                             "train alone with the dense KL loss (--dsa-indexer-loss-coeff, default 1.0 here), every "
@@ -198,6 +202,11 @@ def model_provider(arch: Architecture, backend: str, pre_process=True, post_proc
     if config is None:
         config = core_transformer_config_from_args(get_args(), MLATransformerConfig)
         config = family_of_architecture(arch).config_from_megatron_lm(config, arch)
+    kda_kernel = getattr(args, "kda_kernel", "auto")
+    if hasattr(config, "kda_kernel"):
+        config = dataclasses.replace(config, kda_kernel=kda_kernel)
+    elif kda_kernel != "auto":
+        raise SystemExit(f"megatron-glm5: --kda-kernel {kda_kernel}: this model has no KDA layers (GLM-5.3-Flash only)")
     model = build_model(arch, config=config, backend=backend, vp_stage=vp_stage, pre_process=pre_process,
                         post_process=post_process, indexer_warmup=bool(getattr(args, "dsa_indexer_warmup", False)))
     return apply_lora_args(model, args)

@@ -11,12 +11,18 @@
 # run installs the wheels into $FLA_SITE (default /tmp/fla-site, --no-deps: torch and triton are the machine's) and
 # puts it on PYTHONPATH. fla's TileLang KDA backward backend is switched off (FLA_TILELANG=0, its Triton path is what
 # transformers and these checks measure; export FLA_TILELANG=1 to try it).
-# Steps (default: tests, about 3 minutes on one H200):
+# Steps (default: precompile tests):
+#   precompile         fill Triton's autotune cache for fla's chunk_kda at the tests' keys (scripts/fla_precompile.py,
+#                      one process per key, in parallel) and TileLang's disk cache for the Flash kernels; later
+#                      processes of the same machine then start without tuning or compiling
 #   tests              tests/gpu/test_glm5_next_gpu.py: fla chunk_kda vs the torch / fp64 reference (fwd + grads,
 #                      bshd + varlen, fp32 + bf16), KDA layer fla vs torch, the fla logit-gap diagnosis, 20 training
 #                      steps of small_flash_config on both attention backends
 #   pretrain_megatron  python -m megatron_glm5.pretrain --hf-config <small GLM-5.3-Flash> (Megatron-LM loop, mock data,
-#   pretrain_tilelang  20 iterations, bf16): examples/pretrain_glm53_flash_tiny.sh
+#   pretrain_tilelang  20 iterations, bf16): examples/pretrain_glm53_flash_tiny.sh (needs .mlm/ for megatron.training)
+#   bench_kda          scripts/bench/bench_kda.py: KDA kernel and layer, fla vs the torch reference, 4K / 16K / 64K
+#   bench_step         scripts/bench/bench_glm53_step.py: the GLM-5.3-Flash one-GPU slice through Megatron-LM's loop
+#                      (needs .mlm/), report in OUT_DIR/glm53_step.md
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=.whl/fla
@@ -36,7 +42,8 @@ if [ ! -f "$FLA_SITE/.installed" ]; then
   ls "$WHEELS"/*.whl > /dev/null || { echo "no wheels in $WHEELS: run '$0 fetch' on a machine with network" >&2; exit 1; }
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$FLA_SITE" "$WHEELS"/*.whl && touch "$FLA_SITE/.installed"
 fi
-export PYTHONPATH="$PWD:$FLA_SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TORCHDYNAMO_DISABLE=1
+MLM=${MLM:-$PWD/.mlm}  # Megatron-LM (megatron.training) for the pretrain and bench_step steps, when carried
+export PYTHONPATH="$PWD:$FLA_SITE${PYTHONPATH:+:$PYTHONPATH}${MLM:+:$MLM}" PYTHONUNBUFFERED=1 TORCHDYNAMO_DISABLE=1
 export FLA_TILELANG=${FLA_TILELANG:-0}
 python3 -c "import fla, torch, triton; from fla.ops.kda import chunk_kda; print('fla', fla.__version__, '| torch', torch.__version__, '| triton', triton.__version__)"
 run() {  # run NAME SECONDS CMD...
@@ -47,11 +54,18 @@ run() {  # run NAME SECONDS CMD...
   echo "===== [gpu_glm5_next] $name: rc=$rc in $((SECONDS - t0)) s"
   tail -n "${TAIL:-40}" "$OUT_DIR/$name.log"
 }
-for step in "${@:-tests}"; do
+steps=("$@"); [ ${#steps[@]} -gt 0 ] || steps=(precompile tests)
+for step in "${steps[@]}"; do
   case "$step" in
+    precompile)
+      run precompile_fla ${PRECOMPILE_LIMIT:-240} python3 scripts/fla_precompile.py --keys ${FLA_KEYS:-tests} &
+      run precompile_tilelang 200 python3 scripts/bench/bench_dsa_kernels.py --precompile-only --workers 8 --sections kpool,nope,flash_small
+      wait ;;
     tests) run tests ${TESTS_LIMIT:-300} python3 -m pytest tests/gpu/test_glm5_next_gpu.py -v -s -p no:cacheprovider ;;
     pretrain_megatron) run pretrain_megatron 200 bash examples/pretrain_glm53_flash_tiny.sh megatron ;;
     pretrain_tilelang) run pretrain_tilelang 200 bash examples/pretrain_glm53_flash_tiny.sh tilelang ;;
+    bench_kda) run bench_kda ${BENCH_KDA_LIMIT:-300} python3 scripts/bench/bench_kda.py --out "$OUT_DIR/kda.md" ${BENCH_KDA_ARGS:-} ;;
+    bench_step) run bench_step ${BENCH_STEP_LIMIT:-540} python3 scripts/bench/bench_glm53_step.py --out "$OUT_DIR/glm53_step.md" ${BENCH_STEP_ARGS:-} ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -30,7 +30,7 @@ def test_glm53_flash_model_from_megatron_lm_arguments(monkeypatch, flash_dir, mo
     from megatron_glm5.glm5_next.kda import KimiDeltaAttention
     from megatron_glm5.glm5_next.mcore_config import GLM5NextTransformerConfig
 
-    argv = ["--hf-config", str(flash_dir), *BASE]
+    argv = ["--hf-config", str(flash_dir), "--kda-kernel", "torch", *BASE]
     args = _parse(monkeypatch, argv)
     arch = parse_architecture(load_hf_config(flash_dir))
     changed = apply_architecture(args, arch, argv)
@@ -50,6 +50,7 @@ def test_glm53_flash_model_from_megatron_lm_arguments(monkeypatch, flash_dir, mo
     assert cfg.activation_func_clamp_value == 10.0 and not cfg.bias_activation_fusion
     layers = model.decoder.layers
     assert [isinstance(la.self_attention, KimiDeltaAttention) for la in layers] == [True, False, False, True]
+    assert cfg.kda_kernel == "torch" and layers[0].self_attention.kernel == "torch"  # --kda-kernel reaches the layers
     assert all(la.attn_hc is not None for la in layers) and layers[0].expand_streams and model.mtp_process
 
 

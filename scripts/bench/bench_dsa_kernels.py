@@ -66,6 +66,15 @@ KPOOL_KERNELS = [
     ("megatron_glm5.kernels.indexer_topk", "_jit_logits", (32, 128)),
     ("megatron_glm5.kernels.indexer_topk", "_jit_select", (TOPK // KPOOL_P,)),
 ]
+# small_flash_config (tests/gpu/test_glm5_next_gpu.py, examples/pretrain_glm53_flash_tiny.sh): 8 attention heads,
+# an 8 x 128 KPool indexer, top-(256 / 4)
+FLASH_SMALL_KERNELS = [
+    ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_ws", (8, D_NOPE, D_NOPE, SCALE)),
+    ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (8, D_NOPE, D_NOPE, SCALE, False)),
+    ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_delta", (8, D_NOPE)),
+    ("megatron_glm5.kernels.indexer_topk", "_jit_logits", (8, 128)),
+    ("megatron_glm5.kernels.indexer_topk", "_jit_select", (256 // KPOOL_P,)),
+]
 _MC = "megatron.core.transformer.experimental_attention_variant.ops."
 MCORE_KERNELS = (
     [(_MC + "tilelang_sparse_mla_fwd", "_get_sparse_mla_fwd_kernel", (h, 512, 64, TOPK, 1, SCALE, 64, 2, 256)) for h in (16, 64)]
@@ -98,6 +107,8 @@ def precompile(workers: int, include_mcore: bool = True, sections: tuple[str, ..
         cases += NOPE_KERNELS
     if "kpool" in sections:
         cases += KPOOL_KERNELS
+    if "flash_small" in sections:
+        cases += FLASH_SMALL_KERNELS
     cases = list(dict.fromkeys(cases))
     ok = True
     with cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
@@ -626,14 +637,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny run of every kernel, compared to the torch oracle")
     ap.add_argument("--fwd-only", action="store_true", help="sparse MLA: time the forward only")
     ap.add_argument("--sections", default="sparse,indexer",
-                    help="comma list of sparse (a), indexer (b), kpool (c), nope (d); also what --precompile-only builds")
+                    help="comma list of sparse (a), indexer (b), kpool (c), nope (d); also what --precompile-only builds "
+                         "(plus flash_small: the kernels of small_flash_config, precompile only)")
     ap.add_argument("--kpool-seqs", default="8192,16384")
     ap.add_argument("--nope-seqs", default="16384")
     ap.add_argument("--nope-heads", default="64,16")
     args = ap.parse_args(argv)
     mcore = not args.no_mcore
     sections = tuple(x for x in args.sections.split(",") if x)
-    unknown = set(sections) - {"sparse", "indexer", "kpool", "nope"}
+    unknown = set(sections) - {"sparse", "indexer", "kpool", "nope", "flash_small"}
     if unknown:
         ap.error(f"unknown sections {sorted(unknown)}")
     if args.workers or args.precompile_only:

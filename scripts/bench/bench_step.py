@@ -392,6 +392,8 @@ def mean_std(values: list[float]) -> tuple[float, float]:
 # ----------------------------------------------------------------------------------------------------------------
 
 BUCKETS = (
+    "linear attention (KDA)",
+    "mHC streams",
     "sparse attention",
     "indexer + top-k",
     "MoE router + dispatch/permute",
@@ -404,10 +406,12 @@ _NEUTRAL = "-"  # a context that ends the search without a bucket (e.g. the shar
 # (region, pattern on a CPU op / Python frame name), tried innermost frame first; the first match decides. Python
 # frames are "path/file.py(line): function" or "nn.Module: Class_i"; backward ops are linked to their forward op.
 _REGIONS = [
+    ("kda", re.compile(r"nn\.Module: KimiDeltaAttention|glm5_next/kda(_reference)?\.py|fla/ops/kda|chunk_kda")),
+    ("mhc", re.compile(r"glm5_next/mhc\.py|nn\.Module: (HyperConnection|MHC)")),
     ("sparse", re.compile(r"sparse_mla|SparseMLA|(?<![A-Za-z])sparse_attention|nn\.Module: TileLangSparseAttention"
                           r"|FusedSparseAttention|flash_mla")),
     ("indexer", re.compile(r"compute_topk|select_topk|forward_before_topk|indexer_topk|qk_topk|nn\.Module: DSAIndexer"
-                           r"|IndexerFunction|tilelang_indexer|ops/indexer\.py|indexer_fwd|FusedQKTopK")),
+                           r"|IndexerFunction|tilelang_indexer|ops/indexer\.py|indexer_fwd|FusedQKTopK|kpool|KPool")),
     (_NEUTRAL, re.compile(r"shared_experts\.py|SharedExpertMLP|moe_layer\.py\(\d+\): shared_experts_compute")),
     ("experts", re.compile(r"moe/experts\.py|nn\.Module: (SequentialMLP|GroupedMLP|TEGroupedMLP)"
                            r"|moe_layer\.py\(\d+\): routed_experts_compute")),
@@ -441,6 +445,10 @@ def classify(kernel: str, context_inner_first: list[str]) -> str:
         if region is not None:
             break
     gemm = bool(_GEMM.search(kernel))
+    if region == "kda":
+        return "linear attention (KDA)"
+    if region == "mhc":
+        return "mHC streams"
     if region == "sparse":
         return "sparse attention"
     if region == "indexer":
@@ -940,7 +948,8 @@ def render_report(results: list[VariantResult], *, skip: int, meta: dict[str, An
             return f"{ms:.1f} ({100 * ms / max(r.breakdown.busy_ms, 1e-9):.0f} %)"
 
         for b in BUCKETS:
-            lines.append(row(b, lambda r, b=b: share(r, b)))
+            if any(r.breakdown and r.breakdown.buckets_ms[b] for r in profiled):  # no KDA rows for GLM-5, say
+                lines.append(row(b, lambda r, b=b: share(r, b)))
         lines.append(row("**GPU busy** (union; sum of kernel times)",
                          lambda r: f"{r.breakdown.busy_ms:.1f} ({r.breakdown.kernel_sum_ms:.1f})"))
         lines.append(row("step wall time, profiled", lambda r: f"{r.breakdown.wall_ms:.1f}"))
