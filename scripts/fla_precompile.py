@@ -23,7 +23,7 @@ import os
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 # dtype, layout (bshd | varlen), batch, heads, head dim, tokens per row
 KEY_SETS = {
@@ -44,9 +44,14 @@ KEY_SETS = {
 def run_one(spec: str) -> None:
     """Forward and backward of ``chunk_kda`` once on inputs of this key (inputs as the KDA layer passes them:
     q, k, v and beta in the run's dtype, the gate fp32)."""
+    import faulthandler
+
     import torch
     from fla.ops.kda import chunk_kda
 
+    every = float(os.environ.get("FLA_PRECOMPILE_TRACE_EVERY", "0"))  # diagnosis: where a slow key spends its time
+    if every > 0:
+        faulthandler.dump_traceback_later(every, repeat=True)
     dtype, layout, b, h, d, t = spec.split(",")
     b, h, d, t = int(b), int(h), int(d), int(t)
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
@@ -81,13 +86,15 @@ def main(argv=None) -> int:
 
     def launch(spec: str) -> tuple[str, int, float, str]:
         t0 = time.time()
+        print(f"fla precompile {spec}: started", flush=True)
         r = subprocess.run([sys.executable, __file__, "--one", spec], env=env, capture_output=True, text=True)
-        return spec, r.returncode, time.time() - t0, (r.stdout + r.stderr)[-2000:]
+        return spec, r.returncode, time.time() - t0, (r.stdout + r.stderr)[-4000:]
 
     t0 = time.time()
     failed = 0
     with ThreadPoolExecutor(max(1, args.workers)) as pool:
-        for spec, rc, secs, tail in pool.map(launch, specs):
+        for fut in as_completed([pool.submit(launch, s) for s in specs]):
+            spec, rc, secs, tail = fut.result()
             print(f"fla precompile {spec}: {'ok' if rc == 0 else f'FAILED rc={rc}'} in {secs:.1f} s", flush=True)
             if rc:
                 failed += 1
