@@ -5,6 +5,11 @@ TP the KDA heads, their convolution / ``A_log`` / ``dt_bias`` are split, the sha
 output norm and the mHC parameters are summed over TP as sequence-parallel parameters. The ``tilelang`` backend's
 torch path is checked at TP=2 + SP too.
 
+Pipeline parallelism: PP=2 through megatron-core's own 1F1B schedule (``forward_backward_pipelining_without_interleaving``,
+its P2P shapes and loss scaling) equals the same schedule in one process, on an 8-layer model whose stage boundary
+carries the mHC streams (``[s, b, 4 * hidden]``) into a stage that starts on a KDA layer, and whose stages each pass
+a full layer's top-k to a shared one (across a KDA layer on the second); MTP on the last stage.
+
 Conversion: a checkpoint written by ``save_pretrained`` imported by two ranks at TP=2 and at EP=2 exports back
 bitwise (MTP and vision included)."""
 
@@ -47,6 +52,41 @@ def test_parallel_matches_single_process(reference, gloo_world, tmp_path, tp, ep
     errors = grad_errors(load_sharded_grads(raw, str(grads_dir)), ref_grads)
     print(f"{tp=} {ep=} {backend}: loss rel diff {max(abs(x - ref_loss) for x in losses) / abs(ref_loss):.1e}, "
           f"max grad rel diff {max(errors.values()):.1e}")
+    bad = {n: f"{e:.2e}" for n, e in errors.items() if e > 1e-5}
+    assert not bad, f"max |grad diff| / max |grad| above 1e-5: {bad}"
+
+
+KDA, DSA = "linear_attention", "indexed_attention"
+PP_LAYERS = dict(  # stage 0: layers 0-3, stage 1: layers 4-7 (the even split)
+    num_hidden_layers=8,
+    layer_types=[KDA, DSA, DSA, KDA, KDA, DSA, KDA, DSA],
+    indexer_types=["full", "full", "shared", "full", "full", "full", "full", "shared"],
+    mlp_layer_types=["dense"] + ["sparse"] * 7,
+)
+
+
+@pytest.fixture(scope="module")
+def pp_reference(tmp_path_factory):
+    """One process through megatron-core's schedule (forward_backward_no_pipelining)."""
+    raw = {"model_type": "glm5_next", **tiny_flash_config(**PP_LAYERS)["text_config"]}
+    weights = str(tmp_path_factory.mktemp("flash_pp_ref_weights"))
+    loss, grads = reference_run(raw, weights, mcore_schedule=True)
+    return raw, weights, loss, grads
+
+
+def test_pp2_megatron_schedule_matches_single_process(pp_reference, gloo_world, tmp_path):
+    raw, weights, ref_loss, ref_grads = pp_reference
+    grads_dir = tmp_path / "grads"
+    grads_dir.mkdir()
+    results = run_torchrun("tests.parallel_workers:parallel_case", tmp_path, nproc=2, raw=raw, weights=weights,
+                           grads_out=str(grads_dir), tp=1, pp=2, ep=1, vocab=raw["vocab_size"], mcore_schedule=True)
+    assert [r["layers"] for r in results] == [4, 4]
+    assert results[0]["loss"] is None, "only the last stage computes the loss"
+    loss = results[1]["loss"]
+    assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss), f"loss {loss} vs single-process {ref_loss}"
+    errors = grad_errors(load_sharded_grads(raw, str(grads_dir)), ref_grads)
+    print(f"pp=2: loss rel diff {abs(loss - ref_loss) / abs(ref_loss):.1e}, max grad rel diff "
+          f"{max(errors.values()):.1e}")
     bad = {n: f"{e:.2e}" for n, e in errors.items() if e > 1e-5}
     assert not bad, f"max |grad diff| / max |grad| above 1e-5: {bad}"
 
