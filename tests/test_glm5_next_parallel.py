@@ -10,8 +10,9 @@ its P2P shapes and loss scaling) equals the same schedule in one process, on an 
 carries the mHC streams (``[s, b, 4 * hidden]``) into a stage that starts on a KDA layer, and whose stages each pass
 a full layer's top-k to a shared one (across a KDA layer on the second); MTP on the last stage.
 
-Conversion: a checkpoint written by ``save_pretrained`` imported by two ranks at TP=2 and at EP=2 exports back
-bitwise (MTP and vision included)."""
+Conversion: a checkpoint written by ``save_pretrained`` imported by two ranks at TP=2, at EP=2 and at PP=2 (stages of
+1 + 3 layers: the second starts on the full DSA layer 1, MTP on the last) exports back bitwise (MTP and vision
+included)."""
 
 from __future__ import annotations
 
@@ -96,10 +97,11 @@ def test_two_rank_imports_roundtrip_bitwise(tmp_path):
     from megatron_glm5.glm5_next.testing import write_transformers_checkpoint
 
     src = write_transformers_checkpoint(tmp_path / "hf")
-    cases = [dict(hf=str(src), out=str(tmp_path / f"mc_{tp}{ep}"), tp=tp, pp=1, ep=ep) for tp, ep in ((2, 1), (1, 2))]
+    cases = [dict(hf=str(src), out=str(tmp_path / f"mc_{tp}{pp}{ep}"), tp=tp, pp=pp, ep=ep)
+             for tp, pp, ep in ((2, 1, 1), (1, 1, 2), (1, 2, 1))]
     run_torchrun("tests.bridge_workers:import_cases", tmp_path, nproc=2, cases=cases)
     for c in cases:
-        out = tmp_path / f"hf_{c['tp']}{c['ep']}"
+        out = tmp_path / f"hf_{c['tp']}{c['pp']}{c['ep']}"
         bridge.convert_megatron_to_hf(megatron_path=c["out"], hf_path=out)
         report = bridge.compare_hf_checkpoints(src, out)
         assert report["ok"], (c, report["mismatches"][:5])
