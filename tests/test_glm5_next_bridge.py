@@ -122,8 +122,8 @@ def test_refusals(disk_checkpoint, tmp_path, model_parallel):
     arch = parse_architecture(json.loads((disk_checkpoint / "config.json").read_text()))  # KDA, full, shared, KDA
     assert check_parallel_layout(arch, 1, 2, 1) == {"num_layers_in_first_pipeline_stage": 1,
                                                     "num_layers_in_last_pipeline_stage": 3}
-    with pytest.raises(BridgeError, match=r"--pp 4: cannot split 4 layers .* \(valid stage starts: layers \[0, 1, 3\]\); "
-                                          r"valid --pp: 1, 2"):
+    with pytest.raises(BridgeError, match=r"--pp 4: cannot split 4 layers .* \(valid stage starts: layers "
+                                          r"\[0, 1, 3\]\); valid --pp: 1, 2"):
         bridge.convert_hf_to_megatron(hf_path=disk_checkpoint, megatron_path=tmp_path / "y", pp=4)
     from bridge.glm5_next_mapping import detect_naming
 

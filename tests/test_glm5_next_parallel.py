@@ -5,8 +5,9 @@ TP the KDA heads, their convolution / ``A_log`` / ``dt_bias`` are split, the sha
 output norm and the mHC parameters are summed over TP as sequence-parallel parameters. The ``tilelang`` backend's
 torch path is checked at TP=2 + SP too.
 
-Pipeline parallelism: PP=2 through megatron-core's own 1F1B schedule (``forward_backward_pipelining_without_interleaving``,
-its P2P shapes and loss scaling) equals the same schedule in one process, on an 8-layer model whose stage boundary
+Pipeline parallelism: PP=2 through megatron-core's own 1F1B schedule
+(``forward_backward_pipelining_without_interleaving``: its P2P shapes, sends and loss scaling) equals the same
+schedule in one process (``forward_backward_no_pipelining``), on an 8-layer model whose stage boundary
 carries the mHC streams (``[s, b, 4 * hidden]``) into a stage that starts on a KDA layer, and whose stages each pass
 a full layer's top-k to a shared one (across a KDA layer on the second); MTP on the last stage.
 

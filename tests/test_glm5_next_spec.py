@@ -203,7 +203,6 @@ def test_block_spec_pipeline_split(model_parallel):
     from megatron.core.pipeline_parallel import schedules
 
     from megatron_glm5 import compat
-    from megatron_glm5.families import UnsupportedFeatureError
 
     raw = tiny_raw()  # full, shared, full, shared
     arch = parse_glm5_next_config(raw)
@@ -226,8 +225,8 @@ def test_block_spec_pipeline_split(model_parallel):
                                               r"\[2, 2\]"):  # stage 1 = layers 1..3, layer 1 is shared
         build_glm5_next_block_spec(first1, layer_types=arch.layer_types, indexer_types=arch.indexer_types, pp_rank=1)
     vpp = dataclasses.replace(even, virtual_pipeline_model_parallel_size=2)
-    with pytest.raises(UnsupportedFeatureError, match="GLM-5.3-Flash does not support virtual pipeline parallelism "
-                                                      "yet: its pipeline stages exchange the mHC streams"):
+    with pytest.raises(GLM5ConfigError, match=r"virtual_pipeline_model_parallel_size=2: virtual pipeline stages are "
+                                              r"not supported for GLM-5.3-Flash yet: .* \[s, b, 256\]"):
         build_glm5_next_block_spec(vpp, layer_types=arch.layer_types, indexer_types=arch.indexer_types, pp_rank=0,
                                    vp_stage=0)
 

@@ -55,7 +55,6 @@ from ..core.stages import validate_stage_layers as _validate_stages
 from ..dsa.attention import GLMAbsorbedMLASelfAttention
 from ..dsa.kpool_indexer import KPoolIndexer
 from ..dsa.tilelang_attention import TileLangMLASelfAttention
-from ..families import family_named
 from ..providers import default_provider
 
 from .attention import GLM5NextSparseAttention, TileLangGLM5NextSparseAttention
@@ -231,11 +230,18 @@ def check_pipeline_support(config) -> None:
     """Pipeline stages of an mHC model exchange the streams, ``[s, b, hc_mult * hidden]``
     (``GLM5NextTransformerConfig.pipeline_hidden_size``): megatron-core's 1F1B schedule is told that width
     (:func:`megatron_glm5.compat.send_pipeline_hidden_size`). Its interleaved schedule computes ``[s, b,
-    hidden_size]`` inline, so virtual pipeline stages are refused by name."""
+    hidden_size]`` inline, so virtual pipeline stages are refused (:func:`megatron_glm5.model.build_model` refuses them
+    earlier, by the family's name for them)."""
     if not config.hc_mult or config.pipeline_model_parallel_size == 1:
         return
-    if (config.virtual_pipeline_model_parallel_size or 1) > 1:
-        family_named("glm5_next").refuse("virtual pipeline parallelism")
+    vpp = config.virtual_pipeline_model_parallel_size
+    if (vpp or 1) > 1:
+        raise GLM5ConfigError(
+            f"virtual_pipeline_model_parallel_size={vpp}: virtual pipeline stages are not supported for GLM-5.3-Flash "
+            "yet: its stages exchange the mHC streams ([s, b, hc_mult * hidden] = "
+            f"[s, b, {config.pipeline_hidden_size}]), and megatron-core's interleaved schedule sends [s, b, "
+            "hidden_size]; use pipeline parallelism without virtual stages"
+        )
     send_pipeline_hidden_size()
 
 
