@@ -320,3 +320,75 @@ def grad_errors(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) ->
     """max |diff| / max |ref| per parameter."""
     assert set(grads) == set(ref), set(grads) ^ set(ref)
     return {n: ((grads[n] - r).abs().max() / r.abs().max().clamp_min(1e-12)).item() for n, r in ref.items()}
+
+
+def pretrain_pipeline_steps(rank: int, world: int, *, hf_dir: str, flags: list[str], steps: int = 3) -> dict:
+    """``python -m megatron_glm5.pretrain``'s own pieces at PP = ``world`` without Megatron-LM's training loop (it
+    needs CUDA): its argument handling (``--hf-config`` applied, validated with Megatron-LM's ``validate_args``), its
+    model provider for this rank's stage and its ``forward_step`` / loss through megatron-core's schedule, ``steps``
+    Adam steps on one repeated mock batch. Returns the last stage's losses (None elsewhere) and the stage's layers."""
+    import sys
+
+    from megatron.core import parallel_state as ps
+    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.global_vars import set_global_variables, unset_global_variables
+
+    from megatron_glm5.config import load_hf_config
+    from megatron_glm5.families import parse_architecture
+    from megatron_glm5.parallel import initialize_model_parallel
+    from megatron_glm5.pretrain import (
+        add_glm5_args,
+        apply_architecture,
+        disable_unavailable_fusions,
+        forward_step,
+        model_provider,
+    )
+
+    argv = ["--hf-config", hf_dir, *flags]
+    saved_argv, sys.argv = sys.argv, ["pretrain", *argv]
+    try:
+        args = parse_args(extra_args_provider=add_glm5_args)
+    finally:
+        sys.argv = saved_argv
+    arch = parse_architecture(load_hf_config(hf_dir))
+    apply_architecture(args, arch, argv)
+    disable_unavailable_fusions(args)
+    validate_args(args, {})
+    set_global_variables(args)
+    try:
+        initialize_model_parallel(pipeline_model_parallel_size=args.pipeline_model_parallel_size)
+        model = model_provider(arch, "megatron", pre_process=ps.is_pipeline_first_stage(),
+                               post_process=ps.is_pipeline_last_stage())
+        gen = torch.Generator().manual_seed(3)
+        tokens = torch.randint(0, arch.vocab_size, (args.micro_batch_size, args.seq_length), generator=gen)
+        batch = {"tokens": tokens, "labels": tokens.roll(-1, 1), "loss_mask": torch.ones(tokens.shape),
+                 "position_ids": torch.arange(args.seq_length)[None].expand_as(tokens)}
+        optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+        losses = []
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        for _ in range(steps):
+            model.zero_grad(set_to_none=True)
+            with schedule_on_cpu():
+                reduced = get_forward_backward_func()(
+                    forward_step_func=forward_step, data_iterator=iter([batch]), model=[model], num_microbatches=1,
+                    seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, forward_only=False)
+            _finalize_grads(model, ps.get_pipeline_model_parallel_world_size())
+            optimizer.step()
+            if ps.is_pipeline_last_stage():
+                total, count = reduced[0]["lm loss"].tolist()
+                losses.append(total / count)
+        return {"losses": losses if ps.is_pipeline_last_stage() else None,
+                "layers": [la.layer_number - 1 for la in model.decoder.layers], "mtp": bool(model.mtp_process)}
+    finally:
+        unset_global_variables()
+        destroy_model_parallel()
+
+
+def flash_pipeline_case(rank: int, world: int, *, parity: dict, pretrain: dict) -> dict:
+    """The GLM-5.3-Flash PP=2 checks of one torchrun: :func:`parallel_case` through megatron-core's schedule, then
+    :func:`pretrain_pipeline_steps`."""
+    result = parallel_case(rank, world, **parity)
+    destroy_model_parallel()
+    result["pretrain"] = pretrain_pipeline_steps(rank, world, **pretrain)
+    return result

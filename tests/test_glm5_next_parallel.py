@@ -9,7 +9,10 @@ Pipeline parallelism: PP=2 through megatron-core's own 1F1B schedule
 (``forward_backward_pipelining_without_interleaving``: its P2P shapes, sends and loss scaling) equals the same
 schedule in one process (``forward_backward_no_pipelining``), on an 8-layer model whose stage boundary
 carries the mHC streams (``[s, b, 4 * hidden]``) into a stage that starts on a KDA layer, and whose stages each pass
-a full layer's top-k to a shared one (across a KDA layer on the second); MTP on the last stage.
+a full layer's top-k to a shared one (across a KDA layer on the second); MTP on the last stage. In the same torchrun,
+``python -m megatron_glm5.pretrain``'s arguments (``--pipeline-model-parallel-size 2``, an uneven split), model
+provider and forward step train the tiny model for 3 steps through that schedule (Megatron-LM's loop itself needs
+CUDA).
 
 Conversion: a checkpoint written by ``save_pretrained`` imported by two ranks at TP=2, at EP=2 and at PP=2 (stages of
 1 + 3 layers: the second starts on the full DSA layer 1, MTP on the last) exports back bitwise (MTP and vision
@@ -76,21 +79,40 @@ def pp_reference(tmp_path_factory):
     return raw, weights, loss, grads
 
 
+PRETRAIN_FLAGS = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--seq-length", "48", "--micro-batch-size", "1",
+                  "--global-batch-size", "1", "--train-iters", "3", "--lr", "1e-2",
+                  "--pipeline-model-parallel-size", "2",  # KDA, full, shared, KDA: the second stage starts on layer 1
+                  "--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "3"]
+
+
 def test_pp2_megatron_schedule_matches_single_process(pp_reference, gloo_world, tmp_path):
+    """PP=2 equals one process; in the same torchrun, ``python -m megatron_glm5.pretrain``'s arguments, model provider
+    and forward step train the tiny model at PP=2 through megatron-core's schedule (the loss goes down)."""
+    import json
+
     raw, weights, ref_loss, ref_grads = pp_reference
     grads_dir = tmp_path / "grads"
     grads_dir.mkdir()
-    results = run_torchrun("tests.parallel_workers:parallel_case", tmp_path, nproc=2, raw=raw, weights=weights,
-                           grads_out=str(grads_dir), tp=1, pp=2, ep=1, vocab=raw["vocab_size"], mcore_schedule=True)
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(json.dumps({"model_type": "glm5_next", **tiny_flash_config()}))
+    parity = dict(raw=raw, weights=weights, grads_out=str(grads_dir), tp=1, pp=2, ep=1, vocab=raw["vocab_size"],
+                  mcore_schedule=True)
+    results = run_torchrun("tests.parallel_workers:flash_pipeline_case", tmp_path, nproc=2, parity=parity,
+                           pretrain=dict(hf_dir=str(hf_dir), flags=PRETRAIN_FLAGS))
     assert [r["layers"] for r in results] == [4, 4]
     assert results[0]["loss"] is None, "only the last stage computes the loss"
     loss = results[1]["loss"]
     assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss), f"loss {loss} vs single-process {ref_loss}"
     errors = grad_errors(load_sharded_grads(raw, str(grads_dir)), ref_grads)
     print(f"pp=2: loss rel diff {abs(loss - ref_loss) / abs(ref_loss):.1e}, max grad rel diff "
-          f"{max(errors.values()):.1e}")
+          f"{max(errors.values()):.1e}; pretrain losses {results[1]['pretrain']['losses']}")
     bad = {n: f"{e:.2e}" for n, e in errors.items() if e > 1e-5}
     assert not bad, f"max |grad diff| / max |grad| above 1e-5: {bad}"
+    first, last = (r["pretrain"] for r in results)
+    assert (first["layers"], last["layers"]) == ([0], [1, 2, 3]) and (first["mtp"], last["mtp"]) == (False, True)
+    assert first["losses"] is None and len(last["losses"]) == 3
+    assert last["losses"][-1] < last["losses"][0], last["losses"]
 
 
 def test_two_rank_imports_roundtrip_bitwise(tmp_path):
