@@ -17,6 +17,8 @@
 #                      steps of small_flash_config on both attention backends
 #   pretrain_megatron  python -m megatron_glm5.pretrain --hf-config <small GLM-5.3-Flash> (Megatron-LM loop, mock data,
 #   pretrain_tilelang  20 iterations, bf16): examples/pretrain_glm53_flash_tiny.sh
+#   multi_pp2          the same on 2 GPUs at --pipeline-model-parallel-size 2 (stages of 4 + 4 layers: the mHC streams
+#                      cross the boundary into a stage that starts on a KDA layer; MTP on the last stage)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=.whl/fla
@@ -27,7 +29,7 @@ case "${1:-}" in
     ls -l "$WHEELS"
     exit 0 ;;
   run) shift ;;
-  *) echo "usage: $0 fetch | run OUT_DIR [tests|pretrain_megatron|pretrain_tilelang ...]" >&2; exit 2 ;;
+  *) echo "usage: $0 fetch | run OUT_DIR [tests|pretrain_megatron|pretrain_tilelang|multi_pp2 ...]" >&2; exit 2 ;;
 esac
 OUT_DIR=$1; shift
 mkdir -p "$OUT_DIR"
@@ -52,6 +54,8 @@ for step in "${@:-tests}"; do
     tests) run tests ${TESTS_LIMIT:-300} python3 -m pytest tests/gpu/test_glm5_next_gpu.py -v -s -p no:cacheprovider ;;
     pretrain_megatron) run pretrain_megatron 200 bash examples/pretrain_glm53_flash_tiny.sh megatron ;;
     pretrain_tilelang) run pretrain_tilelang 200 bash examples/pretrain_glm53_flash_tiny.sh tilelang ;;
+    multi_pp2) NPROC=2 PARALLEL="--pipeline-model-parallel-size 2" run multi_pp2 200 \
+      bash examples/pretrain_glm53_flash_tiny.sh megatron ;;
     *) echo "unknown step $step" ;;
   esac
 done
