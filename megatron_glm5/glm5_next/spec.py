@@ -45,10 +45,10 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
+from ..compat import send_pipeline_hidden_size
 from ..core.hf_config import GLM5ConfigError
 from ..core.mla_spec import check_runtime_dependencies, dsa_attention_spec, indexer_spec, wrong_numerics
 from ..core.patterns import mlp_types_from_mcore
-from ..compat import send_pipeline_hidden_size
 from ..core.stages import local_layer_ids, pipeline_stages
 from ..core.stages import topk_sources as _topk_sources
 from ..core.stages import validate_stage_layers as _validate_stages
