@@ -15,6 +15,7 @@ import traceback
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
+from megatron_glm5.core.stages import valid_stage_starts
 from megatron_glm5.parallel import destroy_model_parallel, free_port
 
 from . import errors
@@ -70,26 +71,33 @@ def all_ok(ok: bool, message: str = "") -> None:
         raise BridgeError(bad[0][1] if len(bad) == 1 else "; ".join(f"rank {r}: {m}" for r, m in bad))
 
 
-def pipeline_split(indexer_types: tuple[str, ...], pp: int) -> dict[str, int]:
-    """RuntimePolicy fields for a ``pp``-stage split in which every stage starts on an IndexShare "full" layer.
-    Uniform when that works; for two stages otherwise the full layer closest to the middle."""
-    n = len(indexer_types)
+def pipeline_split(arch: Any, pp: int) -> dict[str, int]:
+    """RuntimePolicy fields for a ``pp``-stage split in which every stage's first DSA layer is an IndexShare "full"
+    one (:func:`~megatron_glm5.core.stages.valid_stage_starts`: a GLM-5.x stage starts on a full layer, a
+    GLM-5.3-Flash stage may also start on a KDA layer before one). Uniform when that works; for two stages otherwise
+    the valid start closest to the middle."""
+    n = len(arch.indexer_types)
     if pp == 1:
         return {}
-    if n % pp == 0 and all(indexer_types[s * n // pp] == "full" for s in range(pp)):
+    dsa = set(arch.dsa_layers)
+    starts = set(valid_stage_starts(arch.indexer_types, [i in dsa for i in range(n)]))
+
+    def uniform(p: int) -> bool:
+        return n % p == 0 and all(s * n // p in starts for s in range(p))
+
+    if uniform(pp):
         return {}
     if pp == 2:
-        candidates = [i for i in range(1, n) if indexer_types[i] == "full"]
+        candidates = [i for i in sorted(starts) if i > 0]
         if candidates:
             first = min(candidates, key=lambda i: (abs(i - n / 2), i))
             return {"num_layers_in_first_pipeline_stage": first, "num_layers_in_last_pipeline_stage": n - first}
-    valid = [p for p in range(1, n + 1) if p == 1 or (n % p == 0 and all(indexer_types[s * n // p] == "full"
-                                                                          for s in range(p)))
-             or (p == 2 and "full" in indexer_types[1:])]
+    valid = [p for p in range(1, n + 1) if p == 1 or uniform(p) or (p == 2 and len(starts) > 1)]
     raise BridgeError(
-        f"--pp {pp}: cannot split {n} layers with IndexShare pattern {list(indexer_types)} into {pp} pipeline stages "
-        f"that each start on a 'full' layer; valid --pp: {', '.join(map(str, valid[:12]))} (the checkpoint is "
-        "reshardable, so the conversion layout does not have to match the training layout)"
+        f"--pp {pp}: cannot split {n} layers with IndexShare pattern {list(arch.indexer_types)} into {pp} pipeline "
+        f"stages whose first DSA layer is 'full' (valid stage starts: layers {sorted(starts)}); valid --pp: "
+        f"{', '.join(map(str, valid[:12]))} (the checkpoint is reshardable, so the conversion layout does not have to "
+        "match the training layout)"
     )
 
 
@@ -106,8 +114,8 @@ def check_parallel_layout(arch, tp: int, pp: int, ep: int, *, source: str = "con
     replicated, so they impose nothing): TP divides the attention heads (``TransformerConfig``), the vocabulary
     (``VocabParallelEmbedding`` and the column-parallel LM head split rows), the dense MLP width and - expert tensor
     parallelism defaults to TP - the routed and shared expert widths (column-parallel ``fc1``); EP divides the
-    routed experts (MTP layers are MoE layers too); PP gives every stage layers and starts each on an IndexShare
-    "full" layer (MTP always sits on the last stage and adds no constraint)."""
+    routed experts (MTP layers are MoE layers too); PP gives every stage layers and makes each stage's first DSA
+    layer an IndexShare "full" one (MTP always sits on the last stage and adds no constraint)."""
     for flag, v in (("--tp", tp), ("--pp", pp), ("--ep", ep)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise BridgeError(f"{flag}: expected an integer >= 1, got {v!r}")
@@ -136,7 +144,7 @@ def check_parallel_layout(arch, tp: int, pp: int, ep: int, *, source: str = "con
                         f"same number of experts; valid --ep: {valid}")
     if problems:
         raise BridgeError(f"{source}: " + "; ".join(problems))
-    return pipeline_split(arch.indexer_types, pp)
+    return pipeline_split(arch, pp)
 
 
 @contextmanager

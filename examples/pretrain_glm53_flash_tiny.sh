@@ -3,9 +3,9 @@
 # 20 steps on mock data, on one GPU, with Megatron-LM's training loop and the GLM-5.3-Flash block spec.
 #   bash examples/pretrain_glm53_flash_tiny.sh [megatron|tilelang]
 # Environment: NPROC (GPUs, default 1), PARALLEL (extra Megatron-LM flags, e.g. "--tensor-model-parallel-size 2
-# --sequence-parallel"; no pipeline parallelism for GLM-5.3-Flash yet). The KDA kernel is flash-linear-attention's
-# when it is importable (pip install flash-linear-attention), else the torch reference. Needs CUDA; on CPU run
-# `megatron-glm5 demo --model glm5.3-flash` instead.
+# --sequence-parallel" or "--pipeline-model-parallel-size 2"; no virtual pipeline stages). The KDA kernel is
+# flash-linear-attention's when it is importable (pip install flash-linear-attention), else the torch reference.
+# Needs CUDA; on CPU run `megatron-glm5 demo --model glm5.3-flash` instead.
 set -euo pipefail
 BACKEND=${1:-megatron}
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}

@@ -349,6 +349,72 @@ def _probe_transformers_indexer() -> None:
     assert callable(modeling_glm_moe_dsa.apply_rotary_pos_emb_interleave)
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# 8. megatron-core's pipeline P2P shape (glm5_next/spec.py: GLM-5.3-Flash's mHC streams cross stage boundaries)
+# --------------------------------------------------------------------------------------------------------------------
+
+_WRAPPED = "_megatron_glm5_wraps"  # attribute of our get_tensor_shapes wrapper: megatron-core's function
+
+
+def _schedules() -> Any:
+    from megatron.core.pipeline_parallel import schedules
+
+    return schedules
+
+
+def _mcore_get_tensor_shapes() -> Callable:
+    fn = _schedules().get_tensor_shapes
+    return getattr(fn, _WRAPPED, fn)
+
+
+def _stage_tensor_shapes(original: Callable) -> Callable:
+    def get_tensor_shapes(*, config, **kwargs):
+        shapes = original(config=config, **kwargs)
+        width = getattr(config, "pipeline_hidden_size", None)
+        if width is None or width == config.hidden_size:
+            return shapes
+        return [(*s[:-1], width) if len(s) == 3 and s[-1] == config.hidden_size else s for s in shapes]
+
+    get_tensor_shapes.__doc__ = original.__doc__
+    setattr(get_tensor_shapes, _WRAPPED, original)
+    return get_tensor_shapes
+
+
+def send_pipeline_hidden_size() -> None:
+    """Make megatron-core's pipeline schedule send ``[s, b, config.pipeline_hidden_size]`` between stages for a
+    config that has that attribute (GLM-5.3-Flash's ``hc_mult`` streams side by side); every other config keeps
+    ``[s, b, hidden_size]``. Installed once, process-wide (:func:`install_patches`), when such a model is built.
+
+    megatron-core 0.19.2 derives the P2P buffers of its non-interleaved schedule (1F1B, and forward-only with PP > 1)
+    from ``schedules.get_tensor_shapes``, looked up by name at each call; the interleaved (virtual-pipeline) schedule
+    computes them inline, so a family whose stage tensors are wider refuses virtual pipeline stages."""
+    schedules = _schedules()
+    if not is_patched(schedules, "get_tensor_shapes"):
+        install_patches(((schedules, "get_tensor_shapes", _stage_tensor_shapes(schedules.get_tensor_shapes)),))
+
+
+@_hook("pipeline_parallel.schedules.get_tensor_shapes: the 1F1B schedule's P2P shape [s, b, config.hidden_size], "
+       "looked up by name", "glm5_next/spec.py", MCORE)
+def _probe_pipeline_shapes() -> None:
+    import inspect
+    from types import SimpleNamespace
+
+    schedules = _schedules()
+    original = _mcore_get_tensor_shapes()
+    config = inspect.signature(original).parameters.get("config")
+    assert config is not None and config.kind is inspect.Parameter.KEYWORD_ONLY, "get_tensor_shapes(*, config)"
+    assert "get_tensor_shapes" in schedules.forward_backward_pipelining_without_interleaving.__code__.co_names
+    one = SimpleNamespace(size=lambda: 1)
+    cfg = SimpleNamespace(variable_seq_lengths=False, sequence_parallel=False, hidden_size=16)
+    shapes = original(seq_length=8, micro_batch_size=2, decoder_seq_length=None, config=cfg, tp_group=one,
+                      cp_group=one)
+    assert [tuple(s) for s in shapes] == [(8, 2, 16)], shapes
+    wide = SimpleNamespace(**vars(cfg), pipeline_hidden_size=64)
+    assert [tuple(s) for s in _stage_tensor_shapes(original)(
+        seq_length=8, micro_batch_size=2, decoder_seq_length=None, config=wide, tp_group=one, cp_group=one)] == \
+        [(8, 2, 64)]
+
+
 def check_all() -> list[str]:
     """Run every probe; the names of those that fail (an empty list: every internal is where it was)."""
     failed = []

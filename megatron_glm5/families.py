@@ -130,6 +130,8 @@ class Family:
         family lacks (before anything is built)."""
         if getattr(config, "context_parallel_size", 1) > 1:
             self.refuse("context parallelism")
+        if (getattr(config, "virtual_pipeline_model_parallel_size", None) or 1) > 1:
+            self.refuse("virtual pipeline parallelism")
         if indexer_warmup:
             self.refuse("the indexer warm-up")
         if (getattr(config, "dsa_indexer_loss_coeff", None) or 0) > 0:
@@ -156,6 +158,9 @@ FAMILIES: tuple[Family, ...] = (
     Family(name="glm5_next", title="GLM-5.3-Flash", model_types=_GLM5_NEXT_MODEL_TYPES, load=_glm5_next,
            unsupported=MappingProxyType({
                "context parallelism": "its KDA (linear attention) layers run whole sequences; use CP=1",
+               "virtual pipeline parallelism": "its pipeline stages exchange the mHC streams (hc_mult x hidden_size "
+                                               "wide), and megatron-core's interleaved schedule sends [s, b, "
+                                               "hidden_size]; use pipeline parallelism without virtual stages",
                "the indexer loss": _FLASH_NO_INDEXER_LOSS,
                "the indexer warm-up": _FLASH_NO_INDEXER_LOSS,
            })),

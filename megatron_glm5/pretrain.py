@@ -8,7 +8,8 @@ model. Passing an architecture flag that contradicts the HF config is an error. 
 attention backend (``megatron`` or ``tilelang``). A GLM-5.3-Flash config (``glm5_next``) trains the same way; its KPool,
 KDA and mHC fields, which Megatron-LM has no flags for, go straight into the model config (the family's
 ``config_from_megatron_lm``, :mod:`megatron_glm5.families`).
-Not yet with pipeline parallelism (the mHC streams would cross stage boundaries; refused when the model is built).
+With ``--pipeline-model-parallel-size`` its stages exchange the mHC streams (``hc_mult`` times ``--hidden-size``
+wide; Megatron-LM's 1F1B schedule is told so when the model is built); virtual pipeline stages are refused.
 
 LoRA (:mod:`megatron_glm5.lora`): ``--lora-rank R`` adds adapters in the model provider, after the model is built
 and before Megatron-LM loads a checkpoint, and freezes the base (``--lora-alpha``, ``--lora-dropout``,

@@ -23,6 +23,8 @@
 #   bench_kda          scripts/bench/bench_kda.py: KDA kernel and layer, fla vs the torch reference, 4K / 16K / 64K
 #   bench_step         scripts/bench/bench_glm53_step.py: the GLM-5.3-Flash one-GPU slice through Megatron-LM's loop
 #                      (needs .mlm/), report in OUT_DIR/glm53_step.md
+#   multi_pp2          the same on 2 GPUs at --pipeline-model-parallel-size 2 (stages of 4 + 4 layers: the mHC streams
+#                      cross the boundary into a stage that starts on a KDA layer; MTP on the last stage)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=.whl/fla
@@ -33,7 +35,7 @@ case "${1:-}" in
     ls -l "$WHEELS"
     exit 0 ;;
   run) shift ;;
-  *) echo "usage: $0 fetch | run OUT_DIR [tests|pretrain_megatron|pretrain_tilelang ...]" >&2; exit 2 ;;
+  *) echo "usage: $0 fetch | run OUT_DIR [tests|pretrain_megatron|pretrain_tilelang|multi_pp2 ...]" >&2; exit 2 ;;
 esac
 OUT_DIR=$1; shift
 mkdir -p "$OUT_DIR"
@@ -66,6 +68,8 @@ for step in "${steps[@]}"; do
     pretrain_tilelang) run pretrain_tilelang 200 bash examples/pretrain_glm53_flash_tiny.sh tilelang ;;
     bench_kda) run bench_kda ${BENCH_KDA_LIMIT:-300} python3 scripts/bench/bench_kda.py --out "$OUT_DIR/kda.md" ${BENCH_KDA_ARGS:-} ;;
     bench_step) run bench_step ${BENCH_STEP_LIMIT:-540} python3 scripts/bench/bench_glm53_step.py --out "$OUT_DIR/glm53_step.md" ${BENCH_STEP_ARGS:-} ;;
+    multi_pp2) NPROC=2 PARALLEL="--pipeline-model-parallel-size 2" run multi_pp2 200 \
+      bash examples/pretrain_glm53_flash_tiny.sh megatron ;;
     *) echo "unknown step $step" ;;
   esac
 done

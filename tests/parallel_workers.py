@@ -4,17 +4,26 @@ Weights and gradients cross parallel layouts through megatron-core's own ``dist_
 logic, gated-MLP factories included), so these tests compare against single-process runs without a hand-written
 re-assembly that could share a bug with the code under test.
 
-megatron-core's pipeline schedules allocate on ``device="cuda"`` literally, so on CPU the micro-batch schedule is
-written out here: forward micro-batch by micro-batch through the stages (point-to-point sends of the hidden states),
-then backward in the same order, then the gradient reductions Megatron's DDP + ``finalize_model_grads`` would do:
-sequence-parallel norms summed over TP, dense grads averaged over DP, expert grads scaled by 1/DP, and the word
-embedding (used on the first stage and by MTP on the last) summed over its two pipeline stages.
+Two ways through the micro-batches, each followed by the gradient reductions Megatron's DDP +
+``finalize_model_grads`` would do (sequence-parallel norms summed over TP, dense grads averaged over DP, expert grads
+scaled by 1/DP, and the word embedding, used on the first stage and by MTP on the last, summed over its two pipeline
+stages):
+
+* :func:`train_step_grads`, the schedule written out: forward micro-batch by micro-batch through the stages
+  (point-to-point sends of the hidden states), then backward in the same order;
+* :func:`schedule_step_grads`, megatron-core's own schedule (``get_forward_backward_func()``: 1F1B
+  ``forward_backward_pipelining_without_interleaving`` at PP > 1, its shapes, P2P and loss scaling). It allocates one
+  tensor on ``device="cuda"`` literally, so on a machine without CUDA it runs under :func:`schedule_on_cpu`.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
 from megatron_glm5.parallel import destroy_model_parallel
 
 SEQ = 48
@@ -89,8 +98,9 @@ def train_step_grads(model, batches, *, vocab: int) -> tuple[float | None, dict[
         ids = ids[:, rows]
         pos = rows[None].expand(ids.shape[0], rows.numel())
         inp = None
-        if not first:
-            inp = torch.empty(rows.numel(), ids.shape[0], model.config.hidden_size, dtype=torch.float32)
+        if not first:  # GLM-5.3-Flash stages exchange its mHC streams, wider than hidden_size
+            width = getattr(model.config, "pipeline_hidden_size", model.config.hidden_size)
+            inp = torch.empty(rows.numel(), ids.shape[0], width, dtype=torch.float32)
             dist.recv(inp, src=prev_rank, group=pp_group)
             inp.requires_grad_(True)
             model.set_input_tensor(inp)
@@ -114,6 +124,76 @@ def train_step_grads(model, batches, *, vocab: int) -> tuple[float | None, dict[
     _finalize_grads(model, pp)
     grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
     loss = float(sum(l.item() for l in losses)) if last else None
+    return loss, grads
+
+
+class _CudaFactoriesOnCpu(TorchFunctionMode):
+    """Tensor factories called with ``device="cuda"`` allocate on the CPU instead."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs["device"] = "cpu"
+        return func(*args, **kwargs)
+
+
+def _loss_scalers() -> list:
+    from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossAutoScaler
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+    return [MTPLossAutoScaler, MoEAuxLossAutoScaler, DSAIndexerLossAutoScaler]
+
+
+@contextlib.contextmanager
+def schedule_on_cpu():
+    """Run megatron-core's schedules here: ``device="cuda"`` factories allocate on the CPU when there is no CUDA, and
+    the class-level MTP / MoE aux / indexer loss scales the schedule sets (1 / micro-batches) are put back afterwards,
+    so the written-out schedule of later tests in this process keeps megatron-core's default scale."""
+    saved = [(cls, cls.main_loss_backward_scale) for cls in _loss_scalers()]
+    saved = [(cls, v.clone() if isinstance(v, torch.Tensor) else v) for cls, v in saved]
+    mode = contextlib.nullcontext() if torch.cuda.is_available() else _CudaFactoriesOnCpu()
+    try:
+        with mode:
+            yield
+    finally:
+        for cls, v in saved:
+            cls.main_loss_backward_scale = v
+
+
+def _lm_loss_step(data_iterator, model):
+    """megatron-core ``forward_step_func``: this micro-batch's tokens as labels, the mean LM loss."""
+    ids = next(data_iterator)
+    pos = torch.arange(ids.shape[1])[None].expand_as(ids)
+    out = model(ids, pos, attention_mask=None, labels=ids)
+
+    def loss_func(output):
+        loss = output.float().mean()
+        return loss, {"lm loss": loss.detach()}
+
+    return out, loss_func
+
+
+def schedule_step_grads(model, batches) -> tuple[float | None, dict[str, torch.Tensor]]:
+    """:func:`train_step_grads` through megatron-core's own schedule (``get_forward_backward_func()``); the P2P
+    tensors' shapes are the schedule's (``get_tensor_shapes``). Returns (mean LM loss on the last stage else None,
+    finalised gradients)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    model.train()
+    model.zero_grad(set_to_none=True)
+    b, s = batches[0].shape
+    with schedule_on_cpu():
+        reduced = get_forward_backward_func()(
+            forward_step_func=_lm_loss_step, data_iterator=iter(batches), model=[model],
+            num_microbatches=len(batches), seq_length=s, micro_batch_size=b, forward_only=False,
+        )
+    _finalize_grads(model, ps.get_pipeline_model_parallel_world_size())
+    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+    last = ps.is_pipeline_last_stage()
+    loss = float(sum(r["lm loss"].item() for r in reduced) / len(reduced)) if last else None
     return loss, grads
 
 
@@ -148,11 +228,12 @@ def _finalize_grads(model, pp: int) -> None:
 
 def parallel_case(rank: int, world: int, *, raw: dict, weights: str, grads_out: str, tp: int, pp: int, ep: int,
                   vocab: int, backend: str = "megatron", cp: int = 1, moe_grouped_gemm: str = "off",
-                  policy_overrides: dict | None = None) -> dict:
+                  policy_overrides: dict | None = None, mcore_schedule: bool = False) -> dict:
     """Load the reference weights at (TP, PP, EP), run the micro-batches, save gradients as a dist checkpoint.
     ``moe_grouped_gemm="on"``: routed experts are ``TorchGroupedMLP`` (the reference runs ``SequentialMLP``).
     ``policy_overrides``: more ``RuntimePolicy`` fields (e.g. the indexer loss); the logged indexer loss per tracker
-    slot comes back as ``indexer_loss`` (reduced over PP, as Megatron-LM's log does)."""
+    slot comes back as ``indexer_loss`` (reduced over PP, as Megatron-LM's log does). ``mcore_schedule``: through
+    megatron-core's schedule (:func:`schedule_step_grads`) instead of the written-out one."""
     from megatron.core import dist_checkpointing
 
     from megatron_glm5.architectures import parse_architecture as parse_hf_config  # GLM-5.x and GLM-5.3-Flash
@@ -166,7 +247,9 @@ def parallel_case(rank: int, world: int, *, raw: dict, weights: str, grads_out: 
                                 moe_grouped_gemm=moe_grouped_gemm, **(policy_overrides or {}))
     model = build_model(parse_hf_config(raw), policy, backend=backend)
     load_weights(model, weights)
-    loss, grads = train_step_grads(model, make_batches(vocab), vocab=vocab)
+    batches = make_batches(vocab)
+    loss, grads = schedule_step_grads(model, batches) if mcore_schedule else train_step_grads(model, batches,
+                                                                                             vocab=vocab)
     dist_checkpointing.save(tensor_sharded_state_dict(model, grads), grads_out)
     experts = sorted({type(m).__name__ for n, m in model.named_modules() if n.endswith("mlp.experts")})
     return {"loss": loss, "layers": len(model.decoder.layers), "experts": experts, "indexer_loss": _indexer_log()}
@@ -184,10 +267,12 @@ def _indexer_log() -> list[float] | None:
     return values
 
 
-def reference_run(raw: dict, weights_dir: str, policy_overrides: dict | None = None):
+def reference_run(raw: dict, weights_dir: str, policy_overrides: dict | None = None, *,
+                  mcore_schedule: bool = False):
     """Single-process reference (``megatron`` backend): saves the weights as a dist checkpoint; returns (loss,
     grads), and with ``policy_overrides`` (e.g. the indexer loss) also the logged indexer loss per slot.
-    Initialises and tears down a 1-rank model-parallel state."""
+    ``mcore_schedule``: through megatron-core's schedule (:func:`schedule_step_grads`). Initialises and tears down a
+    1-rank model-parallel state."""
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
@@ -202,7 +287,9 @@ def reference_run(raw: dict, weights_dir: str, policy_overrides: dict | None = N
         torch.manual_seed(0)
         model = build_model(parse_hf_config(raw), default_cpu_policy(**(policy_overrides or {})))
         dist_checkpointing.save(model.sharded_state_dict(), weights_dir)
-        loss, grads = train_step_grads(model, make_batches(raw["vocab_size"]), vocab=raw["vocab_size"])
+        batches = make_batches(raw["vocab_size"])
+        loss, grads = schedule_step_grads(model, batches) if mcore_schedule else \
+            train_step_grads(model, batches, vocab=raw["vocab_size"])
         if policy_overrides is None:
             return loss, grads
         return loss, grads, _indexer_log()
@@ -233,3 +320,75 @@ def grad_errors(grads: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) ->
     """max |diff| / max |ref| per parameter."""
     assert set(grads) == set(ref), set(grads) ^ set(ref)
     return {n: ((grads[n] - r).abs().max() / r.abs().max().clamp_min(1e-12)).item() for n, r in ref.items()}
+
+
+def pretrain_pipeline_steps(rank: int, world: int, *, hf_dir: str, flags: list[str], steps: int = 3) -> dict:
+    """``python -m megatron_glm5.pretrain``'s own pieces at PP = ``world`` without Megatron-LM's training loop (it
+    needs CUDA): its argument handling (``--hf-config`` applied, validated with Megatron-LM's ``validate_args``), its
+    model provider for this rank's stage and its ``forward_step`` / loss through megatron-core's schedule, ``steps``
+    Adam steps on one repeated mock batch. Returns the last stage's losses (None elsewhere) and the stage's layers."""
+    import sys
+
+    from megatron.core import parallel_state as ps
+    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.global_vars import set_global_variables, unset_global_variables
+
+    from megatron_glm5.config import load_hf_config
+    from megatron_glm5.families import parse_architecture
+    from megatron_glm5.parallel import initialize_model_parallel
+    from megatron_glm5.pretrain import (
+        add_glm5_args,
+        apply_architecture,
+        disable_unavailable_fusions,
+        forward_step,
+        model_provider,
+    )
+
+    argv = ["--hf-config", hf_dir, *flags]
+    saved_argv, sys.argv = sys.argv, ["pretrain", *argv]
+    try:
+        args = parse_args(extra_args_provider=add_glm5_args)
+    finally:
+        sys.argv = saved_argv
+    arch = parse_architecture(load_hf_config(hf_dir))
+    apply_architecture(args, arch, argv)
+    disable_unavailable_fusions(args)
+    validate_args(args, {})
+    set_global_variables(args)
+    try:
+        initialize_model_parallel(pipeline_model_parallel_size=args.pipeline_model_parallel_size)
+        model = model_provider(arch, "megatron", pre_process=ps.is_pipeline_first_stage(),
+                               post_process=ps.is_pipeline_last_stage())
+        gen = torch.Generator().manual_seed(3)
+        tokens = torch.randint(0, arch.vocab_size, (args.micro_batch_size, args.seq_length), generator=gen)
+        batch = {"tokens": tokens, "labels": tokens.roll(-1, 1), "loss_mask": torch.ones(tokens.shape),
+                 "position_ids": torch.arange(args.seq_length)[None].expand_as(tokens)}
+        optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+        losses = []
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        for _ in range(steps):
+            model.zero_grad(set_to_none=True)
+            with schedule_on_cpu():
+                reduced = get_forward_backward_func()(
+                    forward_step_func=forward_step, data_iterator=iter([batch]), model=[model], num_microbatches=1,
+                    seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, forward_only=False)
+            _finalize_grads(model, ps.get_pipeline_model_parallel_world_size())
+            optimizer.step()
+            if ps.is_pipeline_last_stage():
+                total, count = reduced[0]["lm loss"].tolist()
+                losses.append(total / count)
+        return {"losses": losses if ps.is_pipeline_last_stage() else None,
+                "layers": [la.layer_number - 1 for la in model.decoder.layers], "mtp": bool(model.mtp_process)}
+    finally:
+        unset_global_variables()
+        destroy_model_parallel()
+
+
+def flash_pipeline_case(rank: int, world: int, *, parity: dict, pretrain: dict) -> dict:
+    """The GLM-5.3-Flash PP=2 checks of one torchrun: :func:`parallel_case` through megatron-core's schedule, then
+    :func:`pretrain_pipeline_steps`."""
+    result = parallel_case(rank, world, **parity)
+    destroy_model_parallel()
+    result["pretrain"] = pretrain_pipeline_steps(rank, world, **pretrain)
+    return result

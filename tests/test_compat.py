@@ -21,8 +21,8 @@ def test_probe_passes_on_installed_versions(hook):
     hook.probe()
 
 
-def test_ten_hooks_cover_the_design_list():
-    assert len(compat.HOOKS) == 10
+def test_eleven_hooks_cover_the_design_list():
+    assert len(compat.HOOKS) == 11
     assert compat.check_all() == []
 
 
@@ -50,6 +50,40 @@ def test_probe_fails_when_whitelist_entry_moves(monkeypatch):
 
     monkeypatch.delattr(absorbed_mla, "TEColumnParallelLinear")
     assert any("whitelist" in f for f in compat.check_all())
+
+
+def test_probe_fails_when_the_schedule_stops_asking_get_tensor_shapes(monkeypatch):
+    from megatron.core.pipeline_parallel import schedules
+
+    def inline_shapes(*, config, seq_length, micro_batch_size, **kwargs):  # shapes computed inline: no hook point
+        return [[seq_length, micro_batch_size, config.hidden_size]]
+
+    monkeypatch.setattr(schedules, "forward_backward_pipelining_without_interleaving", inline_shapes)
+    assert any("get_tensor_shapes" in f for f in compat.check_all())
+
+
+def test_pipeline_shape_hook_widens_only_configs_that_ask():
+    """The wrapper sends ``config.pipeline_hidden_size`` (GLM-5.3-Flash's mHC streams) and leaves every other config
+    (GLM-5.x, a variable-length run) with megatron-core's own shapes."""
+    from types import SimpleNamespace
+
+    from megatron.core.pipeline_parallel import schedules
+
+    compat.send_pipeline_hidden_size()
+    compat.send_pipeline_hidden_size()  # once: the wrapper is not wrapped again
+    assert compat.is_patched(schedules, "get_tensor_shapes")
+    one = SimpleNamespace(size=lambda: 2)
+    base = dict(variable_seq_lengths=False, sequence_parallel=True, hidden_size=8)
+
+    def shapes(**cfg):
+        return [tuple(s) for s in schedules.get_tensor_shapes(seq_length=16, micro_batch_size=3,
+                                                                decoder_seq_length=None, config=SimpleNamespace(**cfg),
+                                                                tp_group=one, cp_group=one)]
+
+    assert shapes(**base) == [(4, 3, 8)]  # s / CP / TP (sequence parallel)
+    assert shapes(**base, pipeline_hidden_size=32) == [(4, 3, 32)]
+    assert shapes(**{**base, "variable_seq_lengths": True}, pipeline_hidden_size=32) == [()]
+    assert getattr(schedules.get_tensor_shapes, compat._WRAPPED) is compat._mcore_get_tensor_shapes()
 
 
 def test_checkpoint_node_is_the_running_checkpoint():

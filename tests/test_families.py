@@ -49,7 +49,7 @@ def test_dispatch_by_model_type():
 
 def test_glm5_supports_everything_the_registry_names():
     glm5 = families.family_named("glm5")
-    for feature in ("context parallelism", "the indexer loss", "the indexer warm-up"):
+    for feature in ("context parallelism", "virtual pipeline parallelism", "the indexer loss", "the indexer warm-up"):
         glm5.refuse(feature)  # no error
 
 
@@ -57,11 +57,13 @@ def test_glm5_supports_everything_the_registry_names():
     "policy, build, feature",
     [
         (dict(context_parallel_size=2), {}, "context parallelism"),
+        (dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2), {},
+         "virtual pipeline parallelism"),
         (dict(dsa_indexer_loss_coeff=1.0), {}, "the indexer loss"),
         (dict(dsa_indexer_warmup=True), {}, "the indexer warm-up"),
         ({}, dict(indexer_warmup=True), "the indexer warm-up"),
     ],
-    ids=["context-parallel", "indexer-loss", "warmup-policy", "warmup-argument"],
+    ids=["context-parallel", "virtual-pipeline", "indexer-loss", "warmup-policy", "warmup-argument"],
 )
 def test_flash_refuses_unsupported_combinations_by_name(model_parallel, policy, build, feature):
     with pytest.raises(UnsupportedFeatureError, match=rf"GLM-5.3-Flash does not support {feature} yet: "):

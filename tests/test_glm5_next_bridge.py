@@ -9,8 +9,9 @@
 * In memory: ``from_hf_pretrained`` -> ``export_hf`` is bitwise (the vision tower comes from the source the model
   remembers); ``load_megatron_checkpoint`` -> ``export_hf`` too; ``verify`` passes in fp32 (full and
   layer-truncated).
-* Refusals naming the fix: MTP tensors without ``num_nextn_predict_layers``, mixed namings, ``--pp 2``, an export of a
-  vision model without its vision tensors.
+* Refusals naming the fix: MTP tensors without ``num_nextn_predict_layers``, mixed namings, a ``--pp`` whose stages
+  cannot all start before a full DSA layer (``--pp 2`` splits 1 + 3: layer 2 is shared), an export of a vision model
+  without its vision tensors.
 """
 
 from __future__ import annotations
@@ -115,8 +116,15 @@ def test_refusals(disk_checkpoint, tmp_path, model_parallel):
     with pytest.raises(BridgeError, match=r"layer\(s\) \[4\] after the 4 decoder layers .* \"num_nextn_predict_"
                                              r"layers\": 1"):
         bridge.convert_hf_to_megatron(hf_path=src, megatron_path=tmp_path / "x")
-    with pytest.raises(BridgeError, match="pipeline parallelism is not supported for GLM-5.3-Flash yet"):
-        bridge.convert_hf_to_megatron(hf_path=disk_checkpoint, megatron_path=tmp_path / "y", pp=2)
+    from bridge.launch import check_parallel_layout
+    from megatron_glm5.architectures import parse_architecture
+
+    arch = parse_architecture(json.loads((disk_checkpoint / "config.json").read_text()))  # KDA, full, shared, KDA
+    assert check_parallel_layout(arch, 1, 2, 1) == {"num_layers_in_first_pipeline_stage": 1,
+                                                    "num_layers_in_last_pipeline_stage": 3}
+    with pytest.raises(BridgeError, match=r"--pp 4: cannot split 4 layers .* \(valid stage starts: layers "
+                                          r"\[0, 1, 3\]\); valid --pp: 1, 2"):
+        bridge.convert_hf_to_megatron(hf_path=disk_checkpoint, megatron_path=tmp_path / "y", pp=4)
     from bridge.glm5_next_mapping import detect_naming
 
     with pytest.raises(TensorSetError, match="mixes transformers' on-disk names"):

@@ -5,8 +5,18 @@ TP the KDA heads, their convolution / ``A_log`` / ``dt_bias`` are split, the sha
 output norm and the mHC parameters are summed over TP as sequence-parallel parameters. The ``tilelang`` backend's
 torch path is checked at TP=2 + SP too.
 
-Conversion: a checkpoint written by ``save_pretrained`` imported by two ranks at TP=2 and at EP=2 exports back
-bitwise (MTP and vision included)."""
+Pipeline parallelism: PP=2 through megatron-core's own 1F1B schedule
+(``forward_backward_pipelining_without_interleaving``: its P2P shapes, sends and loss scaling) equals the same
+schedule in one process (``forward_backward_no_pipelining``), on an 8-layer model whose stage boundary
+carries the mHC streams (``[s, b, 4 * hidden]``) into a stage that starts on a KDA layer, and whose stages each pass
+a full layer's top-k to a shared one (across a KDA layer on the second); MTP on the last stage. In the same torchrun,
+``python -m megatron_glm5.pretrain``'s arguments (``--pipeline-model-parallel-size 2``, an uneven split), model
+provider and forward step train the tiny model for 3 steps through that schedule (Megatron-LM's loop itself needs
+CUDA).
+
+Conversion: a checkpoint written by ``save_pretrained`` imported by two ranks at TP=2, at EP=2 and at PP=2 (stages of
+1 + 3 layers: the second starts on the full DSA layer 1, MTP on the last) exports back bitwise (MTP and vision
+included)."""
 
 from __future__ import annotations
 
@@ -51,15 +61,70 @@ def test_parallel_matches_single_process(reference, gloo_world, tmp_path, tp, ep
     assert not bad, f"max |grad diff| / max |grad| above 1e-5: {bad}"
 
 
+KDA, DSA = "linear_attention", "indexed_attention"
+PP_LAYERS = dict(  # stage 0: layers 0-3, stage 1: layers 4-7 (the even split)
+    num_hidden_layers=8,
+    layer_types=[KDA, DSA, DSA, KDA, KDA, DSA, KDA, DSA],
+    indexer_types=["full", "full", "shared", "full", "full", "full", "full", "shared"],
+    mlp_layer_types=["dense"] + ["sparse"] * 7,
+)
+
+
+@pytest.fixture(scope="module")
+def pp_reference(tmp_path_factory):
+    """One process through megatron-core's schedule (forward_backward_no_pipelining)."""
+    raw = {"model_type": "glm5_next", **tiny_flash_config(**PP_LAYERS)["text_config"]}
+    weights = str(tmp_path_factory.mktemp("flash_pp_ref_weights"))
+    loss, grads = reference_run(raw, weights, mcore_schedule=True)
+    return raw, weights, loss, grads
+
+
+PRETRAIN_FLAGS = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--seq-length", "48", "--micro-batch-size", "1",
+                  "--global-batch-size", "1", "--train-iters", "3", "--lr", "1e-2",
+                  "--pipeline-model-parallel-size", "2",  # KDA, full, shared, KDA: the second stage starts on layer 1
+                  "--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "3"]
+
+
+def test_pp2_megatron_schedule_matches_single_process(pp_reference, gloo_world, tmp_path):
+    """PP=2 equals one process; in the same torchrun, ``python -m megatron_glm5.pretrain``'s arguments, model provider
+    and forward step train the tiny model at PP=2 through megatron-core's schedule (the loss goes down)."""
+    import json
+
+    raw, weights, ref_loss, ref_grads = pp_reference
+    grads_dir = tmp_path / "grads"
+    grads_dir.mkdir()
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(json.dumps({"model_type": "glm5_next", **tiny_flash_config()}))
+    parity = dict(raw=raw, weights=weights, grads_out=str(grads_dir), tp=1, pp=2, ep=1, vocab=raw["vocab_size"],
+                  mcore_schedule=True)
+    results = run_torchrun("tests.parallel_workers:flash_pipeline_case", tmp_path, nproc=2, parity=parity,
+                           pretrain=dict(hf_dir=str(hf_dir), flags=PRETRAIN_FLAGS))
+    assert [r["layers"] for r in results] == [4, 4]
+    assert results[0]["loss"] is None, "only the last stage computes the loss"
+    loss = results[1]["loss"]
+    assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss), f"loss {loss} vs single-process {ref_loss}"
+    errors = grad_errors(load_sharded_grads(raw, str(grads_dir)), ref_grads)
+    print(f"pp=2: loss rel diff {abs(loss - ref_loss) / abs(ref_loss):.1e}, max grad rel diff "
+          f"{max(errors.values()):.1e}; pretrain losses {results[1]['pretrain']['losses']}")
+    bad = {n: f"{e:.2e}" for n, e in errors.items() if e > 1e-5}
+    assert not bad, f"max |grad diff| / max |grad| above 1e-5: {bad}"
+    first, last = (r["pretrain"] for r in results)
+    assert (first["layers"], last["layers"]) == ([0], [1, 2, 3]) and (first["mtp"], last["mtp"]) == (False, True)
+    assert first["losses"] is None and len(last["losses"]) == 3
+    assert last["losses"][-1] < last["losses"][0], last["losses"]
+
+
 def test_two_rank_imports_roundtrip_bitwise(tmp_path):
     import bridge
     from megatron_glm5.glm5_next.testing import write_transformers_checkpoint
 
     src = write_transformers_checkpoint(tmp_path / "hf")
-    cases = [dict(hf=str(src), out=str(tmp_path / f"mc_{tp}{ep}"), tp=tp, pp=1, ep=ep) for tp, ep in ((2, 1), (1, 2))]
+    cases = [dict(hf=str(src), out=str(tmp_path / f"mc_{tp}{pp}{ep}"), tp=tp, pp=pp, ep=ep)
+             for tp, pp, ep in ((2, 1, 1), (1, 1, 2), (1, 2, 1))]
     run_torchrun("tests.bridge_workers:import_cases", tmp_path, nproc=2, cases=cases)
     for c in cases:
-        out = tmp_path / f"hf_{c['tp']}{c['ep']}"
+        out = tmp_path / f"hf_{c['tp']}{c['pp']}{c['ep']}"
         bridge.convert_megatron_to_hf(megatron_path=c["out"], hf_path=out)
         report = bridge.compare_hf_checkpoints(src, out)
         assert report["ok"], (c, report["mismatches"][:5])

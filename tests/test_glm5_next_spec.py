@@ -6,7 +6,9 @@
   multiple of the pool size, a shared DSA layer with no full DSA layer before it (also across KDA layers), biases.
 * The clamp cannot be dropped: config flags that lose it are refused when the spec is built, and a fused MLP class
   smuggled into a spec is refused when the layer is built.
-* IndexShare sources skip non-DSA layers; a pipeline stage whose first DSA layer is shared is refused.
+* IndexShare sources skip non-DSA layers; a pipeline stage whose first DSA layer is shared is refused, with a valid
+  split (a KDA layer may start a stage); the mHC model's stages are built, and megatron-core's schedule sends the
+  streams' width; virtual pipeline stages are refused by name.
 * Clamped-SwiGLU MLPs built through the spec (dense MLP, MoE with shared and routed experts) equal transformers'
   ``Glm5NextTextMLP`` / ``Glm5NextTextMoE`` within 1e-6 on inputs where the clamp is active.
 """
@@ -30,6 +32,7 @@ from megatron_glm5.glm5_next.spec import (
     topk_sources,
     validate_stage_layers,
 )
+from megatron_glm5.core.stages import valid_stage_starts
 from megatron_glm5.glm5_next.swiglu import ClampedSwiGLUError, check_clamped_swiglu
 from megatron_glm5.model import default_cpu_policy
 from tests.glm5_next_fixtures import (
@@ -188,27 +191,44 @@ def test_stage_whose_first_dsa_layer_is_shared_is_refused():
     with pytest.raises(GLM5ConfigError, match=r"the first DSA layer of a stage is decoder layer 3 \(0-indexed\), a "
                                               r"'shared' layer that reuses the top-k of layer 0 on an earlier stage"):
         validate_stage_layers(layers, idx, [1, 2, 3])
+    # a KDA layer may start a stage when the next DSA layer is full (4); 1 and 2 may not (layer 3 is shared)
+    assert valid_stage_starts(idx, [lt == DSA for lt in layers]) == (0, 4, 5)
+    with pytest.raises(GLM5ConfigError, match=r"A valid split: stage sizes \[4, 2\]"):
+        validate_stage_layers(layers, idx, [3, 4, 5], stages=2)
 
 
 def test_block_spec_pipeline_split(model_parallel):
-    """With mHC streams (the real model) pipeline parallelism is refused, naming why; the IndexShare stage rule is
-    checked on plain layers (``hc_mult=0``)."""
-    raw = tiny_raw()
+    """Pipeline stages of the mHC model: an even split builds both stages, the 1F1B schedule is told the streams'
+    width; a stage whose first DSA layer is shared is refused with a valid split; virtual stages are refused."""
+    from megatron.core.pipeline_parallel import schedules
+
+    from megatron_glm5 import compat
+
+    raw = tiny_raw()  # full, shared, full, shared
     arch = parse_glm5_next_config(raw)
-    with pytest.raises(GLM5ConfigError, match="pipeline parallelism .* not supported for GLM-5.3-Flash yet: its mHC"):
-        build_glm5_next_block_spec(mcore_config(raw, pipeline_model_parallel_size=2), layer_types=arch.layer_types,
-                                   indexer_types=arch.indexer_types, pp_rank=0)
-    cfg = dataclasses.replace(mcore_config(raw, pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=1),
-                              hc_mult=0)
-    with pytest.raises(GLM5ConfigError, match="decoder layer 1"):  # stage 1 = layers 1..3, layer 1 is shared
-        build_glm5_next_block_spec(cfg, layer_types=arch.layer_types, indexer_types=arch.indexer_types, pp_rank=1)
-    even = dataclasses.replace(mcore_config(raw, pipeline_model_parallel_size=2), hc_mult=0)
+    even = mcore_config(raw, pipeline_model_parallel_size=2)
+    assert even.hc_mult == 4 and even.pipeline_hidden_size == 4 * HIDDEN
     for rank in (0, 1):
         block = build_glm5_next_block_spec(even, layer_types=arch.layer_types, indexer_types=arch.indexer_types,
                                            pp_rank=rank)
         kinds = [s.submodules.self_attention.submodules.core_attention.params["indexer_type"] for s in
                  block.layer_specs]
         assert kinds == ["full", "shared"]
+        assert [s.params["expand_streams"] for s in block.layer_specs] == [rank == 0, False]
+    assert compat.is_patched(schedules, "get_tensor_shapes")
+    one = type("G", (), {"size": staticmethod(lambda: 1)})
+    shapes = schedules.get_tensor_shapes(seq_length=48, micro_batch_size=2, decoder_seq_length=None, config=even,
+                                         tp_group=one, cp_group=one)
+    assert [tuple(s) for s in shapes] == [(48, 2, 4 * HIDDEN)]
+    first1 = mcore_config(raw, pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=1)
+    with pytest.raises(GLM5ConfigError, match=r"a stage starts on decoder layer 1 .* A valid split: stage sizes "
+                                              r"\[2, 2\]"):  # stage 1 = layers 1..3, layer 1 is shared
+        build_glm5_next_block_spec(first1, layer_types=arch.layer_types, indexer_types=arch.indexer_types, pp_rank=1)
+    vpp = dataclasses.replace(even, virtual_pipeline_model_parallel_size=2)
+    with pytest.raises(GLM5ConfigError, match=r"virtual_pipeline_model_parallel_size=2: virtual pipeline stages are "
+                                              r"not supported for GLM-5.3-Flash yet: .* \[s, b, 256\]"):
+        build_glm5_next_block_spec(vpp, layer_types=arch.layer_types, indexer_types=arch.indexer_types, pp_rank=0,
+                                   vp_stage=0)
 
 
 # --------------------------------------------------------------------------------------------------------------------

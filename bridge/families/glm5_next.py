@@ -43,17 +43,11 @@ def truncate_config(raw: Mapping, arch: Any, num_layers: int) -> dict:
 
 
 def check_layout(arch: Any, tp: int, pp: int, ep: int, *, source: str) -> None:
-    """TP divides the KDA heads; no pipeline parallelism yet (the mHC streams would cross stage boundaries at
-    ``hc_mult`` times the width megatron-core's schedules send)."""
-    problems = []
+    """TP divides the KDA heads (the pipeline split is checked for every family:
+    :func:`bridge.launch.pipeline_split`)."""
     if arch.kda_layers and arch.linear_num_heads % tp:
-        problems.append(f"--tp {tp} must divide linear_num_heads ({arch.linear_num_heads}): KDA heads are split "
-                        "over TP ranks")
-    if pp > 1:
-        problems.append(f"--pp {pp}: pipeline parallelism is not supported for GLM-5.3-Flash yet (its mHC streams "
-                        "would cross stage boundaries); the checkpoint is reshardable, convert with --pp 1")
-    if problems:
-        raise BridgeError(f"{source}: " + "; ".join(problems))
+        raise BridgeError(f"{source}: --tp {tp} must divide linear_num_heads ({arch.linear_num_heads}): KDA heads are "
+                          "split over TP ranks")
 
 
 def needs_passthrough(arch: Any) -> bool:

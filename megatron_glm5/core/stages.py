@@ -57,10 +57,25 @@ def topk_sources(indexer_types: Sequence[str], is_dsa: Sequence[bool] | None = N
     return tuple(sources)
 
 
+def valid_stage_starts(indexer_types: Sequence[str], is_dsa: Sequence[bool] | None = None) -> tuple[int, ...]:
+    """The layers a pipeline stage (or virtual chunk) may start on, whatever its end: those whose first DSA layer
+    from there on is "full" (or that have no DSA layer after them). With every layer DSA (GLM-5.x) these are the full
+    layers; a non-DSA layer (GLM-5.3-Flash's KDA) is a valid start when the next DSA layer is full."""
+    sources = topk_sources(indexer_types, is_dsa)
+    starts, next_dsa_full = [], True
+    for i in reversed(range(len(sources))):
+        if sources[i] is not None:
+            next_dsa_full = sources[i] == i
+        if next_dsa_full:
+            starts.append(i)
+    return tuple(reversed(starts))
+
+
 def validate_stage_layers(indexer_types: Sequence[str], local_layer_ids: Sequence[int], *,
                           is_dsa: Sequence[bool] | None = None, stages: int = 1) -> None:
-    """The first DSA layer of a pipeline stage (or virtual chunk) must be "full". ``stages`` (pipeline x virtual
-    stages), when more than one, adds a valid split to the error."""
+    """The first DSA layer of a pipeline stage (or virtual chunk) must be "full": a stage starts without a top-k
+    (none crosses a stage boundary). ``stages`` (pipeline x virtual stages), when more than one, adds a valid split
+    to the error."""
     sources = topk_sources(indexer_types, is_dsa)
     first = next((i for i in local_layer_ids if sources[i] is not None), None)
     if first is None or sources[first] == first:
@@ -70,17 +85,19 @@ def validate_stage_layers(indexer_types: Sequence[str], local_layer_ids: Sequenc
     raise GLM5ConfigError(
         f"pipeline split is invalid for IndexShare: {where} decoder layer {first} (0-indexed), a 'shared' layer "
         f"that reuses the top-k of layer {sources[first]} on an earlier stage. Every stage's first DSA layer must "
-        f"be 'full'; full DSA layers are {full}." + (_valid_split_suggestion(full, len(sources), stages)
-                                                      if stages > 1 else "")
+        f"be 'full'; full DSA layers are {full}." + (
+            _valid_split_suggestion(valid_stage_starts(indexer_types, is_dsa), len(sources), stages)
+            if stages > 1 else "")
     )
 
 
-def _valid_split_suggestion(full: Sequence[int], n: int, stages: int) -> str:
-    """Stage sizes close to even whose every stage starts on a full layer (greedy on the full-layer positions)."""
+def _valid_split_suggestion(starts_ok: Sequence[int], n: int, stages: int) -> str:
+    """Stage sizes close to even whose every stage starts on a valid start (:func:`valid_stage_starts`; greedy on
+    their positions)."""
     starts = [0]
     for s in range(1, stages):
         ideal = round(s * n / stages)
-        candidates = [i for i in full if i > starts[-1]]
+        candidates = [i for i in starts_ok if i > starts[-1]]
         if not candidates:
             return ""
         starts.append(min(candidates, key=lambda i: (abs(i - ideal), i)))

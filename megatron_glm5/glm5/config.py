@@ -101,6 +101,11 @@ class GLM5Architecture(MLAGeometry):
         return self.qk_head_dim**-0.5 * (_yarn_mscale(self.yarn) ** 2)
 
     @property
+    def dsa_layers(self) -> tuple[int, ...]:
+        """Every GLM-5.x decoder layer is a DSA layer (GLM-5.3-Flash's architecture has the same view)."""
+        return tuple(range(self.num_hidden_layers))
+
+    @property
     def full_indexer_layers(self) -> tuple[int, ...]:
         return tuple(i for i, t in enumerate(self.indexer_types) if t == "full")
 

@@ -17,8 +17,12 @@ clamped-SwiGLU MoE. Importing the package loads nothing heavy and patches nothin
 * The KPool indexer lives with the other DSA code: :mod:`megatron_glm5.dsa.kpool` (torch reference) and
   :mod:`megatron_glm5.dsa.kpool_indexer` (the megatron-core module and its selection over a token layout).
 
-Not yet: pipeline parallelism (the mHC streams would cross stage boundaries), context parallelism and the KPool
-indexer's loss (both refused by name, ``Family.unsupported``), an inference cache.
+Pipeline parallelism: the stages exchange the mHC streams (``[s, b, hc_mult * hidden]``, the config's
+``pipeline_hidden_size``; megatron-core's 1F1B schedule is told that width by
+:func:`megatron_glm5.compat.send_pipeline_hidden_size`), and each stage's first DSA layer must be full (a stage may
+start on a KDA layer before one).
+Not yet: virtual pipeline stages, context parallelism and the KPool indexer's loss (refused by name,
+``Family.unsupported``), an inference cache.
 """
 
 from .config import GLM5NextArchitecture, parse_glm5_next_config

@@ -113,6 +113,13 @@ class GLM5NextTransformerConfig(MLATransformerConfig):
         tail = self.dsa_indexer_kpool - 1 if self.dsa_indexer_kpool_select_tail else 0
         return self.dsa_indexer_topk + tail
 
+    @property
+    def pipeline_hidden_size(self) -> int:
+        """Last dim of the hidden states between decoder layers, hence between pipeline stages: the ``hc_mult`` mHC
+        streams side by side (``[s, b, hc_mult * hidden_size]``), or ``hidden_size`` without mHC
+        (:func:`megatron_glm5.compat.send_pipeline_hidden_size` makes megatron-core's schedule send that width)."""
+        return self.hidden_size * max(1, self.hc_mult)
+
 
 # GLM-5.3-Flash's rows beyond the shared table: (GLM5NextArchitecture field, megatron-core field)
 _FIELDS: tuple[tuple[str, str], ...] = (

@@ -45,10 +45,11 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
+from ..compat import send_pipeline_hidden_size
 from ..core.hf_config import GLM5ConfigError
 from ..core.mla_spec import check_runtime_dependencies, dsa_attention_spec, indexer_spec, wrong_numerics
 from ..core.patterns import mlp_types_from_mcore
-from ..core.stages import local_layer_ids
+from ..core.stages import local_layer_ids, pipeline_stages
 from ..core.stages import topk_sources as _topk_sources
 from ..core.stages import validate_stage_layers as _validate_stages
 from ..dsa.attention import GLMAbsorbedMLASelfAttention
@@ -217,24 +218,31 @@ def topk_sources(layer_types: Sequence[str], indexer_types: Sequence[str]) -> tu
 
 
 def validate_stage_layers(layer_types: Sequence[str], indexer_types: Sequence[str],
-                          local_layer_ids: Sequence[int]) -> None:
-    """A pipeline stage (or virtual chunk) starts without a top-k: its first DSA layer must be full."""
+                          local_layer_ids: Sequence[int], stages: int = 1) -> None:
+    """A pipeline stage (or virtual chunk) starts without a top-k: its first DSA layer must be full. ``stages``
+    (pipeline x virtual stages), when more than one, adds a valid split to the error."""
     topk_sources(layer_types, indexer_types)
-    _validate_stages(indexer_types, local_layer_ids, is_dsa=[lt == "indexed_attention" for lt in layer_types])
+    _validate_stages(indexer_types, local_layer_ids, is_dsa=[lt == "indexed_attention" for lt in layer_types],
+                     stages=stages)
 
 
 def check_pipeline_support(config) -> None:
-    """mHC streams are ``hc_mult`` times wider than megatron-core's pipeline schedules send between stages
-    (``[s, b, hidden_size]``): refused until the stage boundary carries them."""
-    pp = config.pipeline_model_parallel_size
+    """Pipeline stages of an mHC model exchange the streams, ``[s, b, hc_mult * hidden]``
+    (``GLM5NextTransformerConfig.pipeline_hidden_size``): megatron-core's 1F1B schedule is told that width
+    (:func:`megatron_glm5.compat.send_pipeline_hidden_size`). Its interleaved schedule computes ``[s, b,
+    hidden_size]`` inline, so virtual pipeline stages are refused (:func:`megatron_glm5.model.build_model` refuses them
+    earlier, by the family's name for them)."""
+    if not config.hc_mult or config.pipeline_model_parallel_size == 1:
+        return
     vpp = config.virtual_pipeline_model_parallel_size
-    if config.hc_mult and (pp > 1 or (vpp or 1) > 1):
+    if (vpp or 1) > 1:
         raise GLM5ConfigError(
-            f"pipeline parallelism (pipeline_model_parallel_size={pp}, virtual={vpp}) is not supported for "
-            f"GLM-5.3-Flash yet: its mHC residual streams ([s, b, hc_mult * hidden] = {config.hc_mult} x "
-            f"{config.hidden_size}) would have to cross stage boundaries, and megatron-core's schedules send "
-            "[s, b, hidden_size]; use tensor / expert / data parallelism"
+            f"virtual_pipeline_model_parallel_size={vpp}: virtual pipeline stages are not supported for GLM-5.3-Flash "
+            "yet: its stages exchange the mHC streams ([s, b, hc_mult * hidden] = "
+            f"[s, b, {config.pipeline_hidden_size}]), and megatron-core's interleaved schedule sends [s, b, "
+            "hidden_size]; use pipeline parallelism without virtual stages"
         )
+    send_pipeline_hidden_size()
 
 
 def build_glm5_next_block_spec(config, *, layer_types: Sequence[str], indexer_types: Sequence[str],
@@ -251,7 +259,7 @@ def build_glm5_next_block_spec(config, *, layer_types: Sequence[str], indexer_ty
         if len(seq) != n:
             raise GLM5ConfigError(f"{name} has {len(seq)} entries but the config has num_layers={n}")
     local = local_layer_ids(config, vp_stage, pp_rank)
-    validate_stage_layers(layer_types, indexer_types, local)
+    validate_stage_layers(layer_types, indexer_types, local, pipeline_stages(config))
     provider = provider or default_provider()
     mlps = mlp_types_from_mcore(config)
     hc = config.hc_mult > 0

@@ -241,7 +241,8 @@ def logprobs_forward_step(
                                           forward_only=True, collect_non_loss_data=True)
         # on the last stage: out == [{"logprobs": [T], "entropy": [T], "mask": [T]}, ...]
 
-    ``seq_length`` / ``micro_batch_size`` describe the tensors sent between stages: ``[s, b, hidden]`` with
+    ``seq_length`` / ``micro_batch_size`` describe the tensors sent between stages: ``[s, b, hidden]`` (GLM-5.3-Flash:
+    its mHC streams, ``hc_mult * hidden`` wide; the schedule learns that when the model is built) with
     ``s = T`` padded to a multiple of the TP size (THD) and ``b = 1`` (with CP: ``S / CP`` and ``n``; see
     :class:`~megatron_glm5.rl.packing.RankPlan`); use ``variable_seq_lengths=True`` in the model config when
     micro-batches differ in length.
