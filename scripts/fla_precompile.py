@@ -68,20 +68,24 @@ def run_one(spec: str) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--keys", default="tests", help=f"comma-separated key-set names: {', '.join(KEY_SETS)}")
+    p.add_argument("--keys", default=None, help=f"comma-separated key-set names: {', '.join(KEY_SETS)} (default tests, "
+                   "unless --key is given; both add up)")
     p.add_argument("--key", action="append", default=[], help="one key: dtype,layout,batch,heads,dim,tokens")
     p.add_argument("--workers", type=int, default=8)
     p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.keys is None and not args.key:
+        args.keys = "tests"
     if args.one:
         run_one(args.one)
         return 0
-    specs = list(args.key)
+    names = [n for n in (args.keys or "").split(",") if n]
+    unknown = [n for n in names if n not in KEY_SETS]
+    if unknown:
+        p.error(f"--keys: unknown key sets {unknown} (known: {', '.join(KEY_SETS)})")
+    specs = list(dict.fromkeys([s for n in names for s in KEY_SETS[n]] + list(args.key)))
     if not specs:
-        for name in args.keys.split(","):
-            if name not in KEY_SETS:
-                p.error(f"--keys: unknown key set {name!r} (known: {', '.join(KEY_SETS)})")
-            specs += KEY_SETS[name]
+        p.error("nothing to tune: give --keys and / or --key")
     env = dict(os.environ, PYTHONUNBUFFERED="1")
 
     def launch(spec: str) -> tuple[str, int, float, str]:

@@ -23,7 +23,11 @@
 #   bench_kda          scripts/bench/bench_kda.py: KDA kernel and layer, fla vs the torch reference, 4K / 16K / 64K
 #   bench_step         scripts/bench/bench_glm53_step.py: the GLM-5.3-Flash one-GPU slice through Megatron-LM's loop
 #                      (needs .mlm/), report in OUT_DIR/glm53_step.md
-#   multi_pp2          the same on 2 GPUs at --pipeline-model-parallel-size 2 (stages of 4 + 4 layers: the mHC streams
+#   dump_autotune      Triton's autotune records of this machine (fla's choices) as one OUT_DIR/triton_autotune.tar.gz:
+#                      python3 scripts/fla_tuned_configs.py triton_autotune.tar.gz --out scripts/fla_configs/<GPU>
+#                      turns them into fla config files; FLA_TUNED=1 then makes fla use them (FLA_CONFIG_DIR,
+#                      FLA_CACHE_MODE=full: no autotuning at all for the kernels they cover)
+#   multi_pp2          pretrain_megatron on 2 GPUs at --pipeline-model-parallel-size 2 (stages of 4 + 4 layers: the mHC streams
 #                      cross the boundary into a stage that starts on a KDA layer; MTP on the last stage)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -47,6 +51,15 @@ fi
 MLM=${MLM:-$PWD/.mlm}  # Megatron-LM (megatron.training) for the pretrain and bench_step steps, when carried
 export PYTHONPATH="$PWD:$FLA_SITE${PYTHONPATH:+:$PYTHONPATH}${MLM:+:$MLM}" PYTHONUNBUFFERED=1 TORCHDYNAMO_DISABLE=1
 export FLA_TILELANG=${FLA_TILELANG:-0}
+if [ "${FLA_TUNED:-0}" = 1 ]; then  # fla's config cache (read when fla is imported): see dump_autotune
+  GPU_NAME=$(python3 -c "import re, torch; print(re.sub('[^0-9A-Za-z]+', '_', torch.cuda.get_device_name(0)).strip('_'))")
+  if [ -d "scripts/fla_configs/$GPU_NAME" ]; then
+    export FLA_CONFIG_DIR="$PWD/scripts/fla_configs/$GPU_NAME" FLA_CACHE_MODE=${FLA_CACHE_MODE:-full}
+    echo "fla configs: $FLA_CONFIG_DIR ($FLA_CACHE_MODE)"
+  else
+    echo "FLA_TUNED=1 but no scripts/fla_configs/$GPU_NAME: fla autotunes as usual"
+  fi
+fi
 python3 -c "import fla, torch, triton; from fla.ops.kda import chunk_kda; print('fla', fla.__version__, '| torch', torch.__version__, '| triton', triton.__version__)"
 run() {  # run NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
@@ -68,6 +81,10 @@ for step in "${steps[@]}"; do
     pretrain_tilelang) run pretrain_tilelang 200 bash examples/pretrain_glm53_flash_tiny.sh tilelang ;;
     bench_kda) run bench_kda ${BENCH_KDA_LIMIT:-300} python3 scripts/bench/bench_kda.py --out "$OUT_DIR/kda.md" ${BENCH_KDA_ARGS:-} ;;
     bench_step) run bench_step ${BENCH_STEP_LIMIT:-540} python3 scripts/bench/bench_glm53_step.py --out "$OUT_DIR/glm53_step.md" ${BENCH_STEP_ARGS:-} ;;
+    dump_autotune)
+      cache=${TRITON_CACHE_DIR:-$HOME/.triton/cache}; out_abs=$(cd "$OUT_DIR" && pwd)
+      (cd "$cache" && find . -name '*.autotune.json' | tar czf "$out_abs/triton_autotune.tar.gz" -T -) &&
+        echo "===== [gpu_glm5_next] dump_autotune: $(tar tzf "$OUT_DIR/triton_autotune.tar.gz" | wc -l) records" ;;
     multi_pp2) NPROC=2 PARALLEL="--pipeline-model-parallel-size 2" run multi_pp2 200 \
       bash examples/pretrain_glm53_flash_tiny.sh megatron ;;
     *) echo "unknown step $step" ;;
