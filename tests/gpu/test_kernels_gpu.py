@@ -48,6 +48,18 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a @ b) / (a.norm() * b.norm()).clamp_min(1e-300))
 
 
+# Per-element check of gradients (issue 22): a global cosine >= 0.999 lets 0.1-0.2 % of the elements be wrong; the
+# largest element error relative to the tensor's scale does not. bf16 outputs round at 2^-9 of an element and the
+# kernels' bf16 P / dS operands add about as much, far below this bound; a wrong element is O(its own size).
+SCALED_ERR_BOUND = 2e-2
+
+
+def scaled_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |a - ref| / max |ref| (per element, relative to the tensor's scale)."""
+    a, ref = a.double(), ref.double()
+    return float((a - ref).abs().max() / ref.abs().max().clamp_min(1e-300))
+
+
 def causal_random_indices(t_len: int, topk: int, device, *, generator=None, starts=None) -> torch.Tensor:
     """Each row t: min(t + 1 - start, topk) distinct random rows of [start, t], -1 tail (the bench's layout)."""
     rows = torch.arange(t_len, device=device)
@@ -169,9 +181,12 @@ def test_bwd_matches_reference(heads, deterministic):
     out.backward(grad_out)
     _, _, dq_ref, dkv_ref = reference_fwd_bwd(q, kv, idx, grad_out)
     cq, ckv = cosine(q.grad, dq_ref), cosine(kv.grad, dkv_ref)
-    print(f"bwd H={heads} det={deterministic}: dq cos={cq:.6f} dkv cos={ckv:.6f}")
+    eq, ekv = scaled_err(q.grad, dq_ref), scaled_err(kv.grad, dkv_ref)
+    print(f"bwd H={heads} det={deterministic}: dq cos={cq:.6f} dkv cos={ckv:.6f}; per element: dq {eq:.2e} dkv "
+          f"{ekv:.2e} of the tensor's max")
     assert torch.isfinite(q.grad).all() and torch.isfinite(kv.grad).all()
     assert cq >= 0.999 and ckv >= 0.999
+    assert eq <= SCALED_ERR_BOUND and ekv <= SCALED_ERR_BOUND
     assert (q.grad[3] == 0).all()
 
 
@@ -190,8 +205,11 @@ def test_bwd_glm_shape_and_lse_gradient():
     o_ref, l_ref = ref.sparse_mla(qf, kvf, idx, SCALE, D_V, chunk=256)
     torch.autograd.backward((o_ref, l_ref), (grad_out.float(), grad_lse))
     cq, ckv = cosine(q.grad, qf.grad), cosine(kv.grad, kvf.grad)
-    print(f"bwd GLM T=2048 H=64 K=2048 (+dlse): dq cos={cq:.6f} dkv cos={ckv:.6f}")
+    eq, ekv = scaled_err(q.grad, qf.grad), scaled_err(kv.grad, kvf.grad)
+    print(f"bwd GLM T=2048 H=64 K=2048 (+dlse): dq cos={cq:.6f} dkv cos={ckv:.6f}; per element: dq {eq:.2e} dkv "
+          f"{ekv:.2e}")
     assert cq >= 0.999 and ckv >= 0.999
+    assert eq <= SCALED_ERR_BOUND and ekv <= SCALED_ERR_BOUND
 
 
 @pytest.mark.parametrize("heads", [16, 64])
@@ -231,8 +249,11 @@ def test_thd_packed_sequences_end_to_end():
     out.backward(grad_out)
     out_ref, lse_ref, dq_ref, dkv_ref = reference_fwd_bwd(q, kv, idx, grad_out)
     c = (cosine(out, out_ref), cosine(q.grad, dq_ref), cosine(kv.grad, dkv_ref))
-    print(f"THD packed: out cos={c[0]:.7f} dq cos={c[1]:.6f} dkv cos={c[2]:.6f} lse_err={check_lse(lse, lse_ref):.2e}")
+    e = (scaled_err(q.grad, dq_ref), scaled_err(kv.grad, dkv_ref))
+    print(f"THD packed: out cos={c[0]:.7f} dq cos={c[1]:.6f} dkv cos={c[2]:.6f} lse_err={check_lse(lse, lse_ref):.2e}; "
+          f"per element: dq {e[0]:.2e} dkv {e[1]:.2e}")
     assert c[0] >= 0.9999 and c[1] >= 0.999 and c[2] >= 0.999
+    assert max(e) <= SCALED_ERR_BOUND
 
 
 def test_interface_rejects_bad_inputs_on_device():
@@ -387,9 +408,11 @@ def test_nope_latent_fwd_bwd_matches_reference(variant, deterministic):
     o_ref.backward(grad_out.float())
     cos, lse_err = cosine(out, o_ref), check_lse(lse, l_ref.detach())
     cq, ckv = cosine(q.grad, qf.grad), cosine(kv.grad, kvf.grad)
+    eq, ekv = scaled_err(q.grad, qf.grad), scaled_err(kv.grad, kvf.grad)
     print(f"NoPE {variant} det={deterministic}: fwd cos={cos:.7f} lse_err={lse_err:.2e} dq cos={cq:.6f} "
-          f"dkv cos={ckv:.6f}")
+          f"dkv cos={ckv:.6f}; per element: dq {eq:.2e} dkv {ekv:.2e}")
     assert cos >= 0.9999 and lse_err < 2e-3 and cq >= 0.999 and ckv >= 0.999
+    assert eq <= SCALED_ERR_BOUND and ekv <= SCALED_ERR_BOUND
     assert (out[5] == 0).all() and torch.isinf(lse[5]).all()
 
 
@@ -574,8 +597,10 @@ def test_nope_sparse_mla_on_kpool_indices(heads):
     o_ref.backward(grad_out.float())
     cos, lse_err = cosine(out, o_ref), check_lse(lse, l_ref.detach())
     cq, ckv = cosine(q.grad, qf.grad), cosine(kv.grad, kvf.grad)
+    eq, ekv = scaled_err(q.grad, qf.grad), scaled_err(kv.grad, kvf.grad)
     print(f"NoPE on KPool rows H={heads}: rows with interior -1={int(interior.sum())} fwd cos={cos:.7f} "
-          f"lse_err={lse_err:.2e} dq cos={cq:.6f} dkv cos={ckv:.6f}")
+          f"lse_err={lse_err:.2e} dq cos={cq:.6f} dkv cos={ckv:.6f}; per element: dq {eq:.2e} dkv {ekv:.2e}")
+    assert eq <= SCALED_ERR_BOUND and ekv <= SCALED_ERR_BOUND
     assert torch.isfinite(q.grad).all() and torch.isfinite(kv.grad).all()
     assert cos >= 0.9999 and lse_err < 2e-3 and cq >= 0.999 and ckv >= 0.999
     assert (out[7] == 0).all() and torch.isinf(lse[7]).all() and (q.grad[7] == 0).all()
