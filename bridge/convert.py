@@ -38,7 +38,14 @@ from .launch import (
     world,
 )
 from .mapping import Expansion, TensorMap
-from .megatron_layout import DEFAULT_LAYOUT, LogicalSource, Resolved, get_layout, resolve_checkpoint
+from .megatron_layout import (
+    DEFAULT_LAYOUT,
+    LogicalSource,
+    Resolved,
+    get_layout,
+    no_mtp_hint,
+    resolve_checkpoint,
+)
 from .megatron_io import (
     BRIDGE_KEY,
     COMMON_STATE_KEY,
@@ -342,7 +349,8 @@ def convert_megatron_to_hf(
     missing = set(expansion.by_mcore) - set(sources)
     if missing:
         raise TensorSetError(f"{ckpt_dir}: the checkpoint's tensors do not match config.json ({resolved.layout.name} "
-                             f"Megatron layout): {len(missing)} missing: {format_names(missing)}", missing=missing)
+                             f"Megatron layout): {len(missing)} missing: {format_names(missing)}"
+                             + no_mtp_hint(missing), missing=missing)
     bad = [f"{n}: expected {list(m.mcore_shape)}, found {list(sources[n].shape)}"
            for n, m in expansion.by_mcore.items() if tuple(sources[n].shape) != tuple(m.mcore_shape)]
     if bad:

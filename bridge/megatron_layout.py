@@ -25,9 +25,10 @@ Expert forms (orthogonal to the layout; both are read, ``stacked`` is written):
 
 * ``stacked``, megatron-core 0.19.2's default: one key per layer and linear with an expert axis,
   ``...mlp.experts.experts.linear_fc1.weight [E, 2I, H]`` (``SequentialMLP`` and ``TEGroupedMLP`` alike);
-* ``singleton``, the ``singleton_local_shards`` content metadata (checkpoints in the pre-0.14 format): one key per
-  global expert, ``...mlp.experts.experts.{e}.linear_fc1.weight``, and every gated ``linear_fc1`` as its gate and up
-  halves ``..._w`` / ``..._v``.
+* ``singleton``, megatron-core's ``singleton_local_shards`` option (recorded in the checkpoint's content metadata;
+  Megatron-LM and Megatron-Bridge set it False): one key per global expert,
+  ``...mlp.experts.experts.{e}.linear_fc1.weight``, and every gated ``linear_fc1`` as its gate and up halves
+  ``..._w`` / ``..._v``.
 
 Layouts and forms are detected from the keys: a candidate fits when every key maps to a tensor the config implies
 and back to itself (so a mix of spellings fits none); an unknown layout is refused naming its first unmatched key.
@@ -45,7 +46,6 @@ from . import naming
 from .errors import BridgeError, TensorSetError
 
 ExpertForm = Literal["stacked", "singleton"]
-FORMS: tuple[ExpertForm, ...] = ("stacked", "singleton")
 Shape = tuple[int, ...]
 
 
@@ -212,7 +212,7 @@ def read_keys(shapes: Mapping[str, Shape], layout: MegatronLayout, form: ExpertF
     based = {k: _base(k, form) for k in shapes}
     local = {k: from_layout(b[0], layout) for k, b in based.items() if b is not None}
     renamed = to_layout(set(local.values()), layout)
-    unmatched = [k for k, b in based.items() if b is None or renamed.get(local[k], local[k]) != b[0]]
+    unmatched = {k for k, b in based.items() if b is None or renamed.get(local[k], local[k]) != b[0]}
     pieces: dict[str, list[Stored]] = {}
     for key, b in based.items():
         if key in unmatched:
@@ -227,7 +227,7 @@ def read_keys(shapes: Mapping[str, Shape], layout: MegatronLayout, form: ExpertF
         start = shape[0] if half == "v" else 0
         found = [(name, row, s) for name, row, s in found if name in expected]
         if not found:
-            unmatched.append(key)
+            unmatched.add(key)
         for name, row, s in found:
             pieces.setdefault(name, []).append(Stored(key, row, start, tuple(s)))
     sources = {n: LogicalSource(tuple(sorted(p, key=lambda s: s.start))) for n, p in pieces.items()}
@@ -250,11 +250,11 @@ def resolve_checkpoint(shapes: Mapping[str, Shape], expected: Iterable[str], *, 
     dense layer to fuse a norm into), the one ``recorded`` in the checkpoint's bridge metadata, else the first in
     :data:`LAYOUTS` order. None fitting is an error naming the first unmatched key of the closest candidate."""
     expected = set(expected)
+    form = detect_form(shapes)  # a stacked checkpoint has no singleton spelling, and a singleton one needs them
     tried = []
-    for form in FORMS:
-        for name in layouts:
-            sources, unmatched = read_keys(shapes, LAYOUTS[name], form, expected)
-            tried.append((len(unmatched), name, form, sources, unmatched))
+    for name in layouts:
+        sources, unmatched = read_keys(shapes, LAYOUTS[name], form, expected)
+        tried.append((len(unmatched), name, form, sources, unmatched))
     fitting = [t for t in tried if not t[0]]
     if fitting:
         pick = next((t for t in fitting if t[1] == recorded), fitting[0])
@@ -262,12 +262,22 @@ def resolve_checkpoint(shapes: Mapping[str, Shape], expected: Iterable[str], *, 
     n, name, form, _, unmatched = min(tried, key=lambda t: t[0])
     raise TensorSetError(
         f"{source}: the checkpoint's tensor keys fit no Megatron layout this bridge knows for config.json "
-        f"({_choices(layouts)}, experts stacked or singleton_local_shards): first unmatched key '{unmatched[0]}' "
-        f"(closest: the {name} layout, {form} experts, {n} of {len(shapes)} keys unmatched). Either the checkpoint "
+        f"({_choices(layouts)}; read with {form} expert keys): first unmatched key '{unmatched[0]}' "
+        f"(closest: the {name} layout, {n} of {len(shapes)} keys unmatched). Either the checkpoint "
         "belongs to another config.json or a tool wrote it with names this bridge does not map "
         "(bridge/megatron_layout.py LAYOUTS)",
         unexpected=unmatched,
     )
+
+
+def no_mtp_hint(missing: Iterable[str]) -> str:
+    """A fix for a checkpoint without the MTP layer config.json announces (NVIDIA Megatron-Bridge builds GLM-5 with
+    ``mtp_num_layers=None`` by default), when MTP tensors are all that is missing; else ''."""
+    missing = list(missing)
+    if missing and all(k.startswith("mtp.") for k in missing):
+        return ("; the checkpoint has no MTP layer (NVIDIA Megatron-Bridge trains GLM-5 without one by default): use a "
+                "config.json with \"num_nextn_predict_layers\": 0 (--hf-config / hf_config=) to read it without MTP")
+    return ""
 
 
 def _choices(layouts: Sequence[str]) -> str:
@@ -322,7 +332,7 @@ def checkpoint_sharded_state_dict(
             f"({_choices(layouts)}; {form} experts): first key the model asks for and the checkpoint lacks "
             f"'{unmatched[0]}' (closest: the {name} layout, {n} of {asked} keys missing). Either the checkpoint "
             "belongs to another config.json or a tool wrote it with names this bridge does not map "
-            "(bridge/megatron_layout.py LAYOUTS)",
+            f"(bridge/megatron_layout.py LAYOUTS){no_mtp_hint(unmatched)}",
             missing=unmatched,
         )
     for t in tensors:
@@ -363,6 +373,6 @@ def stored_layout_keys(logical: Iterable[str], layout: MegatronLayout) -> dict[s
     return {renamed.get(k, k): n for k, n in stacked.items()}
 
 
-__all__ = ["DEFAULT_LAYOUT", "FORMS", "LAYOUTS", "ExpertForm", "FusedNorm", "LogicalSource", "MegatronLayout",
+__all__ = ["DEFAULT_LAYOUT", "LAYOUTS", "ExpertForm", "FusedNorm", "LogicalSource", "MegatronLayout",
            "Resolved", "Stored", "checkpoint_sharded_state_dict", "detect_form", "from_layout", "get_layout",
-           "read_keys", "resolve_checkpoint", "stored_layout_keys", "te_extra_state", "to_layout"]
+           "no_mtp_hint", "read_keys", "resolve_checkpoint", "stored_layout_keys", "te_extra_state", "to_layout"]

@@ -286,7 +286,7 @@ def test_a_mixed_or_unknown_layout_is_refused_naming_the_first_unmatched_key():
     shapes["decoder.layers.1.self_attention.linear_q_up_proj.layer_norm_weight"] = (1,)
     with pytest.raises(TensorSetError, match=r"ckpt: the checkpoint's tensor keys fit no Megatron layout .*first "
                                              r"unmatched key 'decoder\.layers\.1\.self_attention\.linear_q_up_proj"
-                                             r"\.layer_norm_weight' \(closest: the te layout, stacked experts, 1 of"):
+                                             r"\.layer_norm_weight' \(closest: the te layout, 1 of"):
         resolve_checkpoint(shapes, expansion.by_mcore, layouts=tuple(LAYOUTS), source="ckpt")
     # a key no layout knows
     shapes = _shapes(expansion, "local")
@@ -329,6 +329,7 @@ def test_te_layouts_roundtrip_and_load_like_the_local_one(fixtures, tmp_path, ca
     src = make_fixture(fixtures, name)
     bridge.convert_hf_to_megatron(hf_path=src, megatron_path=tmp_path / "local")
     local = _logits(bridge.load_megatron_checkpoint(tmp_path / "local"))
+    local_tilelang = _logits(bridge.load_megatron_checkpoint(tmp_path / "local", backend="tilelang"))
     local_objects = set(DistCheckpoint(resolve_checkpoint_dir(tmp_path / "local")).objects)
     for layout in ("te", "te-fused-qk"):
         mc = tmp_path / layout
@@ -356,6 +357,35 @@ def test_te_layouts_roundtrip_and_load_like_the_local_one(fixtures, tmp_path, ca
         report = bridge.compare_hf_checkpoints(src, tmp_path / f"hf_{layout}")
         assert report["ok"] and report["bitwise_equal"] == report["tensors"], report["mismatches"]
         assert torch.equal(_logits(bridge.load_megatron_checkpoint(mc)), local), layout
+        assert torch.equal(_logits(bridge.load_megatron_checkpoint(mc, backend="tilelang")), local_tilelang), layout
+    if name == "glm5":
+        assert cli.main(["convert", "roundtrip", "--hf-path", str(src), "--megatron-layout", "te", "--no-progress"]) == 0
+        out = capsys.readouterr().out
+        assert "-> HF: BITWISE IDENTICAL" in out and "megatron layout  : te\n" in out
+
+
+def test_extra_state_the_checkpoint_lacks_is_not_asked_for(fixtures, tmp_path, monkeypatch, model_parallel):
+    """A model built with Transformer Engine modules asks for extra state a checkpoint may not hold (a TE norm's, in
+    a local-layout checkpoint): it is not asked for, so the load works with or without TE installed."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    from bridge.megatron_io import load_into_model
+    from megatron_glm5.model import build_model, default_cpu_policy
+
+    src = make_fixture(fixtures, "glm52")
+    mc = bridge.convert_hf_to_megatron(hf_path=src, megatron_path=tmp_path / "mc")["path"]
+    model = build_model(parse_hf_config(testing.tiny_glm52_config()), default_cpu_policy())
+    own = model.sharded_state_dict
+    key = "decoder.layers.0.input_layernorm._extra_state"
+
+    def with_te_norm_state(*args, **kwargs):
+        ssd = own(*args, **kwargs)
+        ssd[key] = ShardedObject(key, torch.empty(0, dtype=torch.uint8), (1,), (0,), replica_id=(0, 0, 0))
+        return ssd
+
+    monkeypatch.setattr(model, "sharded_state_dict", with_te_norm_state)
+    assert load_into_model(model, mc) == "local"
+    assert torch.equal(_logits(model), _logits(bridge.load_megatron_checkpoint(mc)))
 
 
 def test_singleton_local_shards_checkpoints_in_any_layout(fixtures, tmp_path, model_parallel):
@@ -395,4 +425,17 @@ def test_unknown_layout_is_refused_by_export_and_load(fixtures, tmp_path, capsys
     assert code == 2 and "first unmatched key 'decoder.layers.2.input_norm.weight'" in err, err
     with pytest.raises(TensorSetError, match=r"first key the model asks for and the checkpoint lacks "
                                              r"'decoder\.layers\.2\.input_layernorm\.weight'"):
+        bridge.load_megatron_checkpoint(mc, hf_config=src / "config.json")
+
+
+def test_a_checkpoint_without_mtp_names_the_fix(fixtures, tmp_path, model_parallel):
+    """NVIDIA Megatron-Bridge trains GLM-5 without MTP by default: read with the released config.json (which has an
+    MTP layer), export and load say how to read it without MTP."""
+    src = make_fixture(fixtures, "glm52")
+    no_mtp = make_fixture(tmp_path, "glm52", num_nextn_predict_layers=0)
+    mc = bridge.convert_hf_to_megatron(hf_path=no_mtp, megatron_path=tmp_path / "mc", megatron_layout="te")["path"]
+    fix = r"no MTP layer .*\"num_nextn_predict_layers\": 0"
+    with pytest.raises(TensorSetError, match=r"\(te Megatron layout\): \d+ missing: mtp\.layers\.0\..*" + fix):
+        bridge.convert_megatron_to_hf(megatron_path=mc, hf_path=tmp_path / "hf", hf_config=src / "config.json")
+    with pytest.raises(TensorSetError, match=r"lacks 'mtp\.layers\.0\..*" + fix):
         bridge.load_megatron_checkpoint(mc, hf_config=src / "config.json")
