@@ -488,5 +488,6 @@ def roundtrip(
         if not keep and work_dir is None:
             shutil.rmtree(work, ignore_errors=True)
     report.update(import_seconds=imp["seconds"], export_seconds=exp["seconds"], bytes=imp["bytes"], tp=tp, pp=pp,
-                  ep=ep, megatron_layout=exp["megatron_layout"], work_dir=str(work) if keep or work_dir is not None else None)
+                  ep=ep, megatron_layout=exp["megatron_layout"],
+                  work_dir=str(work) if keep or work_dir is not None else None)
     return report

@@ -101,7 +101,8 @@ _SINGLE_EXPERT = re.compile(r"^(?P<pre>.+\.mlp\.experts)\.experts\.(?P<e>\d+)\.(
 _HALF = re.compile(r"^(?P<base>.+\.linear_fc1\.weight)_(?P<half>[wv])$")
 
 
-def get_layout(name: str, *, allowed: Sequence[str] = tuple(LAYOUTS), what: str = "--megatron-layout") -> MegatronLayout:
+def get_layout(name: str, *, allowed: Sequence[str] = tuple(LAYOUTS),
+               what: str = "--megatron-layout") -> MegatronLayout:
     """The table row ``name``; an error listing the choices (``allowed``: the model family's)."""
     if name not in allowed:
         raise BridgeError(f"{what} {name!r}: expected one of {', '.join(allowed)}")
