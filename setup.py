@@ -32,6 +32,8 @@ setup(
     extras_require={
         "tilelang": ["tilelang==0.1.15"],
         # peft: the oracle of the PEFT-adapter tests (the library reads and writes the format itself).
+        # megatron-bridge==0.6.2, the oracle of the Megatron-layout tests, is installed --no-deps by scripts/setup.sh
+        # (an extra cannot say --no-deps, and its declared dependencies are a GPU training stack).
         "dev": ["pytest>=8", "pytest-timeout", "peft"],
     },
     entry_points={"console_scripts": ["megatron-glm5=bridge.cli:main"]},

@@ -22,7 +22,9 @@ adapter checkpoint, :mod:`bridge.lora_convert`)::
 Application layer (it uses both this package and :mod:`megatron_glm5`, which never imports this one):
 :func:`from_hf_pretrained`, the ``megatron-glm5`` command line (:mod:`bridge.cli`) and its demo (:mod:`bridge.demo`).
 
-All drivers share one mapping table (:mod:`bridge.mapping`). Importing this package imports nothing heavy.
+All drivers share one mapping table (:mod:`bridge.mapping`); a second one (:mod:`bridge.megatron_layout`) names the
+Megatron checkpoints other tools write (Transformer Engine layouts: NVIDIA Megatron-Bridge, slime, miles), detected on
+reading and chosen on writing. Importing this package imports nothing heavy.
 """
 
 from .errors import BridgeError

@@ -1,14 +1,15 @@
 """This rank's share of a megatron-core model as checkpoint boxes, mapped onto the table's logical tensors.
 
 The boxes are exactly those of ``model.sharded_state_dict()`` (main replicas when writing), so a conversion writes
-what ``dist_checkpointing.save`` would write for the same model at the same TP/PP/EP.
+what ``dist_checkpointing.save`` would write for the same model at the same TP/PP/EP; :func:`apply_layout` renames
+them to another Megatron layout's keys (:mod:`bridge.megatron_layout`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -19,6 +20,7 @@ from .errors import BridgeError, ShapeMismatchError, TensorSetError, format_name
 from .launch import check_parallel_layout
 from .mapping import Expansion
 from .megatron_io import Chunk, DistCheckpoint
+from .megatron_layout import MegatronLayout, resolve_checkpoint, stored_layout_keys, te_extra_state, to_layout
 
 
 def build_skeleton(arch: GLM5Architecture, tp: int, pp: int, ep: int):
@@ -98,19 +100,41 @@ def sharded_boxes(model, expansion: Expansion, dtype_of, *, main_replicas_only: 
     return plan
 
 
-def verify_written(ckpt_dir: Path, expansion: Expansion) -> None:
-    """Every logical tensor of the table is in the written checkpoint, completely, and nothing else is."""
+def apply_layout(plan: BoxPlan, expansion: Expansion, layout: MegatronLayout, *, extra_state_here: bool) -> None:
+    """Rename ``plan``'s chunks to ``layout``'s keys (norm fusion, decided over the whole table so every rank agrees)
+    and, for a TE layout, replace the model's extra-state objects by TE's, written by the one rank that has
+    ``extra_state_here`` (objects are not sharded: one writer each)."""
+    renamed = to_layout({naming.stored_key(n)[0] for n in expansion.by_mcore}, layout)
+    if renamed:
+        chunks = [replace(c, key=renamed.get(c.key, c.key)) for c in plan.chunks]
+        plan.pieces = {(n.key, n.offsets): plan.pieces[(c.key, c.offsets)] for c, n in zip(plan.chunks, chunks)}
+        plan.tensors = {(n.key, n.offsets): plan.tensors[(c.key, c.offsets)] for c, n in zip(plan.chunks, chunks)
+                        if (c.key, c.offsets) in plan.tensors}
+        plan.chunks = chunks
+    if layout.te_extra_state:
+        plan.objects = {k: v for k, v in plan.objects.items() if "._extra_state/" not in k}
+        if extra_state_here:
+            plan.objects.update(te_extra_state(stored_layout_keys(expansion.by_mcore, layout)))
+
+
+def verify_written(ckpt_dir: Path, expansion: Expansion, *, layout: MegatronLayout, layouts: Sequence[str]) -> None:
+    """Every logical tensor of the table is in the written checkpoint, completely, nothing else is, and the keys
+    read back as the layout they were written in."""
     ckpt = DistCheckpoint(ckpt_dir)
-    found: set[str] = set()
     for key, md in ckpt.tensors.items():
         volume = sum(int(torch.Size(c.sizes).numel()) for c in md.chunks)
         if volume != int(md.size.numel()):
             raise AssertionError(f"{key}: written chunks cover {volume} of {int(md.size.numel())} elements")
-        found.update(name for name, _, _ in naming.logical_tensors(key, tuple(md.size)))
+    found = resolve_checkpoint({k: ckpt.shape(k) for k in ckpt.tensors}, expansion.by_mcore, layouts=layouts,
+                               source=str(ckpt_dir), recorded=layout.name)
+    if found.layout != layout or found.form != "stacked":
+        raise AssertionError(f"{ckpt_dir}: written in the {layout.name} layout, read back as {found.layout.name} "
+                             f"({found.form} experts)")
     expected = set(expansion.by_mcore)
-    if found != expected:
+    if set(found.sources) != expected:
+        got = set(found.sources)
         raise TensorSetError(
             f"{ckpt_dir}: the written checkpoint does not hold the table's tensors (model and table disagree): "
-            f"missing {format_names(expected - found)}; unexpected {format_names(found - expected)}",
-            missing=expected - found, unexpected=found - expected,
+            f"missing {format_names(expected - got)}; unexpected {format_names(got - expected)}",
+            missing=expected - got, unexpected=got - expected,
         )

@@ -2,8 +2,9 @@
 
     megatron-glm5 demo [--out DIR] [--steps N] [--keep] [--model glm5.2|glm5.3-flash]
     megatron-glm5 convert import    --hf-path DIR --megatron-path DIR [--tp N --pp N --ep N --dtype bf16|fp32]
+                                    [--megatron-layout local|te|te-fused-qk]
     megatron-glm5 convert export    --megatron-path DIR --hf-path DIR [--hf-config PATH] [--expert-layout ...]
-    megatron-glm5 convert roundtrip --hf-path DIR [--tp N --pp N --ep N] [--work-dir DIR --keep]
+    megatron-glm5 convert roundtrip --hf-path DIR [--tp N --pp N --ep N] [--megatron-layout ...] [--work-dir DIR --keep]
     megatron-glm5 clean PATH... [--dry-run]
     megatron-glm5 verify --hf-path DIR [--megatron-path DIR] [--num-layers N] [--dtype bf16|fp32] [--device cuda|cpu]
                          [--seq-len N] [--batch-size N] [--seed N] [--tol X]
@@ -112,6 +113,14 @@ indexer; errors of a few percent in one weight need fp32.
 """
 
 
+def _megatron_layout_flag(p: argparse.ArgumentParser) -> None:
+    from .megatron_layout import DEFAULT_LAYOUT, LAYOUTS
+
+    p.add_argument("--megatron-layout", choices=list(LAYOUTS), default=DEFAULT_LAYOUT,
+                   help="Megatron tensor names: " + "; ".join(f"{n}: {m.written_by}" for n, m in LAYOUTS.items())
+                   + f" (default {DEFAULT_LAYOUT}; export detects the layout)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="megatron-glm5", description="GLM-5.x on Megatron-Core: convert, verify, demo")
     parser.add_argument("--verbose", action="store_true", help="keep third-party warnings and load reports")
@@ -134,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("--dtype", choices=["bf16", "fp32"], default=None,
                      help="store weights in this dtype (default: the source dtype; FP8 sources become bf16)")
     imp.add_argument("--iteration", type=_NONNEG, default=0, help="iteration of the iter_XXXXXXX directory (default 0)")
+    _megatron_layout_flag(imp)
     imp.add_argument("--overwrite", action="store_true")
     imp.add_argument("--no-progress", action="store_true")
 
@@ -151,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     rt = csub.add_parser("roundtrip", help="import + export + bitwise comparison with the source")
     rt.add_argument("--hf-path", required=True)
     _parallel_flags(rt)
+    _megatron_layout_flag(rt)
     rt.add_argument("--work-dir", help="where to put the intermediate checkpoints (default: a temporary directory)")
     rt.add_argument("--keep", action="store_true")
     rt.add_argument("--no-progress", action="store_true")
@@ -295,8 +306,11 @@ def _preflight(args) -> None:
                 raise BridgeError("--device cuda: CUDA is not available on this machine; use --device cpu")
         return
     if args.action in ("import", "roundtrip"):
+        from .tables import megatron_layout_for
+
         _, arch = _hf_arch(args.hf_path)
         check_parallel_layout(arch, args.tp, args.pp, args.ep, source=f"{args.hf_path}/config.json")
+        megatron_layout_for(arch, args.megatron_layout, source=f"{args.hf_path}/config.json")
         if args.action == "import":
             preflight.output_dir(args.megatron_path, flag="--megatron-path")
         elif args.work_dir is not None:
@@ -385,8 +399,10 @@ def _run(args) -> int:
     if args.action == "import":
         r = bridge.convert_hf_to_megatron(hf_path=args.hf_path, megatron_path=args.megatron_path, tp=args.tp,
                                           pp=args.pp, ep=args.ep, dtype=args.dtype, iteration=args.iteration,
-                                          overwrite=args.overwrite, progress=_progress(args))
-        print(f"imported {r['hf_tensors']} HF tensors as {r['tensors']} megatron tensors ({r['bytes'] / 1e9:.3f} GB, {r['expert_layout']} experts"
+                                          overwrite=args.overwrite, progress=_progress(args),
+                                          megatron_layout=args.megatron_layout)
+        print(f"imported {r['hf_tensors']} HF tensors as {r['tensors']} megatron tensors ({r['bytes'] / 1e9:.3f} GB, "
+              f"{r['expert_layout']} experts, {r['megatron_layout']} Megatron layout"
               f"{', ' + str(r['fp8_dequantized']) + ' FP8 weights dequantised' if r['fp8_dequantized'] else ''}) "
               f"into {r['path']} in {r['seconds']:.1f} s ({r['gb_per_s']:.2f} GB/s)")
         return 0
@@ -395,17 +411,19 @@ def _run(args) -> int:
                                           hf_config=args.hf_config, expert_layout=args.expert_layout,
                                           dtype=args.dtype, max_shard_bytes=args.max_shard_size,
                                           overwrite=args.overwrite, progress=_progress(args))
-        print(f"exported {r['tensors']} HF tensors ({r['bytes'] / 1e9:.3f} GB, {r['expert_layout']} experts) to "
-              f"{r['path']} in {r['seconds']:.1f} s ({r['gb_per_s']:.2f} GB/s)")
+        print(f"exported {r['tensors']} HF tensors ({r['bytes'] / 1e9:.3f} GB, {r['expert_layout']} experts; read as "
+              f"the {r['megatron_layout']} Megatron layout, {r['megatron_experts']} expert keys) to {r['path']} in "
+              f"{r['seconds']:.1f} s ({r['gb_per_s']:.2f} GB/s)")
         return 0
     if args.action == "roundtrip":
         r = bridge.roundtrip(hf_path=args.hf_path, work_dir=args.work_dir, tp=args.tp, pp=args.pp, ep=args.ep,
-                             keep=args.keep, progress=_progress(args))
+                             keep=args.keep, progress=_progress(args), megatron_layout=args.megatron_layout)
         status = "BITWISE IDENTICAL" if r["ok"] else "MISMATCH"
         print(f"round trip HF -> Megatron (TP={r['tp']} PP={r['pp']} EP={r['ep']}) -> HF: {status}")
         print(f"  tensors compared : {r['tensors']}  (bitwise equal: {r['bitwise_equal']}"
               f"{', FP8 compared with their dequantisation: ' + str(r['fp8_dequantized']) if r['fp8_dequantized'] else ''})")
         print(f"  import / export  : {r['import_seconds']:.1f} s / {r['export_seconds']:.1f} s, {r['bytes'] / 1e9:.3f} GB")
+        print(f"  megatron layout  : {r['megatron_layout']}")
         for name, reason in sorted(r["ignored"].items()):
             print(f"  ignored          : {name} ({reason})")
         for m in r["mismatches"][:20]:

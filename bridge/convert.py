@@ -25,7 +25,7 @@ from megatron_glm5.architectures import mcore_kwargs, parse_architecture
 from megatron_glm5.config import load_hf_config, natural_key
 
 from . import hf_io, naming
-from .boxes import build_skeleton, sharded_boxes, verify_written
+from .boxes import apply_layout, build_skeleton, sharded_boxes, verify_written
 from .errors import BridgeError, CheckpointFormatError, ShapeMismatchError, TensorSetError, format_names
 from .launch import (
     all_ok,
@@ -37,7 +37,15 @@ from .launch import (
     run_local_ranks,
     world,
 )
-from .mapping import TensorMap
+from .mapping import Expansion, TensorMap
+from .megatron_layout import (
+    DEFAULT_LAYOUT,
+    LogicalSource,
+    Resolved,
+    get_layout,
+    no_mtp_hint,
+    resolve_checkpoint,
+)
 from .megatron_io import (
     BRIDGE_KEY,
     COMMON_STATE_KEY,
@@ -66,7 +74,7 @@ from .output import (
 from .prefetch import Prefetcher
 from .progress import Progress
 from .source import Materializer, dtype_name, open_hf_source, parse_dtype
-from .tables import HFLayout, expand_for
+from .tables import HFLayout, expand_for, megatron_layout_for, megatron_layouts_for
 from .transforms import dequantize_block_fp8
 
 
@@ -87,9 +95,14 @@ def convert_hf_to_megatron(
     overwrite: bool = False,
     progress: bool | None = None,
     sync_files: bool = True,
+    megatron_layout: str = DEFAULT_LAYOUT,
 ) -> dict:
     """HF checkpoint -> megatron-core ``torch_dist`` checkpoint in Megatron-LM's layout
     (``<megatron_path>/iter_XXXXXXX/`` + ``latest_checkpointed_iteration.txt``), loadable at any TP/PP/EP.
+
+    ``megatron_layout`` names the tensors as the modules that will load it do (:mod:`bridge.megatron_layout`):
+    ``local`` (ours), ``te`` (megatron-core's DSA spec with Transformer Engine, as NVIDIA Megatron-Bridge builds
+    GLM-5) or ``te-fused-qk`` (megatron-core's MLA spec with TE, as slime's and miles' GLM-5 specs).
 
     ``tp``/``pp``/``ep`` choose how the *conversion* is sharded over ranks (``tp*pp*ep`` ranks: under ``torchrun``
     the launched ones, otherwise spawned locally); the result does not depend on them. ``dtype`` None keeps each
@@ -102,14 +115,16 @@ def convert_hf_to_megatron(
     if int(iteration) < 0:
         raise BridgeError(f"--iteration: expected >= 0, got {iteration}")
     parse_dtype(dtype)
+    get_layout(megatron_layout)
     final = check_output_dir(megatron_path, overwrite=overwrite, sources=[hf_path])
     nranks = tp * pp * ep
     size = launched_world_size()
     kwargs = dict(hf_path=str(hf_path), tp=tp, pp=pp, ep=ep, dtype=None if dtype is None else dtype_name(parse_dtype(dtype)),
-                  iteration=iteration, progress=progress, sync_files=sync_files)
+                  iteration=iteration, progress=progress, sync_files=sync_files, megatron_layout=megatron_layout)
     if size == 1 and nranks > 1:
         src = open_hf_source(hf_path)  # fail on bad input and on a layout megatron-core refuses before starting ranks
         check_parallel_layout(src.arch, tp, pp, ep, source=str(src.path / "config.json"))
+        megatron_layout_for(src.arch, megatron_layout, source=str(src.path / "config.json"))
         tmp = make_partial_dir(final)
         try:
             reports = run_local_ranks(_import_rank, nranks, out=str(tmp), **kwargs)
@@ -153,7 +168,7 @@ def _merge_reports(reports: list[dict], final: Path) -> dict:
 
 
 def _import_rank(*, hf_path: str, out: str, tp: int, pp: int, ep: int, dtype: str | None, iteration: int,
-                 progress: bool | None, sync_files: bool) -> dict:
+                 progress: bool | None, sync_files: bool, megatron_layout: str) -> dict:
     t0 = time.perf_counter()
     rank, _ = world()
     register_writer(out)  # every rank: the partial directory is live while any of its writers is
@@ -162,6 +177,7 @@ def _import_rank(*, hf_path: str, out: str, tp: int, pp: int, ep: int, dtype: st
     try:
         try:
             src = open_hf_source(hf_path)
+            layout = megatron_layout_for(src.arch, megatron_layout, source=str(src.path / "config.json"))
             ok, msg = True, ""
         except (BridgeError, ValueError) as e:
             ok, msg, src = False, str(e), None
@@ -173,13 +189,14 @@ def _import_rank(*, hf_path: str, out: str, tp: int, pp: int, ep: int, dtype: st
             model = build_skeleton(src.arch, tp, pp, ep)
             plan = sharded_boxes(model, src.expansion, mat.target_dtype)
             del model
+        apply_layout(plan, src.expansion, layout, extra_state_here=rank == 0)
         plan.chunks.sort(key=lambda c: (*mat.source_order(plan.pieces[(c.key, c.offsets)].logical), c.key,
                                         c.offsets))
         ckpt_dir = iteration_dir(Path(out), iteration)
         if rank == 0:
             meta = {"format_version": FORMAT_VERSION, "hf_config": src.raw, **src.layout.meta(),
                     "source_fp8": bool(src.fp8_names), "hf_source": str(src.path),
-                    "passthrough": len(src.passthrough)}
+                    "passthrough": len(src.passthrough), "megatron_layout": layout.name}
             args = megatron_args(mcore_kwargs(src.arch), tp=tp, pp=pp, ep=ep)
             plan.objects[COMMON_STATE_KEY] = common_state(args=args, iteration=iteration, bridge_meta=meta)
 
@@ -203,7 +220,7 @@ def _import_rank(*, hf_path: str, out: str, tp: int, pp: int, ep: int, dtype: st
     bar.close()
     src.reader.close()
     if rank == 0:
-        verify_written(ckpt_dir, src.expansion)
+        verify_written(ckpt_dir, src.expansion, layout=layout, layouts=megatron_layouts_for(src.arch))
         assets = Path(out) / HF_ASSETS_DIR
         assets.mkdir(exist_ok=True)
         hf_io.copy_assets(src.path, assets)
@@ -217,7 +234,7 @@ def _import_rank(*, hf_path: str, out: str, tp: int, pp: int, ep: int, dtype: st
         "tensors": len(src.expansion.maps), "hf_tensors": len(src.reader.names), "chunks": len(plan.chunks),
         "bytes": nbytes, "seconds": seconds, "gb_per_s": nbytes / max(seconds, 1e-9) / 1e9,
         "expert_layout": src.expansion.expert_layout, "fp8_dequantized": len(src.fp8_names),
-        "ignored": src.ignored, "tp": tp, "pp": pp, "ep": ep, "iteration": iteration,
+        "ignored": src.ignored, "tp": tp, "pp": pp, "ep": ep, "iteration": iteration, "megatron_layout": layout.name,
     }
 
 
@@ -256,24 +273,27 @@ def _parse_config(raw: Mapping, hf_config, ckpt_dir: Path):
     return parse_config(dict(raw), where)
 
 
-def _logical_sources(ckpt: DistCheckpoint) -> dict[str, tuple[str, int | None, tuple[int, ...]]]:
-    out: dict[str, tuple[str, int | None, tuple[int, ...]]] = {}
+def _resolve_sources(ckpt: DistCheckpoint, arch, expansion: Expansion, recorded: str | None) -> Resolved:
+    """The checkpoint's Megatron layout and expert form, detected from its weight keys, and where each logical
+    tensor is stored (:func:`bridge.megatron_layout.resolve_checkpoint`); non-weights are ignored by name."""
+    shapes = {}
     for key in ckpt.tensors:
         if naming.ignored_megatron_reason(key) is not None:
             continue
         if naming.is_layer_stacked(key):
             raise CheckpointFormatError(f"{ckpt.path}: key '{key}' is stacked along a layer axis; only per-layer keys "
                                         "(heterogeneous layers, as megatron-core writes GLM-5.x) are supported")
-        for name, row, shape in naming.logical_tensors(key, ckpt.shape(key)):
-            out[name] = (key, row, shape)
-    return out
+        shapes[key] = ckpt.shape(key)
+    return resolve_checkpoint(shapes, expansion.by_mcore, layouts=megatron_layouts_for(arch), source=str(ckpt.path),
+                              recorded=recorded)
 
 
-def _stored_box(key: str, row: int | None, offsets, sizes) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
-    """The stored box of a box of a logical tensor: of key ``key`` itself, or of row ``row`` of a stacked key."""
-    if row is None:
-        return key, tuple(offsets), tuple(sizes)
-    return key, (row, *offsets), (1, *sizes)
+def _read_parts(ahead: Prefetcher, boxes: list[tuple[str, tuple[int, ...], tuple[int, ...]]],
+                source: LogicalSource) -> torch.Tensor:
+    """One box of a logical tensor from its stored boxes (:meth:`LogicalSource.boxes`, concatenated in row order)."""
+    stacked = source.pieces[0].row is not None
+    parts = [ahead.get(b).reshape(b[2][1:] if stacked else b[2]) for b in boxes]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def convert_megatron_to_hf(
@@ -324,24 +344,20 @@ def convert_megatron_to_hf(
     extra = hf_io.HFCheckpointReader(extra_dir) if extra_dir is not None else None
     extra_names = passthrough_names(extra.names) if extra is not None else []
 
-    sources = _logical_sources(ckpt)
-    expected = set(expansion.by_mcore)
-    missing, unexpected = expected - set(sources), set(sources) - expected
-    if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"{len(missing)} missing: {format_names(missing)}")
-        if unexpected:
-            parts.append(f"{len(unexpected)} unexpected: {format_names(unexpected)}")
-        raise TensorSetError(f"{ckpt_dir}: the checkpoint's tensors do not match config.json: " + "; ".join(parts),
-                             missing=missing, unexpected=unexpected)
-    bad = [f"{n}: expected {list(m.mcore_shape)}, found {list(sources[n][2])}"
-           for n, m in expansion.by_mcore.items() if tuple(sources[n][2]) != tuple(m.mcore_shape)]
+    resolved = _resolve_sources(ckpt, arch, expansion, meta.get("megatron_layout"))
+    sources = resolved.sources
+    missing = set(expansion.by_mcore) - set(sources)
+    if missing:
+        raise TensorSetError(f"{ckpt_dir}: the checkpoint's tensors do not match config.json ({resolved.layout.name} "
+                             f"Megatron layout): {len(missing)} missing: {format_names(missing)}"
+                             + no_mtp_hint(missing), missing=missing)
+    bad = [f"{n}: expected {list(m.mcore_shape)}, found {list(sources[n].shape)}"
+           for n, m in expansion.by_mcore.items() if tuple(sources[n].shape) != tuple(m.mcore_shape)]
     if bad:
         raise ShapeMismatchError(f"{ckpt_dir}: tensor shapes do not match config.json: " + "; ".join(bad[:10]))
 
     def dtype_of(m: TensorMap) -> torch.dtype:
-        return torch.float32 if m.fp32 else (out_dtype or ckpt.dtype(sources[m.mcore][0]))
+        return torch.float32 if m.fp32 else (out_dtype or ckpt.dtype(sources[m.mcore].pieces[0].key))
 
     planned: dict[str, hf_io.PlannedTensor] = {}
     for m in expansion.maps:
@@ -355,24 +371,23 @@ def convert_megatron_to_hf(
     total = sum(int(torch.Size(p.shape).numel()) * torch.empty((), dtype=p.dtype).element_size()
                 for p in planned.values())
     bar.start(len(maps), total)
-    reads: list[list[tuple]] = []  # per map, the boxes it reads, in order
+    reads: list[list[list[tuple]]] = []  # per map, per box it reads, the stored boxes that make it up
     for m in maps:
-        key, row, shape = sources[m.mcore]
+        shape = sources[m.mcore].shape
         boxes = m.transform.hf_boxes(shape) or [((0,) * len(shape), tuple(shape))]
-        reads.append([_stored_box(key, row, off, size) for off, size in boxes])
+        reads.append([sources[m.mcore].boxes(off, size) for off, size in boxes])
     itemsize = {k: torch.empty((), dtype=ckpt.dtype(k)).element_size() for k in ckpt.tensors}
     ahead = Prefetcher(lambda box: ckpt.read(*box),
-                       [(b, int(torch.Size(b[2]).numel()) * itemsize[b[0]]) for r in reads for b in r])
+                       [(b, int(torch.Size(b[2]).numel()) * itemsize[b[0]]) for r in reads for box in r for b in box])
     with atomic_output_dir(final, overwrite=overwrite, kind="hf", source=megatron_path) as tmp:
         writer = hf_io.HFShardWriter(tmp, [planned[n] for n in order], max_shard_bytes=max_shard_bytes,
                                      sync=sync_files)
         try:
             for m, boxes in zip(maps, reads):
-                shape = sources[m.mcore][2]
+                src = sources[m.mcore]
                 # each box is one HF tensor (usually one stored chunk: no copy), or the whole tensor to transform
-                values = [ahead.get(b).reshape(b[2] if sources[m.mcore][1] is None else b[2][1:]).to(dtype_of(m))
-                          for b in boxes]
-                parts = m.transform.to_hf(values[0]) if m.transform.hf_boxes(shape) is None else values
+                values = [_read_parts(ahead, b, src).to(dtype_of(m)) for b in boxes]
+                parts = m.transform.to_hf(values[0]) if m.transform.hf_boxes(src.shape) is None else values
                 for ref, part in zip(m.hf, parts):
                     writer.write(ref.name, part, row=ref.row)
                 bar.update(sum(p.numel() * p.element_size() for p in parts))
@@ -398,7 +413,8 @@ def convert_megatron_to_hf(
             hf_io.write_json(tmp / "config.json", cfg)
     seconds = time.perf_counter() - t0
     return {"tensors": len(planned), "bytes": total, "seconds": seconds, "gb_per_s": total / max(seconds, 1e-9) / 1e9,
-            "expert_layout": layout, "assets": copied, "path": str(final)}
+            "expert_layout": layout, "assets": copied, "path": str(final), "megatron_layout": resolved.layout.name,
+            "megatron_experts": resolved.form}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -456,13 +472,15 @@ def roundtrip(
     ep: int = 1,
     keep: bool = False,
     progress: bool | None = None,
+    megatron_layout: str = DEFAULT_LAYOUT,
 ) -> dict:
-    """HF -> Megatron -> HF, then :func:`compare_hf_checkpoints`. Returns the comparison with timings."""
+    """HF -> Megatron (in ``megatron_layout``) -> HF, then :func:`compare_hf_checkpoints`. Returns the comparison
+    with timings."""
     work = Path(work_dir) if work_dir is not None else Path(tempfile.mkdtemp(prefix="glm5-roundtrip-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
         imp = convert_hf_to_megatron(hf_path=hf_path, megatron_path=work / "megatron", tp=tp, pp=pp, ep=ep,
-                                     overwrite=True, progress=progress)
+                                     overwrite=True, progress=progress, megatron_layout=megatron_layout)
         exp = convert_megatron_to_hf(megatron_path=work / "megatron", hf_path=work / "hf", overwrite=True,
                                      progress=progress)
         report = compare_hf_checkpoints(hf_path, work / "hf")
@@ -470,5 +488,6 @@ def roundtrip(
         if not keep and work_dir is None:
             shutil.rmtree(work, ignore_errors=True)
     report.update(import_seconds=imp["seconds"], export_seconds=exp["seconds"], bytes=imp["bytes"], tp=tp, pp=pp,
-                  ep=ep, work_dir=str(work) if keep or work_dir is not None else None)
+                  ep=ep, megatron_layout=exp["megatron_layout"],
+                  work_dir=str(work) if keep or work_dir is not None else None)
     return report

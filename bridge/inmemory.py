@@ -7,7 +7,8 @@
   :func:`bridge.convert.convert_megatron_to_hf`. Memory stays bounded and the result is the same as converting
   a checkpoint saved by Megatron-LM.
 * :func:`load_megatron_checkpoint` builds the model a bridge-written checkpoint describes and loads it with
-  megatron-core's own ``dist_checkpointing.load``.
+  megatron-core's own ``dist_checkpointing.load`` (any Megatron layout: our model's keys are renamed to the
+  checkpoint's).
 """
 
 from __future__ import annotations
@@ -196,7 +197,8 @@ def _config_dtype(raw: Mapping[str, Any]) -> torch.dtype | None:
 def load_megatron_checkpoint(megatron_path: str | Path, *, policy=None, backend: str = "megatron",
                              hf_config: Mapping | str | Path | None = None, num_layers: int | None = None):
     """Build the GPTModel a checkpoint describes (this rank's stage; parallel state must be initialised) and load
-    it with megatron-core's ``dist_checkpointing.load``. The architecture comes from the HF config.json the bridge
+    it with megatron-core's ``dist_checkpointing.load``, in whatever Megatron layout it was written (ours or a
+    Transformer Engine one, :mod:`bridge.megatron_layout`). The architecture comes from the HF config.json the bridge
     stored in the checkpoint, or ``hf_config``. ``num_layers``: build and load only the first N decoder layers
     (no MTP; :func:`bridge.source.truncate_hf_config`); ``dist_checkpointing.load`` reads only the keys the
     truncated model asks for."""

@@ -32,6 +32,7 @@ from megatron_glm5.glm5.config import GLM5Architecture
 
 from . import transforms as T
 from .errors import ShapeMismatchError, TensorSetError, format_names
+from .naming import MTP_INNER  # the MTP inner layer's logical name (its dist-checkpoint key: transformer_layer)
 
 ExpertLayout = Literal["per_expert", "fused"]
 Shape = tuple[int, ...]
@@ -158,8 +159,6 @@ MTP_RULES: tuple[Rule, ...] = (
     Rule(("eh_proj.weight",), "eh_proj.weight", (lambda a: (a.hidden_size, 2 * a.hidden_size),)),
     Rule(("shared_head.norm.weight",), "final_layernorm.weight", (_h,)),
 )
-
-MTP_INNER = "mtp_model_layer"  # logical name of the MTP inner layer (dist-checkpoint key: "transformer_layer")
 
 # HF tensors that are dropped on purpose. Anything not mapped and not listed here is an error.
 IGNORED_HF_KEYS: tuple[tuple[str, str], ...] = (

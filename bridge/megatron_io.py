@@ -582,21 +582,27 @@ def write_tracker(root: Path, iteration: int) -> None:
     (Path(root) / TRACKER_FILE).write_text(f"{iteration}\n")
 
 
-def load_into_model(model, ckpt_dir: str | Path, *, strict: bool = True) -> None:
+def load_into_model(model, ckpt_dir: str | Path, *, strict: bool = True) -> str:
     """Load a ``torch_dist`` checkpoint into a built megatron-core model with megatron-core's own
-    ``dist_checkpointing.load`` (any TP/PP/EP; collective over the model's process groups).
+    ``dist_checkpointing.load`` (any TP/PP/EP; collective over the model's process groups), whatever Megatron
+    layout and expert form it was written in (:func:`bridge.megatron_layout.checkpoint_sharded_state_dict` renames
+    the model's keys to the checkpoint's). Returns the layout's name.
 
     megatron-core reads ``.metadata`` with plain pickle: :class:`DistCheckpoint` parses it with the restricted
     unpickler first, so a crafted file is refused before megatron-core opens it (and a missing or incomplete
     directory gets a clear error instead of megatron-core's asserts)."""
     from megatron.core import dist_checkpointing
 
+    from .megatron_layout import checkpoint_sharded_state_dict
+
     ckpt_dir = resolve_checkpoint_dir(ckpt_dir)
-    DistCheckpoint(ckpt_dir)
+    ckpt = DistCheckpoint(ckpt_dir)
+    sharded, layout, _ = checkpoint_sharded_state_dict(model, ckpt.tensors, ckpt.objects, source=str(ckpt_dir))
     with warnings.catch_warnings():  # torch DCP deprecation chatter from megatron-core's load path
         warnings.filterwarnings("ignore", module=r"torch\.distributed\.checkpoint")
-        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt_dir))
+        loaded = dist_checkpointing.load({"model": sharded}, str(ckpt_dir))
     missing, unexpected = model.load_state_dict(loaded["model"], strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if strict and (missing or unexpected):
         raise CheckpointFormatError(f"{ckpt_dir}: loading left parameters unset: {missing}; unexpected: {unexpected}")
+    return layout.name

@@ -14,7 +14,9 @@ Logical names (those of :mod:`bridge.mapping`) are the state-dict names of a TP=
   keys) are the local expert ``e``.
 
 Everything in a Megatron-LM checkpoint that is not a model weight is ignored by name, with the reason, in
-:data:`IGNORED_MEGATRON_KEYS`.
+:data:`IGNORED_MEGATRON_KEYS`. These are the keys of our (``local``) Megatron layout in megatron-core's default
+expert form; the Transformer Engine layouts' names and the ``singleton_local_shards`` form map onto them in
+:mod:`bridge.megatron_layout`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .mapping import MTP_INNER
+MTP_INNER = "mtp_model_layer"  # logical name of the MTP inner layer (dist-checkpoint key: "transformer_layer")
 
 _EXPERT_STACK = re.compile(r"^(?P<pre>.+\.mlp\.experts)\.experts\.(?P<lin>linear_fc[12])\.weight$")
 _MTP_INNER = re.compile(r"^(?P<pre>mtp\.layers\.\d+\.)(?:transformer_layer|mtp_model_layer)\.")
@@ -53,6 +55,20 @@ def canonical(name: str) -> str:
     if m:
         name = f"{m['pre']}.local_experts.{m['e']}.{m['lin']}.weight"
     return name
+
+
+_LOCAL_EXPERT = re.compile(r"^(?P<pre>.+\.mlp\.experts)\.local_experts\.(?P<e>\d+)\.(?P<lin>linear_fc[12])\.weight$")
+_MTP_LOGICAL = re.compile(rf"^(?P<pre>mtp\.layers\.\d+\.){MTP_INNER}\.")
+
+
+def stored_key(logical: str) -> tuple[str, int | None]:
+    """``(dist-checkpoint key, row in its stacked expert axis or None)`` of a logical name, as megatron-core 0.19.2
+    stores it by default (the inverse of :func:`logical_tensors`)."""
+    name = _MTP_LOGICAL.sub(lambda m: f"{m['pre']}transformer_layer.", logical)
+    m = _LOCAL_EXPERT.match(name)
+    if m is None:
+        return name, None
+    return f"{m['pre']}.experts.{m['lin']}.weight", int(m["e"])
 
 
 def is_layer_stacked(key: str) -> bool:

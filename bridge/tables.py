@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping, Sequence
 
+from .errors import BridgeError
 from .families import HFLayout, bridge_family
 from .mapping import Expansion
+from .megatron_layout import MegatronLayout, get_layout
 
 
 def detect_layout(arch, hf_names: Iterable[str]) -> HFLayout:
@@ -25,6 +27,24 @@ def account_for(arch, expansion: Expansion, hf_names: Iterable[str], *, source: 
     return bridge_family(arch).account(arch, expansion, hf_names, source=source, layout=layout)
 
 
+def megatron_layouts_for(arch) -> tuple[str, ...]:
+    """The Megatron layouts ``arch``'s family reads and writes (:data:`bridge.megatron_layout.LAYOUTS`)."""
+    return bridge_family(arch).megatron_layouts
+
+
+def megatron_layout_for(arch, name: str, *, source: str) -> MegatronLayout:
+    """The layout ``name`` if ``arch``'s family has it, else an error naming the family's (``source``: where the
+    config came from)."""
+    from megatron_glm5.families import family_of_architecture
+
+    layout = get_layout(name)
+    allowed = megatron_layouts_for(arch)
+    if name not in allowed:
+        raise BridgeError(f"{source}: --megatron-layout {name}: {family_of_architecture(arch).title} Megatron "
+                          f"checkpoints come in the {', '.join(allowed)} layout only")
+    return layout
+
+
 def truncate_config(raw: Mapping, num_layers: int) -> dict:
     """``config.json`` of the first ``num_layers`` decoder layers without MTP (per-layer lists cut and explicit).
     The caller has checked ``num_layers``."""
@@ -34,4 +54,5 @@ def truncate_config(raw: Mapping, num_layers: int) -> dict:
     return bridge_family(arch).truncate_config(raw, arch, num_layers)
 
 
-__all__ = ["HFLayout", "account_for", "detect_layout", "expand_for", "truncate_config"]
+__all__ = ["HFLayout", "account_for", "detect_layout", "expand_for", "megatron_layout_for", "megatron_layouts_for",
+           "truncate_config"]

@@ -39,5 +39,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/python -m pip install -q -e ".[${extras}]"
+# The outside oracle of the Megatron-layout tests (tests/test_bridge_megatron_layout.py reads NVIDIA Megatron-Bridge's
+# GLM-5 table from its source, without importing it): --no-deps, none of its GPU stack is needed for that (an extra
+# cannot say --no-deps, hence here and not in setup.py's dev extra).
+.venv/bin/python -m pip install -q --no-deps "megatron-bridge==0.6.2"
 # the installed distributions' versions: megatron.core.__version__ appends the git hash of the enclosing checkout
 .venv/bin/python -c "import megatron.core, transformers, megatron_glm5, bridge; from importlib.metadata import version as v; print('megatron-glm5 ready: megatron-core', v('megatron-core'), '| transformers', v('transformers'))"

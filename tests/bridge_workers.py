@@ -45,7 +45,7 @@ def import_cases(rank: int, world_size: int, *, cases: list[dict]) -> dict:
 
     for c in cases:
         convert_hf_to_megatron(hf_path=c["hf"], megatron_path=c["out"], tp=c["tp"], pp=c["pp"], ep=c["ep"],
-                               progress=False)
+                               progress=False, megatron_layout=c.get("megatron_layout", "local"))
     return {"rank": rank, "done": len(cases)}
 
 
@@ -94,6 +94,66 @@ def load_and_run(rank: int, world_size: int, *, ckpts: list[str], tp: int, ep: i
     if rank == 0:
         torch.save(results, out)
     return {"rank": rank}
+
+
+def save_with_megatron_core(model, root: Path, *, layout: str, singleton: bool, iteration: int = 0) -> Path:
+    """``model`` saved by megatron-core's own ``dist_checkpointing.save`` in Megatron-LM's directory layout, its keys
+    renamed to ``layout``'s (bridge.megatron_layout) and, with ``singleton``, megatron-core's singleton_local_shards
+    form (one key per expert, gated fc1 halves): how another tool's training run would leave it (no bridge
+    metadata)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from bridge.megatron_layout import LAYOUTS, to_layout
+
+    ssd = model.sharded_state_dict(metadata={"singleton_local_shards": True} if singleton else None)
+    tensors = [v for v in nested_values(ssd) if isinstance(v, ShardedTensor)]
+    renamed = to_layout({t.key for t in tensors} | {v.key for v in nested_values(ssd) if hasattr(v, "build_fn")},
+                        LAYOUTS[layout])
+    for t in tensors:
+        t.key = renamed.get(t.key, t.key)
+    ckpt = Path(root) / f"iter_{iteration:07d}"
+    ckpt.mkdir(parents=True)
+    dist_checkpointing.save(ssd, str(ckpt), content_metadata={"singleton_local_shards": singleton})
+    (Path(root) / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    return Path(root)
+
+
+def te_layout_cases(rank: int, world_size: int, *, imports: list[dict], loads: list[dict], hf_config: str,
+                    out: str, seq_len: int, seed: int) -> dict:
+    """In one 2-process world: the imports (``import_cases``), then for each load case (tp, pp, ep) every checkpoint
+    of ``ckpts`` loaded into our model at that layout; at PP=1 the full logits are saved (rank 0, ``out``), at PP>1
+    each rank compares its stage's parameters across the checkpoints."""
+    import bridge
+    from bridge.launch import model_parallel
+    from megatron_glm5.model import default_cpu_policy
+
+    import_cases(rank, world_size, cases=imports)
+    logits, same_stage = {}, {}
+    for case in loads:
+        tp, pp, ep = case["tp"], case["pp"], case["ep"]
+        tag = f"tp{tp}_pp{pp}_ep{ep}"
+        with model_parallel(tp, pp, ep):
+            policy = default_cpu_policy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                        expert_model_parallel_size=ep)
+            states = []
+            for i, ckpt in enumerate(case["ckpts"]):
+                model = bridge.load_megatron_checkpoint(ckpt, policy=policy, hf_config=hf_config).eval()
+                if pp == 1:
+                    vocab = model.glm5_hf_config["vocab_size"]
+                    ids = torch.randint(0, vocab, (1, seq_len), generator=torch.Generator().manual_seed(seed))
+                    logits[f"{tag}_ckpt{i}"] = _full_logits(model, ids)
+                else:
+                    states.append({k: v for k, v in model.state_dict().items()
+                                   if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")})
+            if states:
+                same_stage[tag] = all(s.keys() == states[0].keys() and all(torch.equal(s[k], states[0][k])
+                                                                            for k in s) for s in states[1:])
+                same_stage[f"{tag}_tensors"] = len(states[0])
+    if rank == 0:
+        torch.save(logits, out)
+    return {"rank": rank, "same_stage": same_stage}
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -20,11 +20,12 @@ REPO = Path(__file__).resolve().parent.parent
 # Adding a flag is a deliberate change: update this table (torchtitan's test_no_new_cli_options idea).
 FROZEN_FLAGS = {
     "demo": ["--keep", "--model", "--out", "--steps", "--verbose"],
-    "convert import": ["--dtype", "--ep", "--hf-path", "--iteration", "--megatron-path", "--no-progress",
-                       "--overwrite", "--pp", "--tp", "--verbose"],
+    "convert import": ["--dtype", "--ep", "--hf-path", "--iteration", "--megatron-layout", "--megatron-path",
+                       "--no-progress", "--overwrite", "--pp", "--tp", "--verbose"],
     "convert export": ["--dtype", "--expert-layout", "--hf-config", "--hf-path", "--max-shard-size",
                        "--megatron-path", "--no-progress", "--overwrite", "--verbose"],
-    "convert roundtrip": ["--ep", "--hf-path", "--keep", "--no-progress", "--pp", "--tp", "--verbose", "--work-dir"],
+    "convert roundtrip": ["--ep", "--hf-path", "--keep", "--megatron-layout", "--no-progress", "--pp", "--tp",
+                          "--verbose", "--work-dir"],
     "clean": ["--dry-run", "--verbose"],
     "verify": ["--batch-size", "--device", "--dtype", "--hf-path", "--megatron-path", "--num-layers", "--seed",
                "--seq-len", "--tol", "--verbose"],

@@ -186,12 +186,12 @@ def test_export_rejects_layer_stacked_keys():
     """A dist checkpoint saved with homogeneous layers stacked on a layer axis names the key instead of guessing."""
     from types import SimpleNamespace
 
-    from bridge.convert import _logical_sources
+    from bridge.convert import _resolve_sources
 
     key = "decoder.layers.self_attention.linear_proj.weight"
     ckpt = SimpleNamespace(path=Path("/ckpt/iter_0000001"), tensors={key: None}, shape=lambda k: (2, 8, 8))
     with pytest.raises(CheckpointFormatError, match=r"/ckpt/iter_0000001: key 'decoder\.layers\.self_attention.*stacked"):
-        _logical_sources(ckpt)
+        _resolve_sources(ckpt, None, None, None)
 
 
 @pytest.mark.parametrize("kind", ["import", "export"])

@@ -6,6 +6,9 @@
 * Resharding: a checkpoint written at TP=2 loads at TP=1 with logits identical to the TP=1 checkpoint's, and the
   TP=1 checkpoint loads at TP=2 (and at EP=2) with the same logits; from_hf_pretrained at TP=2 agrees;
   export_hf of a TP=2 model gives the source back bitwise.
+* Megatron layouts (bridge/megatron_layout.py): TE-layout imports at TP/PP/EP = 2 store what a single-process one
+  does; TE-layout checkpoints (ours, and megatron-core's own save in the singleton_local_shards form) load at TP=2,
+  EP=2 and PP=2 exactly as the local-layout checkpoint does.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import torch
 
 import bridge
 from bridge.megatron_io import DistCheckpoint, resolve_checkpoint_dir
-from tests.bridge_workers import make_fixture
+from tests.bridge_workers import make_fixture, save_with_megatron_core
 from tests.distributed import run_torchrun
 
 NAMES = ["glm5", "glm5_fused", "glm52", "glm52_fused"]
@@ -79,3 +82,41 @@ def test_checkpoints_reshard_between_tp1_and_tp2(matrix, tmp_path, model_paralle
         assert torch.equal(got["ckpt0"], got["ckpt1"]) and torch.equal(got["ckpt0"], got["from_hf"])
         report = bridge.compare_hf_checkpoints(src, export)  # export_hf gathered the TP/EP shards
         assert report["ok"], report["mismatches"]
+
+
+def test_te_layouts_at_two_ranks(matrix, tmp_path, model_parallel):
+    """One 2-process world: TE-layout imports at TP/PP/EP = 2/1/1, 1/2/1, 1/1/2 (each rank renames its own shards,
+    rank 0 writes TE's extra state) equal the single-process import, objects included, and export back bitwise;
+    at TP=2, EP=2 and PP=2 the te checkpoint and a megatron-core-saved te-fused-qk singleton_local_shards one load
+    exactly as the local-layout checkpoint does (logits bitwise; at PP=2 each stage's parameters)."""
+    root, _ = matrix
+    src = root / "hf" / "glm52"
+    local = bridge.convert_hf_to_megatron(hf_path=src, megatron_path=tmp_path / "local")["path"]
+    single = {lay: bridge.convert_hf_to_megatron(hf_path=src, megatron_path=tmp_path / f"single_{lay}",
+                                                 megatron_layout=lay)["path"] for lay in ("te", "te-fused-qk")}
+    singleton = save_with_megatron_core(bridge.load_megatron_checkpoint(local), tmp_path / "singleton",
+                                        layout="te-fused-qk", singleton=True)
+    imports = [dict(hf=str(src), out=str(tmp_path / f"te_{tp}{pp}{ep}"), tp=tp, pp=pp, ep=ep, megatron_layout=lay)
+               for (tp, pp, ep), lay in zip(LAYOUTS, ("te", "te-fused-qk", "te"))]
+    ckpts = [local, single["te"], str(singleton)]
+    loads = [dict(tp=tp, pp=pp, ep=ep, ckpts=ckpts) for tp, pp, ep in ((2, 1, 1), (1, 1, 2), (1, 2, 1))]
+    out = tmp_path / "logits.pt"
+    results = run_torchrun("tests.bridge_workers:te_layout_cases", tmp_path, nproc=2, imports=imports, loads=loads,
+                           hf_config=str(src / "config.json"), out=str(out), seq_len=64, seed=1)
+
+    for c in imports:
+        tag = f"{c['megatron_layout']} TP/PP/EP={c['tp']}/{c['pp']}/{c['ep']}"
+        ref = DistCheckpoint(resolve_checkpoint_dir(single[c["megatron_layout"]]))
+        ckpt = DistCheckpoint(resolve_checkpoint_dir(c["out"]))
+        assert set(ckpt.tensors) == set(ref.tensors) and set(ckpt.objects) == set(ref.objects), tag
+        for key in ref.tensors:
+            assert torch.equal(ckpt.read(key), ref.read(key)), f"{tag}: {key}"
+        bridge.convert_megatron_to_hf(megatron_path=c["out"], hf_path=tmp_path / f"hf_{tag[-5:].replace('/', '')}")
+        report = bridge.compare_hf_checkpoints(src, tmp_path / f"hf_{tag[-5:].replace('/', '')}")
+        assert report["ok"] and report["bitwise_equal"] == report["tensors"], (tag, report["mismatches"])
+    logits = torch.load(out)
+    for tag in ("tp2_pp1_ep1", "tp1_pp1_ep2"):
+        assert torch.equal(logits[f"{tag}_ckpt1"], logits[f"{tag}_ckpt0"]), tag
+        assert torch.equal(logits[f"{tag}_ckpt2"], logits[f"{tag}_ckpt0"]), tag
+    for r in results:
+        assert r["same_stage"]["tp1_pp2_ep1"] and r["same_stage"]["tp1_pp2_ep1_tensors"] > 10, r

@@ -37,6 +37,7 @@ class BridgeFamily(Protocol):
     """One family on the bridge side (``bridge/families/<name>.py``; the name is the registry's)."""
 
     name: str
+    megatron_layouts: tuple[str, ...]  # the Megatron layouts it reads and writes (bridge.megatron_layout.LAYOUTS)
 
     def detect_layout(self, arch: Any, hf_names: list[str]) -> HFLayout: ...
 

@@ -1,4 +1,5 @@
-"""GLM-5.x (``glm_moe_dsa``) on the bridge: the table of :mod:`bridge.mapping`, the expert layout only."""
+"""GLM-5.x (``glm_moe_dsa``) on the bridge: the table of :mod:`bridge.mapping`, the expert layout only; every
+Megatron layout (ours and megatron-core's Transformer Engine ones, :mod:`bridge.megatron_layout`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from ..mapping import Expansion, account_hf_names, detect_expert_layout, expand 
 from .base import HFLayout, cut_layers
 
 name = "glm5"
+megatron_layouts = ("local", "te", "te-fused-qk")
 
 
 def detect_layout(arch: Any, hf_names: list[str]) -> HFLayout:

@@ -1,5 +1,7 @@
 """GLM-5.3-Flash (``glm5_next``) on the bridge: the table of :mod:`bridge.glm5_next_mapping`; the layout adds
-transformers' naming (on-disk or in-memory) and the text model's prefix, and the vision tower is carried through."""
+transformers' naming (on-disk or in-memory) and the text model's prefix, and the vision tower is carried through.
+Megatron checkpoints in our local layout only: no Transformer Engine build of GLM-5.3-Flash exists to match (its KDA,
+mHC and KPool modules are megatron-glm5's)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from ..mapping import Expansion, detect_expert_layout
 from .base import HFLayout, cut_layers
 
 name = "glm5_next"
+megatron_layouts = ("local",)
 
 
 def detect_layout(arch: Any, hf_names: list[str]) -> HFLayout:
