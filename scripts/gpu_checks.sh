@@ -10,7 +10,8 @@
 # bench_step (whole training steps of the GLM-5-shaped one-GPU slice through that pretrain_gpt.py: our kernels vs
 # megatron-core's, report in OUT_DIR/step.md; needs .mlm/; run precompile first; BENCH_STEP_ARGS adds flags),
 # indexer_loss_kernels (tests/gpu/test_indexer_loss_gpu.py: the fused sparse indexer-loss kernels vs the torch oracle;
-# builds its kernels in parallel first).
+# builds its kernels in parallel first), rms_norm (tests/gpu/test_rms_norm_gpu.py: the fused Triton RMSNorm vs torch,
+# bitwise but for rare one-ulp flips, and its speed; MEGATRON_GLM5_FUSED_RMSNORM=1 turns it on in the model).
 # Each step has its own log and time limit; a failing step does not stop the others.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,6 +30,7 @@ for step in "$@"; do
   case "$step" in
     precompile) run precompile 150 python3 scripts/bench/bench_dsa_kernels.py --precompile-only --workers 16 --sections sparse,indexer,kpool,nope ;;
     kernels) run kernels 240 python3 -m pytest tests/gpu/test_kernels_gpu.py -q -s -p no:cacheprovider ;;
+    rms_norm) run rms_norm 120 python3 -m pytest tests/gpu/test_rms_norm_gpu.py -q -s -p no:cacheprovider ;;
     kernels_ws) MEGATRON_GLM5_TEST_FWD_VARIANT=ws run kernels_ws 200 python3 -m pytest tests/gpu/test_kernels_gpu.py -q -s -p no:cacheprovider ;;
     backends) run backends 240 python3 -m pytest tests/gpu/test_backends_gpu.py -q -s -p no:cacheprovider ;;
     lora) run lora 200 python3 -m pytest tests/gpu/test_lora_gpu.py -q -s -p no:cacheprovider ;;
