@@ -158,3 +158,12 @@ def test_indexer_warmup_refuses_sparse_loss(monkeypatch, hf_dir):
     args = _parse(monkeypatch, argv)
     with pytest.raises(SystemExit, match="dense loss"):
         check_indexer_flags(args, argv)
+
+
+def test_kda_kernel_flag_is_refused_for_glm5(monkeypatch, hf_dir, model_parallel):
+    """``--kda-kernel`` picks GLM-5.3-Flash's KDA kernel; GLM-5 has no KDA layer, so anything but ``auto`` is an
+    error that names the flag (not silently ignored)."""
+    with _megatron_globals(monkeypatch, hf_dir, extra=("--kda-kernel", "fla")) as (args, arch, _):
+        assert args.kda_kernel == "fla"
+        with pytest.raises(SystemExit, match="--kda-kernel fla: this model has no KDA layers"):
+            model_provider(arch, "megatron")
