@@ -27,7 +27,6 @@ Megatron-LM's training loop needs CUDA (it allocates on ``device="cuda"``); on C
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from functools import partial
 from typing import Any
@@ -200,14 +199,20 @@ def model_provider(arch: Architecture, backend: str, pre_process=True, post_proc
     from .model import build_model
 
     args = get_args()
+    kda_kernel = getattr(args, "kda_kernel", "auto")
+    options = {} if kda_kernel == "auto" else {"kda_kernel": kda_kernel}  # the family's build option, when chosen
     if config is None:
         config = core_transformer_config_from_args(get_args(), MLATransformerConfig)
-        config = family_of_architecture(arch).config_from_megatron_lm(config, arch)
-    kda_kernel = getattr(args, "kda_kernel", "auto")
-    if hasattr(config, "kda_kernel"):
-        config = dataclasses.replace(config, kda_kernel=kda_kernel)
-    elif kda_kernel != "auto":
-        raise SystemExit(f"megatron-glm5: --kda-kernel {kda_kernel}: this model has no KDA layers (GLM-5.3-Flash only)")
+        try:
+            config = family_of_architecture(arch).config_from_megatron_lm(config, arch, **options)
+        except TypeError as e:
+            if options and "kda_kernel" in str(e):
+                raise SystemExit(f"megatron-glm5: --kda-kernel {kda_kernel}: this model has no KDA layers "
+                                 "(GLM-5.3-Flash only)") from None
+            raise
+    elif options:
+        raise SystemExit("megatron-glm5: --kda-kernel applies when the model provider builds the config; this caller "
+                         "passed its own")
     model = build_model(arch, config=config, backend=backend, vp_stage=vp_stage, pre_process=pre_process,
                         post_process=post_process, indexer_warmup=bool(getattr(args, "dsa_indexer_warmup", False)))
     return apply_lora_args(model, args)

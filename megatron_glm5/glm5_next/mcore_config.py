@@ -193,12 +193,15 @@ def config_only_fields() -> frozenset[str]:
     return frozenset(f.name for f in dataclasses.fields(GLM5NextTransformerConfig)) - base
 
 
-def config_from_megatron_lm(config, arch: GLM5NextArchitecture) -> GLM5NextTransformerConfig:
+def config_from_megatron_lm(
+    config, arch: GLM5NextArchitecture, *, kda_kernel: str = "auto"
+) -> GLM5NextTransformerConfig:
     """Megatron-LM's ``MLATransformerConfig`` (parallelism, precision, recompute, ...) as a
-    ``GLM5NextTransformerConfig`` with the whole GLM-5.3-Flash architecture (KPool, KDA, mHC included)."""
+    ``GLM5NextTransformerConfig`` with the whole GLM-5.3-Flash architecture (KPool, KDA, mHC included) and the
+    build option ``kda_kernel`` (``--kda-kernel``), as :func:`build_transformer_config` takes it."""
     kw = {f.name: getattr(config, f.name) for f in dataclasses.fields(MLATransformerConfig) if f.init}
     kw.update(architecture_kwargs(arch))
-    return GLM5NextTransformerConfig(**kw)
+    return GLM5NextTransformerConfig(**kw, kda_kernel=kda_kernel)
 
 
 def gpt_model_kwargs(arch: GLM5NextArchitecture) -> dict[str, Any]:
