@@ -165,18 +165,7 @@ def render(results: list[Result], args, meta: dict) -> str:
         ratio = f"{base / s['ms_mean']:.2f}x" if not math.isnan(base) else "-"
         lines.append(f"| {label} | {s['ms_mean']:.1f} ± {s['ms_std']:.1f} | {s['tokens_per_s']:.0f} | "
                      f"{bs._f(s['peak_gib'], '.2f')} | {ratio} |")
-    iters = sorted({it["iteration"] for r in results if r.main for it in r.main.log.iterations})
-    if iters:
-        lines += ["", "Loss per iteration (`lm loss`):", "",
-                  "| iteration | " + " | ".join(r.variant.name for r in results) + " |",
-                  "|---" * (len(results) + 1) + "|"]
-        for i in iters:
-            cells = []
-            for r in results:
-                its = {it["iteration"]: it for it in (r.main.log.iterations if r.main else [])}
-                v = its.get(i, {}).get(bs.LOSS_KEY)
-                cells.append(f"{v:.4f}" if isinstance(v, float) else "-")
-            lines.append(f"| {i} | " + " | ".join(cells) + " |")
+    lines += bs.loss_table(results)
     for r in results:
         b = r.breakdown
         if b is None:

@@ -21,25 +21,14 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
-
-def _time(fn, reps: int) -> float:
-    fn()  # warm-up (autotuning, allocator)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_dsa_kernels import timed_few  # noqa: E402  (median of CUDA-event-timed calls after a warm-up)
 
 
 def _guarded(fn, reps: int) -> tuple[str, float | None, float]:
@@ -47,7 +36,7 @@ def _guarded(fn, reps: int) -> tuple[str, float | None, float]:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     try:
-        ms = _time(fn, reps)
+        ms = timed_few(fn, reps)  # one untimed call first (fla's autotuning, the allocator)
         return f"{ms:.2f}", ms, torch.cuda.max_memory_allocated() / 2**30
     except torch.OutOfMemoryError:
         peak = torch.cuda.max_memory_allocated() / 2**30

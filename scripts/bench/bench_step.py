@@ -886,6 +886,21 @@ def _md(text: str) -> str:
     return text.replace("|", "\\|")
 
 
+def loss_table(results) -> list[str]:
+    """Markdown lines: the ``lm loss`` of every logged iteration per variant (``results``: objects with
+    ``.variant.name`` and ``.main``, a :class:`RunResult` or None)."""
+    iters = sorted({it["iteration"] for r in results if r.main for it in r.main.log.iterations})
+    if not iters:
+        return []
+    lines = ["", "Loss per iteration (`lm loss`; iteration 2 is Megatron-LM's mean of 1 and 2):", "",
+             "| iteration | " + " | ".join(r.variant.name for r in results) + " |", "|---" * (len(results) + 1) + "|"]
+    by_iter = [{it["iteration"]: it for it in (r.main.log.iterations if r.main else [])} for r in results]
+    for i in iters:
+        cells = [its.get(i, {}).get(LOSS_KEY) for its in by_iter]
+        lines.append(f"| {i} | " + " | ".join(f"{v:.4f}" if isinstance(v, float) else "-" for v in cells) + " |")
+    return lines
+
+
 def render_report(results: list[VariantResult], *, skip: int, meta: dict[str, Any]) -> str:
     stats = {r.variant.name: r.stats(skip) for r in results}
     base = stats.get(BASELINE, {}).get("ms_mean", math.nan)
@@ -919,19 +934,7 @@ def render_report(results: list[VariantResult], *, skip: int, meta: dict[str, An
         ratio = f"{base / s['ms_mean']:.2f}x" if not math.isnan(base) else "-"
         lines.append(f"| {label} | {s['ms_mean']:.1f} ± {s['ms_std']:.1f} | {s['tokens_per_s']:.0f} | "
                      f"{s['tflops_megatron']:.1f} | {s['tflops_ours']:.1f} | {_f(s['peak_gib'], '.2f')} | {ratio} |")
-    # Loss curves
-    iters = sorted({it["iteration"] for r in results if r.main for it in r.main.log.iterations})
-    if iters:
-        lines += ["", "Loss per iteration (`lm loss`; iteration 2 is Megatron-LM's mean of 1 and 2):", "",
-                  "| iteration | " + " | ".join(r.variant.name for r in results) + " |",
-                  "|---" * (len(results) + 1) + "|"]
-        for i in iters:
-            cells = []
-            for r in results:
-                its = {it["iteration"]: it for it in (r.main.log.iterations if r.main else [])}
-                v = its.get(i, {}).get(LOSS_KEY)
-                cells.append(f"{v:.4f}" if isinstance(v, float) else "-")
-            lines.append(f"| {i} | " + " | ".join(cells) + " |")
+    lines += loss_table(results)
     # Breakdown
     profiled = [r for r in results if r.breakdown is not None or r.profile is not None]
     if profiled:
