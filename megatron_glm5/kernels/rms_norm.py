@@ -40,8 +40,7 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether :func:`rms_norm` takes these tensors (else use :func:`rms_norm_reference`)."""
     return (x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and x.shape[-1] <= MAX_N
-            and weight.shape == x.shape[-1:] and x.device.type in ("cuda", "cpu") and _triton() is not None
-            and (x.is_cuda or _interpreting()))
+            and weight.shape == x.shape[-1:] and (x.is_cuda or _interpreting()) and _triton() is not None)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -141,11 +140,13 @@ class _RMSNorm(torch.autograd.Function):
         dx = torch.empty((rows, n), dtype=x2.dtype, device=x2.device)
         progs = max(1, min(rows, _programs(x2.device)))
         per = -(-rows // progs) if rows else 0
-        dw_part = torch.zeros((progs, n), dtype=torch.float32, device=x2.device)
+        dw_part = torch.empty((progs, n), dtype=torch.float32, device=x2.device)  # every program writes its row
         if rows:
             bwd[(progs,)](x2, w, dy2, dx, rstd, dw_part, x2.stride(0), dy2.stride(0), dx.stride(0), rows, per, n,
                           BLOCK=ctx.block, num_warps=_warps(ctx.block))
-        dw = dw_part.sum(0).to(w.dtype) if ctx.needs_input_grad[1] else None
+        dw = None
+        if ctx.needs_input_grad[1]:
+            dw = (dw_part.sum(0) if rows else torch.zeros(n, dtype=torch.float32, device=w.device)).to(w.dtype)
         return dx.view(ctx.shape), dw, None
 
 
