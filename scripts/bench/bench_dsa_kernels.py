@@ -109,9 +109,16 @@ def precompile(workers: int, include_mcore: bool = True, sections: tuple[str, ..
         cases += KPOOL_KERNELS
     if "flash_small" in sections:
         cases += FLASH_SMALL_KERNELS
+    return build_in_parallel(cases, workers)
+
+
+def build_in_parallel(cases: list[tuple], workers: int) -> bool:
+    """Build ``(module, getter, args)`` kernels in ``workers`` spawned processes (fills TileLang's disk cache), each
+    once; every failure is printed and the others still build. True when all built."""
     cases = list(dict.fromkeys(cases))
     ok = True
-    with cf.ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as pool:
+    with cf.ProcessPoolExecutor(max_workers=max(1, min(workers, len(cases))),
+                                mp_context=mp.get_context("spawn")) as pool:
         for name, secs, err in pool.map(_build, cases):
             print(f"[precompile] {name}: {secs:.1f} s {'OK' if not err else 'FAILED'}", flush=True)
             if err:

@@ -29,10 +29,7 @@ same top-k) and exits with status 1 on a mismatch ("CHECK FAILED"), before any t
 from __future__ import annotations
 
 import argparse
-import concurrent.futures as cf
 import datetime
-import importlib
-import multiprocessing as mp
 import os
 import subprocess
 import sys
@@ -66,28 +63,11 @@ MCORE_KERNELS = [
 ]
 
 
-def _build(case: tuple) -> tuple[str, float, str]:
-    module, getter, args = case
-    t0 = time.time()
-    try:
-        fn = getattr(importlib.import_module(module), getter)
-        fn(*args) if module.startswith("megatron.core") else fn()(*args)
-        return f"{getter}{args}", time.time() - t0, ""
-    except Exception:  # report and go on: one broken kernel must not hide the others
-        return f"{getter}{args}", time.time() - t0, traceback.format_exc(limit=4)
-
-
 def precompile(workers: int, include_mcore: bool) -> bool:
     """Build every kernel of the benchmark in ``workers`` processes (fills TileLang's disk cache)."""
-    cases = KERNELS + (MCORE_KERNELS if include_mcore else [])
-    ok = True
-    with cf.ProcessPoolExecutor(max_workers=min(workers, len(cases)), mp_context=mp.get_context("spawn")) as pool:
-        for name, secs, err in pool.map(_build, cases):
-            print(f"[precompile] {name}: {secs:.1f} s {'OK' if not err else 'FAILED'}", flush=True)
-            if err:
-                ok = False
-                print(err, flush=True)
-    return ok
+    from bench_dsa_kernels import build_in_parallel
+
+    return build_in_parallel(KERNELS + (MCORE_KERNELS if include_mcore else []), workers)
 
 
 # ----------------------------------------------------------------------------------------------------------------
