@@ -255,3 +255,46 @@ def test_thd_packed_loss_is_the_row_weighted_mean_of_the_sequences(model_paralle
     expected = sum(n * v for n, v in zip(lens, alone)) / sum(lens)
     assert packed.shape == (n_full,)
     torch.testing.assert_close(packed, expected, rtol=1e-5, atol=1e-9)
+
+
+@pytest.fixture
+def loss_after_attention(monkeypatch):
+    """Force the tilelang backend's sparse loss into the backward (``loss_after_attention``) on CPU too."""
+    from megatron_glm5.dsa.tilelang_attention import TileLangSparseAttention
+
+    def force(on: bool):
+        monkeypatch.setattr(TileLangSparseAttention, "loss_after_attention", on)
+
+    return force
+
+
+@pytest.mark.parametrize("recompute", [{}, dict(recompute_granularity="full", recompute_method="uniform",
+                                                 recompute_num_layers=1)], ids=["plain", "full-recompute"])
+def test_loss_after_attention_equals_the_loss_in_forward(model_parallel, monkeypatch, loss_after_attention, recompute):
+    """The sparse loss computed in the backward (target from the attention's backward, here its torch fallback) gives
+    the same logged values and the same gradients of every parameter as the loss attached in the forward, the
+    schedules' loss scale included; under full recompute it is logged once per full layer and micro-batch."""
+    raw, arch, reference = _model("tilelang", **SPARSE)
+    _, _, model = _model("tilelang", **SPARSE, **recompute)
+    model.load_state_dict(reference.state_dict())
+    batches = _batches(raw)
+    loss_after_attention(False)
+    DSAIndexerLossAutoScaler.set_loss_scale(torch.tensor(0.5))
+    expected = _run(reference, batches)
+    expected_values = DSAIndexerLossLoggingHelper.tracker["values"].clone()
+    DSAIndexerLossLoggingHelper.clean_loss_in_tracker()
+    loss_after_attention(True)
+    from megatron_glm5.dsa.attention import DSACoreAttention
+    from tests.instrument import count_calls
+
+    logged_in_backward = [0]
+    count_calls(monkeypatch, logged_in_backward, DSACoreAttention, "log_loss")
+    got = _run(model, batches, interleaved=True)
+    n_full = len(arch.full_indexer_layers) + arch.num_nextn_predict_layers
+    assert logged_in_backward[0] == n_full * len(batches), "computed in the backward, once per layer and micro-batch"
+    assert expected_values.shape == (n_full,) and (expected_values > 0).all()
+    torch.testing.assert_close(DSAIndexerLossLoggingHelper.tracker["values"], expected_values, rtol=1e-6, atol=0)
+    assert set(got) == set(expected)
+    for n in expected:
+        scale = expected[n].abs().max().clamp_min(1e-12)
+        assert (got[n] - expected[n]).abs().max() <= 1e-6 * scale, n

@@ -34,7 +34,7 @@ from .. import compat
 from ..device_check import check_on_device
 from . import indexer_loss, reference
 from .hooks import linear_weight, mark_replicated
-from .indexer_training import RECALL, IndexerLossSettings, LossSlot, attach_loss, warmup_freeze
+from .indexer_training import RECALL, IndexerLossSettings, LossSlot, attach_loss, log_loss, warmup_freeze
 from .layout import TokenLayout
 
 IndexerType = str  # "full" | "shared"
@@ -207,6 +207,11 @@ class DSACoreAttention(MegatronModule):
             return output
         cp = self.pg_collection.cp if self.config.context_parallel_size > 1 else None
         return attach_loss(output, loss, self.loss_slot, cp_group=cp, per_token=self.loss.per_token)
+
+    def log_loss(self, loss: torch.Tensor) -> None:
+        """Log this layer's indexer loss in its tracker slot (for a loss computed in the backward)."""
+        cp = self.pg_collection.cp if self.config.context_parallel_size > 1 else None
+        log_loss(loss, self.loss_slot, cp_group=cp, per_token=self.loss.per_token)
 
     def dense_latent(self, query: torch.Tensor, kv: torch.Tensor, layout: TokenLayout, d_v: int) -> torch.Tensor:
         """The warm-up's main attention: every causal key, no gradient (only the indexer trains), ``[T, H, d_v]``."""

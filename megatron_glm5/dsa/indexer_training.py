@@ -72,22 +72,34 @@ def loss_slots(indexer_types, mtp_num_layers: int = 0) -> tuple[dict[int, LossSl
     return decoder, [LossSlot(len(full) + j, count) for j in range(mtp_num_layers or 0)]
 
 
-def attach_loss(output: torch.Tensor, loss: torch.Tensor, slot: LossSlot, *, cp_group=None,
-                per_token: bool = False) -> torch.Tensor:
-    """Log ``loss`` in its tracker slot and return ``output`` carrying it into the backward (identity forward).
-    Under context parallelism each rank's loss covers its own query rows: megatron-core's reduction (sum in
-    per-token mode, else the mean over the CP group) is kept."""
-    from megatron.core.transformer.experimental_attention_variant.dsa import (
-        DSAIndexerLossAutoScaler,
-        DSAIndexerLossLoggingHelper,
-    )
+def log_loss(loss: torch.Tensor, slot: LossSlot, *, cp_group=None, per_token: bool = False) -> None:
+    """Log ``loss`` in its tracker slot. Under context parallelism each rank's loss covers its own query rows:
+    megatron-core's reduction (sum in per-token mode, else the mean over the CP group) is kept."""
+    from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossLoggingHelper
 
     cp = cp_group if cp_group is not None and cp_group.size() > 1 else None
     DSAIndexerLossLoggingHelper.save_loss_to_tracker(
         loss=loss, layer_number=slot.index + 1, num_layers=slot.count,
         reduce_group=cp if per_token else None, avg_group=None if per_token else cp,
     )
+
+
+def attach_loss(output: torch.Tensor, loss: torch.Tensor, slot: LossSlot, *, cp_group=None,
+                per_token: bool = False) -> torch.Tensor:
+    """Log ``loss`` in its tracker slot and return ``output`` carrying it into the backward (identity forward)."""
+    from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossAutoScaler
+
+    log_loss(loss, slot, cp_group=cp_group, per_token=per_token)
     return DSAIndexerLossAutoScaler.apply(output, loss)
+
+
+def main_loss_backward_scale(device: torch.device) -> torch.Tensor:
+    """The gradient megatron-core's ``DSAIndexerLossAutoScaler`` gives an indexer loss: the main loss's backward
+    scale that the pipeline schedules set (1 when none was set), for a loss computed in the backward."""
+    from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossAutoScaler
+
+    scale = DSAIndexerLossAutoScaler.main_loss_backward_scale
+    return torch.ones((), device=device) if scale is None else scale.to(device)
 
 
 def _core_attentions(model) -> Iterator[torch.nn.Module]:

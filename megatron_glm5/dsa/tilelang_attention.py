@@ -43,7 +43,9 @@ from megatron.core.transformer.multi_latent_attention import MLASelfAttention, M
 from . import reference
 from .attention import DSACoreAttention, rebuild_down_projections, with_mcore_down_projections
 from .hooks import linear_weight, mark_replicated
+from .indexer_training import main_loss_backward_scale
 from .layout import TokenLayout
+from .loss_after_attention import LossAfterAttention
 from .rope import apply_interleaved_rope, rope_cos_sin
 
 @functools.cache
@@ -96,6 +98,9 @@ class TileLangSparseAttention(DSACoreAttention):
     """Core of the ``tilelang`` backend: top-k selection and sparse MLA on our kernels (module docstring)."""
 
     supports_context_parallel = True
+    # The sparse indexer loss in the backward, with the target from the attention backward's P
+    # (:mod:`megatron_glm5.dsa.loss_after_attention`): None = where our fused loss kernels run; True/False forces it.
+    loss_after_attention: Optional[bool] = None
 
     def __init__(self, config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
@@ -166,16 +171,57 @@ class TileLangSparseAttention(DSACoreAttention):
         return kernels.fused_sparse_indexer_loss(qi.contiguous(), ki.contiguous(), w.float().contiguous(), topk,
                                                  target, rw, deterministic=self.config.deterministic_mode)
 
+    def loss_after(self, qi, ki, w, query, topk, layout: TokenLayout) -> Optional[LossAfterAttention]:
+        """This forward's sparse loss computed in the backward from the attention backward's probabilities
+        (:mod:`megatron_glm5.dsa.loss_after_attention`), or None where it is computed in the forward instead: not
+        the sparse stage, a frozen indexer, or (by default) where our fused loss kernels do not run."""
+        if not self.loss.sparse or not (qi.requires_grad or ki.requires_grad or w.requires_grad):
+            return None
+        fused = _fused_indexer_loss_applies(qi, query, topk)
+        if not (fused if self.loss_after_attention is None else self.loss_after_attention):
+            return None
+        from . import indexer_loss
+
+        tp = self.pg_collection.tp if self.config.tensor_model_parallel_size > 1 else None
+        rw = indexer_loss.row_weights(indexer_loss.valid_query_rows(layout.starts, layout.ends), self.loss.coeff,
+                                      self.loss.per_token)
+        if fused:
+            from .. import kernels
+
+            deterministic = self.config.deterministic_mode
+
+            def loss_fn(qi_, ki_, w_, topk_, target, rw_):
+                return kernels.fused_sparse_indexer_loss(qi_.contiguous(), ki_.contiguous(), w_.float().contiguous(),
+                                                         topk_, target, rw_, deterministic=deterministic)
+        else:
+            loss_fn = indexer_loss.sparse_indexer_loss
+
+        def unbound():
+            raise RuntimeError("indexer loss after the attention: no attention was bound (bind_attention)")
+
+        return LossAfterAttention(topk=topk, rw=rw, loss_fn=loss_fn, target_fn=unbound,
+                                  scale_fn=main_loss_backward_scale, log_fn=self.log_loss, tp_group=tp)
+
+    def bind_attention(self, plan: LossAfterAttention, query: torch.Tensor, kv: torch.Tensor,
+                       lse: torch.Tensor) -> None:
+        """``plan``'s fallback target, from the attention's ``query``, ``kv`` and LSE: used when the attention's
+        backward left no target in the box (the torch attention)."""
+        from . import indexer_loss
+
+        query, kv, lse, topk, tp = query.detach(), kv.detach(), lse.detach(), plan.topk, plan.tp_group
+        plan.target_fn = lambda: indexer_loss.sparse_target(query, kv, topk, self.softmax_scale, lse=lse, tp_group=tp)
+
     def forward(self, query: torch.Tensor, kv: torch.Tensor, topk: torch.Tensor, softmax_scale: float,
-                d_v: int, *, with_lse: bool = False):
+                d_v: int, *, with_lse: bool = False, target_box=None):
         """``query [T, H, D]``, ``kv [T, D]``, ``topk [T, K]`` -> latent output ``[T, H, d_v]`` (and, with
-        ``with_lse``, the natural-log LSE ``[T, H]`` fp32 the sparse indexer loss's target reuses)."""
+        ``with_lse``, the natural-log LSE ``[T, H]`` fp32 the sparse indexer loss's target reuses). With our kernels,
+        ``target_box`` (``kernels.AttentionTargetBox``) receives the backward's head-summed probabilities."""
         # GLM-5: d_qk 576 = 512 + 64 RoPE; GLM-5.3-Flash (NoPE): d_qk = d_v = 512, KPool width index_topk + P - 1
         if _kernels_apply(query) and (query.shape[-1], d_v) in ((576, 512), (512, 512)):
             from .. import kernels
 
             out, lse = kernels.sparse_mla_with_lse(query.contiguous(), kv.contiguous(), topk, softmax_scale, d_v,
-                                                   deterministic=self.config.deterministic_mode)
+                                                   deterministic=self.config.deterministic_mode, target_box=target_box)
         else:
             out, lse = reference.sparse_mla(query, kv, topk, softmax_scale, d_v)
         return (out, lse.detach()) if with_lse else out
@@ -281,6 +327,12 @@ class TileLangMLASelfAttention(MLASelfAttention):
             latent = sparse.dense_latent(query, kv_full, layout, cfg.kv_lora_rank)
         elif self.checkpoint_core_attention and self.training:
             latent = tensor_parallel.checkpoint(core, False, query, kv_full, topk)
+        elif indexer is not None and (after := sparse.loss_after(*indexer, query, topk, layout)) is not None:
+            # the loss in the backward, its target from the attention backward's P (loss_after_attention)
+            latent, lse = sparse(after.after(query, after.token(*indexer)), kv_full, topk, self.softmax_scale,
+                                 cfg.kv_lora_rank, with_lse=True, target_box=after.box)
+            sparse.bind_attention(after, query, kv_full, lse)
+            indexer = None  # no loss in the forward
         elif indexer is not None and sparse.loss.sparse:
             latent, lse = sparse(query, kv_full, topk, self.softmax_scale, cfg.kv_lora_rank, with_lse=True)
         else:

@@ -8,7 +8,9 @@ use, so importing this package works without it; the kernels need a CUDA device 
 Public API:
 
 * ``sparse_mla(q, kv, indices, softmax_scale, d_v=512, *, deterministic=False) -> out``
-* ``sparse_mla_with_lse(q, kv, indices, softmax_scale, d_v=512, *, deterministic=False) -> (out, lse)``
+* ``sparse_mla_with_lse(q, kv, indices, softmax_scale, d_v=512, *, deterministic=False, target_box=None) -> (out,
+  lse)``; with an ``AttentionTargetBox`` its backward also leaves the head-summed probabilities (the sparse indexer
+  loss's target) in the box
 * ``indexer_topk(q, k, weights, starts, ends, topk) -> int32 [T, topk]``
 * ``kpool_indexer_topk(q, k, gate, ape, weights, cu_seqlens, *, index_topk, select_tail=True, starts=None,
   ends=None) -> int32 [T, index_topk + P - 1]`` (oracle: :mod:`megatron_glm5.dsa.kpool`)
@@ -36,9 +38,10 @@ from megatron_glm5.kernels.indexer_loss import (
 from megatron_glm5.kernels.indexer_topk import indexer_topk_interface
 from megatron_glm5.kernels.kpool_topk import kpool_select_topk
 from megatron_glm5.kernels.sparse_attention_target import sparse_attention_target
-from megatron_glm5.kernels.sparse_mla_bwd import sparse_mla_autograd
+from megatron_glm5.kernels.sparse_mla_bwd import AttentionTargetBox, sparse_mla_autograd
 
 __all__ = [
+    "AttentionTargetBox",
     "SparseIndexerLoss",
     "fused_sparse_indexer_loss",
     "indexer_loss_supported",
@@ -59,6 +62,7 @@ def sparse_mla_with_lse(
     d_v: int = 512,
     *,
     deterministic: bool = False,
+    target_box: Optional[AttentionTargetBox] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse absorbed-MLA attention, differentiable in ``q`` and ``kv`` (and through ``lse``).
 
@@ -68,9 +72,10 @@ def sparse_mla_with_lse(
         indices: int32 ``[T, K]`` global rows of ``kv``; -1 marks an unused slot (never read).
         softmax_scale: multiplies ``q . k`` (GLM-5: 1/16).
         deterministic: bitwise reproducible backward (no float atomics), at a documented cost.
+        target_box: the backward also stores the unnormalised head-summed probabilities ``[T, K]`` fp32 there.
     Returns: ``out [T, H, d_v]`` bf16 and natural-log ``lse [T, H]`` fp32 (+inf, out 0 on rows without an index).
     """
-    return sparse_mla_autograd(q, kv, indices, softmax_scale, d_v, deterministic=deterministic)
+    return sparse_mla_autograd(q, kv, indices, softmax_scale, d_v, deterministic=deterministic, target_box=target_box)
 
 
 def sparse_mla(

@@ -36,21 +36,30 @@ a row's last valid slot (``row_valid_len``) are skipped and their outputs writte
 2. ``attention_target`` (its own module, :mod:`megatron_glm5.kernels.sparse_attention_target`, re-exported here):
    grid ``(T, ceil(H / 64))``, 32-slot blocks; ``exp(scale * q . kv - lse)`` summed over heads in one gather pass.
 3. ``index_score_bwd``: from ``dscore [T, K]`` (times a device scalar ``grad``): recompute ``z``, then
-   ``dw[h] = sum_k ds * relu(z)`` (fp32), ``dz = ds * w * (z > 0)`` (bf16 in shared memory, as flash-attention's dS),
+   ``dw[h] = sum_k ds * relu(z)`` (fp32, kept per (head, lane) over the row's blocks and reduced once per row),
+   ``dz = ds * w * (z > 0)`` (bf16 in shared memory, as flash-attention's dS),
    ``dqi = dz ki_blk`` accumulated in registers over the row's blocks (one bf16 store per row), and
-   ``dki[idx] += dz^T qi`` with fp32 atomics (``atomicAdd`` on float2, straight from the MMA fragment) into an
-   ``[S, Di]`` fp32 buffer, cast once to bf16. 128 threads up to 32 index heads, 256 at 64. That ``dki`` is not
-   bitwise reproducible run to run (fp32 summation order); ``dqi``, ``dw`` and the loss are.
+   ``dki[idx] += dz^T qi`` into an ``[S, Di]`` fp32 buffer, cast once to bf16. The add (``dk_reduce``):
+   ``"atomic"`` (default): ``atomicAdd`` on float2 straight from the MMA fragment (about 2 G atomics at 16K x 2048);
+   ``"bulk"``: the block's ``[64, Di]`` fp32 rows staged in shared memory, one sm90 bulk reduction
+   (``cp.reduce.async.bulk.global.shared::cta.add.f32``, ``Di * 4`` bytes) per slot. Measured (H200, 16K x 2048,
+   ``scripts/bench/RESULTS_indexer_training.md``) the kernel is bound by latency at 2 CTAs per SM (253 registers),
+   not by the atomics alone: capping registers for 4 CTAs per SM (``min_blocks``) takes it from 15.2 to 10.4 ms,
+   while the bulk staging buffer (35 KB) keeps it at 2 CTAs per SM (13.9 ms). 128 threads up to 32 index heads, 256
+   at 64. That ``dki`` is not bitwise reproducible run to run (fp32 summation order); ``dqi``, ``dw`` and the loss
+   are.
    ``deterministic=True``: no float atomics. Rows run in chunks; each (row, slot) stores its ``Di``-wide fp32
    contribution to a partial buffer ``[rows, K, Di]`` (``DETERMINISTIC_PARTIAL_BYTES``, 2 GiB: ~2K rows at
    K = 2048), then ``sparse_mla_bwd``'s fixed-order reduction sums each key's contributions in (row, slot) order
    (from a stable sort of the chunk's indices). Bitwise reproducible; costs one write and one read of the partial
    buffer (``4 K Di`` bytes per row: 1 MiB at K = 2048) and a sort per chunk.
 
-The loss glue between kernel 1 and 3 is torch, chunked over rows (``[rows, K]`` temporaries of ``GLUE_CHUNK_BYTES``):
-masked log-softmax of the scores over the valid slots, ``KL_t = sum_k p (log max(p, 1e-10) - log_pred)``, loss
-``sum_t rw_t KL_t`` and ``dscore = rw * (softmax(score) * sum(p) - p)`` (0 on invalid slots), written over the score
-buffer and saved for the backward (4 bytes per slot: 256 MB at 32K x 2048).
+The loss glue between kernel 1 and 3: masked log-softmax of the scores over the valid slots,
+``KL_t = sum_k p (log max(p, 1e-10) - log_pred)``, loss ``sum_t rw_t KL_t`` and
+``dscore = rw * (softmax(score) * sum(p) - p)`` (0 on invalid slots), written over the score buffer and saved for the
+backward (4 bytes per slot: 256 MB at 32K x 2048). On the GPU it is one Triton program per row
+(:mod:`megatron_glm5.kernels.indexer_kl`); :func:`kl_loss_and_dscore_` is the same in torch, chunked over rows
+(``[rows, K]`` temporaries of ``GLUE_CHUNK_BYTES``), and its oracle.
 
 Provenance: the gather (guarded ``cp.async``, two stages, per-row block count) is the one of our
 ``sparse_mla_bwd``; the per-row indexer-backward shape (score gradient -> dq, dw by row, dk by atomics) follows the
@@ -75,6 +84,7 @@ from megatron_glm5.kernels._common import (
     row_valid_len,
     tilelang_modules,
 )
+from megatron_glm5.kernels.indexer_kl import kl_rows_and_dscore_, kl_supported
 from megatron_glm5.kernels.sparse_attention_target import sparse_attention_target  # noqa: F401 (re-exported)
 
 TARGET_EPS = 1e-10  # megatron-core's INDEXER_LOSS_EPS (= megatron_glm5.dsa.indexer_loss.TARGET_EPS)
@@ -82,6 +92,16 @@ GLUE_CHUNK_BYTES = 64 << 20  # per [rows, K] fp32 temporary of the torch loss gl
 DETERMINISTIC_PARTIAL_BYTES = 2 << 30  # the deterministic backward's per-chunk partial dki buffer
 MAX_INDEX_HEADS = 64
 BwdImpl = Literal["ours", "mcore"]
+# sm90 bulk reduction (PTX ``cp.reduce.async.bulk ... add.f32``): the copy engine adds ``bytes`` of fp32 from shared
+# memory into global memory at L2, in one operation per row instead of one atomic per element pair.
+BULK_ADD_F32_SRC = r"""
+__device__ __forceinline__ void glm5_bulk_add_f32(float* smem, float* gmem, int bytes) {
+  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+               :: "l"(gmem), "r"(s), "r"(bytes) : "memory");
+}
+"""
+DK_REDUCE = ("atomic", "bulk")  # how the non-deterministic index backward adds dki (module docstring, kernel 3)
 
 
 def index_head_block(heads: int) -> int:
@@ -223,13 +243,33 @@ def _jit_index_bwd():
 
     @tilelang.jit(pass_configs=_pass_configs(tilelang))
     def sparse_index_score_bwd_kernel(heads: int, dim: int, deterministic: bool = False, block_s: int = 64,
-                                      threads: int = 0):
+                                      threads: int = 0, dk_reduce: str = "atomic", part: str = "all",
+                                      min_blocks: int = -1):
         """``dQI``, ``dW`` per row and ``dKI`` from ``DS * GradScale[0]``. ``dKI`` is an fp32 ``[S, Di]`` buffer
-        that fp32 atomics add into, or (``deterministic``) a per-slot partial buffer ``[n_rows, 1, K, Di]`` of the
-        launch's rows (row ``bx`` is token ``RowOffset[0] + bx``), summed afterwards in a fixed order."""
+        that the rows add into (``dk_reduce``: ``"bulk"`` one TMA ``cp.reduce.async.bulk`` add of a slot's whole
+        ``Di``-wide row from shared memory, ``"atomic"`` float2 atomics from the MMA fragment), or
+        (``deterministic``) a per-slot partial buffer ``[n_rows, 1, K, Di]`` of the launch's rows (row ``bx`` is
+        token ``RowOffset[0] + bx``), summed afterwards in a fixed order. ``part``: ``"all"`` (one kernel), or one
+        of the two halves of the split backward: ``"dqw"`` (dQI and dW only) and ``"dk"`` (dKI only), each with
+        about half the accumulator registers (more CTAs per SM) at the price of a second gather and ``z``.
+        ``min_blocks`` > 0: ``__launch_bounds__(threads, min_blocks)``, capping registers for that many CTAs per SM;
+        -1 (default): 4 for the 128-thread non-deterministic kernel (253 -> 128 registers, a few bytes spilled;
+        10.4 ms instead of 15.2 at 16K x 2048 on the H200, ``scripts/bench/sweep_indexer_loss_kernels.py``), else
+        none."""
         block_h = index_head_block(heads)
         if threads == 0:
             threads = 256 if block_h >= 64 else 128
+        if min_blocks < 0:
+            min_blocks = 4 if threads == 128 and not deterministic else 0
+        if dk_reduce not in DK_REDUCE:
+            raise ValueError(f"dk_reduce must be one of {DK_REDUCE}, got {dk_reduce!r}")
+        if part not in ("all", "dqw", "dk"):
+            raise ValueError(f"part must be 'all', 'dqw' or 'dk', got {part!r}")
+        with_dqw, with_dk = part != "dk", part != "dqw"
+        bulk = dk_reduce == "bulk" and not deterministic and with_dk
+        if bulk and block_s > threads:
+            raise ValueError(f"the bulk dki reduction issues one copy per slot and thread: block_s={block_s} must be "
+                             f"<= threads={threads}")
         if heads > MAX_INDEX_HEADS or dim % 64 or dim > 256 or block_s % (threads // (dim // 8)):
             raise ValueError(f"index backward kernel needs heads <= 64, dim a multiple of 64 up to 256 and block_s a "
                              f"multiple of threads / (dim / 8); got heads={heads}, dim={dim}, block_s={block_s}")
@@ -244,22 +284,39 @@ def _jit_index_bwd():
         grid_rows = n_rows if deterministic else t_len
 
         @T.macro
-        def block_step(dKI, bx, blk, q_s, w_s, k_s, idx_s, ds_s, dz_s, acc_z, acc_dw, dw_blk, acc_dq, acc_dk, dw_acc):
+        def block_step(dKI, bx, blk, q_s, w_s, k_s, idx_s, ds_s, dz_s, acc_z, acc_dw, acc_dq, acc_dk, dk_s, tx):
             T.gemm(q_s, k_s, acc_z, transpose_B=True, clear_accum=True)
+            if with_dqw:
+                for h, j in T.Parallel(block_h, bs):
+                    # dw terms stay per (head, lane) across the row's blocks: one cross-thread reduction per row
+                    acc_dw[h, j] = acc_dw[h, j] + ds_s[j] * T.max(acc_z[h, j], 0)
             for h, j in T.Parallel(block_h, bs):
-                acc_dw[h, j] = ds_s[j] * T.max(acc_z[h, j], 0)
                 acc_z[h, j] = T.if_then_else(acc_z[h, j] > 0, ds_s[j] * w_s[h], 0)
-            T.reduce_sum(acc_dw, dw_blk, dim=1)
-            for h in T.Parallel(block_h):
-                dw_acc[h] = dw_acc[h] + dw_blk[h]
             T.copy(acc_z, dz_s)
-            T.gemm(dz_s, k_s, acc_dq)  # dqi [Hp, Di] += dz [Hp, bs] ki [bs, Di]
-            T.gemm(dz_s, q_s, acc_dk, transpose_A=True, clear_accum=True)  # dk [bs, Di] = dz^T qi
-            if deterministic:
+            if with_dqw:
+                T.gemm(dz_s, k_s, acc_dq)  # dqi [Hp, Di] += dz [Hp, bs] ki [bs, Di]
+            if with_dk:
+                T.gemm(dz_s, q_s, acc_dk, transpose_A=True, clear_accum=True)  # dk [bs, Di] = dz^T qi
+            if with_dk and deterministic:
                 for j, d in T.Parallel(bs, dim):
                     if blk * bs + j < topk:
                         dKI[bx, 0, blk * bs + j, d] = acc_dk[j, d]
-            else:
+            elif with_dk and bulk:
+                # Staging rows are padded by 8 floats (fragment stores without bank conflicts; rows stay 16 B
+                # aligned). The previous block's bulk adds must have read the staging buffer before it is reused.
+                if tx < bs:
+                    T.tma_store_wait(0)
+                T.sync_threads()
+                for j, d in T.Parallel(bs, dim):
+                    dk_s[j, d] = acc_dk[j, d]
+                T.fence_proxy_async()  # generic-proxy writes -> visible to the bulk copy engine
+                T.sync_threads()
+                if tx < bs:
+                    if idx_s[tx] >= 0:
+                        T.call_extern("handle", "glm5_bulk_add_f32", T.access_ptr(dk_s[tx, 0], "r", dim),
+                                      T.access_ptr(dKI[idx_s[tx], 0], "rw", dim), dim * 4)
+                    T.tma_store_arrive()
+            elif with_dk:
                 for j, d in T.Parallel(bs, dim):
                     if idx_s[j] >= 0:
                         T.atomic_add(dKI[idx_s[j], d], acc_dk[j, d])
@@ -279,6 +336,8 @@ def _jit_index_bwd():
             dKI: T.Tensor(dk_shape, f32),
         ):
             with T.Kernel(grid_rows, threads=threads) as bx:
+                if min_blocks:
+                    T.annotate_min_blocks_per_sm(min_blocks)
                 q_s = T.alloc_shared([block_h, dim], bf16)
                 w_s = T.alloc_shared([block_h], f32)
                 k0 = T.alloc_shared([bs, dim], bf16)
@@ -289,11 +348,13 @@ def _jit_index_bwd():
                 ds1 = T.alloc_shared([bs], f32)
                 dz_s = T.alloc_shared([block_h, bs], bf16)
                 acc_z = T.alloc_fragment([block_h, bs], f32)
-                acc_dw = T.alloc_fragment([block_h, bs], f32)
-                dw_blk = T.alloc_fragment([block_h], f32)
-                dw_acc = T.alloc_fragment([block_h], f32)
-                acc_dq = T.alloc_fragment([block_h, dim], f32)
-                acc_dk = T.alloc_fragment([bs, dim], f32)
+                acc_dw = T.alloc_fragment([block_h, bs], f32) if with_dqw else None
+                dw_acc = T.alloc_fragment([block_h], f32) if with_dqw else None
+                acc_dq = T.alloc_fragment([block_h, dim], f32) if with_dqw else None
+                acc_dk = T.alloc_fragment([bs, dim], f32) if with_dk else None
+                dk_s = T.alloc_shared([bs, dim + 8], f32) if bulk else None
+                if bulk:
+                    T.import_source(BULK_ADD_F32_SRC)
 
                 tx = T.get_thread_binding()
                 t = RowOffset[0] + bx
@@ -303,8 +364,9 @@ def _jit_index_bwd():
                     q_s[h, d] = T.if_then_else(h < heads, QI[t, T.min(h, heads - 1), d], 0)
                 for h in T.Parallel(block_h):
                     w_s[h] = T.if_then_else(h < heads, W[t, T.min(h, heads - 1)], 0)
-                T.clear(acc_dq)
-                T.clear(dw_acc)
+                if with_dqw:
+                    T.clear(acc_dq)
+                    T.clear(acc_dw)
                 if n_blk > 0:
                     gather(KI, Idx, DS, gs, t, t_kv, topk, tx, k0, idx0, ds0, 0)
                 for ip in T.serial(T.ceildiv(n_blk, 2)):
@@ -315,8 +377,7 @@ def _jit_index_bwd():
                         T.ptx_wait_group(0)
                     T.sync_threads()
                     T.fence_proxy_async()
-                    block_step(dKI, bx, 2 * ip, q_s, w_s, k0, idx0, ds0, dz_s, acc_z, acc_dw, dw_blk, acc_dq, acc_dk,
-                               dw_acc)
+                    block_step(dKI, bx, 2 * ip, q_s, w_s, k0, idx0, ds0, dz_s, acc_z, acc_dw, acc_dq, acc_dk, dk_s, tx)
                     T.sync_threads()
                     if 2 * ip + 1 < n_blk:
                         if 2 * ip + 2 < n_blk:
@@ -326,16 +387,21 @@ def _jit_index_bwd():
                             T.ptx_wait_group(0)
                         T.sync_threads()
                         T.fence_proxy_async()
-                        block_step(dKI, bx, 2 * ip + 1, q_s, w_s, k1, idx1, ds1, dz_s, acc_z, acc_dw, dw_blk, acc_dq,
-                                   acc_dk, dw_acc)
+                        block_step(dKI, bx, 2 * ip + 1, q_s, w_s, k1, idx1, ds1, dz_s, acc_z, acc_dw, acc_dq, acc_dk,
+                                   dk_s, tx)
                         T.sync_threads()
 
-                for h, d in T.Parallel(block_h, dim):
-                    if h < heads:
-                        dQI[t, h, d] = T.cast(acc_dq[h, d], bf16)
-                for h in T.Parallel(block_h):
-                    if h < heads:
-                        dW[t, h] = dw_acc[h]
+                if with_dqw:
+                    for h, d in T.Parallel(block_h, dim):
+                        if h < heads:
+                            dQI[t, h, d] = T.cast(acc_dq[h, d], bf16)
+                    T.reduce_sum(acc_dw, dw_acc, dim=1)
+                    for h in T.Parallel(block_h):
+                        if h < heads:
+                            dW[t, h] = dw_acc[h]
+                if bulk:  # the staging buffer must outlive the last bulk adds' reads
+                    if tx < bs:
+                        T.tma_store_wait(0)
 
         return main
 
@@ -395,10 +461,15 @@ def index_score_bwd_interface(
     valid_len: torch.Tensor | None = None,
     deterministic: bool = False,
     impl: BwdImpl = "ours",
+    dk_reduce: str = "atomic",
+    split: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Kernel 3: gradients of ``score = sum_h w relu(qi . ki[topk])`` given ``d score = dscore * grad_scale``
     (``grad_scale`` a 1-element fp32 device tensor, default 1): ``(dqi [T, Hi, Di] bf16, dki [S, Di] bf16,
     dw [T, Hi] fp32)``. ``deterministic=True``: dki without float atomics (module docstring), bitwise reproducible.
+    ``dk_reduce`` (non-deterministic only): ``"atomic"`` (default) adds ``dki`` with float2 atomics, ``"bulk"`` each
+    slot's row with one sm90 bulk reduction (slower here: its shared staging buffer halves the CTAs per SM). ``split`` (non-deterministic
+    only): two kernels, dq/dw then dk, each with fewer registers (see ``part`` of the kernel factory).
     ``impl="mcore"`` runs megatron-core 0.19.2's ``indexer_bwd_interface`` instead (needs ``Hi % 8 == 0``; pads K
     to a power of two; fp32 atomics)."""
     check_index_args(qi, ki, w, topk)
@@ -430,10 +501,17 @@ def index_score_bwd_interface(
     dw = torch.empty_like(w)
     if valid_len is None:
         valid_len = row_valid_len(topk)
-    kernel = _jit_index_bwd()(heads, dim, bool(deterministic))
+    if dk_reduce not in DK_REDUCE:
+        raise ValueError(f"dk_reduce must be one of {DK_REDUCE}, got {dk_reduce!r}")
+    kernel = _jit_index_bwd()(heads, dim, bool(deterministic), dk_reduce=dk_reduce)
     if not deterministic:
         row0 = torch.zeros(1, dtype=torch.int32, device=qi.device)
-        kernel(qi, ki, w, topk, valid_len, dscore, grad_scale, row0, dq, dw, dk_acc)
+        if split:  # two lighter kernels: dq and dw, then dk
+            for part in ("dqw", "dk"):
+                _jit_index_bwd()(heads, dim, False, dk_reduce=dk_reduce, part=part)(
+                    qi, ki, w, topk, valid_len, dscore, grad_scale, row0, dq, dw, dk_acc)
+        else:
+            kernel(qi, ki, w, topk, valid_len, dscore, grad_scale, row0, dq, dw, dk_acc)
         return dq, dk_acc.to(ki.dtype), dw
 
     # Deterministic: per chunk of rows, each (row, slot) writes its Di-wide contribution (no atomics); then every key
@@ -524,7 +602,11 @@ class SparseIndexerLoss(torch.autograd.Function):
             raise ValueError(f"rw must be [T={qi.shape[0]}], got {tuple(rw.shape)}")
         valid_len = row_valid_len(topk32)
         score = sparse_index_scores_interface(qi, ki, w32, topk32, valid_len=valid_len)
-        loss = kl_loss_and_dscore_(score, target.detach(), rw.detach(), topk32, ki.shape[0])
+        target32, rw32 = target.detach().to(torch.float32).contiguous(), rw.detach().to(torch.float32)
+        if kl_supported(score):  # one Triton pass per row (indexer_kl); the torch glue is its oracle
+            loss = kl_rows_and_dscore_(score, target32, rw32, topk32, ki.shape[0]).sum()
+        else:
+            loss = kl_loss_and_dscore_(score, target32, rw32, topk32, ki.shape[0])
         ctx.save_for_backward(qi, ki, w32, topk32, valid_len, score)  # score now holds dscore
         ctx.w_dtype = w.dtype
         ctx.deterministic = deterministic

@@ -33,6 +33,7 @@ No ``from __future__ import annotations`` here: TileLang evaluates the nested pr
 """
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -115,8 +116,12 @@ def _jit_bwd():
         deterministic: bool = False,
         block_s: int = 32,
         threads: int = 0,
+        with_target: bool = False,
     ):
-        """Main backward kernel. ``deterministic`` switches the dKV epilogue from atomics to partial-buffer stores.
+        """Main backward kernel. ``deterministic`` switches the dKV epilogue from atomics to partial-buffer stores;
+        ``with_target`` also writes ``Tgt[hb, t, k] = sum_{h in head block hb} P[h, t, k]`` (the sparse indexer
+        loss's unnormalised target, from the ``P`` this kernel forms anyway; slots of skipped blocks are left as the
+        caller's zeros).
 
         Grid ``(n_rows, head blocks)``; row ``bx`` is token ``row0 + bx`` (the deterministic path runs in chunks).
         """
@@ -138,6 +143,7 @@ def _jit_bwd():
         topk = T.dynamic("topk")  # index width: one kernel serves every K
         bf16, f32, i32 = T.bfloat16, T.float32, T.int32
         dkv_shape = [n_rows, n_hblk, topk, d_qk] if deterministic else [t_kv, d_qk]
+        tgt_shape = [n_hblk, t_len, topk] if with_target else [1]
         grid_rows = n_rows if deterministic else t_len  # the deterministic path runs a chunk of rows per launch
 
         @T.macro
@@ -199,7 +205,7 @@ def _jit_bwd():
         def block_step(
             kv_l, kv_r, kt, idx_s, blk, bx, hb, dKV,
             q_l, q_r, q_t, do_l, do_r, p_s, ds_s, lse_s, delta_s,
-            acc_p, acc_dp, acc_dq_l, acc_dq_r, acc_dq_t, acc_dkv, acc_dkv_t,
+            acc_p, acc_dp, acc_dq_l, acc_dq_r, acc_dq_t, acc_dkv, acc_dkv_t, Tgt, tsum, t,
         ):  # fmt: skip
             for h, j in T.Parallel(block_h, bs):
                 acc_p[h, j] = T.if_then_else(idx_s[j] >= 0, 0, -T.infinity(f32))
@@ -209,6 +215,11 @@ def _jit_bwd():
                 T.gemm(q_t, kt, acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
             for h, j in T.Parallel(block_h, bs):
                 acc_p[h, j] = T.exp2(acc_p[h, j] * scale_log2 - lse_s[h])
+            if with_target:  # head sum of the fp32 P (padded heads and -1 slots are exact zeros)
+                T.reduce_sum(acc_p, tsum, dim=0)
+                for j in T.Parallel(bs):
+                    if blk * bs + j < topk:
+                        Tgt[hb, t, blk * bs + j] = tsum[j]
             T.copy(acc_p, p_s)
             T.gemm(do_l, kv_l, acc_dp, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
             T.gemm(do_r, kv_r, acc_dp, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
@@ -242,6 +253,7 @@ def _jit_bwd():
             RowOffset: T.Tensor([1], i32),
             dQ: T.Tensor([t_len, heads, d_qk], bf16),
             dKV: T.Tensor(dkv_shape, f32),
+            Tgt: T.Tensor(tgt_shape, f32),
         ):
             with T.Kernel(grid_rows, n_hblk, threads=threads) as (bx, hb):
                 q_l = T.alloc_shared([block_h, dh], bf16)
@@ -270,6 +282,7 @@ def _jit_bwd():
                 acc_dq_t = T.alloc_fragment([block_h, d_tail], f32) if has_tail else None
                 acc_dkv = T.alloc_fragment([bs, dh], f32)
                 acc_dkv_t = T.alloc_fragment([bs, d_tail], f32) if has_tail else None
+                tsum = T.alloc_fragment([bs], f32) if with_target else None
 
                 tx = T.get_thread_binding()
                 t = RowOffset[0] + bx
@@ -303,7 +316,7 @@ def _jit_bwd():
                     block_step(
                         kv0_l, kv0_r, kt0, idx0, 2 * ip, bx, hb, dKV,
                         q_l, q_r, q_t, do_l, do_r, p_s, ds_s, lse_s, delta_s,
-                        acc_p, acc_dp, acc_dq_l, acc_dq_r, acc_dq_t, acc_dkv, acc_dkv_t,
+                        acc_p, acc_dp, acc_dq_l, acc_dq_r, acc_dq_t, acc_dkv, acc_dkv_t, Tgt, tsum, t,
                     )  # fmt: skip
                     T.sync_threads()
                     if 2 * ip + 1 < n_blk:
@@ -317,7 +330,7 @@ def _jit_bwd():
                         block_step(
                             kv1_l, kv1_r, kt1, idx1, 2 * ip + 1, bx, hb, dKV,
                             q_l, q_r, q_t, do_l, do_r, p_s, ds_s, lse_s, delta_s,
-                            acc_p, acc_dp, acc_dq_l, acc_dq_r, acc_dq_t, acc_dkv, acc_dkv_t,
+                            acc_p, acc_dp, acc_dq_l, acc_dq_r, acc_dq_t, acc_dkv, acc_dkv_t, Tgt, tsum, t,
                         )  # fmt: skip
                         T.sync_threads()
 
@@ -412,8 +425,11 @@ def sparse_mla_bwd_interface(
     grad_lse: torch.Tensor | None = None,
     valid_len: torch.Tensor | None = None,
     deterministic: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Backward kernel calls: ``(dq [T, H, d_qk] bf16, dkv [T_kv, d_qk] bf16)`` from the saved ``out`` and ``lse``.
+    with_target: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """Backward kernel calls: ``(dq [T, H, d_qk] bf16, dkv [T_kv, d_qk] bf16)`` from the saved ``out`` and ``lse``;
+    with ``with_target`` also the unnormalised head sum of ``P`` over the selected slots, fp32 ``[T, K]`` (0 on
+    invalid slots; the contract of ``sparse_attention_target`` with this ``lse``), formed by the same kernel.
 
     ``grad_lse`` (fp32 ``[T, H]``) adds the gradient flowing into the returned LSE (``dS += P * grad_lse``).
     """
@@ -427,28 +443,36 @@ def sparse_mla_bwd_interface(
     ):
         if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
             raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {shape}, got {t.dtype} {tuple(t.shape)}")
+    _, n_hblk = head_block(heads)
+    topk = indices.shape[1]
+    if with_target:
+        target = torch.zeros(n_hblk, t_len, topk, dtype=torch.float32, device=q.device)
+    else:
+        target = torch.empty(1, dtype=torch.float32, device=q.device)
     if t_len == 0:
-        return torch.zeros_like(q), torch.zeros_like(kv)
+        return (torch.zeros_like(q), torch.zeros_like(kv)) + ((target[0],) if with_target else ())
     if valid_len is None:
         valid_len = row_valid_len(indices)
     if grad_lse is None:
         grad_lse = torch.zeros_like(lse)
     else:
         grad_lse = grad_lse.to(torch.float32).contiguous()
-    topk = indices.shape[1]
     scale = float(softmax_scale)
 
     delta = _jit_delta()(heads, d_v)(out, grad_out, grad_lse)
     dq = torch.empty_like(q)
-    kernel = _jit_bwd()(heads, d_qk, d_v, scale, deterministic)
+    kernel = _jit_bwd()(heads, d_qk, d_v, scale, deterministic, with_target=with_target)
+    def outputs(dkv_acc: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        grads = (dq, dkv_acc.to(kv.dtype))
+        return grads + ((target[0] if n_hblk == 1 else target.sum(0)),) if with_target else grads
+
     if not deterministic:
         dkv_acc = torch.zeros(t_kv, d_qk, dtype=torch.float32, device=q.device)
         row0 = torch.zeros(1, dtype=torch.int32, device=q.device)
-        kernel(q, kv, grad_out, indices, valid_len, lse, delta, row0, dq, dkv_acc)
-        return dq, dkv_acc.to(kv.dtype)
+        kernel(q, kv, grad_out, indices, valid_len, lse, delta, row0, dq, dkv_acc, target)
+        return outputs(dkv_acc)
 
     # Deterministic: chunked partial contributions, then a fixed-order per-key sum (see module docstring).
-    _, n_hblk = head_block(heads)
     chunk = deterministic_chunk_rows(topk, heads, d_qk, q.device)
     partial = torch.empty(min(chunk, t_len), n_hblk, topk, d_qk, dtype=torch.float32, device=q.device)
     dkv_acc = torch.zeros(t_kv, d_qk, dtype=torch.float32, device=q.device)
@@ -457,18 +481,32 @@ def sparse_mla_bwd_interface(
     for c0 in range(0, t_len, chunk):
         c1 = min(t_len, c0 + chunk)
         row0 = torch.full((1,), c0, dtype=torch.int32, device=q.device)
-        kernel(q, kv, grad_out, indices, valid_len, lse, delta, row0, dq, partial[: c1 - c0])
+        kernel(q, kv, grad_out, indices, valid_len, lse, delta, row0, dq, partial[: c1 - c0], target)
         keys = indices[c0:c1].reshape(-1).to(torch.int64)
         keys = torch.where((keys >= 0) & (keys < t_kv), keys, t_kv)  # invalid slots sort past every key
         sorted_keys, order = torch.sort(keys, stable=True)  # stable: a key's pairs stay in (token, slot) order
         offsets = torch.searchsorted(sorted_keys, key_range, out_int32=True)
         reduce(partial[: c1 - c0], order.to(torch.int32), offsets, dkv_acc)
-    return dq, dkv_acc.to(kv.dtype)
+    return outputs(dkv_acc)
 
 
 # --------------------------------------------------------------------------------------------------------------------
 # Autograd
 # --------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class AttentionTargetBox:
+    """Where the sparse-MLA backward leaves, when given one at the forward, the unnormalised head sum of its ``P`` over
+    each row's selected slots: fp32 ``[T, K]`` for this rank's heads (``sparse_attention_target``'s contract with the
+    forward's LSE), the sparse indexer loss's target before the TP all-reduce and normalisation. The reader takes it
+    (:meth:`take`), so a box serves one backward."""
+
+    target: torch.Tensor | None = None
+
+    def take(self) -> torch.Tensor | None:
+        target, self.target = self.target, None
+        return target
 
 
 class SparseMLAFunction(torch.autograd.Function):
@@ -481,23 +519,26 @@ class SparseMLAFunction(torch.autograd.Function):
         Returns out ``[T, H, d_v]`` bf16 and natural-log lse ``[T, H]`` fp32 (+inf and out 0 for a row without a
         valid index). Forward saves ``out`` and ``lse``; the backward never re-runs the forward.
         ``deterministic=True`` gives bitwise run-to-run identical dq/dkv (no float atomics; slower, see
-        ``sparse_mla_bwd``).
+        ``sparse_mla_bwd``). ``target_box`` (an :class:`AttentionTargetBox`): the backward also writes the head-summed
+        ``P`` into it (same kernel, no extra pass over the keys).
     """
 
     @staticmethod
-    def forward(ctx, q, kv, indices, softmax_scale, d_v, deterministic, variant):  # noqa: D102
+    def forward(ctx, q, kv, indices, softmax_scale, d_v, deterministic, variant, target_box=None):  # noqa: D102
         valid_len = row_valid_len(indices)
         out, lse = sparse_mla_fwd_interface(q, kv, indices, softmax_scale, d_v, valid_len=valid_len, variant=variant)
         ctx.save_for_backward(q, kv, indices, valid_len, out, lse)
         ctx.softmax_scale = softmax_scale
         ctx.d_v = d_v
         ctx.deterministic = deterministic
+        ctx.target_box = target_box
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse):  # noqa: D102
         q, kv, indices, valid_len, out, lse = ctx.saved_tensors
-        dq, dkv = sparse_mla_bwd_interface(
+        box = ctx.target_box
+        grads = sparse_mla_bwd_interface(
             q,
             kv,
             out,
@@ -509,8 +550,11 @@ class SparseMLAFunction(torch.autograd.Function):
             grad_lse=grad_lse,
             valid_len=valid_len,
             deterministic=ctx.deterministic,
+            with_target=box is not None,
         )
-        return dq, dkv, None, None, None, None, None
+        if box is not None:
+            box.target = grads[2]
+        return grads[0], grads[1], None, None, None, None, None, None
 
 
 def sparse_mla_autograd(
@@ -522,6 +566,8 @@ def sparse_mla_autograd(
     *,
     deterministic: bool = False,
     variant: Variant = "auto",
+    target_box: AttentionTargetBox | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable ``(out, lse)``; see ``SparseMLAFunction`` for the contract."""
-    return SparseMLAFunction.apply(q, kv, indices, float(softmax_scale), int(d_v), bool(deterministic), variant)
+    return SparseMLAFunction.apply(q, kv, indices, float(softmax_scale), int(d_v), bool(deterministic), variant,
+                                   target_box)

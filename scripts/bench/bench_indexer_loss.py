@@ -53,6 +53,10 @@ KERNELS = [
     ("megatron_glm5.kernels.indexer_loss", "_jit_index_bwd", (HI, DI)),
     ("megatron_glm5.kernels.indexer_loss", "_jit_index_bwd", (HI, DI, True)),
     ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_dkv_reduce", (DI, 1, 128)),
+    ("megatron_glm5.kernels.indexer_loss", "_jit_index_bwd", (HI, DI, False, 64, 0, "bulk")),
+    ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_delta", (H, D_V)),
+    ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (H, D, D_V, SCALE, False)),
+    ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (H, D, D_V, SCALE, False, 32, 0, True)),
 ]
 MCORE_KERNELS = [
     (_MC + "tilelang_indexer_fwd", "_get_indexer_fwd_kernel", (HI, DI)),
@@ -254,6 +258,26 @@ def bench(seq: int, *, mcore: bool, oracle: bool, oracle_limit: float) -> dict:
     loss = fused_sparse_indexer_loss(x["qi"], x["ki"], x["w"], topk, target, rw, deterministic=True)
     row["loss_bwd_det_ms"] = timed(lambda: torch.autograd.grad(loss, _grads(x), retain_graph=True))
     del loss
+    # the index backward kernel alone: dki by bulk reductions (default) vs float2 atomics
+    from megatron_glm5.kernels.indexer_loss import index_score_bwd_interface
+
+    ds = torch.randn(topk.shape, device="cuda") * (topk >= 0)
+    w32 = x["w"].detach().float().contiguous()
+    for how in ("bulk", "atomic"):
+        row[f"index_bwd_{how}_ms"] = timed(lambda: index_score_bwd_interface(
+            x["qi"].detach(), x["ki"].detach(), w32, topk, ds, dk_reduce=how))
+    # the sparse-MLA backward with and without the head-summed P (the loss-after-attention target)
+    from megatron_glm5.kernels.sparse_mla_bwd import sparse_mla_bwd_interface
+
+    with torch.no_grad():
+        from megatron_glm5.kernels import sparse_mla_with_lse
+
+        out, lse_a = sparse_mla_with_lse(x["query"], x["kv"], topk, SCALE)
+    grad_out = torch.randn_like(out)
+    for tag, with_target in (("attn_bwd_ms", False), ("attn_bwd_target_ms", True)):
+        row[tag] = timed(lambda: sparse_mla_bwd_interface(x["query"], x["kv"], out, lse_a, grad_out, topk, SCALE,
+                                                          D_V, with_target=with_target))
+    del ds, out, grad_out
 
     def ours_all():
         t = ours_topk(x)
@@ -355,6 +379,22 @@ def report(rows: list[dict], notes: list[str]) -> str:
         parts = [r["topk_ms"], r["target_ms"], r["loss_fwd_ms"], r["loss_bwd_ms"]]
         lines.append(f"| {r['S']} | " + " | ".join(f"{p:.2f}" for p in parts) + f" | {sum(parts):.2f} | "
                      f"{r['attn_fwd_ms']:.2f} | {r['loss_bwd_det_ms']:.2f} |")
+    lines += [
+        "",
+        "The loss after the attention (the `tilelang` backend's default): the target is the sparse-MLA backward's own"
+        " head-summed P, so the target kernel is replaced by the extra cost of that output (ms):",
+        "",
+        "| S | index bwd, dki by bulk reductions | index bwd, float2 atomics | sparse-MLA bwd | sparse-MLA bwd + target "
+        "| target's extra cost | loss cost beyond the top-k (target extra + loss fwd + loss bwd) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r or "attn_bwd_ms" not in r:
+            continue
+        extra = r["attn_bwd_target_ms"] - r["attn_bwd_ms"]
+        lines.append(f"| {r['S']} | {r['index_bwd_bulk_ms']:.2f} | {r['index_bwd_atomic_ms']:.2f} | "
+                     f"{r['attn_bwd_ms']:.2f} | {r['attn_bwd_target_ms']:.2f} | {extra:.2f} | "
+                     f"{extra + r['loss_fwd_ms'] + r['loss_bwd_ms']:.2f} |")
     if notes:
         lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
     return "\n".join(lines) + "\n"

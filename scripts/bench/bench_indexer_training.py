@@ -23,11 +23,14 @@ from bench_glm5_layer import _glm5_layer_config, _mcore_baseline  # noqa: E402  
 LOSS = {
     "off": {},
     "sparse": dict(dsa_indexer_loss_coeff=0.01, dsa_indexer_use_sparse_loss=True),
+    # tilelang only: the sparse loss computed in the forward (its separate target kernel), as before the loss moved
+    # after the attention's backward (megatron_glm5.dsa.loss_after_attention)
+    "sparse-fwd": dict(dsa_indexer_loss_coeff=0.01, dsa_indexer_use_sparse_loss=True),
     "dense": dict(dsa_indexer_loss_coeff=0.01),
     "warmup": dict(dsa_indexer_warmup=True),
 }
 VARIANTS = [f"{impl}:{loss}" for impl in ("tilelang", "megatron", "mcore") for loss in ("off", "sparse")] + [
-    "tilelang:warmup", "megatron:warmup", "mcore:dense"]
+    "tilelang:sparse-fwd", "tilelang:warmup", "megatron:warmup", "mcore:dense"]
 
 
 def build(impl: str, loss: str, heads: int):
@@ -45,6 +48,9 @@ def measure(impl: str, loss: str, seq: int, heads: int, rep: int) -> dict:
     import triton.testing as tt
     from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossLoggingHelper
 
+    from megatron_glm5.dsa.tilelang_attention import TileLangSparseAttention
+
+    TileLangSparseAttention.loss_after_attention = False if loss == "sparse-fwd" else None
     torch.manual_seed(0)
     model = build(impl, loss, heads)
     model.train()

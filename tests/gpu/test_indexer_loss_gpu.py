@@ -36,6 +36,9 @@ pytestmark = pytest.mark.gpu
 SCALE = 1.0 / 16  # GLM-5 softmax scale
 DI = 128
 
+# (heads, d_qk, deterministic) of the sparse-MLA backward with the target output
+TARGET_FROM_BWD_CASES_KERNELS = ((16, 576, False), (64, 512, False), (128, 576, False), (8, 576, True))
+
 # Every kernel this file builds (module, getter, args): index scores / backward at Hi in {32, 8, 64}; the attention
 # target at (16, 576) GLM-5 TP4, (64, 512) NoPE, (128, 576) two head blocks, (8, 576) padded heads; the sparse-MLA
 # forward (16, 576) for a real LSE; the deterministic backward (32 heads) and its reduction; megatron-core's indexer
@@ -48,6 +51,15 @@ KERNELS = (
     + [("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_ws", (16, 576, 512, SCALE))]
     + [("megatron.core.transformer.experimental_attention_variant.ops.tilelang_indexer_bwd", "_get_indexer_bwd_kernel",
         (32, DI, 512))]
+    # the index backward's bulk-reduction dki (float2 atomics are the default above)
+    + [("megatron_glm5.kernels.indexer_loss", "_jit_index_bwd", (32, DI, False, 64, 0, "bulk"))]
+    # the sparse-MLA backward that also writes the head-summed P (the loss-after-attention target), and without it
+    + [("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (h, d, 512, SCALE, det, 32, 0, True))
+       for h, d, det in TARGET_FROM_BWD_CASES_KERNELS]
+    + [("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (16, 576, 512, SCALE, False)),
+       ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (8, 576, 512, SCALE, True)),
+       ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_dkv_reduce", (576, 1))]
+    + [("megatron_glm5.kernels.sparse_mla_bwd", "_jit_delta", (h, 512)) for h in (16, 64, 128, 8)]
 )
 
 
@@ -220,6 +232,54 @@ def test_attention_target_shapes(t_len, heads, d, k):
     lse = lse_oracle(query, kv, idx, SCALE)
     got = kil.sparse_attention_target(query, kv, idx, lse, SCALE)
     _check_target(got, query, kv, idx, lse, f"T={t_len} H={heads} D={d} K={k}")
+
+
+@pytest.mark.parametrize("t_len,heads,d,k,det", [(4096, 16, 576, 2048, False), (1500, 64, 512, 512, False),
+                                                 (600, 128, 576, 256, False), (600, 8, 576, 300, True)],
+                         ids=["glm_h16", "nope_h64", "h128_two_blocks", "h8_padded_deterministic"])
+def test_attention_target_from_the_sparse_mla_backward(t_len, heads, d, k, det):
+    """The loss-after-attention target: the sparse-MLA backward's head sum of its own P equals the target kernel's
+    (same bf16 operands, same LSE), and writing it changes neither dq nor dkv."""
+    from megatron_glm5.kernels.sparse_mla_bwd import sparse_mla_bwd_interface
+
+    query, kv = attention_inputs(t_len, heads, d, seed=heads + 7)
+    idx = causal_topk(t_len, k, seed=heads + 7)
+    lse = lse_oracle(query, kv, idx, SCALE)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    out = torch.randn(t_len, heads, 512, device="cuda", dtype=torch.bfloat16, generator=g)
+    grad_out = torch.randn(t_len, heads, 512, device="cuda", dtype=torch.bfloat16, generator=g)
+    dq, dkv, got = sparse_mla_bwd_interface(query, kv, out, lse, grad_out, idx, SCALE, 512, deterministic=det,
+                                            with_target=True)
+    name = f"from bwd T={t_len} H={heads} D={d} K={k} det={det}"
+    _check_target(got, query, kv, idx, lse, name)
+    want = kil.sparse_attention_target(query, kv, idx, lse, SCALE)
+    err = max_rel(got, want)
+    print(f"attention target {name}: vs the target kernel max_rel={err:.2e} bitwise={torch.equal(got, want)}")
+    assert err <= 1e-5
+    if heads == 16 or det:  # kernels built without the target output for these shapes
+        dq0, dkv0 = sparse_mla_bwd_interface(query, kv, out, lse, grad_out, idx, SCALE, 512, deterministic=det)
+        assert torch.equal(dq, dq0), "dq unchanged by the target output"
+        assert (torch.equal(dkv, dkv0) if det else max_rel(dkv, dkv0) <= 1e-2), "dkv unchanged (up to atomics order)"
+
+
+def test_index_backward_bulk_reduction_equals_atomics():
+    """dki added by one bulk reduction per slot row equals the float2-atomic kernel's (fp32 summation order only);
+    dqi and dw are the same kernel code: bitwise equal."""
+    qi, ki, w = index_inputs(4096, 32, seed=5)
+    idx = causal_topk(4096, 2048, seed=5)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    ds = torch.randn(idx.shape, device="cuda", generator=g) * (idx >= 0)
+    scale = torch.full((1,), 0.5, device="cuda")
+    bulk = kil.index_score_bwd_interface(qi, ki, w, idx, ds, scale, dk_reduce="bulk")
+    atomic = kil.index_score_bwd_interface(qi, ki, w, idx, ds, scale, dk_reduce="atomic")
+    det = kil.index_score_bwd_interface(qi, ki, w, idx, ds, scale, deterministic=True)
+    print(f"index bwd bulk vs atomic: dki max_rel={max_rel(bulk[1], atomic[1]):.2e} cos={cosine(bulk[1], atomic[1]):.7f}"
+          f"; vs deterministic max_rel={max_rel(bulk[1], det[1]):.2e}")
+    assert torch.equal(bulk[0], atomic[0]) and torch.equal(bulk[2], atomic[2])
+    assert max_rel(bulk[1], atomic[1]) <= 1e-2 and cosine(bulk[1], atomic[1]) >= 0.99999
+    assert max_rel(bulk[1], det[1]) <= 1e-2
+    with pytest.raises(ValueError, match="dk_reduce"):
+        kil.index_score_bwd_interface(qi, ki, w, idx, ds, scale, dk_reduce="shared")
 
 
 # --------------------------------------------------------------------------------------------------------------------
