@@ -228,18 +228,24 @@ def _finalize_grads(model, pp: int) -> None:
 
 def parallel_case(rank: int, world: int, *, raw: dict, weights: str, grads_out: str, tp: int, pp: int, ep: int,
                   vocab: int, backend: str = "megatron", cp: int = 1, moe_grouped_gemm: str = "off",
-                  policy_overrides: dict | None = None, mcore_schedule: bool = False) -> dict:
+                  policy_overrides: dict | None = None, mcore_schedule: bool = False,
+                  loss_after_attention: bool | None = None) -> dict:
     """Load the reference weights at (TP, PP, EP), run the micro-batches, save gradients as a dist checkpoint.
     ``moe_grouped_gemm="on"``: routed experts are ``TorchGroupedMLP`` (the reference runs ``SequentialMLP``).
     ``policy_overrides``: more ``RuntimePolicy`` fields (e.g. the indexer loss); the logged indexer loss per tracker
     slot comes back as ``indexer_loss`` (reduced over PP, as Megatron-LM's log does). ``mcore_schedule``: through
-    megatron-core's schedule (:func:`schedule_step_grads`) instead of the written-out one."""
+    megatron-core's schedule (:func:`schedule_step_grads`) instead of the written-out one. ``loss_after_attention``:
+    force the ``tilelang`` backend's sparse loss into the backward (``dsa.loss_after_attention``) or the forward."""
     from megatron.core import dist_checkpointing
 
     from megatron_glm5.architectures import parse_architecture as parse_hf_config  # GLM-5.x and GLM-5.3-Flash
     from megatron_glm5.model import build_model, default_cpu_policy
     from megatron_glm5.parallel import initialize_model_parallel
 
+    if loss_after_attention is not None:
+        from megatron_glm5.dsa.tilelang_attention import TileLangSparseAttention
+
+        TileLangSparseAttention.loss_after_attention = loss_after_attention
     initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                               expert_model_parallel_size=ep, context_parallel_size=cp)
     policy = default_cpu_policy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,

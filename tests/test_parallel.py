@@ -86,13 +86,16 @@ def reference_loss_no_mtp(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "tp,pp,cp,backend",
-    [(2, 1, 1, "megatron"), (2, 1, 1, "tilelang"), (1, 2, 1, "megatron"), (1, 1, 2, "tilelang")],
-    ids=["tp2-sp", "tp2-sp-tilelang", "pp2", "cp2-tilelang"],
+    [(2, 1, 1, "megatron"), (2, 1, 1, "tilelang"), (2, 1, 1, "tilelang-after"), (1, 2, 1, "megatron"),
+     (1, 1, 2, "tilelang")],
+    ids=["tp2-sp", "tp2-sp-tilelang", "tp2-sp-tilelang-loss-after-attention", "pp2", "cp2-tilelang"],
 )
 def test_indexer_loss_parallel_matches_single_process(reference_loss, reference_loss_no_mtp, gloo_world, tmp_path,
                                                       tp, pp, cp, backend):
-    """The sparse indexer loss under TP=2 + SP (target summed over both ranks' heads), PP=2 (tracker slots of both
-    stages) and CP=2: the logged loss and every gradient, indexer parameters included, equal one process."""
+    """The sparse indexer loss under TP=2 + SP (target summed over both ranks' heads; also computed in the backward,
+    after the attention, as the ``tilelang`` backend does on the GPU), PP=2 (tracker slots of both stages) and CP=2:
+    the logged loss and every gradient, indexer parameters included, equal one process."""
+    backend, _, after = backend.partition("-")
     raw, weights, ref_loss, ref_grads, ref_logged = reference_loss_no_mtp if cp > 1 else reference_loss
     grads_dir = tmp_path / "grads"
     grads_dir.mkdir()
@@ -100,6 +103,7 @@ def test_indexer_loss_parallel_matches_single_process(reference_loss, reference_
         "tests.parallel_workers:parallel_case", tmp_path, nproc=2,
         raw=raw, weights=weights, grads_out=str(grads_dir), tp=tp, pp=pp, ep=1, vocab=raw["vocab_size"],
         backend=backend, cp=cp, policy_overrides=SPARSE_LOSS, timeout=240,
+        loss_after_attention=True if after else None,
     )
     assert ref_logged and all(v > 0 for v in ref_logged)
     for r in results:

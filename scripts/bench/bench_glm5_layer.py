@@ -15,6 +15,7 @@ import os
 import subprocess
 
 import torch
+from report import emit
 
 
 def _glm5_layer_config(heads: int) -> dict:
@@ -128,11 +129,7 @@ def main() -> None:
     for name, ms_s, peak, ms in rows:
         ratio = f"{base / ms:.2f}x" if base and ms else "-"
         lines.append(f"| {name} | {ms_s} | {peak} | {ratio} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text + "\n")
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_glm5_layer import _glm5_layer_config, _mcore_baseline  # noqa: E402  (same layer, same baseline)
+from report import emit  # noqa: E402
 
 LOSS = {
     "off": {},
@@ -120,11 +121,7 @@ def main() -> None:
             lines.append(f"| {seq} | {impl} | {loss} | {r['ms']:.1f} | {ratio} | {r['peak']:.2f} | {r['grads']} | "
                          f"{logged} | {r['first']:.1f} |")
             print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text + "\n")
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import tempfile
 import time
 
 import torch
+from report import emit
 
 GB = 1e9
 
@@ -239,11 +240,7 @@ def main() -> None:
         a, b = results["no offload"]["times"][seq], results["offload"]["times"][seq]
         cost = f"{(b / a - 1) * 100:+.0f}%" if a and b else "-"
         lines.append(f"| {seq} | {ms('no offload', seq)} | {ms('offload', seq)} | {cost} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text + "\n")
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

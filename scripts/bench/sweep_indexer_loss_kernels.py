@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_dsa_kernels import build_in_parallel  # noqa: E402
 from bench_indexer_loss import DI, HI, make_inputs, ours_topk, timed  # noqa: E402
+from report import emit  # noqa: E402
 
 MOD = "megatron_glm5.kernels.indexer_loss"
 SCORES = [(64, 128), (32, 128), (128, 128), (64, 256), (128, 256)]  # (block_s, threads); first = default
@@ -101,11 +102,7 @@ def main() -> None:
         err = max(max_rel(got[i], base[i]) for i in which)
         lines.append(f"| index backward | {bs} | {th} | {how} | {part} | {'default' if mb < 0 else (mb or '-')} | {ms:.2f} | {err:.1e} |")
         print(lines[-1], flush=True)
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text + "\n")
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":
