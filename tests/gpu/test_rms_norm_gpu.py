@@ -1,6 +1,6 @@
 """The fused Triton RMSNorm (``megatron_glm5.kernels.rms_norm``) on the GPU: against its torch oracle at GLM widths
 (hidden 6144, q_lora 2048, kv_lora 512 as a strided view of the kv down-projection, 4096), forward bitwise but for
-rare one-ulp flips (the row mean sums in another order), gradients within a few bf16 ulps of their scale; and its time
+rare flips of at most two ulps (the row mean sums in another order; the weight product rounds the flip again), gradients within a few bf16 ulps of their scale; and its time
 against the torch path (printed: issue 23 decides on the default from it)."""
 
 from __future__ import annotations
@@ -42,7 +42,9 @@ def test_fused_rms_norm_matches_reference(n, view):
     edx, edw = scaled(xs[0].grad, xs[1].grad), scaled(ws[0].grad, ws[1].grad)
     print(f"\nRMSNorm N={n}{' (view)' if view else ''}: forward {flips} of {y.numel()} elements differ (max "
           f"{worst} ulp); dx {edx:.1e}, dw {edw:.1e} of scale")
-    assert worst <= 1 and flips <= y.numel() // 1000
+    # h = x * rstd may flip one bf16 ulp (row mean summed in another order); times a weight > 1 and rounded again,
+    # that is up to two ulps of y (measured on the H200: at most 2, in 1 to 2 per million elements)
+    assert worst <= 2 and flips <= y.numel() // 100000
     assert edx <= 1e-2 and edw <= 1e-2
 
 
