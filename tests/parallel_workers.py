@@ -242,10 +242,19 @@ def parallel_case(rank: int, world: int, *, raw: dict, weights: str, grads_out: 
     from megatron_glm5.model import build_model, default_cpu_policy
     from megatron_glm5.parallel import initialize_model_parallel
 
+    logged_after = [0]
     if loss_after_attention is not None:
+        from megatron_glm5.dsa.loss_after_attention import LossAfterAttention
         from megatron_glm5.dsa.tilelang_attention import TileLangSparseAttention
 
         TileLangSparseAttention.loss_after_attention = loss_after_attention
+        final_target = LossAfterAttention.final_target
+
+        def counted(self, topk):  # how many losses really ran in the backward
+            logged_after[0] += 1
+            return final_target(self, topk)
+
+        LossAfterAttention.final_target = counted
     initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                               expert_model_parallel_size=ep, context_parallel_size=cp)
     policy = default_cpu_policy(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -258,7 +267,8 @@ def parallel_case(rank: int, world: int, *, raw: dict, weights: str, grads_out: 
                                                                                              vocab=vocab)
     dist_checkpointing.save(tensor_sharded_state_dict(model, grads), grads_out)
     experts = sorted({type(m).__name__ for n, m in model.named_modules() if n.endswith("mlp.experts")})
-    return {"loss": loss, "layers": len(model.decoder.layers), "experts": experts, "indexer_loss": _indexer_log()}
+    return {"loss": loss, "layers": len(model.decoder.layers), "experts": experts, "indexer_loss": _indexer_log(),
+            "losses_after_attention": logged_after[0]}
 
 
 def _indexer_log() -> list[float] | None:
@@ -398,3 +408,48 @@ def flash_pipeline_case(rank: int, world: int, *, parity: dict, pretrain: dict) 
     destroy_model_parallel()
     result["pretrain"] = pretrain_pipeline_steps(rank, world, **pretrain)
     return result
+
+
+def loss_after_box_tp(rank: int, world: int) -> dict:
+    """The indexer loss after the attention under TP: each rank's attention backward leaves the head sum of its own
+    heads in the box; the token's backward all-reduces and normalises it. Returns the max relative gradient error
+    against the loss on the full normalised target (fp64, the same inputs on every rank)."""
+    from megatron_glm5.dsa import indexer_loss as il
+    from megatron_glm5.dsa.loss_after_attention import LossAfterAttention
+
+    g = torch.Generator().manual_seed(0)  # the same draws on every rank
+    t_len, k, hi, di = 10, 4, 2, 8
+    qi, ki, w = (torch.randn(*shape, generator=g, dtype=torch.float64) for shape in ((t_len, hi, di), (t_len, di),
+                                                                                       (t_len, hi)))
+    topk = torch.stack([torch.cat([torch.randperm(t + 1, generator=g)[: min(k, t + 1)],
+                                   torch.full((max(0, k - t - 1),), -1)]) for t in range(t_len)]).int()
+    valid = topk >= 0
+    partial = [torch.rand(t_len, k, generator=g, dtype=torch.float64) * valid for _ in range(world)]
+    full = sum(partial)
+    full = full / full.sum(-1, keepdim=True).clamp_min(il.TARGET_EPS)
+    rw = torch.full((t_len,), 1.0 / t_len, dtype=torch.float64)
+
+    class Attention(torch.autograd.Function):  # stand-in: leaves this rank's partial head sum in the box
+        @staticmethod
+        def forward(ctx, x, box):
+            ctx.box = box
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            ctx.box.target = partial[rank].clone()
+            return grad, None
+
+    logged = []
+    plan = LossAfterAttention(loss_fn=il.sparse_indexer_loss, scale_fn=lambda device: torch.ones((), dtype=torch.float64),
+                              log_fn=logged.append, tp_group=dist.group.WORLD)
+    leaves = [t.clone().requires_grad_(True) for t in (qi, ki, w)]
+    x = torch.randn(t_len, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    Attention.apply(plan.after(x, plan.token(*leaves, topk, rw)), plan.box).sum().backward()
+    ref_leaves = [t.clone().requires_grad_(True) for t in (qi, ki, w)]
+    ref = il.sparse_indexer_loss(*ref_leaves, topk, full, rw)
+    ref.backward()
+    err = max(float((a.grad - b.grad).abs().max() / b.grad.abs().max()) for a, b in zip(leaves, ref_leaves))
+    return {"grad_err": err, "loss_err": abs(float(logged[0]) - float(ref)) / abs(float(ref)),
+            "single_rank_err": float((partial[rank] / partial[rank].sum(-1, keepdim=True).clamp_min(1e-10)
+                                      - full).abs().max())}

@@ -4,6 +4,7 @@ forward times the main-loss scale, logs its value once, and prefers the attentio
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megatron_glm5.dsa import indexer_loss as il
@@ -42,12 +43,12 @@ class _Attention(torch.autograd.Function):
         return 2 * g, None, None, None
 
 
-def _plan(topk, rw, target_fn, order, logged, scale=1.0):
+def _plan(target_fn, order, logged, scale=1.0, tp_group=None):
     def loss_fn(*args):
         order.append("loss")
         return il.sparse_indexer_loss(*args)
 
-    return LossAfterAttention(topk=topk, rw=rw, loss_fn=loss_fn, target_fn=target_fn,
+    return LossAfterAttention(loss_fn=loss_fn, target_fn=target_fn, tp_group=tp_group,
                               scale_fn=lambda device: torch.tensor(scale, dtype=torch.float64),
                               log_fn=logged.append)
 
@@ -57,9 +58,9 @@ def test_runs_after_the_attention_backward_with_its_target_and_scale():
     target = il.sparse_target(query, kv, topk, 0.2)  # normalised
     raw = target * torch.linspace(1, 3, T, dtype=torch.float64)[:, None]  # unnormalised per row, as a kernel leaves it
     order, logged, fallback = [], [], []
-    plan = _plan(topk, rw, lambda: fallback.append(1) or target, order, logged, scale=0.25)
+    plan = _plan(lambda topk_: fallback.append(1) or target, order, logged, scale=0.25)
     x = torch.randn(T, H, D, dtype=torch.float64, requires_grad=True)
-    y = _Attention.apply(plan.after(x, plan.token(qi, ki, w)), plan.box, raw, order)
+    y = _Attention.apply(plan.after(x, plan.token(qi, ki, w, topk, rw)), plan.box, raw, order)
     y.sum().backward()
     assert order == ["attention", "loss"] and not fallback, "the attention's backward first, its target used"
     assert torch.equal(x.grad, torch.full_like(x, 2.0)), "the identity passes the attention's gradient through"
@@ -70,16 +71,22 @@ def test_runs_after_the_attention_backward_with_its_target_and_scale():
     for got, want in ((qi.grad, qi2.grad), (ki.grad, ki2.grad), (w.grad, w2.grad)):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-14)
     assert plan.box.target is None, "the box is emptied by its reader"
+    y2 = _Attention.apply(plan.after(x, plan.token(qi, ki, w, topk, rw)), plan.box, raw, order)
+    y2.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        y2.sum().backward()
 
 
 def test_falls_back_to_the_bound_target_when_the_attention_left_none():
     qi, ki, w, query, kv, topk, rw = _inputs(1)
     target = il.sparse_target(query, kv, topk, 0.2)
     order, logged = [], []
-    plan = _plan(topk, rw, lambda: target, order, logged)
+    got_topk = []
+    plan = _plan(lambda topk_: got_topk.append(topk_) or target, order, logged)
     x = torch.randn(T, H, D, dtype=torch.float64, requires_grad=True)
-    _Attention.apply(plan.after(x, plan.token(qi, ki, w)), None, None, order).sum().backward()
+    _Attention.apply(plan.after(x, plan.token(qi, ki, w, topk, rw)), None, None, order).sum().backward()
     assert order == ["attention", "loss"] and len(logged) == 1
+    assert len(got_topk) == 1 and torch.equal(got_topk[0], topk), "the fallback gets the saved top-k"
     qi2, ki2, w2 = (t.detach().requires_grad_(True) for t in (qi, ki, w))
     il.sparse_indexer_loss(qi2, ki2, w2, topk, target, rw).backward()
     torch.testing.assert_close(ki.grad, ki2.grad, rtol=1e-10, atol=1e-14)
@@ -90,7 +97,29 @@ def test_frozen_attention_inputs_still_train_the_indexer():
     qi, ki, w, query, kv, topk, rw = _inputs(2)
     target = il.sparse_target(query, kv, topk, 0.2)
     order, logged = [], []
-    plan = _plan(topk, rw, lambda: target, order, logged)
+    plan = _plan(lambda topk_: target, order, logged)
     x = torch.randn(T, H, D, dtype=torch.float64)  # frozen upstream
-    _Attention.apply(plan.after(x, plan.token(qi, ki, w)), None, None, order).sum().backward()
+    _Attention.apply(plan.after(x, plan.token(qi, ki, w, topk, rw)), None, None, order).sum().backward()
     assert order == ["attention", "loss"] and x.grad is None and qi.grad is not None and len(logged) == 1
+
+
+def test_no_target_and_no_fallback_is_an_error():
+    qi, ki, w, query, kv, topk, rw = _inputs(3)
+    order, logged = [], []
+    plan = _plan(None, order, logged)
+    x = torch.randn(T, H, D, dtype=torch.float64, requires_grad=True)
+    y = _Attention.apply(plan.after(x, plan.token(qi, ki, w, topk, rw)), None, None, order)
+    with pytest.raises(RuntimeError, match="no target and no fallback"):
+        y.sum().backward()
+
+
+def test_tensors_reach_saved_tensor_hooks():
+    """The top-k, the row weights and the indexer inputs are saved tensors (activation offload's hooks move them);
+    the plan itself holds none."""
+    qi, ki, w, query, kv, topk, rw = _inputs(4)
+    seen = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t):
+        plan = _plan(None, [], [])
+        plan.token(qi, ki, w, topk, rw)
+    assert any(t is topk for t in seen) and any(t is rw for t in seen) and any(t is qi for t in seen)
+    assert not [v for v in vars(plan).values() if isinstance(v, torch.Tensor)]

@@ -87,8 +87,9 @@ def reference_loss_no_mtp(tmp_path_factory):
 @pytest.mark.parametrize(
     "tp,pp,cp,backend",
     [(2, 1, 1, "megatron"), (2, 1, 1, "tilelang"), (2, 1, 1, "tilelang-after"), (1, 2, 1, "megatron"),
-     (1, 1, 2, "tilelang")],
-    ids=["tp2-sp", "tp2-sp-tilelang", "tp2-sp-tilelang-loss-after-attention", "pp2", "cp2-tilelang"],
+     (1, 2, 1, "tilelang-after"), (1, 1, 2, "tilelang"), (1, 1, 2, "tilelang-after")],
+    ids=["tp2-sp", "tp2-sp-tilelang", "tp2-sp-tilelang-loss-after-attention", "pp2", "pp2-tilelang-loss-after-attention",
+         "cp2-tilelang", "cp2-tilelang-loss-after-attention"],
 )
 def test_indexer_loss_parallel_matches_single_process(reference_loss, reference_loss_no_mtp, gloo_world, tmp_path,
                                                       tp, pp, cp, backend):
@@ -108,7 +109,19 @@ def test_indexer_loss_parallel_matches_single_process(reference_loss, reference_
     assert ref_logged and all(v > 0 for v in ref_logged)
     for r in results:
         assert r["indexer_loss"] == pytest.approx(ref_logged, rel=1e-5)
+    if after:  # every full layer's loss (per micro-batch) of this rank's stage ran in the backward
+        assert all(r["losses_after_attention"] > 0 for r in results)
     errors = grad_errors(load_sharded_grads(raw, str(grads_dir)), ref_grads)
     assert any(".indexer." in n for n in errors)
     bad = {n: f"{e:.2e}" for n, e in errors.items() if e > 1e-5}
     assert not bad, f"max |grad diff| / max |grad| above 1e-5: {bad}"
+
+
+def test_loss_after_attention_sums_the_target_over_tensor_parallel_ranks(tmp_path):
+    """Two ranks, each attention backward leaving its own heads' partial target: the loss after the attention
+    all-reduces before normalising, so every rank's gradients equal the loss on the full target (a rank's own
+    partial target alone would differ)."""
+    results = run_torchrun("tests.parallel_workers:loss_after_box_tp", tmp_path, nproc=2, timeout=120)
+    for r in results:
+        assert r["grad_err"] <= 1e-12 and r["loss_err"] <= 1e-12, r
+        assert r["single_rank_err"] > 1e-3, "the test needs partial targets that differ from the full one"

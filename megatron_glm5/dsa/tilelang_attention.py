@@ -166,25 +166,22 @@ class TileLangSparseAttention(DSACoreAttention):
         if tp is not None:
             torch.distributed.all_reduce(target, group=tp)
         target.div_(target.sum(-1, keepdim=True).clamp_min(indexer_loss.TARGET_EPS))
-        rw = indexer_loss.row_weights(indexer_loss.valid_query_rows(layout.starts, layout.ends), self.loss.coeff,
-                                      self.loss.per_token)
+        rw = self.loss_rows(layout)
         return kernels.fused_sparse_indexer_loss(qi.contiguous(), ki.contiguous(), w.float().contiguous(), topk,
                                                  target, rw, deterministic=self.config.deterministic_mode)
 
-    def loss_after(self, qi, ki, w, query, topk, layout: TokenLayout) -> Optional[LossAfterAttention]:
+    def loss_after(self, qi, ki, w, query, topk, d_v: int) -> Optional[LossAfterAttention]:
         """This forward's sparse loss computed in the backward from the attention backward's probabilities
         (:mod:`megatron_glm5.dsa.loss_after_attention`), or None where it is computed in the forward instead: not
-        the sparse stage, a frozen indexer, or (by default) where our fused loss kernels do not run."""
+        the sparse stage, a frozen indexer, or (by default) where our fused loss kernels or our sparse-MLA kernels
+        (which leave the target) do not run."""
         if not self.loss.sparse or not (qi.requires_grad or ki.requires_grad or w.requires_grad):
             return None
         fused = _fused_indexer_loss_applies(qi, query, topk)
-        if not (fused if self.loss_after_attention is None else self.loss_after_attention):
+        default = fused and _attention_kernels_apply(query, d_v)
+        if not (default if self.loss_after_attention is None else self.loss_after_attention):
             return None
-        from . import indexer_loss
-
         tp = self.pg_collection.tp if self.config.tensor_model_parallel_size > 1 else None
-        rw = indexer_loss.row_weights(indexer_loss.valid_query_rows(layout.starts, layout.ends), self.loss.coeff,
-                                      self.loss.per_token)
         if fused:
             from .. import kernels
 
@@ -194,30 +191,37 @@ class TileLangSparseAttention(DSACoreAttention):
                 return kernels.fused_sparse_indexer_loss(qi_.contiguous(), ki_.contiguous(), w_.float().contiguous(),
                                                          topk_, target, rw_, deterministic=deterministic)
         else:
+            from . import indexer_loss
+
             loss_fn = indexer_loss.sparse_indexer_loss
+        return LossAfterAttention(loss_fn=loss_fn, scale_fn=main_loss_backward_scale, log_fn=self.log_loss,
+                                  tp_group=tp)
 
-        def unbound():
-            raise RuntimeError("indexer loss after the attention: no attention was bound (bind_attention)")
-
-        return LossAfterAttention(topk=topk, rw=rw, loss_fn=loss_fn, target_fn=unbound,
-                                  scale_fn=main_loss_backward_scale, log_fn=self.log_loss, tp_group=tp)
-
-    def bind_attention(self, plan: LossAfterAttention, query: torch.Tensor, kv: torch.Tensor,
-                       lse: torch.Tensor) -> None:
-        """``plan``'s fallback target, from the attention's ``query``, ``kv`` and LSE: used when the attention's
-        backward left no target in the box (the torch attention)."""
+    def loss_rows(self, layout: TokenLayout) -> torch.Tensor:
+        """Row weights of the loss: ``coeff / N`` on the ``N`` valid query rows (``coeff`` in per-token mode)."""
         from . import indexer_loss
 
-        query, kv, lse, topk, tp = query.detach(), kv.detach(), lse.detach(), plan.topk, plan.tp_group
-        plan.target_fn = lambda: indexer_loss.sparse_target(query, kv, topk, self.softmax_scale, lse=lse, tp_group=tp)
+        return indexer_loss.row_weights(indexer_loss.valid_query_rows(layout.starts, layout.ends), self.loss.coeff,
+                                        self.loss.per_token)
+
+    def bind_attention(self, plan: LossAfterAttention, query: torch.Tensor, kv: torch.Tensor, lse: torch.Tensor,
+                       d_v: int) -> None:
+        """Where the attention ran in torch (its backward leaves no target), ``plan``'s target is formed from the
+        attention's ``query``, ``kv`` and LSE instead. With our kernels nothing is bound, so the plan keeps no
+        reference to the attention's tensors beyond what the kernels save (activation offload moves those)."""
+        if _attention_kernels_apply(query, d_v):
+            return
+        from . import indexer_loss
+
+        query, kv, lse, tp, scale = query.detach(), kv.detach(), lse.detach(), plan.tp_group, self.softmax_scale
+        plan.target_fn = lambda topk: indexer_loss.sparse_target(query, kv, topk, scale, lse=lse, tp_group=tp)
 
     def forward(self, query: torch.Tensor, kv: torch.Tensor, topk: torch.Tensor, softmax_scale: float,
                 d_v: int, *, with_lse: bool = False, target_box=None):
         """``query [T, H, D]``, ``kv [T, D]``, ``topk [T, K]`` -> latent output ``[T, H, d_v]`` (and, with
         ``with_lse``, the natural-log LSE ``[T, H]`` fp32 the sparse indexer loss's target reuses). With our kernels,
         ``target_box`` (``kernels.AttentionTargetBox``) receives the backward's head-summed probabilities."""
-        # GLM-5: d_qk 576 = 512 + 64 RoPE; GLM-5.3-Flash (NoPE): d_qk = d_v = 512, KPool width index_topk + P - 1
-        if _kernels_apply(query) and (query.shape[-1], d_v) in ((576, 512), (512, 512)):
+        if _attention_kernels_apply(query, d_v):
             from .. import kernels
 
             out, lse = kernels.sparse_mla_with_lse(query.contiguous(), kv.contiguous(), topk, softmax_scale, d_v,
@@ -225,6 +229,12 @@ class TileLangSparseAttention(DSACoreAttention):
         else:
             out, lse = reference.sparse_mla(query, kv, topk, softmax_scale, d_v)
         return (out, lse.detach()) if with_lse else out
+
+
+def _attention_kernels_apply(query: torch.Tensor, d_v: int) -> bool:
+    """Our sparse-MLA kernels take this attention: bf16 on CUDA, GLM-5's d_qk 576 = 512 + 64 RoPE or GLM-5.3-Flash's
+    NoPE d_qk = d_v = 512 (any top-k width, e.g. KPool's index_topk + P - 1)."""
+    return _kernels_apply(query) and (query.shape[-1], d_v) in ((576, 512), (512, 512))
 
 
 def _fused_indexer_loss_applies(qi: torch.Tensor, query: torch.Tensor, topk: torch.Tensor) -> bool:
@@ -327,11 +337,12 @@ class TileLangMLASelfAttention(MLASelfAttention):
             latent = sparse.dense_latent(query, kv_full, layout, cfg.kv_lora_rank)
         elif self.checkpoint_core_attention and self.training:
             latent = tensor_parallel.checkpoint(core, False, query, kv_full, topk)
-        elif indexer is not None and (after := sparse.loss_after(*indexer, query, topk, layout)) is not None:
+        elif indexer is not None and (after := sparse.loss_after(*indexer, query, topk, cfg.kv_lora_rank)):
             # the loss in the backward, its target from the attention backward's P (loss_after_attention)
-            latent, lse = sparse(after.after(query, after.token(*indexer)), kv_full, topk, self.softmax_scale,
-                                 cfg.kv_lora_rank, with_lse=True, target_box=after.box)
-            sparse.bind_attention(after, query, kv_full, lse)
+            token = after.token(*indexer, topk, sparse.loss_rows(layout))
+            latent, lse = sparse(after.after(query, token), kv_full, topk, self.softmax_scale, cfg.kv_lora_rank,
+                                 with_lse=True, target_box=after.box)
+            sparse.bind_attention(after, query, kv_full, lse, cfg.kv_lora_rank)
             indexer = None  # no loss in the forward
         elif indexer is not None and sparse.loss.sparse:
             latent, lse = sparse(query, kv_full, topk, self.softmax_scale, cfg.kv_lora_rank, with_lse=True)

@@ -253,14 +253,15 @@ def _jit_index_bwd():
         of the two halves of the split backward: ``"dqw"`` (dQI and dW only) and ``"dk"`` (dKI only), each with
         about half the accumulator registers (more CTAs per SM) at the price of a second gather and ``z``.
         ``min_blocks`` > 0: ``__launch_bounds__(threads, min_blocks)``, capping registers for that many CTAs per SM;
-        -1 (default): 4 for the 128-thread non-deterministic kernel (253 -> 128 registers, a few bytes spilled;
-        10.4 ms instead of 15.2 at 16K x 2048 on the H200, ``scripts/bench/sweep_indexer_loss_kernels.py``), else
-        none."""
+        -1 (default): 4 for the 128-thread non-deterministic float2-atomic kernel with ``dim <= 128`` (253 -> 128
+        registers, a few bytes spilled; 10.4 ms instead of 15.2 at 16K x 2048 on the H200,
+        ``scripts/bench/sweep_indexer_loss_kernels.py``), else none (wider heads would spill heavily; the bulk
+        variant's shared memory allows 2 CTAs per SM anyway)."""
         block_h = index_head_block(heads)
         if threads == 0:
             threads = 256 if block_h >= 64 else 128
-        if min_blocks < 0:
-            min_blocks = 4 if threads == 128 and not deterministic else 0
+        if min_blocks < 0:  # measured for GLM-5's 128-wide heads with float2 atomics only
+            min_blocks = 4 if threads == 128 and not deterministic and dim <= 128 and dk_reduce == "atomic" else 0
         if dk_reduce not in DK_REDUCE:
             raise ValueError(f"dk_reduce must be one of {DK_REDUCE}, got {dk_reduce!r}")
         if part not in ("all", "dqw", "dk"):
@@ -503,16 +504,16 @@ def index_score_bwd_interface(
         valid_len = row_valid_len(topk)
     if dk_reduce not in DK_REDUCE:
         raise ValueError(f"dk_reduce must be one of {DK_REDUCE}, got {dk_reduce!r}")
-    kernel = _jit_index_bwd()(heads, dim, bool(deterministic), dk_reduce=dk_reduce)
+    if deterministic and (split or dk_reduce != "atomic"):
+        raise ValueError("deterministic=True has its own dki path (partial sums, no float adds): it takes neither "
+                         f"split=True nor dk_reduce={dk_reduce!r}")
     if not deterministic:
         row0 = torch.zeros(1, dtype=torch.int32, device=qi.device)
-        if split:  # two lighter kernels: dq and dw, then dk
-            for part in ("dqw", "dk"):
-                _jit_index_bwd()(heads, dim, False, dk_reduce=dk_reduce, part=part)(
-                    qi, ki, w, topk, valid_len, dscore, grad_scale, row0, dq, dw, dk_acc)
-        else:
-            kernel(qi, ki, w, topk, valid_len, dscore, grad_scale, row0, dq, dw, dk_acc)
+        for part in ("dqw", "dk") if split else ("all",):  # split: two lighter kernels, dq and dw, then dk
+            _jit_index_bwd()(heads, dim, False, dk_reduce=dk_reduce, part=part)(
+                qi, ki, w, topk, valid_len, dscore, grad_scale, row0, dq, dw, dk_acc)
         return dq, dk_acc.to(ki.dtype), dw
+    kernel = _jit_index_bwd()(heads, dim, True)
 
     # Deterministic: per chunk of rows, each (row, slot) writes its Di-wide contribution (no atomics); then every key
     # sums its contributions in (row, slot) order, from a stable sort of the chunk's indices.
