@@ -84,6 +84,7 @@ from megatron_glm5.kernels._common import (
     row_valid_len,
     tilelang_modules,
 )
+from megatron_glm5.kernels.gather import index_gather_macro
 from megatron_glm5.kernels.indexer_kl import kl_rows_and_dscore_, kl_supported
 from megatron_glm5.kernels.sparse_attention_target import sparse_attention_target  # noqa: F401 (re-exported)
 
@@ -120,36 +121,6 @@ def _pass_configs(tilelang) -> dict:
     return {getattr(tilelang.PassConfigKey, k): True for k in _PASS_CONFIGS}
 
 
-def _index_gather_macro(T, dim: int, block_s: int, threads: int, with_grad: bool):
-    """``gather(KI, Idx, DS, gs, t, t_kv, topk, tx, k_s, idx_s, ds_s, blk)``: cp.async the block's key rows into
-    ``k_s`` (zero-fill for invalid slots, no read), the slot's key (or -1) into ``idx_s`` and, with ``with_grad``,
-    its score gradient times ``gs`` (0 on invalid slots) into ``ds_s``; commits one cp.async group."""
-    lanes = dim // 8  # 16 bytes (8 bf16) per cp.async
-    rows_per_pass = threads // lanes
-
-    @T.macro
-    def gather(KI, Idx, DS, gs, t, t_kv, topk, tx, k_s, idx_s, ds_s, blk):
-        lane = tx % lanes
-        for r in T.unroll(block_s // rows_per_pass):
-            row = r * rows_per_pass + tx // lanes
-            slot = blk * block_s + row
-            idx = T.if_then_else(slot < topk, Idx[t, T.min(slot, topk - 1)], -1)
-            valid = (idx >= 0) and (idx < t_kv)
-            if lane == 0:
-                idx_s[row] = T.if_then_else(valid, idx, -1)
-                if with_grad:
-                    ds_s[row] = T.if_then_else(valid, DS[t, T.min(slot, topk - 1)] * gs, 0)
-            T.ptx_cp_async(
-                T.access_ptr(k_s[row, lane * 8], "w", 8),
-                T.access_ptr(KI[T.if_then_else(valid, idx, 0), lane * 8], "r", 8),
-                8,
-                predicate=valid,
-            )
-        T.ptx_commit_group()
-
-    return gather
-
-
 @functools.cache
 def _jit_index_scores():
     tilelang, T = tilelang_modules()
@@ -166,7 +137,7 @@ def _jit_index_scores():
         t_kv = T.dynamic("t_kv")
         topk = T.dynamic("topk")
         bf16, f32, i32 = T.bfloat16, T.float32, T.int32
-        gather = _index_gather_macro(T, dim, bs, threads, with_grad=False)
+        gather = index_gather_macro(T, dim, bs, threads, with_grad=False)
 
         @T.macro
         def block_step(Score, t, topk, q_s, w_s, k_s, idx_s, acc, sc, blk):
@@ -280,7 +251,7 @@ def _jit_index_bwd():
         topk = T.dynamic("topk")
         n_rows = T.dynamic("n_rows")
         bf16, f32, i32 = T.bfloat16, T.float32, T.int32
-        gather = _index_gather_macro(T, dim, bs, threads, with_grad=True)
+        gather = index_gather_macro(T, dim, bs, threads, with_grad=True)
         dk_shape = [n_rows, 1, topk, dim] if deterministic else [t_kv, dim]
         grid_rows = n_rows if deterministic else t_len
 

@@ -40,6 +40,7 @@ import functools
 import torch
 
 from megatron_glm5.kernels._common import LOG2E, check_tensor, row_valid_len, tilelang_modules
+from megatron_glm5.kernels.gather import latent_gather_macro
 from megatron_glm5.kernels.sparse_mla_fwd import head_block
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -90,39 +91,8 @@ def _jit_target():
                     for v in T.vectorized(8):
                         buf[h, c + v] = T.if_then_else(h0 + h < heads, Q[t, T.min(h0 + h, heads - 1), col0 + c + v], 0)
 
-        @T.macro
-        def gather(KV, Idx, t, t_kv, topk, tx, kv_l, kv_r, kt, idx_s, blk):
-            # 8 lanes per KV row, 16 B per cp.async; an invalid slot is a zero-fill (nothing read).
-            lane = tx % 8
-            for r in T.unroll(bs // rows_per_pass):
-                row = r * rows_per_pass + tx // 8
-                slot = blk * bs + row
-                idx = T.if_then_else(slot < topk, Idx[t, T.min(slot, topk - 1)], -1)
-                valid = (idx >= 0) and (idx < t_kv)
-                src = T.if_then_else(valid, idx, 0)
-                if lane == 0:
-                    idx_s[row] = T.if_then_else(valid, idx, -1)
-                for c in T.unroll(dh // 64):
-                    col = c * 64 + lane * 8
-                    T.ptx_cp_async(
-                        T.access_ptr(kv_l[row, col], "w", 8), T.access_ptr(KV[src, col], "r", 8), 8, predicate=valid
-                    )
-                    T.ptx_cp_async(
-                        T.access_ptr(kv_r[row, col], "w", 8),
-                        T.access_ptr(KV[src, dh + col], "r", 8),
-                        8,
-                        predicate=valid,
-                    )
-                if has_tail:
-                    for c in T.unroll(d_tail // 64):
-                        col = c * 64 + lane * 8
-                        T.ptx_cp_async(
-                            T.access_ptr(kt[row, col], "w", 8),
-                            T.access_ptr(KV[src, 2 * dh + col], "r", 8),
-                            8,
-                            predicate=valid,
-                        )
-            T.ptx_commit_group()
+        gather = latent_gather_macro(T, rows=bs, rows_per_pass=rows_per_pass, dh=dh, d_tail=d_tail, tail0=2 * dh,
+                                     record_index=True, commit=True)
 
         @T.macro
         def block_step(Out, t, hb, topk, q_l, q_r, q_t, kv_l, kv_r, kt, idx_s, lse_s, acc, tsum, blk):

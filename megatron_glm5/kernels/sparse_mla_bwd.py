@@ -44,6 +44,7 @@ from megatron_glm5.kernels._common import (
     row_valid_len,
     tilelang_modules,
 )
+from megatron_glm5.kernels.gather import latent_gather_macro
 from megatron_glm5.kernels.sparse_mla_fwd import (
     Variant,
     check_sparse_mla_args,
@@ -157,38 +158,8 @@ def _jit_bwd():
                     for v in T.vectorized(8):
                         buf[h, c + v] = T.if_then_else(h0 + h < heads, src[t, h0 + h, col0 + c + v], 0)
 
-        @T.macro
-        def gather(KV, Idx, t, t_kv, tx, kv_l, kv_r, kt, idx_s, blk):
-            lane = tx % 8
-            for r in T.unroll(bs // rows_per_pass):
-                row = r * rows_per_pass + tx // 8
-                slot = blk * bs + row
-                idx = T.if_then_else(slot < topk, Idx[t, T.min(slot, topk - 1)], -1)
-                valid = (idx >= 0) and (idx < t_kv)
-                src = T.if_then_else(valid, idx, 0)
-                if lane == 0:
-                    idx_s[row] = T.if_then_else(valid, idx, -1)
-                for c in T.unroll(dh // 64):
-                    col = c * 64 + lane * 8
-                    T.ptx_cp_async(
-                        T.access_ptr(kv_l[row, col], "w", 8), T.access_ptr(KV[src, col], "r", 8), 8, predicate=valid
-                    )
-                    T.ptx_cp_async(
-                        T.access_ptr(kv_r[row, col], "w", 8),
-                        T.access_ptr(KV[src, dh + col], "r", 8),
-                        8,
-                        predicate=valid,
-                    )
-                if has_tail:
-                    for c in T.unroll(d_tail // 64):
-                        col = c * 64 + lane * 8
-                        T.ptx_cp_async(
-                            T.access_ptr(kt[row, col], "w", 8),
-                            T.access_ptr(KV[src, d_v + col], "r", 8),
-                            8,
-                            predicate=valid,
-                        )
-            T.ptx_commit_group()
+        gather = latent_gather_macro(T, rows=bs, rows_per_pass=rows_per_pass, dh=dh, d_tail=d_tail, tail0=d_v,
+                                     record_index=True, commit=True)
 
         @T.macro
         def scatter(dKV, acc, idx_s, bx, hb, blk, col0, width):
@@ -304,10 +275,10 @@ def _jit_bwd():
                 if has_tail:
                     T.clear(acc_dq_t)
                 if n_blk > 0:
-                    gather(KV, Idx, t, t_kv, tx, kv0_l, kv0_r, kt0, idx0, 0)
+                    gather(KV, Idx, t, t_kv, topk, tx, kv0_l, kv0_r, kt0, idx0, 0)
                 for ip in T.serial(T.ceildiv(n_blk, 2)):
                     if 2 * ip + 1 < n_blk:
-                        gather(KV, Idx, t, t_kv, tx, kv1_l, kv1_r, kt1, idx1, 2 * ip + 1)
+                        gather(KV, Idx, t, t_kv, topk, tx, kv1_l, kv1_r, kt1, idx1, 2 * ip + 1)
                         T.ptx_wait_group(1)
                     else:
                         T.ptx_wait_group(0)
@@ -321,7 +292,7 @@ def _jit_bwd():
                     T.sync_threads()
                     if 2 * ip + 1 < n_blk:
                         if 2 * ip + 2 < n_blk:
-                            gather(KV, Idx, t, t_kv, tx, kv0_l, kv0_r, kt0, idx0, 2 * ip + 2)
+                            gather(KV, Idx, t, t_kv, topk, tx, kv0_l, kv0_r, kt0, idx0, 2 * ip + 2)
                             T.ptx_wait_group(1)
                         else:
                             T.ptx_wait_group(0)

@@ -36,6 +36,7 @@ from typing import Literal
 import torch
 
 from megatron_glm5.kernels._common import LOG2E, cdiv, check_tensor, next_power_of_2, row_valid_len, tilelang_modules
+from megatron_glm5.kernels.gather import latent_gather_macro
 
 Variant = Literal["auto", "ws", "simple"]
 
@@ -139,37 +140,11 @@ def _jit_fwd_ws():
                     for v in T.vectorized(8):
                         buf[h, c + v] = T.if_then_else(h0 + h < heads, Q[t, h0 + h, col0 + c + v], 0)
 
-        @T.macro
-        def produce(KV, Idx, t, t_kv, p, kv_l, kv_r, kt, blk):
-            # 8 lanes per KV row, 16 B (8 bf16) per cp.async; an invalid slot becomes a zero-fill cp.async
-            # (source size 0, nothing read), so stale or uninitialised shared memory never reaches the MMA (P1).
-            lane = p % 8
-            for r in T.unroll(bi // 16):
-                row = r * 16 + p // 8
-                slot = blk * bi + row
-                idx = T.if_then_else(slot < topk, Idx[t, T.min(slot, topk - 1)], -1)
-                valid = (idx >= 0) and (idx < t_kv)
-                src = T.if_then_else(valid, idx, 0)
-                for c in T.unroll(dh // 64):
-                    col = c * 64 + lane * 8
-                    T.ptx_cp_async(
-                        T.access_ptr(kv_l[row, col], "w", 8), T.access_ptr(KV[src, col], "r", 8), 8, predicate=valid
-                    )
-                    T.ptx_cp_async(
-                        T.access_ptr(kv_r[row, col], "w", 8),
-                        T.access_ptr(KV[src, dh + col], "r", 8),
-                        8,
-                        predicate=valid,
-                    )
-                if has_tail:
-                    for c in T.unroll(d_tail // 64):
-                        col = c * 64 + lane * 8
-                        T.ptx_cp_async(
-                            T.access_ptr(kt[row, col], "w", 8),
-                            T.access_ptr(KV[src, d_v + col], "r", 8),
-                            8,
-                            predicate=valid,
-                        )
+        # 8 lanes per KV row, 16 B per cp.async; an invalid slot becomes a zero-fill cp.async (source size 0,
+        # nothing read), so stale or uninitialised shared memory never reaches the MMA (P1). Completion is signalled
+        # by the producer with cp_async_barrier_noinc, not a commit group.
+        gather = latent_gather_macro(T, rows=bi, rows_per_pass=16, dh=dh, d_tail=d_tail, tail0=d_v,
+                                     record_index=False, commit=False)
 
         @T.prim_func
         def main(
@@ -277,10 +252,10 @@ def _jit_fwd_ws():
                     T.set_max_nreg(80, 0)
                     for jp in T.serial(n_pair):
                         T.barrier_wait(bar_free[0], (jp & 1) ^ 1)
-                        produce(KV, Idx, t, t_kv, tx - 256, kv0_l, kv0_r, kt0, 2 * jp)
+                        gather(KV, Idx, t, t_kv, topk, tx - 256, kv0_l, kv0_r, kt0, None, 2 * jp)
                         T.cp_async_barrier_noinc(bar_ready[0])
                         T.barrier_wait(bar_free[1], (jp & 1) ^ 1)
-                        produce(KV, Idx, t, t_kv, tx - 256, kv1_l, kv1_r, kt1, 2 * jp + 1)
+                        gather(KV, Idx, t, t_kv, topk, tx - 256, kv1_l, kv1_r, kt1, None, 2 * jp + 1)
                         T.cp_async_barrier_noinc(bar_ready[1])
 
         return main
