@@ -54,10 +54,6 @@ COMPILE_CASES = {
     "index_scores_glm": ("megatron_glm5.kernels.indexer_loss", "_jit_index_scores", (32, 128)),
     "index_bwd_glm": ("megatron_glm5.kernels.indexer_loss", "_jit_index_bwd", (32, 128)),  # dki: float2 atomics
     "index_bwd_glm_bulk": ("megatron_glm5.kernels.indexer_loss", "_jit_index_bwd", (32, 128, False, 64, 0, "bulk")),
-    "index_bwd_glm_split_dqw": ("megatron_glm5.kernels.indexer_loss", "_jit_index_bwd",
-                                (32, 128, False, 64, 0, "atomic", "dqw")),
-    "index_bwd_glm_split_dk": ("megatron_glm5.kernels.indexer_loss", "_jit_index_bwd",
-                               (32, 128, False, 64, 0, "atomic", "dk")),
     # the sparse-MLA backward that also writes the head-summed P (the loss-after-attention target)
     "bwd_glm_target": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (16, 576, 512, 1 / 16, False, 32, 0, True)),
     "index_bwd_64_deterministic": ("megatron_glm5.kernels.indexer_loss", "_jit_index_bwd", (64, 128, True)),

@@ -178,7 +178,7 @@ class DSACoreAttention(MegatronModule):
         ``ki [T_k, Di]``, ``w [T, Hi]``, with gradients) against the main attention (``query [T, H, D]``,
         ``kv [T_k, D]``: this rank's heads, summed over TP in the target): sparse over ``topk`` or, in the warm-up,
         dense. The warm-up also records the recall diagnostic."""
-        tp = self.pg_collection.tp if self.config.tensor_model_parallel_size > 1 else None
+        tp = self.loss_tp_group()
         query, kv = query.detach(), kv.detach()
         if not self.loss.warmup:
             return indexer_loss.indexer_loss(
@@ -197,7 +197,7 @@ class DSACoreAttention(MegatronModule):
         """Under ``RECALL.record()`` a full layer adds its recall (the warm-up's loss adds it already)."""
         if not RECALL.recording or self.indexer is None or (loss_computed and self.loss.warmup):
             return
-        tp = self.pg_collection.tp if self.config.tensor_model_parallel_size > 1 else None
+        tp = self.loss_tp_group()
         RECALL.add(self.loss_slot, indexer_loss.attention_recall(
             query.detach(), kv.detach(), topk, layout.starts, layout.ends, self.softmax_scale, tp_group=tp))
 
@@ -205,13 +205,20 @@ class DSACoreAttention(MegatronModule):
         """``output`` carrying this layer's indexer loss into the backward and the log (unchanged without one)."""
         if loss is None:
             return output
-        cp = self.pg_collection.cp if self.config.context_parallel_size > 1 else None
-        return attach_loss(output, loss, self.loss_slot, cp_group=cp, per_token=self.loss.per_token)
+        return attach_loss(output, loss, self.loss_slot, cp_group=self.loss_cp_group(),
+                           per_token=self.loss.per_token)
 
     def log_loss(self, loss: torch.Tensor) -> None:
         """Log this layer's indexer loss in its tracker slot (for a loss computed in the backward)."""
-        cp = self.pg_collection.cp if self.config.context_parallel_size > 1 else None
-        log_loss(loss, self.loss_slot, cp_group=cp, per_token=self.loss.per_token)
+        log_loss(loss, self.loss_slot, cp_group=self.loss_cp_group(), per_token=self.loss.per_token)
+
+    def loss_tp_group(self) -> Optional[torch.distributed.ProcessGroup]:
+        """The tensor-parallel group this layer's heads are split over (None at TP=1)."""
+        return self.pg_collection.tp if self.config.tensor_model_parallel_size > 1 else None
+
+    def loss_cp_group(self) -> Optional[torch.distributed.ProcessGroup]:
+        """The context-parallel group this layer's query rows are split over (None at CP=1)."""
+        return self.pg_collection.cp if self.config.context_parallel_size > 1 else None
 
     def dense_latent(self, query: torch.Tensor, kv: torch.Tensor, layout: TokenLayout, d_v: int) -> torch.Tensor:
         """The warm-up's main attention: every causal key, no gradient (only the indexer trains), ``[T, H, d_v]``."""

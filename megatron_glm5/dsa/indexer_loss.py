@@ -51,6 +51,12 @@ def _normalise_(target: torch.Tensor) -> torch.Tensor:
     return target.div_(target.sum(-1, keepdim=True).clamp_min(TARGET_EPS))
 
 
+def finish_target_(partial: torch.Tensor, tp_group=None) -> torch.Tensor:
+    """In place: this rank's head-summed probabilities ``[T, K]`` -> the target, summed over the TP group's heads
+    and L1-normalised per row (megatron-core's ``normalize_indexer_target``)."""
+    return _normalise_(_all_reduce(partial, tp_group))
+
+
 def _kl_rows(target: torch.Tensor, log_pred: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """``sum_s p (log max(p, eps) - log_pred)`` per row; invalid slots contribute 0 (even with -inf ``log_pred``)."""
     terms = target * (target.clamp_min(TARGET_EPS).log() - log_pred)
@@ -128,7 +134,7 @@ def sparse_target(
         logits = torch.bmm(query[c0:c1].to(acc), keys.transpose(1, 2)).mul_(softmax_scale)  # [c, H, K]
         logits.masked_fill_(~valid[:, None, :], float("-inf"))
         out[c0:c1] = _head_summed_probs(logits, None if lse is None else lse[c0:c1])
-    return _normalise_(_all_reduce(out, tp_group))
+    return finish_target_(out, tp_group)
 
 
 def _dense_target_chunk(query_c: torch.Tensor, kv_window: torch.Tensor, valid: torch.Tensor, softmax_scale: float,
@@ -136,7 +142,7 @@ def _dense_target_chunk(query_c: torch.Tensor, kv_window: torch.Tensor, valid: t
     """Normalised head-summed probabilities of one chunk over its key window ``[c, W]`` (invalid keys 0)."""
     logits = torch.einsum("chd,wd->chw", query_c.to(kv_window.dtype), kv_window).mul_(softmax_scale)
     logits.masked_fill_(~valid[:, None, :], float("-inf"))
-    return _normalise_(_all_reduce(_head_summed_probs(logits), tp_group))
+    return finish_target_(_head_summed_probs(logits), tp_group)
 
 
 @torch.no_grad()

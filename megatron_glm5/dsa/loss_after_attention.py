@@ -71,9 +71,7 @@ class LossAfterAttention:
                 raise RuntimeError("indexer loss after the attention: the attention left no target and no fallback "
                                    "was bound (TileLangSparseAttention.bind_attention)")
             return self.target_fn(topk)
-        if self.tp_group is not None and torch.distributed.get_world_size(self.tp_group) > 1:
-            torch.distributed.all_reduce(target, group=self.tp_group)
-        return target.div_(target.sum(-1, keepdim=True).clamp_min(indexer_loss.TARGET_EPS))
+        return indexer_loss.finish_target_(target, self.tp_group)
 
 
 class _LossToken(torch.autograd.Function):

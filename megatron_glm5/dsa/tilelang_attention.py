@@ -161,12 +161,14 @@ class TileLangSparseAttention(DSACoreAttention):
         if lse is None:
             with torch.no_grad():
                 lse = kernels.sparse_mla_with_lse(query, kv, topk, self.softmax_scale, self.config.kv_lora_rank)[1]
-        target = kernels.sparse_attention_target(query, kv, topk, lse, self.softmax_scale)
-        tp = self.pg_collection.tp if self.config.tensor_model_parallel_size > 1 else None
-        if tp is not None:
-            torch.distributed.all_reduce(target, group=tp)
-        target.div_(target.sum(-1, keepdim=True).clamp_min(indexer_loss.TARGET_EPS))
-        rw = self.loss_rows(layout)
+        target = indexer_loss.finish_target_(kernels.sparse_attention_target(query, kv, topk, lse, self.softmax_scale),
+                                             self.loss_tp_group())
+        return self.fused_loss(qi, ki, w, topk, target, self.loss_rows(layout))
+
+    def fused_loss(self, qi, ki, w, topk, target, rw) -> torch.Tensor:
+        """The sparse loss on our fused kernels (the contract of ``indexer_loss.sparse_indexer_loss``)."""
+        from .. import kernels
+
         return kernels.fused_sparse_indexer_loss(qi.contiguous(), ki.contiguous(), w.float().contiguous(), topk,
                                                  target, rw, deterministic=self.config.deterministic_mode)
 
@@ -181,21 +183,11 @@ class TileLangSparseAttention(DSACoreAttention):
         default = fused and _attention_kernels_apply(query, d_v)
         if not (default if self.loss_after_attention is None else self.loss_after_attention):
             return None
-        tp = self.pg_collection.tp if self.config.tensor_model_parallel_size > 1 else None
-        if fused:
-            from .. import kernels
+        from . import indexer_loss
 
-            deterministic = self.config.deterministic_mode
-
-            def loss_fn(qi_, ki_, w_, topk_, target, rw_):
-                return kernels.fused_sparse_indexer_loss(qi_.contiguous(), ki_.contiguous(), w_.float().contiguous(),
-                                                         topk_, target, rw_, deterministic=deterministic)
-        else:
-            from . import indexer_loss
-
-            loss_fn = indexer_loss.sparse_indexer_loss
+        loss_fn = self.fused_loss if fused else indexer_loss.sparse_indexer_loss
         return LossAfterAttention(loss_fn=loss_fn, scale_fn=main_loss_backward_scale, log_fn=self.log_loss,
-                                  tp_group=tp)
+                                  tp_group=self.loss_tp_group())
 
     def loss_rows(self, layout: TokenLayout) -> torch.Tensor:
         """Row weights of the loss: ``coeff / N`` on the ``N`` valid query rows (``coeff`` in per-token mode)."""

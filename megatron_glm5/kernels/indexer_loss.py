@@ -214,15 +214,12 @@ def _jit_index_bwd():
 
     @tilelang.jit(pass_configs=_pass_configs(tilelang))
     def sparse_index_score_bwd_kernel(heads: int, dim: int, deterministic: bool = False, block_s: int = 64,
-                                      threads: int = 0, dk_reduce: str = "atomic", part: str = "all",
-                                      min_blocks: int = -1):
+                                      threads: int = 0, dk_reduce: str = "atomic", min_blocks: int = -1):
         """``dQI``, ``dW`` per row and ``dKI`` from ``DS * GradScale[0]``. ``dKI`` is an fp32 ``[S, Di]`` buffer
         that the rows add into (``dk_reduce``: ``"bulk"`` one TMA ``cp.reduce.async.bulk`` add of a slot's whole
         ``Di``-wide row from shared memory, ``"atomic"`` float2 atomics from the MMA fragment), or
         (``deterministic``) a per-slot partial buffer ``[n_rows, 1, K, Di]`` of the launch's rows (row ``bx`` is
-        token ``RowOffset[0] + bx``), summed afterwards in a fixed order. ``part``: ``"all"`` (one kernel), or one
-        of the two halves of the split backward: ``"dqw"`` (dQI and dW only) and ``"dk"`` (dKI only), each with
-        about half the accumulator registers (more CTAs per SM) at the price of a second gather and ``z``.
+        token ``RowOffset[0] + bx``), summed afterwards in a fixed order.
         ``min_blocks`` > 0: ``__launch_bounds__(threads, min_blocks)``, capping registers for that many CTAs per SM;
         -1 (default): 4 for the 128-thread non-deterministic float2-atomic kernel with ``dim <= 128`` (253 -> 128
         registers, a few bytes spilled; 10.4 ms instead of 15.2 at 16K x 2048 on the H200,
@@ -235,10 +232,7 @@ def _jit_index_bwd():
             min_blocks = 4 if threads == 128 and not deterministic and dim <= 128 and dk_reduce == "atomic" else 0
         if dk_reduce not in DK_REDUCE:
             raise ValueError(f"dk_reduce must be one of {DK_REDUCE}, got {dk_reduce!r}")
-        if part not in ("all", "dqw", "dk"):
-            raise ValueError(f"part must be 'all', 'dqw' or 'dk', got {part!r}")
-        with_dqw, with_dk = part != "dk", part != "dqw"
-        bulk = dk_reduce == "bulk" and not deterministic and with_dk
+        bulk = dk_reduce == "bulk" and not deterministic
         if bulk and block_s > threads:
             raise ValueError(f"the bulk dki reduction issues one copy per slot and thread: block_s={block_s} must be "
                              f"<= threads={threads}")
@@ -258,22 +252,19 @@ def _jit_index_bwd():
         @T.macro
         def block_step(dKI, bx, blk, q_s, w_s, k_s, idx_s, ds_s, dz_s, acc_z, acc_dw, acc_dq, acc_dk, dk_s, tx):
             T.gemm(q_s, k_s, acc_z, transpose_B=True, clear_accum=True)
-            if with_dqw:
-                for h, j in T.Parallel(block_h, bs):
-                    # dw terms stay per (head, lane) across the row's blocks: one cross-thread reduction per row
-                    acc_dw[h, j] = acc_dw[h, j] + ds_s[j] * T.max(acc_z[h, j], 0)
             for h, j in T.Parallel(block_h, bs):
+                # dw terms stay per (head, lane) across the row's blocks: one cross-thread reduction per row
+                acc_dw[h, j] = acc_dw[h, j] + ds_s[j] * T.max(acc_z[h, j], 0)
+            for h, j in T.Parallel(block_h, bs):  # a loop of its own: the float2-vectorised dw update above
                 acc_z[h, j] = T.if_then_else(acc_z[h, j] > 0, ds_s[j] * w_s[h], 0)
             T.copy(acc_z, dz_s)
-            if with_dqw:
-                T.gemm(dz_s, k_s, acc_dq)  # dqi [Hp, Di] += dz [Hp, bs] ki [bs, Di]
-            if with_dk:
-                T.gemm(dz_s, q_s, acc_dk, transpose_A=True, clear_accum=True)  # dk [bs, Di] = dz^T qi
-            if with_dk and deterministic:
+            T.gemm(dz_s, k_s, acc_dq)  # dqi [Hp, Di] += dz [Hp, bs] ki [bs, Di]
+            T.gemm(dz_s, q_s, acc_dk, transpose_A=True, clear_accum=True)  # dk [bs, Di] = dz^T qi
+            if deterministic:
                 for j, d in T.Parallel(bs, dim):
                     if blk * bs + j < topk:
                         dKI[bx, 0, blk * bs + j, d] = acc_dk[j, d]
-            elif with_dk and bulk:
+            elif bulk:
                 # Staging rows are padded by 8 floats (fragment stores without bank conflicts; rows stay 16 B
                 # aligned). The previous block's bulk adds must have read the staging buffer before it is reused.
                 if tx < bs:
@@ -288,7 +279,7 @@ def _jit_index_bwd():
                         T.call_extern("handle", "glm5_bulk_add_f32", T.access_ptr(dk_s[tx, 0], "r", dim),
                                       T.access_ptr(dKI[idx_s[tx], 0], "rw", dim), dim * 4)
                     T.tma_store_arrive()
-            elif with_dk:
+            else:
                 for j, d in T.Parallel(bs, dim):
                     if idx_s[j] >= 0:
                         T.atomic_add(dKI[idx_s[j], d], acc_dk[j, d])
@@ -320,10 +311,10 @@ def _jit_index_bwd():
                 ds1 = T.alloc_shared([bs], f32)
                 dz_s = T.alloc_shared([block_h, bs], bf16)
                 acc_z = T.alloc_fragment([block_h, bs], f32)
-                acc_dw = T.alloc_fragment([block_h, bs], f32) if with_dqw else None
-                dw_acc = T.alloc_fragment([block_h], f32) if with_dqw else None
-                acc_dq = T.alloc_fragment([block_h, dim], f32) if with_dqw else None
-                acc_dk = T.alloc_fragment([bs, dim], f32) if with_dk else None
+                acc_dw = T.alloc_fragment([block_h, bs], f32)
+                dw_acc = T.alloc_fragment([block_h], f32)
+                acc_dq = T.alloc_fragment([block_h, dim], f32)
+                acc_dk = T.alloc_fragment([bs, dim], f32)
                 dk_s = T.alloc_shared([bs, dim + 8], f32) if bulk else None
                 if bulk:
                     T.import_source(BULK_ADD_F32_SRC)
@@ -336,9 +327,8 @@ def _jit_index_bwd():
                     q_s[h, d] = T.if_then_else(h < heads, QI[t, T.min(h, heads - 1), d], 0)
                 for h in T.Parallel(block_h):
                     w_s[h] = T.if_then_else(h < heads, W[t, T.min(h, heads - 1)], 0)
-                if with_dqw:
-                    T.clear(acc_dq)
-                    T.clear(acc_dw)
+                T.clear(acc_dq)
+                T.clear(acc_dw)
                 if n_blk > 0:
                     gather(KI, Idx, DS, gs, t, t_kv, topk, tx, k0, idx0, ds0, 0)
                 for ip in T.serial(T.ceildiv(n_blk, 2)):
@@ -363,14 +353,13 @@ def _jit_index_bwd():
                                    dk_s, tx)
                         T.sync_threads()
 
-                if with_dqw:
-                    for h, d in T.Parallel(block_h, dim):
-                        if h < heads:
-                            dQI[t, h, d] = T.cast(acc_dq[h, d], bf16)
-                    T.reduce_sum(acc_dw, dw_acc, dim=1)
-                    for h in T.Parallel(block_h):
-                        if h < heads:
-                            dW[t, h] = dw_acc[h]
+                for h, d in T.Parallel(block_h, dim):
+                    if h < heads:
+                        dQI[t, h, d] = T.cast(acc_dq[h, d], bf16)
+                T.reduce_sum(acc_dw, dw_acc, dim=1)
+                for h in T.Parallel(block_h):
+                    if h < heads:
+                        dW[t, h] = dw_acc[h]
                 if bulk:  # the staging buffer must outlive the last bulk adds' reads
                     if tx < bs:
                         T.tma_store_wait(0)
@@ -434,14 +423,12 @@ def index_score_bwd_interface(
     deterministic: bool = False,
     impl: BwdImpl = "ours",
     dk_reduce: str = "atomic",
-    split: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Kernel 3: gradients of ``score = sum_h w relu(qi . ki[topk])`` given ``d score = dscore * grad_scale``
     (``grad_scale`` a 1-element fp32 device tensor, default 1): ``(dqi [T, Hi, Di] bf16, dki [S, Di] bf16,
     dw [T, Hi] fp32)``. ``deterministic=True``: dki without float atomics (module docstring), bitwise reproducible.
     ``dk_reduce`` (non-deterministic only): ``"atomic"`` (default) adds ``dki`` with float2 atomics, ``"bulk"`` each
-    slot's row with one sm90 bulk reduction (slower here: its shared staging buffer halves the CTAs per SM). ``split`` (non-deterministic
-    only): two kernels, dq/dw then dk, each with fewer registers (see ``part`` of the kernel factory).
+    slot's row with one sm90 bulk reduction (slower here: its shared staging buffer halves the CTAs per SM).
     ``impl="mcore"`` runs megatron-core 0.19.2's ``indexer_bwd_interface`` instead (needs ``Hi % 8 == 0``; pads K
     to a power of two; fp32 atomics)."""
     check_index_args(qi, ki, w, topk)
@@ -475,16 +462,14 @@ def index_score_bwd_interface(
         valid_len = row_valid_len(topk)
     if dk_reduce not in DK_REDUCE:
         raise ValueError(f"dk_reduce must be one of {DK_REDUCE}, got {dk_reduce!r}")
-    if deterministic and (split or dk_reduce != "atomic"):
-        raise ValueError("deterministic=True has its own dki path (partial sums, no float adds): it takes neither "
-                         f"split=True nor dk_reduce={dk_reduce!r}")
+    if deterministic and dk_reduce != "atomic":
+        raise ValueError(f"deterministic=True has its own dki path (partial sums, no float adds): it takes no "
+                         f"dk_reduce={dk_reduce!r}")
+    kernel = _jit_index_bwd()(heads, dim, bool(deterministic), dk_reduce=dk_reduce)
     if not deterministic:
         row0 = torch.zeros(1, dtype=torch.int32, device=qi.device)
-        for part in ("dqw", "dk") if split else ("all",):  # split: two lighter kernels, dq and dw, then dk
-            _jit_index_bwd()(heads, dim, False, dk_reduce=dk_reduce, part=part)(
-                qi, ki, w, topk, valid_len, dscore, grad_scale, row0, dq, dw, dk_acc)
+        kernel(qi, ki, w, topk, valid_len, dscore, grad_scale, row0, dq, dw, dk_acc)
         return dq, dk_acc.to(ki.dtype), dw
-    kernel = _jit_index_bwd()(heads, dim, True)
 
     # Deterministic: per chunk of rows, each (row, slot) writes its Di-wide contribution (no atomics); then every key
     # sums its contributions in (row, slot) order, from a stable sort of the chunk's indices.

@@ -36,6 +36,7 @@ import time
 import traceback
 
 import torch
+from report import emit  # scripts/bench is sys.path[0] (run as a script) or was put there by the importer
 
 SCALE = 1.0 / 16
 D_QK, D_V, TOPK = 576, 512, 2048
@@ -705,11 +706,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
     if args.fwd_variant != "auto":
         notes.append(f"forward kernel variant forced to '{args.fwd_variant}'")
-    text = report(sparse_rows, idx_rows, notes, kpool_rows, nope_rows)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    emit(report(sparse_rows, idx_rows, notes, kpool_rows, nope_rows), args.out, append=False)
     return 0
 
 

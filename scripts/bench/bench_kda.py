@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_dsa_kernels import timed_few  # noqa: E402  (median of CUDA-event-timed calls after a warm-up)
+from report import emit  # noqa: E402
 
 
 def _guarded(fn, reps: int) -> tuple[str, float | None, float]:
@@ -179,11 +180,7 @@ def main(argv=None) -> int:
         "|" + "|".join("---" for _ in range(head.count("|") - 1)) + "|",
     ]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    emit(lines, args.out, append=False)
     return 0
 
 

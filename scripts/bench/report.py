@@ -1,13 +1,14 @@
-"""The benchmarks' markdown output: print the table and append it to ``--out`` (a device call's runs add up)."""
+"""The benchmarks' markdown output: print the report and write it to ``--out``."""
 
 from __future__ import annotations
 
 
-def emit(lines: list[str], out: str | None) -> str:
-    """Print ``lines`` as one markdown block and append it (plus a blank line) to ``out`` when given."""
-    text = "\n".join(lines) + "\n"
+def emit(lines: list[str] | str, out: str | None, *, append: bool = True) -> str:
+    """Print ``lines`` (or a finished text) as one markdown block and write it to ``out`` when given: appended plus a
+    blank line (the runs of one device call add up), or with ``append=False`` as the whole file."""
+    text = lines if isinstance(lines, str) else "\n".join(lines) + "\n"
     print(text)
     if out:
-        with open(out, "a") as f:
-            f.write(text + "\n")
+        with open(out, "a" if append else "w") as f:
+            f.write(text + "\n" if append else text)
     return text
