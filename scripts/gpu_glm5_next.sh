@@ -25,7 +25,7 @@
 #                      (needs .mlm/), report in OUT_DIR/glm53_step.md
 #   dump_autotune      Triton's autotune records of this machine (fla's choices) as one OUT_DIR/triton_autotune.tar.gz:
 #                      python3 scripts/fla_tuned_configs.py triton_autotune.tar.gz --out scripts/fla_configs/<GPU>
-#                      turns them into fla config files; FLA_TUNED=1 then makes fla use them (FLA_CONFIG_DIR,
+#                      turns them into fla config files; FLA_TUNED=1 (the default) makes fla use them (FLA_CONFIG_DIR,
 #                      FLA_CACHE_MODE=full: no autotuning at all for the kernels they cover)
 #   multi_pp2          pretrain_megatron on 2 GPUs at --pipeline-model-parallel-size 2 (stages of 4 + 4 layers: the mHC streams
 #                      cross the boundary into a stage that starts on a KDA layer; MTP on the last stage)
@@ -51,7 +51,7 @@ fi
 MLM=${MLM:-$PWD/.mlm}  # Megatron-LM (megatron.training) for the pretrain and bench_step steps, when carried
 export PYTHONPATH="$PWD:$FLA_SITE${PYTHONPATH:+:$PYTHONPATH}${MLM:+:$MLM}" PYTHONUNBUFFERED=1 TORCHDYNAMO_DISABLE=1
 export FLA_TILELANG=${FLA_TILELANG:-0}
-if [ "${FLA_TUNED:-0}" = 1 ]; then  # fla's config cache (read when fla is imported): see dump_autotune
+if [ "${FLA_TUNED:-1}" = 1 ]; then  # fla's config cache (read when fla is imported): see dump_autotune; FLA_TUNED=0 autotunes
   GPU_NAME=$(python3 -c "import re, torch; print(re.sub('[^0-9A-Za-z]+', '_', torch.cuda.get_device_name(0)).strip('_'))")
   if [ -d "scripts/fla_configs/$GPU_NAME" ]; then
     export FLA_CONFIG_DIR="$PWD/scripts/fla_configs/$GPU_NAME" FLA_CACHE_MODE=${FLA_CACHE_MODE:-full}
