@@ -19,15 +19,32 @@ Parallelism: every coefficient is per token, so under sequence parallelism each 
 ``fn`` / ``base`` / ``scale`` gradients are then partial per rank and are summed over TP through their
 ``sequence_parallel`` tag, like the norms'. ``base`` and ``scale`` are fp32 parameters (transformers keeps them fp32),
 ``fn`` is in the model dtype and used in fp32.
+
+Kernels: on CUDA the two stream mixes (``u`` and the merge) run as one Triton kernel each way
+(:mod:`megatron_glm5.kernels.stream_mix`: fp32 math, one rounding; the torch merge rounds its three terms to the
+model dtype separately, so the two differ by an ulp or two). ``MEGATRON_GLM5_MHC_KERNEL=torch`` keeps the torch
+expressions below everywhere (they are what CPU runs).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
+from megatron_glm5.kernels.stream_mix import stream_mix, stream_mix_supported
 from megatron_glm5.providers import TorchNorm
+
+MHC_KERNEL_ENV = "MEGATRON_GLM5_MHC_KERNEL"  # "auto" (default: the Triton stream mix where it runs) or "torch"
+
+
+def _use_kernel(streams: torch.Tensor) -> bool:
+    choice = os.environ.get(MHC_KERNEL_ENV, "auto")
+    if choice not in ("auto", "torch"):
+        raise ValueError(f"{MHC_KERNEL_ENV}={choice!r}: expected 'auto' or 'torch'")
+    return choice == "auto" and stream_mix_supported(streams)
 
 
 def expand_streams(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -77,12 +94,17 @@ class HyperConnection(MegatronModule):
         for _ in range(self.iters - 1):
             comb = comb / (comb.sum(-1, keepdim=True) + self.eps)
             comb = comb / (comb.sum(-2, keepdim=True) + self.eps)
-        u = (pre.unsqueeze(-1) * streams.unflatten(-1, (n, self.hidden))).sum(-2).to(streams.dtype)
+        if _use_kernel(streams):
+            u = stream_mix(streams, pre.unsqueeze(-2))
+        else:
+            u = (pre.unsqueeze(-1) * streams.unflatten(-1, (n, self.hidden))).sum(-2).to(streams.dtype)
         return post, comb, u
 
     def merge(self, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
         """``X'_i = post_i y + sum_j comb[j, i] X_j``: ``y [.., h]``, ``streams [.., N h]`` -> ``[.., N h]``."""
         dtype = streams.dtype
+        if _use_kernel(streams):
+            return stream_mix(streams, comb.to(dtype).transpose(-1, -2), post.to(dtype), y)
         x = streams.unflatten(-1, (self.n, self.hidden))
         mixed = post.to(dtype).unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), x)
         return mixed.flatten(-2)

@@ -50,12 +50,15 @@ class Variant:
     backend: str
     kda_kernel: str
     description: str
+    env: tuple[tuple[str, str], ...] = ()  # environment of this variant's runs (on top of the bench's)
 
 
 VARIANTS = {v.name: v for v in (
     Variant("tilelang-fla", "tilelang", "fla", "our TileLang DSA kernels, fla KDA"),
     Variant("megatron-fla", "megatron", "fla", "megatron backend, fla KDA"),
     Variant("tilelang-torch", "tilelang", "torch", "our TileLang DSA kernels, torch KDA reference"),
+    Variant("tilelang-fla-torch-mhc", "tilelang", "fla", "as tilelang-fla, mHC stream mixes in torch",
+            (("MEGATRON_GLM5_MHC_KERNEL", "torch"),)),
 )}
 DEFAULT_VARIANTS = "tilelang-fla,megatron-fla,tilelang-torch"
 BASELINE = "tilelang-torch"
@@ -134,7 +137,7 @@ def run(kind: str, r: Result, argv: list[str], args, env, log_dir: Path, expecte
     log_path = log_dir / f"glm53_step_{r.variant.name}{suffix}.log"
     cmd = torchrun_cmd(args.python, bs.free_port(), argv)
     print(f"[glm53_step] {r.variant.name}: {kind} run -> {log_path}", flush=True)
-    rc, secs = bs.run_logged(cmd, env, log_path, args.timeout)
+    rc, secs = bs.run_logged(cmd, {**env, **dict(r.variant.env)}, log_path, args.timeout)
     log = bs.parse_log(log_path.read_text(errors="replace"))
     res = bs.RunResult(kind, cmd, str(log_path), rc, secs, log,
                        bs.check_run(kind, r.variant.name, rc, log, expected, log_path))

@@ -407,7 +407,7 @@ _NEUTRAL = "-"  # a context that ends the search without a bucket (e.g. the shar
 # frames are "path/file.py(line): function" or "nn.Module: Class_i"; backward ops are linked to their forward op.
 _REGIONS = [
     ("kda", re.compile(r"nn\.Module: KimiDeltaAttention|glm5_next/kda(_reference)?\.py|fla/ops/kda|chunk_kda")),
-    ("mhc", re.compile(r"glm5_next/mhc\.py|nn\.Module: (HyperConnection|MHC)")),
+    ("mhc", re.compile(r"glm5_next/mhc\.py|nn\.Module: (HyperConnection|MHC)|kernels/stream_mix\.py|_?StreamMix")),
     ("sparse", re.compile(r"sparse_mla|SparseMLA|(?<![A-Za-z])sparse_attention|nn\.Module: TileLangSparseAttention"
                           r"|FusedSparseAttention|flash_mla")),
     ("indexer", re.compile(r"compute_topk|select_topk|forward_before_topk|indexer_topk|qk_topk|nn\.Module: DSAIndexer"
@@ -425,6 +425,7 @@ _REGIONS = [
 _GEMM = re.compile(r"gemm|nvjet|cublas|cutlass|gemv|splitKreduce|xmma|wgmma", re.I)
 _KERNEL_NAME_RULES = [  # when no context decides
     ("sparse attention", re.compile(r"sparse_mla", re.I)),
+    ("mHC streams", re.compile(r"stream_mix", re.I)),
     ("indexer + top-k", re.compile(r"indexer|topk|clean_logits", re.I)),
     ("optimizer + grad buffers", re.compile(r"multi_tensor_apply|adam", re.I)),
 ]

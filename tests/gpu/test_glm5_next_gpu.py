@@ -16,6 +16,8 @@ path). Every check prints its numbers.
   the kernel amplified by selection flips downstream, not a semantic difference. (CPU rehearsal with the fla kernel
   replaced by the torch one plus 1e-3 relative noise on its output: free-running gap 0.028, replayed 0.0019, 11 of
   2048 KPool rows flipped, logits max 0.68 / mean 0.126.)
+* mHC's stream-mix kernel (``kernels/stream_mix.py``) against its fp32 oracle at the Flash slice's shape (8192
+  tokens, 4 streams x 4096, bf16): both mixes, forward and every gradient, and its time against the torch merge.
 * 20 training steps of a small GLM-5.3-Flash-shaped model (``small_flash_config``: hidden 1024, 8 layers, real head
   widths, mHC 4, MTP) in bf16 on both attention backends with falling loss.
 """
@@ -183,6 +185,41 @@ def test_fla_logit_gap_is_kernel_rounding_amplified_by_selection_flips(parallel)
           f"torch KDA kernel: free-running max |diff| {free_gap:.3e}, with the torch run's top-k and experts "
           f"replayed {replay_gap:.3e}; KPool rows selected differently by the fla run on the same inputs: {flipped}")
     assert replay_gap <= max(1e-2 * scale, 1e-3), "a gap that survives the replay is not a selection flip"
+
+
+def test_stream_mix_kernel_matches_oracle_and_beats_torch():
+    from triton.testing import do_bench
+
+    from megatron_glm5.kernels.stream_mix import stream_mix, stream_mix_reference
+
+    torch.manual_seed(0)
+    t, n, h = 8192, 4, 4096
+    x = torch.randn(t, n * h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randn(t, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    comb = torch.softmax(torch.randn(t, n, n, device="cuda"), -1).to(torch.bfloat16).requires_grad_()
+    post = (2 * torch.rand(t, n, device="cuda")).to(torch.bfloat16).requires_grad_()
+    pre = torch.rand(t, 1, n, device="cuda", requires_grad=True)  # u: fp32 weights
+    for name, args in (("merge", (x, comb, post, y)), ("u", (x, pre, None, None))):
+        inputs = [a for a in args if a is not None]
+        out, ref = stream_mix(*args), stream_mix_reference(*args)
+        g = torch.randn_like(out)
+        errs = [_rel(out, ref)] + [_rel(p, q) for p, q in zip(torch.autograd.grad(out, inputs, g),
+                                                             torch.autograd.grad(ref, inputs, g))]
+        print(f"\nstream_mix {name}: max error / scale vs fp32 oracle: " + " ".join(f"{e:.1e}" for e in errs))
+        assert max(errs) <= 2 ** -8, errs  # one bf16 rounding of an fp32 result
+
+    def torch_merge():  # mhc.HyperConnection.merge's torch expressions
+        mixed = post.unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), x.unflatten(-1, (n, h)))
+        mixed.flatten(-2).backward(gw)
+
+    def kernel_merge():
+        stream_mix(x, comb.transpose(-1, -2), post, y).backward(gw)
+
+    gw = torch.randn(t, n * h, device="cuda", dtype=torch.bfloat16)
+    ms_torch, ms_kernel = do_bench(torch_merge), do_bench(kernel_merge)
+    print(f"mHC merge fwd+bwd at {t} x {n} x {h} bf16: torch {ms_torch:.2f} ms, kernel {ms_kernel:.2f} ms "
+          f"({ms_torch / ms_kernel:.1f}x)")
+    assert ms_kernel < ms_torch
 
 
 @pytest.mark.parametrize("kda_kernel", ["torch", "fla"])

@@ -1,0 +1,128 @@
+"""The mHC stream-mix kernel (:mod:`megatron_glm5.kernels.stream_mix`, Triton) against its fp32 torch oracle and
+inside :class:`~megatron_glm5.glm5_next.mhc.HyperConnection` against the torch expressions, on CPU through Triton's
+interpreter (``TRITON_INTERPRET=1``, set in a subprocess so no other test sees it).
+
+Shapes cover GLM-5.3-Flash's two mixes (``u``: one output row from 4 streams with fp32 weights; the merge: 4 x 4 with
+the sublayer output), a stream count that is not a power of two, widths that are not a multiple of the kernel's
+column block, and two leading dims. fp32 agrees to rounding (summation orders differ); bf16 within two ulps of the
+result's scale (the interpreter rounds fp32 -> bf16 by truncation, the GPU to nearest).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+_SCRIPT = textwrap.dedent('''
+    import os
+    import torch
+    from megatron_glm5.kernels.stream_mix import stream_mix, stream_mix_reference, stream_mix_supported
+
+    def rel(a, b):
+        return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+
+    torch.manual_seed(0)
+    cases = [((3, 2), 4, 4, 300, True, torch.float32, torch.float32),
+             ((5,), 4, 1, 257, False, torch.float32, torch.float32),  # u: fp32 weights, no y
+             ((7,), 3, 3, 64, True, torch.float32, torch.float32),    # N not a power of two
+             ((2, 3), 4, 4, 520, True, torch.bfloat16, torch.bfloat16),
+             ((6,), 4, 1, 256, False, torch.bfloat16, torch.float32)]
+    for lead, n, o, h, has_y, dt, a_dt in cases:
+        x = torch.randn(*lead, n * h, dtype=dt, requires_grad=True)
+        a = torch.randn(*lead, o, n, dtype=a_dt, requires_grad=True)
+        b = torch.randn(*lead, o, dtype=dt, requires_grad=True) if has_y else None
+        y = torch.randn(*lead, h, dtype=dt, requires_grad=True) if has_y else None
+        assert stream_mix_supported(x)
+        inputs = [t for t in (x, a, b, y) if t is not None]
+        out = stream_mix(x, a, b, y)
+        ref = stream_mix_reference(x, a, b, y)
+        assert out.shape == ref.shape == (*lead, o * h) and out.dtype == dt
+        g = torch.randn_like(out)
+        got = torch.autograd.grad(out, inputs, g)
+        want = torch.autograd.grad(ref, inputs, g)
+        tol = 2e-6 if dt == torch.float32 else 2 * 2 ** -7
+        errs = [rel(out, ref)] + [rel(p, q) for p, q in zip(got, want)]
+        assert all(p.dtype == q.dtype and p.shape == q.shape for p, q in zip(got, inputs))
+        assert max(errs) <= tol, (lead, n, o, h, dt, errs)
+        print("case", lead, n, o, h, has_y, dt, ["%.1e" % e for e in errs])
+    # deterministic: the weight gradients are fixed-order sums
+    x = torch.randn(64, 4 * 300, requires_grad=True)
+    a = torch.randn(64, 4, 4, requires_grad=True)
+    g1 = torch.autograd.grad(stream_mix(x, a), [x, a], torch.ones(64, 4 * 300))
+    g2 = torch.autograd.grad(stream_mix(x, a), [x, a], torch.ones(64, 4 * 300))
+    assert all(torch.equal(p, q) for p, q in zip(g1, g2))
+    try:
+        stream_mix(x, a, torch.ones(64, 4))
+        raise AssertionError("b without y accepted")
+    except ValueError:
+        pass
+    try:
+        stream_mix(torch.ones(64, 1201), a)
+        raise AssertionError("x of a width that is not N * h accepted")
+    except ValueError:
+        pass
+
+    # inside HyperConnection: the kernel (MEGATRON_GLM5_MHC_KERNEL unset) against the torch expressions
+    from megatron_glm5.config import RuntimePolicy
+    from megatron_glm5.glm5_next.config import parse_glm5_next_config
+    from megatron_glm5.glm5_next.mcore_config import build_transformer_config
+    from megatron_glm5.glm5_next.mhc import MHC_KERNEL_ENV, HyperConnection
+    from megatron_glm5.glm5_next.testing import small_flash_config
+
+    arch = parse_glm5_next_config({"model_type": "glm5_next", **small_flash_config()})
+    for dt, tol in ((torch.float32, 2e-6), (torch.bfloat16, 2e-2)):
+        cfg = build_transformer_config(arch, RuntimePolicy(params_dtype=dt, use_cpu_initialization=True))
+        torch.manual_seed(1)
+        hc = HyperConnection(cfg)
+        with torch.no_grad():
+            hc.base.normal_(0, 0.5)  # non-uniform coefficients
+        h = arch.hidden_size
+        streams = torch.randn(5, 2, 4 * h, dtype=dt)
+        y = torch.randn(5, 2, h, dtype=dt)
+        runs = {}
+        for choice in ("torch", "auto"):
+            os.environ[MHC_KERNEL_ENV] = choice
+            hc.zero_grad(set_to_none=True)
+            s, yy = streams.clone().requires_grad_(), y.clone().requires_grad_()
+            post, comb, u = hc(s)
+            out = hc.merge(yy, post, comb, s)
+            ((out.float() * torch.linspace(-1, 1, out.shape[-1])).sum() + (u.float() ** 2).sum()).backward()
+            runs[choice] = {"u": u, "out": out, "ds": s.grad, "dy": yy.grad,
+                            **{n: p.grad for n, p in hc.named_parameters()}}
+        errs = {k: rel(runs["auto"][k], v) for k, v in runs["torch"].items()}
+        assert set(errs) == {"u", "out", "ds", "dy", "fn", "base", "scale"}, errs
+        assert max(errs.values()) <= tol, (dt, errs)
+        print("HyperConnection", dt, {k: "%.1e" % v for k, v in errs.items()})
+    os.environ[MHC_KERNEL_ENV] = "triton"
+    try:
+        hc(streams)
+        raise AssertionError("a bad MEGATRON_GLM5_MHC_KERNEL accepted")
+    except ValueError as e:
+        assert MHC_KERNEL_ENV in str(e)
+    print("OK")
+''')
+
+
+def test_stream_mix_kernel_in_triton_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env.pop("MEGATRON_GLM5_MHC_KERNEL", None)
+    r = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.rstrip().endswith("OK"), r.stdout[-3000:] + r.stderr[-3000:]
+
+
+def test_cpu_runs_the_torch_expressions(monkeypatch):
+    """Without the interpreter a CPU tensor takes the torch path (no Triton launch on CPU)."""
+    import torch
+
+    from megatron_glm5.kernels.stream_mix import stream_mix_supported
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert not stream_mix_supported(torch.ones(2, 8))
