@@ -12,8 +12,9 @@
 # puts it on PYTHONPATH. fla's TileLang KDA backward backend is switched off (FLA_TILELANG=0, its Triton path is what
 # transformers and these checks measure; export FLA_TILELANG=1 to try it).
 # Steps (default: precompile tests):
-#   precompile         fill Triton's autotune cache for fla's chunk_kda at the tests' keys (scripts/fla_precompile.py,
-#                      one process per key, in parallel) and TileLang's disk cache for the Flash kernels; later
+#   precompile         compile fla's chunk_kda at the tests' keys (with the committed configs; autotune them under
+#                      FLA_TUNED=0) (scripts/fla_precompile.py, one process per key, in parallel) and fill
+#                      TileLang's disk cache for the Flash kernels; later
 #                      processes of the same machine then start without tuning or compiling
 #   tests              tests/gpu/test_glm5_next_gpu.py: fla chunk_kda vs the torch / fp64 reference (fwd + grads,
 #                      bshd + varlen, fp32 + bf16), KDA layer fla vs torch, the fla logit-gap diagnosis, 20 training
