@@ -20,10 +20,12 @@ Parallelism: every coefficient is per token, so under sequence parallelism each 
 ``sequence_parallel`` tag, like the norms'. ``base`` and ``scale`` are fp32 parameters (transformers keeps them fp32),
 ``fn`` is in the model dtype and used in fp32.
 
-Kernels: on CUDA the two stream mixes (``u`` and the merge) run as one Triton kernel each way
-(:mod:`megatron_glm5.kernels.stream_mix`: fp32 math, one rounding; the torch merge rounds its three terms to the
-model dtype separately, so the two differ by an ulp or two). ``MEGATRON_GLM5_MHC_KERNEL=torch`` keeps the torch
-expressions below everywhere (they are what CPU runs).
+Kernels (``MEGATRON_GLM5_MHC_KERNEL``): by default (``auto``) the two stream mixes (``u`` and the merge) run on CUDA
+as one Triton kernel each way (:mod:`megatron_glm5.kernels.stream_mix`: fp32 math, one rounding; the torch merge
+rounds its three terms to the model dtype separately, so the two differ by an ulp or two). ``fused`` also computes
+``pre`` / ``post`` / ``comb`` from the projection in one kernel each way
+(:mod:`megatron_glm5.kernels.mhc_coefficients`, fp32; experimental until a whole step has been timed with it).
+``torch`` keeps the torch expressions everywhere (they are what CPU runs).
 """
 
 from __future__ import annotations
@@ -34,17 +36,24 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
+from megatron_glm5.kernels.mhc_coefficients import (mhc_coefficients, mhc_coefficients_reference,
+                                                    mhc_coefficients_supported)
 from megatron_glm5.kernels.stream_mix import stream_mix, stream_mix_supported
 from megatron_glm5.providers import TorchNorm
 
-MHC_KERNEL_ENV = "MEGATRON_GLM5_MHC_KERNEL"  # "auto" (default: the Triton stream mix where it runs) or "torch"
+MHC_KERNEL_ENV = "MEGATRON_GLM5_MHC_KERNEL"
+MHC_KERNEL_CHOICES = ("auto", "fused", "torch")  # module docstring
+
+
+def _kernel_choice() -> str:
+    choice = os.environ.get(MHC_KERNEL_ENV, "auto")
+    if choice not in MHC_KERNEL_CHOICES:
+        raise ValueError(f"{MHC_KERNEL_ENV}={choice!r}: expected one of {MHC_KERNEL_CHOICES}")
+    return choice
 
 
 def _use_kernel(streams: torch.Tensor) -> bool:
-    choice = os.environ.get(MHC_KERNEL_ENV, "auto")
-    if choice not in ("auto", "torch"):
-        raise ValueError(f"{MHC_KERNEL_ENV}={choice!r}: expected 'auto' or 'torch'")
-    return choice == "auto" and stream_mix_supported(streams)
+    return _kernel_choice() != "torch" and stream_mix_supported(streams)
 
 
 def expand_streams(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -84,16 +93,9 @@ class HyperConnection(MegatronModule):
         x = streams.float()
         x = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + self.norm_eps)
         m = F.linear(x, self.fn.float())
-        pre_w, post_w, comb_w = m.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
-        s_pre, s_post, s_comb = self.scale.unbind(0)
-        pre = torch.sigmoid(pre_w * s_pre + pre_b) + self.eps
-        post = 2 * torch.sigmoid(post_w * s_post + post_b)
-        comb = torch.softmax(comb_w.unflatten(-1, (n, n)) * s_comb + comb_b.view(n, n), dim=-1) + self.eps
-        comb = comb / (comb.sum(-2, keepdim=True) + self.eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(-1, keepdim=True) + self.eps)
-            comb = comb / (comb.sum(-2, keepdim=True) + self.eps)
+        fused = _kernel_choice() == "fused" and mhc_coefficients_supported(m)
+        coefficients = mhc_coefficients if fused else mhc_coefficients_reference
+        pre, post, comb = coefficients(m, self.base, self.scale, n, self.iters, self.eps)
         if _use_kernel(streams):
             u = stream_mix(streams, pre.unsqueeze(-2))
         else:

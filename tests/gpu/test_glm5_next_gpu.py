@@ -18,6 +18,9 @@ path). Every check prints its numbers.
   2048 KPool rows flipped, logits max 0.68 / mean 0.126.)
 * mHC's stream-mix kernel (``kernels/stream_mix.py``) against its fp32 oracle at the Flash slice's shape (8192
   tokens, 4 streams x 4096, bf16): both mixes, forward and every gradient, and its time against the torch merge.
+* mHC's coefficient kernel (``kernels/mhc_coefficients.py``: sigmoids, softmax, 20 Sinkhorn iterations) against its
+  fp32 oracle at 8192 tokens, and one whole ``HyperConnection`` (coefficients, ``u``, merge; forward + backward at
+  the slice's shape) timed with ``MEGATRON_GLM5_MHC_KERNEL`` = ``torch`` / ``auto`` / ``fused``.
 * 20 training steps of a small GLM-5.3-Flash-shaped model (``small_flash_config``: hidden 1024, 8 layers, real head
   widths, mHC 4, MTP) in bf16 on both attention backends with falling loss.
 """
@@ -220,6 +223,51 @@ def test_stream_mix_kernel_matches_oracle_and_beats_torch():
     print(f"mHC merge fwd+bwd at {t} x {n} x {h} bf16: torch {ms_torch:.2f} ms, kernel {ms_kernel:.2f} ms "
           f"({ms_torch / ms_kernel:.1f}x)")
     assert ms_kernel < ms_torch
+
+
+def test_mhc_coefficient_kernel_matches_oracle_and_hyper_connection_timing(monkeypatch):
+    from triton.testing import do_bench
+
+    from megatron_glm5.config import RuntimePolicy
+    from megatron_glm5.glm5_next.config import parse_glm5_next_config
+    from megatron_glm5.glm5_next.mcore_config import build_transformer_config
+    from megatron_glm5.glm5_next.mhc import MHC_KERNEL_ENV, HyperConnection
+    from megatron_glm5.glm5_next.testing import small_flash_config
+    from megatron_glm5.kernels.mhc_coefficients import mhc_coefficients, mhc_coefficients_reference
+
+    torch.manual_seed(0)
+    t, n, iters = 8192, 4, 20
+    z = (2 * torch.randn(t, (2 + n) * n, device="cuda")).requires_grad_()
+    base = torch.randn((2 + n) * n, device="cuda", requires_grad=True)
+    scale = (torch.rand(3, device="cuda") + 0.5).requires_grad_()
+    got = mhc_coefficients(z, base, scale, n, iters, 1e-6)
+    ref = mhc_coefficients_reference(z, base, scale, n, iters, 1e-6)
+    ups = [torch.randn_like(r) for r in ref]
+    errs = [_rel(a, b) for a, b in zip(got, ref)]
+    errs += [_rel(a, b) for a, b in zip(torch.autograd.grad(got, [z, base, scale], ups),
+                                       torch.autograd.grad(ref, [z, base, scale], ups))]
+    print("\nmhc coefficients (8192 tokens, 20 Sinkhorn iterations) vs fp32 oracle: "
+          + " ".join(f"{e:.1e}" for e in errs))
+    assert max(errs) <= 1e-4, errs
+
+    arch = parse_glm5_next_config({"model_type": "glm5_next", **small_flash_config(hidden_size=4096)})
+    cfg = build_transformer_config(arch, RuntimePolicy(params_dtype=torch.bfloat16, use_cpu_initialization=True))
+    hc = HyperConnection(cfg).cuda()
+    streams = torch.randn(t, 1, n * 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randn(t, 1, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    gw = torch.randn_like(streams)
+
+    def step():
+        post, comb, u = hc(streams)
+        out = hc.merge(y + u, post, comb, streams)  # u feeds the "sublayer" so its backward runs too
+        out.backward(gw)
+
+    times = {}
+    for choice in ("torch", "auto", "fused"):
+        monkeypatch.setenv(MHC_KERNEL_ENV, choice)
+        times[choice] = do_bench(step)
+    print("HyperConnection fwd+bwd at 8192 x 4 x 4096 bf16: " + ", ".join(f"{k} {v:.2f} ms" for k, v in times.items()))
+    assert times["auto"] < times["torch"]
 
 
 @pytest.mark.parametrize("kda_kernel", ["torch", "fla"])

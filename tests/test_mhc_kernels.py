@@ -1,11 +1,16 @@
-"""The mHC stream-mix kernel (:mod:`megatron_glm5.kernels.stream_mix`, Triton) against its fp32 torch oracle and
-inside :class:`~megatron_glm5.glm5_next.mhc.HyperConnection` against the torch expressions, on CPU through Triton's
-interpreter (``TRITON_INTERPRET=1``, set in a subprocess so no other test sees it).
+"""GLM-5.3-Flash's mHC kernels against their fp32 torch oracles, on CPU through Triton's interpreter
+(``TRITON_INTERPRET=1``, set in a subprocess so no other test sees it):
 
-Shapes cover GLM-5.3-Flash's two mixes (``u``: one output row from 4 streams with fp32 weights; the merge: 4 x 4 with
-the sublayer output), a stream count that is not a power of two, widths that are not a multiple of the kernel's
-column block, and two leading dims. fp32 agrees to rounding (summation orders differ); bf16 within two ulps of the
-result's scale (the interpreter rounds fp32 -> bf16 by truncation, the GPU to nearest).
+* the stream mix (:mod:`megatron_glm5.kernels.stream_mix`): GLM-5.3-Flash's two mixes (``u``: one output row from 4
+  streams with fp32 weights; the merge: 4 x 4 with the sublayer output), a stream count that is not a power of two,
+  widths that are not a multiple of the kernel's column block, two leading dims; fp32 agrees to rounding (summation
+  orders differ), bf16 within two ulps of the result's scale (the interpreter rounds fp32 -> bf16 by truncation, the
+  GPU to nearest);
+* the coefficients (:mod:`megatron_glm5.kernels.mhc_coefficients`): ``pre`` / ``post`` / Sinkhorn ``comb`` and the
+  gradients to the projection, ``base`` and ``scale``, at 1, 3 and 20 Sinkhorn iterations, a token count that is
+  not a multiple of the block, 3 streams, and with only ``comb`` used downstream;
+* both inside :class:`~megatron_glm5.glm5_next.mhc.HyperConnection` (``MEGATRON_GLM5_MHC_KERNEL`` = ``auto`` and
+  ``fused``) against its torch expressions (``torch``): outputs and every gradient.
 """
 
 from __future__ import annotations
@@ -69,7 +74,31 @@ _SCRIPT = textwrap.dedent('''
     except ValueError:
         pass
 
-    # inside HyperConnection: the kernel (MEGATRON_GLM5_MHC_KERNEL unset) against the torch expressions
+    from megatron_glm5.kernels.mhc_coefficients import (mhc_coefficients, mhc_coefficients_reference,
+                                                        mhc_coefficients_supported)
+
+    for t_len, n, iters in ((37, 4, 20), (5, 3, 3), (33, 4, 1)):
+        rows = (2 + n) * n
+        z = (torch.randn(t_len, rows) * 2).requires_grad_()
+        base = torch.randn(rows).requires_grad_()
+        scale = (torch.rand(3) + 0.5).requires_grad_()
+        assert mhc_coefficients_supported(z)
+        got = mhc_coefficients(z, base, scale, n, iters, 1e-6)
+        ref = mhc_coefficients_reference(z, base, scale, n, iters, 1e-6)
+        assert [tuple(g.shape) for g in got] == [(t_len, n), (t_len, n), (t_len, n, n)]
+        ups = [torch.randn_like(r) for r in ref]
+        errs = [rel(a, b) for a, b in zip(got, ref)]
+        errs += [rel(a, b) for a, b in zip(torch.autograd.grad(got, [z, base, scale], ups),
+                                           torch.autograd.grad(ref, [z, base, scale], ups))]
+        w = torch.randn(t_len, n, n)  # comb only (pre / post get no gradient)
+        errs += [rel(a, b) for a, b in zip(
+            torch.autograd.grad((mhc_coefficients(z, base, scale, n, iters, 1e-6)[2] * w).sum(), [z, base, scale]),
+            torch.autograd.grad((mhc_coefficients_reference(z, base, scale, n, iters, 1e-6)[2] * w).sum(),
+                                [z, base, scale]))]
+        assert max(errs) <= 1e-5, (t_len, n, iters, errs)
+        print("coefficients", t_len, n, iters, ["%.1e" % e for e in errs])
+
+    # inside HyperConnection: the kernels (auto: stream mix; fused: also the coefficients) against the torch path
     from megatron_glm5.config import RuntimePolicy
     from megatron_glm5.glm5_next.config import parse_glm5_next_config
     from megatron_glm5.glm5_next.mcore_config import build_transformer_config
@@ -87,7 +116,7 @@ _SCRIPT = textwrap.dedent('''
         streams = torch.randn(5, 2, 4 * h, dtype=dt)
         y = torch.randn(5, 2, h, dtype=dt)
         runs = {}
-        for choice in ("torch", "auto"):
+        for choice in ("torch", "auto", "fused"):
             os.environ[MHC_KERNEL_ENV] = choice
             hc.zero_grad(set_to_none=True)
             s, yy = streams.clone().requires_grad_(), y.clone().requires_grad_()
@@ -96,10 +125,11 @@ _SCRIPT = textwrap.dedent('''
             ((out.float() * torch.linspace(-1, 1, out.shape[-1])).sum() + (u.float() ** 2).sum()).backward()
             runs[choice] = {"u": u, "out": out, "ds": s.grad, "dy": yy.grad,
                             **{n: p.grad for n, p in hc.named_parameters()}}
-        errs = {k: rel(runs["auto"][k], v) for k, v in runs["torch"].items()}
-        assert set(errs) == {"u", "out", "ds", "dy", "fn", "base", "scale"}, errs
-        assert max(errs.values()) <= tol, (dt, errs)
-        print("HyperConnection", dt, {k: "%.1e" % v for k, v in errs.items()})
+        for choice in ("auto", "fused"):
+            errs = {k: rel(runs[choice][k], v) for k, v in runs["torch"].items()}
+            assert set(errs) == {"u", "out", "ds", "dy", "fn", "base", "scale"}, errs
+            assert max(errs.values()) <= tol, (dt, choice, errs)
+            print("HyperConnection", choice, dt, {k: "%.1e" % v for k, v in errs.items()})
     os.environ[MHC_KERNEL_ENV] = "triton"
     try:
         hc(streams)
@@ -110,7 +140,7 @@ _SCRIPT = textwrap.dedent('''
 ''')
 
 
-def test_stream_mix_kernel_in_triton_interpreter():
+def test_mhc_kernels_in_triton_interpreter():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     env.pop("MEGATRON_GLM5_MHC_KERNEL", None)
@@ -122,7 +152,8 @@ def test_cpu_runs_the_torch_expressions(monkeypatch):
     """Without the interpreter a CPU tensor takes the torch path (no Triton launch on CPU)."""
     import torch
 
+    from megatron_glm5.kernels.mhc_coefficients import mhc_coefficients_supported
     from megatron_glm5.kernels.stream_mix import stream_mix_supported
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert not stream_mix_supported(torch.ones(2, 8))
+    assert not stream_mix_supported(torch.ones(2, 8)) and not mhc_coefficients_supported(torch.ones(2, 24))
