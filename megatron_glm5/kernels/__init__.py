@@ -21,6 +21,13 @@ Public API:
   ``fused_sparse_indexer_loss(qi, ki, w, topk, target, rw) -> fp32 scalar`` (autograd to qi, ki, w) and
   ``indexer_loss_supported(qi, query, topk) -> bool`` (else use the torch oracle)
 
+Triton kernels (each module holds its contract and names its torch oracle; CPU tests run them in Triton's
+interpreter): :mod:`~megatron_glm5.kernels.rms_norm` (``MEGATRON_GLM5_FUSED_RMSNORM=1``),
+:mod:`~megatron_glm5.kernels.indexer_kl` (the sparse indexer loss's per-row KL), and GLM-5.3-Flash's mHC:
+:mod:`~megatron_glm5.kernels.stream_mix` (``stream_mix(x, a, b=None, y=None)``) and
+:mod:`~megatron_glm5.kernels.mhc_coefficients` (``mhc_coefficients(z, base, scale, n, iters, eps)``), chosen by
+``MEGATRON_GLM5_MHC_KERNEL`` (:mod:`megatron_glm5.glm5_next.mhc`).
+
 GLM-5's softmax scale is 1/16 (``qk_head_dim ** -0.5`` with 192 + 64): always pass it explicitly. GLM-5.3-Flash
 (NoPE) uses the same sparse-MLA kernels with ``d_qk = d_v = 512`` (no RoPE tail), scale 1/16 as well.
 """
