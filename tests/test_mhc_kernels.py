@@ -157,3 +157,35 @@ def test_cpu_runs_the_torch_expressions(monkeypatch):
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert not stream_mix_supported(torch.ones(2, 8)) and not mhc_coefficients_supported(torch.ones(2, 24))
+
+
+@pytest.mark.parametrize("case", ["stream_mix_merge", "stream_mix_u", "coefficients"])
+def test_mhc_kernels_compile_for_sm90(case):
+    """Both directions of each mHC kernel compile to an sm_90 cubin on this CPU machine (Triton's own ptxas; no GPU):
+    catches what the interpreter lets through (types that differ between branches, unsupported ops)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+
+    from megatron_glm5.kernels import mhc_coefficients, stream_mix
+
+    if case == "coefficients":
+        kernels = mhc_coefficients._kernels()
+        const = {"N": 4, "NP": 4, "BT": mhc_coefficients.BLOCK_T}
+        scalars = {"T": "i32", "iters": "i32", "eps": "fp32"}
+        ptr = "*fp32"
+    else:
+        kernels = stream_mix._kernels()
+        has_y, o = (True, 4) if case == "stream_mix_merge" else (False, 1)
+        const = {"N": 4, "O": o, "NP": 4, "OP": o, "HAS_Y": has_y, "BLOCK": stream_mix.BLOCK_H}
+        scalars = {"H": "i32"}
+        ptr = "*bf16"
+    for kernel in kernels:
+        names = kernel.arg_names
+        sig = {n: "constexpr" if n in const else scalars.get(n, ptr) for n in names}
+        if case != "coefficients":  # the u mix's weights and every weight gradient are fp32 buffers
+            sig.update({n: "*fp32" for n in ("DA", "DB") if n in sig})
+            if case == "stream_mix_u":
+                sig["A"] = "*fp32"
+        compiled = triton.compile(triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=const),
+                                  target=GPUTarget("cuda", 90, 32))
+        assert compiled.asm.get("cubin"), f"{kernel.fn.__name__}: no cubin"

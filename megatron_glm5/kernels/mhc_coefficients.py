@@ -139,8 +139,9 @@ if triton is not None:
         return g / den - tl.expand_dims(tl.sum(g * c, axis=axis), axis) / (den * den)
 
     @triton.jit
-    def _comb_start(z_ptr, base_ptr, s2, rows_t, t_ok, N: tl.constexpr, NP: tl.constexpr, eps):
-        """softmax over ``i`` of ``s2 z[2N + j N + i] + base[...]``, plus eps (0 on padded lanes); and its logits."""
+    def _comb_start(z_ptr, base_ptr, s2, tok, rows_t, t_ok, N: tl.constexpr, NP: tl.constexpr, eps):
+        """softmax over ``i`` of ``s2 z[2N + j N + i] + base[...]``, plus eps (0 on padded lanes); the softmax, the
+        ``z`` slice, its columns and masks, and the offsets of ``comb [T, N, N]``."""
         jj = tl.arange(0, NP)
         ii = tl.arange(0, NP)
         lane_ok = (jj[:, None] < N) & (ii[None, :] < N)
@@ -154,12 +155,12 @@ if triton is not None:
         e = tl.exp(logit - tl.expand_dims(mx, 2))
         sm = e / tl.maximum(tl.expand_dims(tl.sum(e, axis=2), 2), 1e-30)
         c = tl.where(lane_ok[None, :, :], sm + eps, 0.0)
-        return c, sm, zc, col, ok, lane_ok
+        out_c = tok.to(tl.int64)[:, None, None] * (N * N) + (jj[:, None] * N + ii[None, :])[None, :, :]
+        return c, sm, zc, col, ok, lane_ok, out_c
 
     @triton.jit
-    def mhc_coefficients_fwd(Z, BASE, SCALE, PRE, POST, COMB, T, iters, eps, N: tl.constexpr, NP: tl.constexpr,
-                             BT: tl.constexpr):
-        tok = tl.program_id(0) * BT + tl.arange(0, BT)
+    def _gate_logits(Z, BASE, SCALE, tok, T, N: tl.constexpr, NP: tl.constexpr):
+        """The block's rows of ``z`` and the ``pre`` / ``post`` logits ``scale z + base`` (``[BT, NP]``, masked)."""
         t_ok = tok < T
         rows_t = tok.to(tl.int64) * ((2 + N) * N)
         kk = tl.arange(0, NP)
@@ -167,24 +168,26 @@ if triton is not None:
         m2 = t_ok[:, None] & k_ok[None, :]
         s0 = tl.load(SCALE)
         s1 = tl.load(SCALE + 1)
-        s2 = tl.load(SCALE + 2)
         z0 = tl.load(Z + rows_t[:, None] + kk[None, :], mask=m2, other=0.0)
         z1 = tl.load(Z + rows_t[:, None] + N + kk[None, :], mask=m2, other=0.0)
-        b0 = tl.load(BASE + kk, mask=k_ok, other=0.0)
-        b1 = tl.load(BASE + N + kk, mask=k_ok, other=0.0)
-        pre = tl.sigmoid(z0 * s0 + b0[None, :]) + eps
-        post = 2.0 * tl.sigmoid(z1 * s1 + b1[None, :])
+        a0 = z0 * s0 + tl.load(BASE + kk, mask=k_ok, other=0.0)[None, :]
+        a1 = z1 * s1 + tl.load(BASE + N + kk, mask=k_ok, other=0.0)[None, :]
         out_t = tok.to(tl.int64)[:, None] * N + kk[None, :]
-        tl.store(PRE + out_t, pre, mask=m2)
-        tl.store(POST + out_t, post, mask=m2)
-        c, sm, zc, col, ok, lane_ok = _comb_start(Z, BASE, s2, rows_t, t_ok, N, NP, eps)
+        return t_ok, rows_t, m2, out_t, z0, z1, a0, a1, s0, s1
+
+    @triton.jit
+    def mhc_coefficients_fwd(Z, BASE, SCALE, PRE, POST, COMB, T, iters, eps, N: tl.constexpr, NP: tl.constexpr,
+                             BT: tl.constexpr):
+        tok = tl.program_id(0) * BT + tl.arange(0, BT)
+        t_ok, rows_t, m2, out_t, z0, z1, a0, a1, s0, s1 = _gate_logits(Z, BASE, SCALE, tok, T, N, NP)
+        tl.store(PRE + out_t, tl.sigmoid(a0) + eps, mask=m2)
+        tl.store(POST + out_t, 2.0 * tl.sigmoid(a1), mask=m2)
+        s2 = tl.load(SCALE + 2)
+        c, sm, zc, col, ok, lane_ok, out_c = _comb_start(Z, BASE, s2, tok, rows_t, t_ok, N, NP, eps)
         c = _normalise(c, 1, eps)
         for _ in range(1, iters):
             c = _normalise(c, 2, eps)
             c = _normalise(c, 1, eps)
-        jj = tl.arange(0, NP)
-        ii = tl.arange(0, NP)
-        out_c = tok.to(tl.int64)[:, None, None] * (N * N) + (jj[:, None] * N + ii[None, :])[None, :, :]
         tl.store(COMB + out_c, c, mask=ok)
 
     @triton.jit
@@ -192,32 +195,20 @@ if triton is not None:
                              N: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr):
         pid = tl.program_id(0)
         tok = pid * BT + tl.arange(0, BT)
-        t_ok = tok < T
-        rows_t = tok.to(tl.int64) * ((2 + N) * N)
+        t_ok, rows_t, m2, out_t, z0, z1, a0, a1, s0, s1 = _gate_logits(Z, BASE, SCALE, tok, T, N, NP)
+        s2 = tl.load(SCALE + 2)
         kk = tl.arange(0, NP)
         k_ok = kk < N
-        m2 = t_ok[:, None] & k_ok[None, :]
-        s0 = tl.load(SCALE)
-        s1 = tl.load(SCALE + 1)
-        s2 = tl.load(SCALE + 2)
-        out_t = tok.to(tl.int64)[:, None] * N + kk[None, :]
         # pre and post: sigmoids
-        z0 = tl.load(Z + rows_t[:, None] + kk[None, :], mask=m2, other=0.0)
-        z1 = tl.load(Z + rows_t[:, None] + N + kk[None, :], mask=m2, other=0.0)
-        b0 = tl.load(BASE + kk, mask=k_ok, other=0.0)
-        b1 = tl.load(BASE + N + kk, mask=k_ok, other=0.0)
-        p = tl.sigmoid(z0 * s0 + b0[None, :])
-        q = tl.sigmoid(z1 * s1 + b1[None, :])
+        p = tl.sigmoid(a0)
+        q = tl.sigmoid(a1)
         g0 = tl.where(m2, tl.load(DPRE + out_t, mask=m2, other=0.0) * p * (1.0 - p), 0.0)
         g1 = tl.where(m2, tl.load(DPOST + out_t, mask=m2, other=0.0) * 2.0 * q * (1.0 - q), 0.0)
         tl.store(DZ + rows_t[:, None] + kk[None, :], g0 * s0, mask=m2)
         tl.store(DZ + rows_t[:, None] + N + kk[None, :], g1 * s1, mask=m2)
         # comb: back through the 2 iters - 1 normalisations (step k: columns if k is even, rows if odd), each
         # step's input recomputed from the start
-        c0, sm, zc, col, ok, lane_ok = _comb_start(Z, BASE, s2, rows_t, t_ok, N, NP, eps)
-        jj = tl.arange(0, NP)
-        ii = tl.arange(0, NP)
-        out_c = tok.to(tl.int64)[:, None, None] * (N * N) + (jj[:, None] * N + ii[None, :])[None, :, :]
+        c0, sm, zc, col, ok, lane_ok, out_c = _comb_start(Z, BASE, s2, tok, rows_t, t_ok, N, NP, eps)
         g = tl.load(DCOMB + out_c, mask=ok, other=0.0)
         steps = 2 * iters - 1
         for back in range(0, steps):
