@@ -1,4 +1,4 @@
-"""Helpers shared by the TileLang DSA kernels: lazy TileLang import, small integer math, argument checks.
+"""Helpers shared by the kernels: lazy TileLang import, small integer math, argument checks, where Triton runs.
 
 Nothing here imports TileLang at module load, so ``import megatron_glm5.kernels`` works on machines without it.
 """
@@ -6,6 +6,7 @@ Nothing here imports TileLang at module load, so ``import megatron_glm5.kernels`
 from __future__ import annotations
 
 import functools
+import os
 from types import ModuleType
 
 import torch
@@ -39,6 +40,12 @@ def cdiv(a: int, b: int) -> int:
 
 def next_power_of_2(x: int) -> int:
     return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+def triton_runs_on(t: torch.Tensor) -> bool:
+    """Whether a Triton kernel can take this tensor: a CUDA tensor, or any tensor under Triton's interpreter
+    (``TRITON_INTERPRET=1``, how the CPU tests run the Triton kernels)."""
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def check_tensor(

@@ -18,9 +18,10 @@ slots) and ``out[t] = rw * kl``. Returns ``out [T]``; its sum is the loss. Oracl
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from megatron_glm5.kernels._common import triton_runs_on
 
 TARGET_EPS = 1e-10  # megatron-core's INDEXER_LOSS_EPS
 MAX_K = 16384  # one row per program in registers
@@ -29,7 +30,7 @@ MAX_K = 16384  # one row per program in registers
 def kl_supported(score: torch.Tensor) -> bool:
     """Whether :func:`kl_rows_and_dscore_` takes this score buffer (else use the torch glue)."""
     return (score.ndim == 2 and score.shape[1] <= MAX_K and score.dtype == torch.float32
-            and (score.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1") and _kernel() is not None)
+            and triton_runs_on(score) and _kernel() is not None)
 
 
 def kl_rows_and_dscore_(score: torch.Tensor, target: torch.Tensor, rw: torch.Tensor, topk: torch.Tensor,

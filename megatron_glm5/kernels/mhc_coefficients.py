@@ -27,9 +27,10 @@ of the small sums differs.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from megatron_glm5.kernels._common import cdiv, next_power_of_2, triton_runs_on
 
 BLOCK_T = 32  # tokens per program
 
@@ -52,8 +53,7 @@ def mhc_coefficients_reference(z: torch.Tensor, base: torch.Tensor, scale: torch
 
 def mhc_coefficients_supported(z: torch.Tensor) -> bool:
     """Whether :func:`mhc_coefficients` runs here (fp32 on CUDA, or CPU under Triton's interpreter; Triton present)."""
-    on_device = z.is_cuda or (z.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1")
-    return on_device and z.dtype == torch.float32 and _kernels() is not None
+    return triton_runs_on(z) and z.dtype == torch.float32 and _kernels() is not None
 
 
 def mhc_coefficients(z: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int,
@@ -80,8 +80,8 @@ class _MHCCoefficients(torch.autograd.Function):
         post = torch.empty_like(pre)
         comb = torch.empty(t_len, n, n, dtype=torch.float32, device=z.device)
         if t_len:
-            _kernels()[0][(_cdiv(t_len, BLOCK_T),)](
-                z, base.contiguous(), scale.contiguous(), pre, post, comb, t_len, iters, eps, N=n, NP=_pow2(n),
+            _kernels()[0][(cdiv(t_len, BLOCK_T),)](
+                z, base.contiguous(), scale.contiguous(), pre, post, comb, t_len, iters, eps, N=n, NP=next_power_of_2(n),
                 BT=BLOCK_T)
         ctx.save_for_backward(z, base, scale)
         ctx.meta = (n, iters, eps)
@@ -96,23 +96,16 @@ class _MHCCoefficients(torch.autograd.Function):
         d_pre = zeros(t_len, n) if d_pre is None else d_pre.float().contiguous()
         d_post = zeros(t_len, n) if d_post is None else d_post.float().contiguous()
         d_comb = zeros(t_len, n, n) if d_comb is None else d_comb.float().contiguous()
-        programs = _cdiv(t_len, BLOCK_T)
+        programs = cdiv(t_len, BLOCK_T)
         dz = torch.empty_like(z)
         d_base = zeros(max(programs, 1), rows)
-        d_scale = zeros(max(programs, 1), 4)
+        d_scale = zeros(max(programs, 1), 3)
         if t_len:
             _kernels()[1][(programs,)](
                 z, base.contiguous(), scale.contiguous(), d_pre, d_post, d_comb, dz, d_base, d_scale, t_len, iters,
-                eps, N=n, NP=_pow2(n), BT=BLOCK_T)
-        return dz, d_base.sum(0), d_scale[:, :3].sum(0), None, None, None
+                eps, N=n, NP=next_power_of_2(n), BT=BLOCK_T)
+        return dz, d_base.sum(0), d_scale.sum(0), None, None, None
 
-
-def _pow2(v: int) -> int:
-    return 1 << max(0, (v - 1).bit_length())
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _kernels():
@@ -231,7 +224,7 @@ if triton is not None:
         tl.store(DBASE + pid * ((2 + N) * N) + kk, tl.sum(g0, axis=0), mask=k_ok)
         tl.store(DBASE + pid * ((2 + N) * N) + N + kk, tl.sum(g1, axis=0), mask=k_ok)
         tl.store(DBASE + pid * ((2 + N) * N) + col, tl.sum(gl, axis=0), mask=lane_ok)
-        tl.store(DSCALE + pid * 4, tl.sum(tl.sum(g0 * z0, axis=1), axis=0))
-        tl.store(DSCALE + pid * 4 + 1, tl.sum(tl.sum(g1 * z1, axis=1), axis=0))
-        tl.store(DSCALE + pid * 4 + 2, tl.sum(tl.sum(tl.sum(gl * zc, axis=2), axis=1), axis=0))
+        tl.store(DSCALE + pid * 3, tl.sum(tl.sum(g0 * z0, axis=1), axis=0))
+        tl.store(DSCALE + pid * 3 + 1, tl.sum(tl.sum(g1 * z1, axis=1), axis=0))
+        tl.store(DSCALE + pid * 3 + 2, tl.sum(tl.sum(tl.sum(gl * zc, axis=2), axis=1), axis=0))
 

@@ -27,6 +27,8 @@ import functools
 
 import torch
 
+from megatron_glm5.kernels._common import triton_runs_on
+
 MAX_N = 16384  # one row per program in registers; GLM widths: 6144 (hidden), 2048 (q_lora), 512 (kv_lora), 4096
 
 
@@ -40,7 +42,7 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether :func:`rms_norm` takes these tensors (else use :func:`rms_norm_reference`)."""
     return (x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and x.shape[-1] <= MAX_N
-            and weight.shape == x.shape[-1:] and (x.is_cuda or _interpreting()) and _triton() is not None)
+            and weight.shape == x.shape[-1:] and triton_runs_on(x) and _triton() is not None)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -55,12 +57,6 @@ def _triton():
     except ImportError:
         return None
     return _build()
-
-
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _build():

@@ -23,9 +23,10 @@ Oracle: :func:`stream_mix_reference` (the same expressions in fp32 torch). Only 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
+
+from megatron_glm5.kernels._common import cdiv, next_power_of_2, triton_runs_on
 
 BLOCK_H = 256  # columns of h per program (forward) / per loop step (backward)
 
@@ -43,8 +44,7 @@ def stream_mix_reference(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor | Non
 
 def stream_mix_supported(x: torch.Tensor) -> bool:
     """Whether :func:`stream_mix` runs here (a CUDA tensor, or CPU under Triton's interpreter, and Triton present)."""
-    return (x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") == "1")) and \
-        _kernels() is not None
+    return triton_runs_on(x) and _kernels() is not None
 
 
 def stream_mix(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None = None,
@@ -73,8 +73,8 @@ class _StreamMix(torch.autograd.Function):
         t_len = xf.shape[0]
         out = torch.empty(t_len, o * h, dtype=x.dtype, device=x.device)
         if t_len and h:
-            _kernels()[0][(t_len, _cdiv(h, BLOCK_H))](
-                xf, af, bf, yf, out, h, N=n, O=o, NP=_pow2(n), OP=_pow2(o), HAS_Y=y is not None, BLOCK=BLOCK_H)
+            _kernels()[0][(t_len, cdiv(h, BLOCK_H))](
+                xf, af, bf, yf, out, h, N=n, O=o, NP=next_power_of_2(n), OP=next_power_of_2(o), HAS_Y=y is not None, BLOCK=BLOCK_H)
         ctx.save_for_backward(xf, af, bf if b is not None else None, yf if y is not None else None)
         ctx.shapes = (x.shape, a.shape, None if b is None else b.shape, None if y is None else y.shape)
         ctx.dtypes = (a.dtype, None if b is None else b.dtype, None if y is None else y.dtype)
@@ -95,17 +95,10 @@ class _StreamMix(torch.autograd.Function):
         db = torch.empty(t_len, o, dtype=torch.float32, device=xf.device) if has_y else da
         if t_len:
             _kernels()[1][(t_len,)](xf, af, bf if has_y else af, yf if has_y else xf, g, dx, da, db, dy, h, N=n,
-                                    O=o, NP=_pow2(n), OP=_pow2(o), HAS_Y=has_y, BLOCK=BLOCK_H)
+                                    O=o, NP=next_power_of_2(n), OP=next_power_of_2(o), HAS_Y=has_y, BLOCK=BLOCK_H)
         return (dx.view(x_shape), da.to(a_dtype).view(a_shape),
                 db.to(b_dtype).view(b_shape) if has_y else None, dy.view(y_shape) if has_y else None)
 
-
-def _pow2(v: int) -> int:
-    return 1 << max(0, (v - 1).bit_length())
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @functools.cache
