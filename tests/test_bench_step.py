@@ -190,6 +190,10 @@ def synthetic_trace() -> list[dict]:
         _x("cpu_op", "aten::index_select", 405, 20, **{"External id": 42}),
         _kernel(4, "indexSelectLargeIndex", 410, 10, **{"External id": 42}),  # its launch was not recorded
         _launch(5, 460), _kernel(5, "vectorized_elementwise_kernel", 335, 30, stream=9),  # overlaps kernel 3
+        _x(py, "megatron/core/transformer/moe/router.py(50): routing", 470, 20),
+        _x(py, "megatron_glm5/moe/router.py(12): aux_loss", 472, 16),
+        _x(py, "torch/_tensor.py(1): item", 474, 10),
+        _x("cuda_runtime", "cudaStreamSynchronize", 476, 6, correlation=55),
         # backward, on the autograd thread
         _x("cpu_op", f"{bs._BWD}: MmBackward0", 600, 100, BWD, **{"Sequence number": 7, "Fwd thread id": 1}),
         _x("cpu_op", "MmBackward0", 601, 98, BWD, **{"Sequence number": 7, "Fwd thread id": 1}),
@@ -239,8 +243,22 @@ def test_trace_breakdown_on_a_synthetic_step(tmp_path):
     assert b.kernel_sum_ms == pytest.approx(sum(ms.values()))
     assert b.busy_ms == pytest.approx(b.kernel_sum_ms - 0.030)  # the second stream's kernel overlaps kernel 3
     assert b.wall_ms == pytest.approx(1.010) and b.host_gap_ms == pytest.approx(1.010 - b.busy_ms)
-    assert b.steps == 1 and b.linked == pytest.approx(1 - 0.020 / b.kernel_sum_ms) and b.python_frames == 7
+    assert b.steps == 1 and b.linked == pytest.approx(1 - 0.020 / b.kernel_sum_ms) and b.python_frames == 10
     assert b.top[0][:3] == ("main_kernel", "sparse attention", 2)
+    # the catch-all by source: kernel 5 was launched at 460, inside the GPT model but no other frame of ours
+    assert [(src, calls) for src, calls, _ in b.sources] == [("nn.Module: GPTModel_0", 1),
+                                                             ("(no launch recorded)", 1)]
+    # the host wait: innermost frame outside torch, and ours
+    assert b.syncs == [("megatron_glm5/moe/router.py(12): aux_loss", "cudaStreamSynchronize", 1, pytest.approx(0.006))]
+
+
+def test_source_of_prefers_model_code_over_library_frames():
+    f = ["torch/nn/functional.py(10): linear", "megatron/core/transformer/mlp.py(5): forward",
+         "megatron_glm5/glm5/layer.py(7): forward", "nn.Module: MLP_0"]
+    assert bs.source_of(f) == "megatron/core/transformer/mlp.py(5): forward < megatron_glm5/glm5/layer.py(7): forward"
+    assert bs.source_of(f[2:]) == "megatron_glm5/glm5/layer.py(7): forward"
+    assert bs.source_of(["aten::add", "nn.Module: MLP_0"]) == "nn.Module: MLP_0"
+    assert bs.source_of([]) == "(no launch recorded)"
 
 
 # --------------------------------------------------------------------------------------------------------------------

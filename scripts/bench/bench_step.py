@@ -94,6 +94,7 @@ class Variant:
     spec: str  # function of megatron_glm5.spec
     args: tuple[str, ...]
     description: str
+    env: tuple[tuple[str, str], ...] = ()  # environment of this variant's runs (on top of the bench's)
 
 
 VARIANTS = {
@@ -103,6 +104,10 @@ VARIANTS = {
         Variant("mcore-kernels", "get_glm5_spec", ("--dsa-kernel-backend", "tilelang"),
                 "(b) megatron backend + megatron-core's TileLang DSA kernels"),
         Variant("megatron-torch", "get_glm5_spec", (), "(c) megatron backend, no DSA kernels (torch paths)"),
+        Variant("tilelang-torch-norm", "get_glm5_tilelang_spec", (),
+                "(a) with torch's RMSNorm instead of the fused kernel", (("MEGATRON_GLM5_FUSED_RMSNORM", "0"),)),
+        Variant("tilelang-fused-norm", "get_glm5_tilelang_spec", (),
+                "(a) with the fused RMSNorm kernel", (("MEGATRON_GLM5_FUSED_RMSNORM", "1"),)),
         Variant("tilelang-grouped", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
                 "(a) with grouped-GEMM experts (`TorchGroupedMLP`)"),
         Variant("mcore-kernels-grouped", "get_glm5_spec", ("--dsa-kernel-backend", "tilelang", "--moe-grouped-gemm"),
@@ -402,6 +407,7 @@ BUCKETS = (
     "norms, RoPE, elementwise, copies",
     "optimizer + grad buffers",
 )
+CATCH_ALL = "norms, RoPE, elementwise, copies"  # what no rule claims; broken down by source in the report
 _NEUTRAL = "-"  # a context that ends the search without a bucket (e.g. the shared expert inside the MoE layer)
 # (region, pattern on a CPU op / Python frame name), tried innermost frame first; the first match decides. Python
 # frames are "path/file.py(line): function" or "nn.Module: Class_i"; backward ops are linked to their forward op.
@@ -433,6 +439,22 @@ _GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 _CONTEXT_CATS = ("cpu_op", "python_function", "user_annotation")
 _LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 _BWD = "autograd::engine::evaluate_function"
+# CUDA runtime calls where the host waits for the device (a D2H copy into pageable memory waits inside cudaMemcpyAsync)
+_SYNC = re.compile(r"^cuda(Stream|Device|Event)Synchronize$|^cudaMemcpy$|^cudaStreamWaitEvent_sync$")
+_PY_FRAME = re.compile(r"\.py\(\d+\): ")
+_LIBRARY_FRAME = re.compile(r"(^|/)(torch|contextlib|functools|threading|typing)(/|\.py)|^<built-in|^<frozen")
+
+
+def source_of(context_inner_first: list[str]) -> str:
+    """Where in the model's code a kernel (or a host wait) comes from: the innermost Python frame outside torch and
+    the standard library, and, when that is megatron-core's, the innermost frame of ours below it."""
+    frames = [f for f in context_inner_first if _PY_FRAME.search(f) and not _LIBRARY_FRAME.search(f)]
+    if not frames:
+        module = next((f for f in context_inner_first if f.startswith("nn.Module: ")), None)
+        return module or (context_inner_first[0] if context_inner_first else "(no launch recorded)")
+    inner = frames[0]
+    ours = next((f for f in frames if "megatron_glm5/" in f), None)
+    return inner if ours is None or ours == inner else f"{inner} < {ours}"
 
 
 def classify(kernel: str, context_inner_first: list[str]) -> str:
@@ -464,7 +486,7 @@ def classify(kernel: str, context_inner_first: list[str]) -> str:
         for bucket, pattern in _KERNEL_NAME_RULES:
             if pattern.search(kernel):
                 return bucket
-    return "other GEMMs" if gemm else "norms, RoPE, elementwise, copies"
+    return "other GEMMs" if gemm else CATCH_ALL
 
 
 @dataclass
@@ -477,6 +499,10 @@ class Breakdown:
     top: list[tuple[str, str, int, float]]  # (kernel, bucket, calls per step, ms per step)
     linked: float  # share of GPU time whose launch was found
     python_frames: int  # Python tracer events in the trace (0: no call stack, buckets from names only)
+    # The catch-all bucket by the code that launched it: (source, calls per step, ms per step), largest first.
+    sources: list[tuple[str, int, float]] = field(default_factory=list)
+    # Host waits on the device in the step: (source, runtime call, calls per step, host ms per step).
+    syncs: list[tuple[str, str, int, float]] = field(default_factory=list)
 
     @property
     def host_gap_ms(self) -> float:
@@ -561,6 +587,11 @@ def trace_breakdown(events: list[dict], top: int = 15) -> Breakdown:
               if e.get("cat") == "cpu_op" and e.get("args", {}).get("External id")}
     queries: dict[Any, list[tuple[float, Any]]] = defaultdict(list)
     anchors: list[Any] = []
+    sync_events = [e for e in launches.values() if _SYNC.search(str(e.get("name", "")))]
+    sync_events += [e for e in events if e.get("ph") == "X" and e.get("cat") in _LAUNCH_CATS
+                    and e.get("args", {}).get("correlation") is None and _SYNC.search(str(e.get("name", "")))]
+    for j, e in enumerate(sync_events):
+        queries[(e.get("pid"), e.get("tid"))].append((float(e["ts"]), ("sync", j)))
     for e in gpu:
         a = e.get("args", {})
         launch = launches.get(a.get("correlation"))
@@ -601,6 +632,7 @@ def trace_breakdown(events: list[dict], top: int = 15) -> Breakdown:
 
     bucket_us: dict[str, float] = {b: 0.0 for b in BUCKETS}
     per_kernel: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])
+    per_source: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     linked_us = total_us = 0.0
     intervals = []
     for e, key in zip(gpu, anchors):
@@ -612,6 +644,10 @@ def trace_breakdown(events: list[dict], top: int = 15) -> Breakdown:
         k = per_kernel[(name, bucket)]
         k[0] += 1
         k[1] += dur
+        if bucket == CATCH_ALL:
+            src = per_source[source_of(ctx) if ctx is not None else "(no launch recorded)"]
+            src[0] += 1
+            src[1] += dur
         total_us += dur
         linked_us += dur if ctx is not None else 0.0
         intervals.append((ts, ts + dur))
@@ -624,6 +660,17 @@ def trace_breakdown(events: list[dict], top: int = 15) -> Breakdown:
     end = max([end] + [e for _, e in intervals])
     top_rows = sorted(((n, b, int(c / n_steps), us / n_steps / 1000.0) for (n, b), (c, us) in per_kernel.items()),
                       key=lambda r: -r[3])[:top]
+    source_rows = sorted(((k, int(c / n_steps), us / n_steps / 1000.0) for k, (c, us) in per_source.items()),
+                         key=lambda r: -r[2])[:2 * top]
+    per_sync: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])
+    for j, e in enumerate(sync_events):
+        if steps and not start <= float(e["ts"]) <= end:
+            continue
+        k = per_sync[(source_of(context(("sync", j)) or []), str(e.get("name", "")))]
+        k[0] += 1
+        k[1] += float(e.get("dur", 0))
+    sync_rows = sorted(((src, call, int(c / n_steps) or 1, us / n_steps / 1000.0)
+                        for (src, call), (c, us) in per_sync.items()), key=lambda r: -r[3])
     return Breakdown(
         steps=n_steps,
         wall_ms=(end - start) / 1000.0 / n_steps,
@@ -633,6 +680,8 @@ def trace_breakdown(events: list[dict], top: int = 15) -> Breakdown:
         top=top_rows,
         linked=linked_us / total_us if total_us else 0.0,
         python_frames=sum(1 for e in ctx_events if e.get("cat") == "python_function"),
+        sources=source_rows,
+        syncs=sync_rows,
     )
 
 
@@ -804,7 +853,7 @@ def run_variant_main(vr: VariantResult, args, env, log_dir: Path) -> None:
     log_path = log_dir / f"bench_step_{vr.variant.name}.log"
     cmd = torchrun_cmd(args.python, args.mlm, free_port(), vr.argv)
     print(f"[bench_step] {vr.variant.name}: {args.iters} iterations -> {log_path}", flush=True)
-    rc, secs = run_logged(cmd, env, log_path, args.timeout)
+    rc, secs = run_logged(cmd, {**env, **dict(vr.variant.env)}, log_path, args.timeout)
     log = parse_log(log_path.read_text(errors="replace"))
     vr.main = RunResult("main", cmd, str(log_path), rc, secs, log,
                         check_run("main", vr.variant.name, rc, log, args.iters, log_path))
@@ -822,7 +871,7 @@ def run_variant_profile(vr: VariantResult, args, env, log_dir: Path) -> None:
                          profile_step=args.profile_step, tb_dir=prof_dir / "tb")
     cmd = torchrun_cmd(args.python, args.mlm, free_port(), argv)
     print(f"[bench_step] {name}: profiling iteration {args.profile_step} -> {log_path}", flush=True)
-    rc, secs = run_logged(cmd, env, log_path, args.timeout)
+    rc, secs = run_logged(cmd, {**env, **dict(vr.variant.env)}, log_path, args.timeout)
     log = parse_log(log_path.read_text(errors="replace"))
     error = check_run("profile", name, rc, log, args.profile_step + 1, log_path)
     trace = prof_dir / "torch_profile" / "rank-0.json.gz"
@@ -852,13 +901,14 @@ def cpu_check(vr: VariantResult, args, env, log_dir: Path) -> RunResult:
     build = ["--build"] if args.scale_down else []
     log_path = log_dir / f"bench_step_{vr.variant.name}_cpu.log"
     cmd = [args.python, str(checker), vr.variant.spec, *build, "--", *argv]
-    rc, secs = run_logged(cmd, env, log_path, args.timeout)
+    rc, secs = run_logged(cmd, {**env, **dict(vr.variant.env)}, log_path, args.timeout)
     text = log_path.read_text(errors="replace")
     note = ""
     if rc != 0 and "PARSE: OK" in text and "requires a CUDA device" in text and "--dsa-kernel-backend" in argv:
         i = argv.index("--dsa-kernel-backend")
         cmd = [args.python, str(checker), vr.variant.spec, *build, "--", *argv[:i], *argv[i + 2:]]
-        rc, secs2 = run_logged(cmd, env, log_path.with_name(log_path.stem + "_nokernels.log"), args.timeout)
+        rc, secs2 = run_logged(cmd, {**env, **dict(vr.variant.env)},
+                               log_path.with_name(log_path.stem + "_nokernels.log"), args.timeout)
         text += "\n" + log_path.with_name(log_path.stem + "_nokernels.log").read_text(errors="replace")
         secs += secs2
         note = " (parsed with --dsa-kernel-backend tilelang; the rest without it: megatron-core needs CUDA for it)"
@@ -973,6 +1023,18 @@ def render_report(results: list[VariantResult], *, skip: int, meta: dict[str, An
             for name, bucket, calls, ms in r.breakdown.top:
                 short = name if len(name) <= 100 else name[:97] + "..."
                 lines.append(f"| `{_md(short)}` | {bucket} | {calls} | {ms:.2f} |")
+            if r.breakdown.sources:
+                lines += ["", f"\"{CATCH_ALL}\" by the code that launched it, `{r.variant.name}` (per step; "
+                              "innermost frame outside torch, and ours below it):", "",
+                          "| source | kernels | ms |", "|---|---|---|"]
+                lines += [f"| `{_md(src)}` | {calls} | {ms:.2f} |" for src, calls, ms in r.breakdown.sources]
+            lines += ["", f"Host waits on the GPU in the profiled step, `{r.variant.name}`: "
+                          + (f"{sum(c for *_, c, _ in r.breakdown.syncs)} calls, "
+                             f"{sum(ms for *_, ms in r.breakdown.syncs):.1f} ms host time" if r.breakdown.syncs
+                             else "none recorded")]
+            if r.breakdown.syncs:
+                lines += ["", "| source | runtime call | calls | host ms |", "|---|---|---|---|"]
+                lines += [f"| `{_md(src)}` | {call} | {calls} | {ms:.2f} |" for src, call, calls, ms in r.breakdown.syncs]
     files = [Path(p).name for r in results for p in (r.main.log_path if r.main else "",
                                                      r.profile.log_path if r.profile else "", r.trace_path) if p]
     lines += ["", "Logs and traces (next to this file): " + ", ".join(f"`{f}`" for f in files) + "."]
