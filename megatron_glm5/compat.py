@@ -415,6 +415,45 @@ def _probe_pipeline_shapes() -> None:
         [(8, 2, 64)]
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# 9. megatron-core MLP's SwiGLU fusions, looked up by name in megatron.core.transformer.mlp (fusions.py)
+# --------------------------------------------------------------------------------------------------------------------
+
+_MLP_SWIGLU = ("bias_swiglu_impl", "weighted_bias_swiglu_impl")
+
+
+def route_mlp_swiglu(bias_swiglu_impl: Callable, weighted_bias_swiglu_impl: Callable) -> None:
+    """Make megatron-core's ``MLP.forward`` call these two (same signatures as megatron-core's
+    ``fused_bias_swiglu.bias_swiglu_impl`` / ``weighted_bias_swiglu_impl``) for its fused SwiGLU. ``MLP`` looks both up
+    in its module's globals at each call; installed once, process-wide (:func:`install_patches`)."""
+    from megatron.core.transformer import mlp
+
+    install_patches(((mlp, "bias_swiglu_impl", bias_swiglu_impl),
+                     (mlp, "weighted_bias_swiglu_impl", weighted_bias_swiglu_impl)))
+
+
+def mlp_swiglu_routed() -> bool:
+    from megatron.core.transformer import mlp
+
+    return all(is_patched(mlp, name) for name in _MLP_SWIGLU)
+
+
+@_hook("transformer.mlp: MLP.forward calls bias_swiglu_impl / weighted_bias_swiglu_impl from its module globals",
+       "fusions.py", MCORE)
+def _probe_mlp_swiglu() -> None:
+    import inspect
+
+    from megatron.core.fusions import fused_bias_swiglu
+    from megatron.core.transformer import mlp
+
+    names = mlp.MLP.forward.__code__.co_names
+    for name in _MLP_SWIGLU:
+        assert name in names, f"MLP.forward no longer calls {name}"
+        assert callable(getattr(mlp, name)), name
+        assert list(inspect.signature(getattr(fused_bias_swiglu, name)).parameters)[:2] in (
+            ["input", "bias"],), name
+
+
 def check_all() -> list[str]:
     """Run every probe; the names of those that fail (an empty list: every internal is where it was)."""
     failed = []

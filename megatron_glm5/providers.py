@@ -11,9 +11,9 @@ provider here fills those gaps from public constructors, without patching megatr
   it.
 * ``layer_norm()`` -> :class:`TorchNorm`: RMSNorm/LayerNorm computed in fp32 (HF's order: normalise in fp32, cast,
   scale), whose parameters are tagged ``sequence_parallel`` so ``finalize_model_grads`` sums their gradients over TP
-  when their input is sequence-sharded (as ``TENorm`` does). With ``MEGATRON_GLM5_FUSED_RMSNORM=1`` in the
-  environment (experimental until measured on the GPU, issue 23) its RMSNorm runs as one Triton kernel forward and
-  one backward (:mod:`megatron_glm5.kernels.rms_norm`, same numerics) on CUDA bf16 / fp16 tensors.
+  when their input is sequence-sharded (as ``TENorm`` does). On CUDA bf16 / fp16 tensors its RMSNorm runs as one
+  Triton kernel forward and one backward (:mod:`megatron_glm5.kernels.rms_norm`, same numerics; 3 % of the GLM-5
+  slice's step); ``MEGATRON_GLM5_FUSED_RMSNORM=0`` keeps the torch path (:mod:`megatron_glm5.fusions`).
 * ``replicated_norm()`` -> the same norm without that tag, for the indexer ``k_norm``, which runs on the all-gathered
   sequence on every TP rank.
 * ``grouped_mlp_modules(True)`` (``moe_grouped_gemm``) -> :class:`~megatron_glm5.moe.grouped_experts.TorchGroupedMLP`
@@ -28,7 +28,6 @@ Neither provider fuses a norm into the next linear, so parameter names are ident
 from __future__ import annotations
 
 import logging
-import os
 from functools import partial
 
 import torch
@@ -39,9 +38,8 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
 from .compat import modelopt_linear
+from .fusions import FUSED_RMSNORM_ENV, enabled
 from .kernels.rms_norm import rms_norm, rms_norm_reference, rms_norm_supported
-
-FUSED_RMSNORM_ENV = "MEGATRON_GLM5_FUSED_RMSNORM"
 
 _ModeloptLinear = modelopt_linear()
 
@@ -79,8 +77,8 @@ class TorchNorm(torch.nn.Module):
         sp = config.sequence_parallel if sequence_parallel is None else sequence_parallel
         for p in self.parameters():
             p.sequence_parallel = sp
-        # experimental until measured on the GPU (issue 23): the fused Triton RMSNorm, same numerics
-        self.fused = os.environ.get(FUSED_RMSNORM_ENV, "0") == "1"
+        # the fused Triton RMSNorm where it runs (megatron_glm5.fusions): same numerics up to rare one-ulp flips
+        self.fused = enabled(FUSED_RMSNORM_ENV)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.rms:

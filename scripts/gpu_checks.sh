@@ -11,7 +11,8 @@
 # megatron-core's, report in OUT_DIR/step.md; needs .mlm/; run precompile first; BENCH_STEP_ARGS adds flags),
 # indexer_loss_kernels (tests/gpu/test_indexer_loss_gpu.py: the fused sparse indexer-loss kernels vs the torch oracle;
 # builds its kernels in parallel first), rms_norm (tests/gpu/test_rms_norm_gpu.py: the fused Triton RMSNorm vs torch,
-# bitwise but for rare one-ulp flips, and its speed; MEGATRON_GLM5_FUSED_RMSNORM=1 turns it on in the model).
+# bitwise but for rare one-ulp flips, and its speed), swiglu (tests/gpu/test_swiglu_gpu.py: the fused Triton SwiGLU
+# vs its oracle and megatron-core's eager functions, and its speed).
 # Each step has its own log and time limit; a failing step does not stop the others.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -31,6 +32,7 @@ for step in "$@"; do
     precompile) run precompile 150 python3 scripts/bench/bench_dsa_kernels.py --precompile-only --workers 16 --sections sparse,indexer,kpool,nope ;;
     kernels) run kernels 240 python3 -m pytest tests/gpu/test_kernels_gpu.py -q -s -p no:cacheprovider ;;
     rms_norm) run rms_norm 120 python3 -m pytest tests/gpu/test_rms_norm_gpu.py -q -s -p no:cacheprovider ;;
+    swiglu) run swiglu 120 python3 -m pytest tests/gpu/test_swiglu_gpu.py -q -s -p no:cacheprovider ;;
     kernels_ws) MEGATRON_GLM5_TEST_FWD_VARIANT=ws run kernels_ws 200 python3 -m pytest tests/gpu/test_kernels_gpu.py -q -s -p no:cacheprovider ;;
     backends) run backends 240 python3 -m pytest tests/gpu/test_backends_gpu.py -q -s -p no:cacheprovider ;;
     lora) run lora 200 python3 -m pytest tests/gpu/test_lora_gpu.py -q -s -p no:cacheprovider ;;
@@ -54,7 +56,7 @@ for step in "$@"; do
     bench_indexer_training) TAIL=40 run bench_indexer_training 560 python3 scripts/bench/bench_indexer_training.py --out "$OUT_DIR/indexer_training.md" ${BENCH_ARGS:-} ;;
     bench_indexer_loss) TAIL=40 run bench_indexer_loss 400 python3 scripts/bench/bench_indexer_loss.py --out "$OUT_DIR/indexer_loss.md" ${BENCH_ARGS:-} ;;
     bench_kernels) run bench_kernels 300 python3 scripts/bench/bench_dsa_kernels.py --out "$OUT_DIR/kernels.md" ${BENCH_ARGS:-} ;;
-    bench_step) TAIL=40 run bench_step 560 python3 scripts/bench/bench_step.py --out "$OUT_DIR/step.md" --timeout 120 --profile-variants tilelang,tilelang-grouped ${BENCH_STEP_ARGS:-} ;;
+    bench_step) TAIL=40 run bench_step 560 python3 scripts/bench/bench_step.py --out "$OUT_DIR/step.md" --timeout 150 --profile-variants tilelang,tilelang-unfused ${BENCH_STEP_ARGS:-} ;;
     bench_layer) run bench_layer 180 python3 scripts/bench/bench_glm5_layer.py --out "$OUT_DIR/layer.md" ;;
     pretrain_megatron) run pretrain_megatron 150 bash examples/pretrain_glm5_tiny.sh megatron ;;
     pretrain_tilelang) run pretrain_tilelang 150 bash examples/pretrain_glm5_tiny.sh tilelang ;;

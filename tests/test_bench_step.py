@@ -250,6 +250,10 @@ def test_trace_breakdown_on_a_synthetic_step(tmp_path):
                                                              ("(no launch recorded)", 1)]
     # the host wait: innermost frame outside torch, and ours
     assert b.syncs == [("megatron_glm5/moe/router.py(12): aux_loss", "cudaStreamSynchronize", 1, pytest.approx(0.006))]
+    # GPU idle by the launch that ended it: the step's first 130 us and the forward -> backward gap (420 -> 610 us)
+    # both end in an expert GEMM (the backward one through its forward's frames)
+    assert b.idle[0] == ("megatron/core/transformer/moe/experts.py(1318): forward", 2, pytest.approx(0.130 + 0.190))
+    assert sum(ms for *_, ms in b.idle) == pytest.approx(b.wall_ms - b.busy_ms)
 
 
 def test_source_of_prefers_model_code_over_library_frames():

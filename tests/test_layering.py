@@ -33,7 +33,7 @@ REMOVED_CIRCLES = (
 # (layer, path prefixes): the longest matching prefix places a file; a file may import its own layer or lower ones
 RANKS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("floor", ("megatron_glm5/kernels/", "megatron_glm5/compat.py", "megatron_glm5/device_check.py",
-               "megatron_glm5/version.py", "megatron_glm5/__init__.py")),
+               "megatron_glm5/version.py", "megatron_glm5/fusions.py", "megatron_glm5/__init__.py")),
     ("dsa", ("megatron_glm5/dsa/", "megatron_glm5/moe/")),
     ("core", ("megatron_glm5/core/", "megatron_glm5/offload.py", "megatron_glm5/cpu.py", "megatron_glm5/providers.py",
               "megatron_glm5/parallel.py")),

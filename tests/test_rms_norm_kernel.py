@@ -61,21 +61,24 @@ def test_fused_rms_norm_matches_torch_in_triton_interpreter():
     assert r.returncode == 0 and r.stdout.strip().endswith("OK")
 
 
-def test_torch_norm_uses_the_reference_unless_asked(monkeypatch):
-    """TorchNorm's RMSNorm is the kernel's oracle expression on CPU; the fused path is opt-in by environment."""
+def test_torch_norm_takes_the_kernel_by_default_and_the_reference_on_cpu(monkeypatch):
+    """TorchNorm's RMSNorm is fused unless MEGATRON_GLM5_FUSED_RMSNORM=0; on a CPU tensor (no interpreter) the kernel
+    does not apply and the oracle expression runs."""
     from types import SimpleNamespace
 
     from megatron_glm5.kernels.rms_norm import rms_norm_reference
     from megatron_glm5.providers import FUSED_RMSNORM_ENV, TorchNorm
 
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     cfg = SimpleNamespace(normalization="RMSNorm", params_dtype=torch.bfloat16, sequence_parallel=False)
     x = torch.randn(3, 5, 64).bfloat16()
+    monkeypatch.setenv(FUSED_RMSNORM_ENV, "0")
     norm = TorchNorm(cfg, 64, eps=1e-6)
     with torch.no_grad():
         norm.weight.uniform_(0.5, 1.5)
     assert not norm.fused
     assert torch.equal(norm(x), rms_norm_reference(x, norm.weight, 1e-6))
-    monkeypatch.setenv(FUSED_RMSNORM_ENV, "1")
+    monkeypatch.delenv(FUSED_RMSNORM_ENV)
     assert TorchNorm(cfg, 64).fused
     fused = TorchNorm(cfg, 64, eps=1e-6)
     fused.load_state_dict(norm.state_dict())

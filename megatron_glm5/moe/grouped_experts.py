@@ -18,8 +18,10 @@ import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.fusions.fused_bias_geglu import quick_gelu, weighted_bias_quick_geglu_impl
-from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
+from megatron.core.fusions import fused_bias_swiglu
 from megatron.core.transformer.moe.experts import SequentialMLP
+
+from ..fusions import FUSED_SWIGLU_ENV, enabled, weighted_bias_swiglu_impl
 
 Impl = Literal["auto", "grouped_mm", "sequential"]
 IMPLS: tuple[str, ...] = ("auto", "grouped_mm", "sequential")
@@ -164,6 +166,7 @@ class TorchGroupedMLP(SequentialMLP):
                                      and "moe_act" in (cfg.recompute_modules or ()))
         first = self.local_experts[0]
         self._linear_types = (type(first.linear_fc1), type(first.linear_fc2))
+        self.fused_swiglu = enabled(FUSED_SWIGLU_ENV)
 
     def extra_repr(self) -> str:
         return f"num_local_experts={self.num_local_experts}, impl={self.impl!r}"
@@ -246,8 +249,9 @@ class TorchGroupedMLP(SequentialMLP):
         and linear offset, times the probs, cast back to ``h``'s dtype."""
         cfg = self.config
         if cfg.bias_activation_fusion:
-            if cfg.activation_func == F.silu:
-                return weighted_bias_swiglu_impl(h, None, probs.unsqueeze(-1), cfg.activation_func_fp8_input_store)
+            if cfg.activation_func == F.silu:  # the fused Triton kernel unless MEGATRON_GLM5_FUSED_SWIGLU=0
+                impl = weighted_bias_swiglu_impl if self.fused_swiglu else fused_bias_swiglu.weighted_bias_swiglu_impl
+                return impl(h, None, probs.unsqueeze(-1), cfg.activation_func_fp8_input_store)
             return weighted_bias_quick_geglu_impl(h, None, probs.unsqueeze(-1), cfg.activation_func_fp8_input_store,
                                                   cfg.glu_linear_offset, cfg.activation_func_clamp_value)
         if cfg.gated_linear_unit:

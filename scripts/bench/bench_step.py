@@ -104,10 +104,9 @@ VARIANTS = {
         Variant("mcore-kernels", "get_glm5_spec", ("--dsa-kernel-backend", "tilelang"),
                 "(b) megatron backend + megatron-core's TileLang DSA kernels"),
         Variant("megatron-torch", "get_glm5_spec", (), "(c) megatron backend, no DSA kernels (torch paths)"),
-        Variant("tilelang-torch-norm", "get_glm5_tilelang_spec", (),
-                "(a) with torch's RMSNorm instead of the fused kernel", (("MEGATRON_GLM5_FUSED_RMSNORM", "0"),)),
-        Variant("tilelang-fused-norm", "get_glm5_tilelang_spec", (),
-                "(a) with the fused RMSNorm kernel", (("MEGATRON_GLM5_FUSED_RMSNORM", "1"),)),
+        Variant("tilelang-unfused", "get_glm5_tilelang_spec", (),
+                "(a) with torch's RMSNorm and megatron-core's eager SwiGLU (the fusions off)",
+                (("MEGATRON_GLM5_FUSED_RMSNORM", "0"), ("MEGATRON_GLM5_FUSED_SWIGLU", "0"))),
         Variant("tilelang-grouped", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
                 "(a) with grouped-GEMM experts (`TorchGroupedMLP`)"),
         Variant("mcore-kernels-grouped", "get_glm5_spec", ("--dsa-kernel-backend", "tilelang", "--moe-grouped-gemm"),
@@ -441,6 +440,7 @@ _LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 _BWD = "autograd::engine::evaluate_function"
 # CUDA runtime calls where the host waits for the device (a D2H copy into pageable memory waits inside cudaMemcpyAsync)
 _SYNC = re.compile(r"^cuda(Stream|Device|Event)Synchronize$|^cudaMemcpy$|^cudaStreamWaitEvent_sync$")
+IDLE_MIN_US = 5.0  # a GPU gap shorter than this is launch latency between back-to-back kernels, not idle time
 _PY_FRAME = re.compile(r"\.py\(\d+\): ")
 _LIBRARY_FRAME = re.compile(r"(^|/)(torch|contextlib|functools|threading|typing)(/|\.py)|^<built-in|^<frozen")
 
@@ -503,6 +503,8 @@ class Breakdown:
     sources: list[tuple[str, int, float]] = field(default_factory=list)
     # Host waits on the device in the step: (source, runtime call, calls per step, host ms per step).
     syncs: list[tuple[str, str, int, float]] = field(default_factory=list)
+    # GPU idle time by the launch that ended it (what the GPU was waiting for): (source, gaps, ms per step).
+    idle: list[tuple[str, int, float]] = field(default_factory=list)
 
     @property
     def host_gap_ms(self) -> float:
@@ -662,6 +664,19 @@ def trace_breakdown(events: list[dict], top: int = 15) -> Breakdown:
                       key=lambda r: -r[3])[:top]
     source_rows = sorted(((k, int(c / n_steps), us / n_steps / 1000.0) for k, (c, us) in per_source.items()),
                          key=lambda r: -r[2])[:2 * top]
+    per_idle: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    busy_until = start
+    for e, key in sorted(zip(gpu, anchors), key=lambda p: float(p[0]["ts"])):
+        ts, te = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))
+        if steps and ts > end:
+            break
+        if ts - busy_until > IDLE_MIN_US and ts >= start:
+            k = per_idle[source_of(context(key) or []) if key is not None else "(no launch recorded)"]
+            k[0] += 1
+            k[1] += ts - busy_until
+        busy_until = max(busy_until, te)
+    idle_rows = sorted(((src, int(c / n_steps) or 1, us / n_steps / 1000.0) for src, (c, us) in per_idle.items()),
+                       key=lambda r: -r[2])[:top]
     per_sync: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0.0])
     for j, e in enumerate(sync_events):
         if steps and not start <= float(e["ts"]) <= end:
@@ -682,6 +697,7 @@ def trace_breakdown(events: list[dict], top: int = 15) -> Breakdown:
         python_frames=sum(1 for e in ctx_events if e.get("cat") == "python_function"),
         sources=source_rows,
         syncs=sync_rows,
+        idle=idle_rows,
     )
 
 
@@ -1035,6 +1051,11 @@ def render_report(results: list[VariantResult], *, skip: int, meta: dict[str, An
             if r.breakdown.syncs:
                 lines += ["", "| source | runtime call | calls | host ms |", "|---|---|---|---|"]
                 lines += [f"| `{_md(src)}` | {call} | {calls} | {ms:.2f} |" for src, call, calls, ms in r.breakdown.syncs]
+            if r.breakdown.idle:
+                lines += ["", f"GPU idle (gaps over {IDLE_MIN_US:.0f} us) by the launch that ended it, "
+                              f"`{r.variant.name}` (per step; the profiler's Python tracing inflates host time):", "",
+                          "| source | gaps | idle ms |", "|---|---|---|"]
+                lines += [f"| `{_md(src)}` | {n} | {ms:.2f} |" for src, n, ms in r.breakdown.idle]
     files = [Path(p).name for r in results for p in (r.main.log_path if r.main else "",
                                                      r.profile.log_path if r.profile else "", r.trace_path) if p]
     lines += ["", "Logs and traces (next to this file): " + ", ".join(f"`{f}`" for f in files) + "."]
