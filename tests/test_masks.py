@@ -36,6 +36,21 @@ def test_key_ranges_of_causal_document_and_padding_masks():
     assert [t.tolist() for t in key_ranges(additive, s, 1)] == [[0] * 6, [1, 2, 3, 4, 4, 4]]
 
 
+def test_key_ranges_in_several_passes_equal_one_pass(monkeypatch):
+    from megatron_glm5.dsa import masks
+
+    s = 40
+    docs = _causal(s).expand(2, 1, s, s).clone()
+    docs[0, :, 17:, :17] = True
+    docs[1, :, :, :5] = True
+    one = masks._ranges(docs, s, 2)
+    monkeypatch.setattr(masks, "ROW_CHUNK", 7)
+    monkeypatch.setattr(masks, "CHUNK_ELEMENTS", 2 * 7 * s)  # 7 rows per pass: 6 passes, the last one short
+    several = masks._ranges(docs, s, 2)
+    assert all(torch.equal(a, b) for a, b in zip(one, several))
+    assert one[0][0, 20].item() == 17 and one[0][1, 3].item() == 3  # a document start; a padded row's empty range
+
+
 @pytest.mark.parametrize("where", ["future", "gap"])
 def test_masks_that_are_not_one_causal_range_are_refused(where):
     mask = _causal(6).clone()

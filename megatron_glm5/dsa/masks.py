@@ -27,7 +27,8 @@ import torch
 
 from ..device_check import check_on_device
 
-ROW_CHUNK = 1024
+ROW_CHUNK = 1024  # at least this many query rows per pass over the mask
+CHUNK_ELEMENTS = 1 << 26  # at most this many mask elements per pass (more rows when the sequence is short)
 _MEMO_SIZE = 8
 _memo: dict[tuple, tuple[weakref.ref, int, tuple[torch.Tensor, torch.Tensor]]] = {}
 
@@ -50,8 +51,10 @@ def _ranges(mask: torch.Tensor, seqlen: int, batch: int) -> tuple[torch.Tensor, 
     starts = torch.empty(mask.shape[0], seqlen, dtype=torch.int64, device=mask.device)
     ends = torch.empty_like(starts)
     ok = torch.ones((), dtype=torch.bool, device=mask.device)
-    for r0 in range(0, seqlen, ROW_CHUNK):
-        r1 = min(seqlen, r0 + ROW_CHUNK)
+    # each pass is ~20 kernels over a [B, rows, s] slice: one pass up to 8K tokens (issue 23: fewer launches per step)
+    chunk = max(ROW_CHUNK, CHUNK_ELEMENTS // max(1, mask.shape[0] * seqlen))
+    for r0 in range(0, seqlen, chunk):
+        r1 = min(seqlen, r0 + chunk)
         allowed = ~_blocked(mask[:, r0:r1])  # [B, c, s]
         count = allowed.sum(-1)  # [B, c]
         first = allowed.to(torch.uint8).argmax(-1)
