@@ -22,8 +22,8 @@ Public API:
   ``indexer_loss_supported(qi, query, topk) -> bool`` (else use the torch oracle)
 
 Triton kernels (each module holds its contract and names its torch oracle; CPU tests run them in Triton's
-interpreter): :mod:`~megatron_glm5.kernels.rms_norm` (``MEGATRON_GLM5_FUSED_RMSNORM=1``),
-:mod:`~megatron_glm5.kernels.indexer_kl` (the sparse indexer loss's per-row KL), and GLM-5.3-Flash's mHC:
+interpreter): :mod:`~megatron_glm5.kernels.rms_norm` and :mod:`~megatron_glm5.kernels.swiglu` (switched in
+:mod:`megatron_glm5.fusions`), :mod:`~megatron_glm5.kernels.indexer_kl` (the sparse indexer loss's per-row KL), and GLM-5.3-Flash's mHC:
 :mod:`~megatron_glm5.kernels.stream_mix` (``stream_mix(x, a, b=None, y=None)``) and
 :mod:`~megatron_glm5.kernels.mhc_coefficients` (``mhc_coefficients(z, base, scale, n, iters, eps)``), chosen by
 ``MEGATRON_GLM5_MHC_KERNEL`` (:mod:`megatron_glm5.glm5_next.mhc`).
