@@ -454,6 +454,48 @@ def _probe_mlp_swiglu() -> None:
             ["input", "bias"],), name
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# 10. megatron-core's MoE token permutation, looked up by name in megatron.core.transformer.moe.token_dispatcher
+# --------------------------------------------------------------------------------------------------------------------
+
+_PERMUTE = ("permute", "unpermute")
+
+
+def route_moe_permute(permute: Callable, unpermute: Callable) -> None:
+    """Make megatron-core's token dispatchers call these two (same signatures as ``moe_utils.permute`` /
+    ``unpermute``). The dispatchers look both up in their module's globals at each call; installed once,
+    process-wide (:func:`install_patches`)."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    install_patches(((token_dispatcher, "permute", permute), (token_dispatcher, "unpermute", unpermute)))
+
+
+def moe_permute_routed() -> bool:
+    from megatron.core.transformer.moe import token_dispatcher
+
+    return all(is_patched(token_dispatcher, name) for name in _PERMUTE)
+
+
+@_hook("moe.token_dispatcher: the all-gather dispatcher calls permute / unpermute from its module globals; "
+       "moe_utils.permute returns (tokens, probs, sorted_indices, pad_offsets, tokens_per_expert)", "fusions.py", MCORE)
+def _probe_moe_permute() -> None:
+    import inspect
+
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    d = token_dispatcher.MoEAllGatherTokenDispatcher
+    assert "permute" in d.dispatch_postprocess.__code__.co_names, "dispatch_postprocess no longer calls permute"
+    assert "unpermute" in d.combine_preprocess.__code__.co_names, "combine_preprocess no longer calls unpermute"
+    assert list(inspect.signature(moe_utils.permute).parameters) == [
+        "tokens", "routing_map", "probs", "num_out_tokens", "fused", "drop_and_pad", "tokens_per_expert", "align_size"]
+    assert list(inspect.signature(moe_utils.unpermute).parameters) == [
+        "permuted_tokens", "sorted_indices", "restore_shape", "probs", "routing_map", "fused", "drop_and_pad",
+        "pad_offsets"]
+    tokens = torch.arange(6.0).reshape(3, 2)
+    out = moe_utils.permute(tokens, torch.tensor([[True, False], [True, True], [False, True]]), num_out_tokens=4)
+    assert len(out) == 5 and out[2].tolist() == [0, 1, 1, 2], out[2]
+
+
 def check_all() -> list[str]:
     """Run every probe; the names of those that fail (an empty list: every internal is where it was)."""
     failed = []

@@ -10,6 +10,10 @@ changes what runs on the CPU. Each switch is read when a module is built (``"0"`
   routing-probability-weighted form) and :class:`~megatron_glm5.moe.grouped_experts.TorchGroupedMLP`'s, as one Triton
   kernel each way (:mod:`megatron_glm5.kernels.swiglu`): the numerics of megatron-core's compiled ``jit_fuser`` path,
   without needing ``torch.compile``. Routed into megatron-core through :func:`megatron_glm5.compat.route_mlp_swiglu`.
+* ``MEGATRON_GLM5_FUSED_MOE_PERMUTE`` (experimental, off until measured on the GPU: ``1`` turns it on) - megatron-core's
+  un-fused MoE token permutation (the all-gather dispatcher's ``permute`` / ``unpermute``) with the sums as
+  gathers (:mod:`megatron_glm5.kernels.moe_permute`): no atomic adds, fp32 sums, deterministic. Routed through
+  :func:`megatron_glm5.compat.route_moe_permute`.
 
 Measured on the GLM-5 slice (issue 23, ``scripts/bench/RESULTS_step.md``).
 """
@@ -21,17 +25,27 @@ import os
 import torch
 
 from megatron_glm5 import compat
+from megatron_glm5.kernels.moe_permute import (
+    expert_rows,
+    moe_permute_supported,
+    permute_tokens,
+    sorted_token_indices,
+    unpermute_tokens,
+)
 from megatron_glm5.kernels.swiglu import swiglu, swiglu_supported, weighted_swiglu
 
 FUSED_RMSNORM_ENV = "MEGATRON_GLM5_FUSED_RMSNORM"
 FUSED_SWIGLU_ENV = "MEGATRON_GLM5_FUSED_SWIGLU"
+FUSED_MOE_PERMUTE_ENV = "MEGATRON_GLM5_FUSED_MOE_PERMUTE"
+_DEFAULTS = {FUSED_RMSNORM_ENV: "1", FUSED_SWIGLU_ENV: "1", FUSED_MOE_PERMUTE_ENV: "0"}
 
 
 def enabled(env: str) -> bool:
-    """A fusion's switch: on unless the variable is ``"0"``."""
-    value = os.environ.get(env, "1").strip()
+    """A fusion's switch: its default (module docstring) unless the variable says ``0`` or ``1``."""
+    value = os.environ.get(env, _DEFAULTS[env]).strip()
     if value not in ("0", "1"):
-        raise ValueError(f"{env}={value!r}: expected 0 (torch path) or 1 (fused kernel, the default)")
+        raise ValueError(f"{env}={value!r}: expected 0 (torch / megatron-core path) or 1 (fused kernel); "
+                         f"default {_DEFAULTS[env]}")
     return value == "1"
 
 
@@ -67,9 +81,41 @@ def weighted_bias_swiglu_impl(input: torch.Tensor, bias, weights: torch.Tensor, 
     return fused_bias_swiglu.weighted_bias_swiglu_impl(input, bias, weights, fp8_input_store)
 
 
-def install_fused_swiglu() -> bool:
-    """Route megatron-core ``MLP``'s SwiGLU through :func:`bias_swiglu_impl` / :func:`weighted_bias_swiglu_impl`
-    unless ``MEGATRON_GLM5_FUSED_SWIGLU=0`` (called when a GLM block spec is built); returns whether it is routed."""
+def permute(tokens: torch.Tensor, routing_map: torch.Tensor, probs=None, num_out_tokens: int | None = None,
+            fused: bool = False, drop_and_pad: bool = False, tokens_per_expert=None, align_size: int = 0):
+    """megatron-core's ``moe_utils.permute`` (same signature and results): the gather-sum kernels where they apply
+    (no probabilities, no drop-and-pad, not TE's fused path)."""
+    if (probs is None and not fused and not drop_and_pad and num_out_tokens is not None and routing_map.dim() == 2
+            and moe_permute_supported(tokens)):
+        rows = expert_rows(routing_map)
+        sorted_indices = sorted_token_indices(rows, int(num_out_tokens))
+        return permute_tokens(tokens, sorted_indices, rows), None, sorted_indices, None, tokens_per_expert
+    from megatron.core.transformer.moe import moe_utils
+
+    return moe_utils.permute(tokens, routing_map, probs, num_out_tokens, fused, drop_and_pad, tokens_per_expert,
+                             align_size)
+
+
+def unpermute(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor, restore_shape, probs=None,
+              routing_map=None, fused: bool = False, drop_and_pad: bool = False, pad_offsets=None):
+    """megatron-core's ``moe_utils.unpermute`` (same signature and result): the gather-sum kernel where it applies
+    (the routing map given, no probabilities, no drop-and-pad, not TE's fused path)."""
+    if (probs is None and routing_map is not None and not fused and not drop_and_pad and pad_offsets is None
+            and routing_map.dim() == 2 and tuple(restore_shape) == (routing_map.shape[0], permuted_tokens.shape[-1])
+            and moe_permute_supported(permuted_tokens)):
+        return unpermute_tokens(permuted_tokens, sorted_indices, expert_rows(routing_map))
+    from megatron.core.transformer.moe import moe_utils
+
+    return moe_utils.unpermute(permuted_tokens, sorted_indices, restore_shape, probs, routing_map, fused,
+                               drop_and_pad, pad_offsets)
+
+
+def install_fusions() -> dict[str, bool]:
+    """Route megatron-core's MLP SwiGLU (unless ``MEGATRON_GLM5_FUSED_SWIGLU=0``) and MoE permutation (with
+    ``MEGATRON_GLM5_FUSED_MOE_PERMUTE=1``) through this module; called when a GLM block spec is built. Returns what
+    is routed (a routing, once installed, stays for the process)."""
     if enabled(FUSED_SWIGLU_ENV):
         compat.route_mlp_swiglu(bias_swiglu_impl, weighted_bias_swiglu_impl)
-    return compat.mlp_swiglu_routed()
+    if enabled(FUSED_MOE_PERMUTE_ENV):
+        compat.route_moe_permute(permute, unpermute)
+    return {"swiglu": compat.mlp_swiglu_routed(), "moe_permute": compat.moe_permute_routed()}

@@ -21,8 +21,8 @@ def test_probe_passes_on_installed_versions(hook):
     hook.probe()
 
 
-def test_twelve_hooks_cover_the_design_list():
-    assert len(compat.HOOKS) == 12
+def test_thirteen_hooks_cover_the_design_list():
+    assert len(compat.HOOKS) == 13
     assert compat.check_all() == []
 
 

@@ -97,7 +97,7 @@ _ROUTED = textwrap.dedent('''
         (out1.square().sum() + (out2 * out2.flip(0)).sum()).backward()
         return out1, out2, y1.grad, y2.grad, p.grad
 
-    assert fusions.install_fused_swiglu()
+    assert fusions.install_fusions()["swiglu"]
     assert mcore_mlp.bias_swiglu_impl is fusions.bias_swiglu_impl
     assert mcore_mlp.weighted_bias_swiglu_impl is fusions.weighted_bias_swiglu_impl
     ours = run(mcore_mlp.bias_swiglu_impl, mcore_mlp.weighted_bias_swiglu_impl)

@@ -44,7 +44,7 @@ from ..core.stages import validate_stage_layers as _validate_stages
 from ..dsa.attention import GLMAbsorbedMLASelfAttention, GLMSparseAttention
 from ..dsa.indexer_training import IndexerLossSettings, LossSlot, loss_slots, warmup_freeze
 from ..dsa.tilelang_attention import TileLangMLASelfAttention, TileLangSparseAttention
-from ..fusions import install_fused_swiglu
+from ..fusions import install_fusions
 from ..offload import ActivationOffload, activation_offload_for
 from ..providers import default_provider
 from .config import resolve_indexer_types
@@ -219,7 +219,7 @@ def build_glm5_block_spec(
     ``indexer_warmup``: the indexer warm-up stage (:mod:`megatron_glm5.dsa.indexer_training`)."""
     check_glm5_numerics(config)
     check_runtime_dependencies(config)
-    install_fused_swiglu()
+    install_fusions()
     args = _megatron_lm_args()
     if args is not None:
         check_document_masking(args)
