@@ -496,6 +496,43 @@ def _probe_moe_permute() -> None:
     assert len(out) == 5 and out[2].tolist() == [0, 1, 1, 2], out[2]
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# 11. megatron-core's gradient-norm fallback without apex / TE (optimizer.clip_grads.l2_norm_impl)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def route_grad_norm(l2_norm: Callable) -> bool:
+    """Make megatron-core's ``get_grad_norm_fp32`` call ``l2_norm`` (``amp_C.multi_tensor_l2norm``'s signature) where
+    it would call its own fallback, ``utils.local_multi_tensor_l2_norm`` (no apex / TE), which syncs the host once per
+    gradient tensor. Leaves apex's or TE's kernel alone. Returns whether the fallback is replaced."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
+        install_patches(((clip_grads, "l2_norm_impl", l2_norm),))
+    return is_patched(clip_grads, "l2_norm_impl")
+
+
+def grad_norm_routed() -> bool:
+    from megatron.core.optimizer import clip_grads
+
+    return is_patched(clip_grads, "l2_norm_impl")
+
+
+@_hook("optimizer.clip_grads: get_grad_norm_fp32 calls l2_norm_impl (utils.local_multi_tensor_l2_norm without "
+       "apex / TE) through multi_tensor_applier(op, noop_flag, tensor_lists, per_tensor)", "fusions.py", MCORE)
+def _probe_grad_norm() -> None:
+    import inspect
+
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    assert "l2_norm_impl" in clip_grads.get_grad_norm_fp32.__code__.co_names
+    assert list(inspect.signature(utils.local_multi_tensor_l2_norm).parameters)[:4] == [
+        "chunk_size", "noop_flag", "tensor_lists", "per_tensor"]
+    assert hasattr(clip_grads, "l2_norm_impl")
+
+
 def check_all() -> list[str]:
     """Run every probe; the names of those that fail (an empty list: every internal is where it was)."""
     failed = []

@@ -10,6 +10,10 @@ changes what runs on the CPU. Each switch is read when a module is built (``"0"`
   routing-probability-weighted form) and :class:`~megatron_glm5.moe.grouped_experts.TorchGroupedMLP`'s, as one Triton
   kernel each way (:mod:`megatron_glm5.kernels.swiglu`): the numerics of megatron-core's compiled ``jit_fuser`` path,
   without needing ``torch.compile``. Routed into megatron-core through :func:`megatron_glm5.compat.route_mlp_swiglu`.
+* ``MEGATRON_GLM5_FUSED_GRAD_NORM`` - megatron-core's gradient norm without apex / TE (``local_multi_tensor_l2_norm``:
+  one torch kernel and one host sync per gradient tensor, 162 syncs per step of the GLM-5 slice) as torch's foreach
+  norm, left on the device (:func:`multi_tensor_l2_norm`; megatron-core reads the total once, as before). Routed
+  through :func:`megatron_glm5.compat.route_grad_norm`; apex's and TE's kernels are left alone.
 * ``MEGATRON_GLM5_FUSED_MOE_PERMUTE`` (experimental, off until measured on the GPU: ``1`` turns it on) - megatron-core's
   un-fused MoE token permutation (the all-gather dispatcher's ``permute`` / ``unpermute``) with the sums as
   gathers (:mod:`megatron_glm5.kernels.moe_permute`): no atomic adds, fp32 sums, deterministic. Routed through
@@ -37,7 +41,8 @@ from megatron_glm5.kernels.swiglu import swiglu, swiglu_supported, weighted_swig
 FUSED_RMSNORM_ENV = "MEGATRON_GLM5_FUSED_RMSNORM"
 FUSED_SWIGLU_ENV = "MEGATRON_GLM5_FUSED_SWIGLU"
 FUSED_MOE_PERMUTE_ENV = "MEGATRON_GLM5_FUSED_MOE_PERMUTE"
-_DEFAULTS = {FUSED_RMSNORM_ENV: "1", FUSED_SWIGLU_ENV: "1", FUSED_MOE_PERMUTE_ENV: "0"}
+FUSED_GRAD_NORM_ENV = "MEGATRON_GLM5_FUSED_GRAD_NORM"
+_DEFAULTS = {FUSED_RMSNORM_ENV: "1", FUSED_SWIGLU_ENV: "1", FUSED_MOE_PERMUTE_ENV: "0", FUSED_GRAD_NORM_ENV: "1"}
 
 
 def enabled(env: str) -> bool:
@@ -110,12 +115,26 @@ def unpermute(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor, resto
                                drop_and_pad, pad_offsets)
 
 
+def multi_tensor_l2_norm(chunk_size: int, noop_flag, tensor_lists, per_tensor: bool = False, *args):
+    """megatron-core's ``local_multi_tensor_l2_norm`` (``amp_C.multi_tensor_l2norm``'s contract: the L2 norm of all
+    tensors of ``tensor_lists[0]`` as a one-element fp32 tensor, and no per-tensor norms) without a host sync."""
+    tensors = list(tensor_lists[0])
+    if not tensors:
+        return torch.zeros(1, dtype=torch.float, device=noop_flag.device), None
+    total = torch.nn.utils.get_total_norm(tensors, 2.0, foreach=True)
+    return total.float().reshape(1), None
+
+
 def install_fusions() -> dict[str, bool]:
-    """Route megatron-core's MLP SwiGLU (unless ``MEGATRON_GLM5_FUSED_SWIGLU=0``) and MoE permutation (with
-    ``MEGATRON_GLM5_FUSED_MOE_PERMUTE=1``) through this module; called when a GLM block spec is built. Returns what
-    is routed (a routing, once installed, stays for the process)."""
+    """Route megatron-core's MLP SwiGLU (unless ``MEGATRON_GLM5_FUSED_SWIGLU=0``), its gradient-norm fallback
+    (unless ``MEGATRON_GLM5_FUSED_GRAD_NORM=0``) and its MoE permutation (with ``MEGATRON_GLM5_FUSED_MOE_PERMUTE=1``)
+    through this module; called when a GLM block spec is built. Returns what is routed (a routing, once installed,
+    stays for the process)."""
     if enabled(FUSED_SWIGLU_ENV):
         compat.route_mlp_swiglu(bias_swiglu_impl, weighted_bias_swiglu_impl)
+    if enabled(FUSED_GRAD_NORM_ENV):
+        compat.route_grad_norm(multi_tensor_l2_norm)
     if enabled(FUSED_MOE_PERMUTE_ENV):
         compat.route_moe_permute(permute, unpermute)
-    return {"swiglu": compat.mlp_swiglu_routed(), "moe_permute": compat.moe_permute_routed()}
+    return {"swiglu": compat.mlp_swiglu_routed(), "moe_permute": compat.moe_permute_routed(),
+            "grad_norm": compat.grad_norm_routed()}

@@ -72,3 +72,34 @@ def test_fusions_inside_the_model_match_megatron_core(grouped):
     r = subprocess.run([sys.executable, "-c", _SCRIPT, grouped], env=env, capture_output=True, text=True, timeout=900)
     print(r.stdout[-3000:], r.stderr[-3000:])
     assert r.returncode == 0 and r.stdout.rstrip().endswith("OK")
+
+
+def test_grad_norm_fallback_is_routed_and_equals_megatron_cores_expression(monkeypatch):
+    """megatron-core's no-apex gradient norm (one ``float()`` per tensor) replaced by torch's foreach norm on the
+    device: the same total (fp32 rounding), through megatron-core's own ``multi_tensor_applier`` call."""
+    import torch
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    from megatron_glm5 import compat, fusions
+
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(n, generator=g) * s for n, s in ((1000, 1.0), (37, 50.0), (1, 0.01), (4096, 1e-3))]
+    megatron_expression = torch.norm(torch.tensor([float(torch.norm(t)) for t in grads]))
+    total, per_tensor = fusions.multi_tensor_l2_norm(2048 * 32, torch.zeros(1, dtype=torch.int), [grads], False)
+    assert per_tensor is None and total.shape == (1,) and total.dtype == torch.float32
+    assert torch.allclose(total[0], megatron_expression, rtol=1e-6, atol=0)
+    empty, _ = fusions.multi_tensor_l2_norm(2048 * 32, torch.zeros(1, dtype=torch.int), [[]], False)
+    assert empty.tolist() == [0.0]
+
+    monkeypatch.delenv(fusions.FUSED_GRAD_NORM_ENV, raising=False)
+    assert clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm or compat.grad_norm_routed()
+    try:
+        assert fusions.install_fusions()["grad_norm"]
+        assert clip_grads.l2_norm_impl is fusions.multi_tensor_l2_norm
+        norm, _ = clip_grads.multi_tensor_applier(clip_grads.l2_norm_impl, torch.zeros(1, dtype=torch.int),
+                                                  [grads], False)
+        assert torch.equal(norm, total)
+    finally:
+        compat.remove_patches(((clip_grads, "l2_norm_impl", None),))
+    assert clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm
