@@ -24,6 +24,7 @@ Measured on the GLM-5 slice (issue 23, ``scripts/bench/RESULTS_step.md``).
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -42,6 +43,8 @@ FUSED_RMSNORM_ENV = "MEGATRON_GLM5_FUSED_RMSNORM"
 FUSED_SWIGLU_ENV = "MEGATRON_GLM5_FUSED_SWIGLU"
 FUSED_MOE_PERMUTE_ENV = "MEGATRON_GLM5_FUSED_MOE_PERMUTE"
 FUSED_GRAD_NORM_ENV = "MEGATRON_GLM5_FUSED_GRAD_NORM"
+_log = logging.getLogger("megatron_glm5")
+_logged: set[str] = set()
 _DEFAULTS = {FUSED_RMSNORM_ENV: "1", FUSED_SWIGLU_ENV: "1", FUSED_MOE_PERMUTE_ENV: "0", FUSED_GRAD_NORM_ENV: "1"}
 
 
@@ -136,5 +139,12 @@ def install_fusions() -> dict[str, bool]:
         compat.route_grad_norm(multi_tensor_l2_norm)
     if enabled(FUSED_MOE_PERMUTE_ENV):
         compat.route_moe_permute(permute, unpermute)
-    return {"swiglu": compat.mlp_swiglu_routed(), "moe_permute": compat.moe_permute_routed(),
-            "grad_norm": compat.grad_norm_routed()}
+    routed = {"swiglu": compat.mlp_swiglu_routed(), "moe_permute": compat.moe_permute_routed(),
+              "grad_norm": compat.grad_norm_routed()}
+    norm = "fused" if enabled(FUSED_RMSNORM_ENV) else "torch"
+    message = (f"megatron-glm5 fusions (where Triton runs): RMSNorm {norm}, "
+               + ", ".join(f"{k} {'fused' if v else 'megatron-core'}" for k, v in routed.items()))
+    if message not in _logged:
+        _logged.add(message)
+        _log.info(message)
+    return routed

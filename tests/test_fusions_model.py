@@ -31,9 +31,14 @@ _SCRIPT = textwrap.dedent('''
 
     grouped = sys.argv[1]
     calls = {"swiglu": 0, "permute": 0}
+    def counted(real, key):
+        def call(*a):
+            calls[key] += 1
+            return real(*a)
+        return call
+
     for mod, name, key in ((swiglu, "_forward", "swiglu"), (moe_permute, "gather_sum", "permute")):
-        real = getattr(mod, name)
-        setattr(mod, name, (lambda real, key: lambda *a: (calls.__setitem__(key, calls[key] + 1), real(*a))[1])(real, key))
+        setattr(mod, name, counted(getattr(mod, name), key))
 
     def run():
         torch.manual_seed(0)

@@ -1053,7 +1053,8 @@ def render_report(results: list[VariantResult], *, skip: int, meta: dict[str, An
                              else "none recorded")]
             if r.breakdown.syncs:
                 lines += ["", "| source | runtime call | calls | host ms |", "|---|---|---|---|"]
-                lines += [f"| `{_md(src)}` | {call} | {calls} | {ms:.2f} |" for src, call, calls, ms in r.breakdown.syncs]
+                lines += [f"| `{_md(src)}` | {call} | {calls} | {ms:.2f} |"
+                          for src, call, calls, ms in r.breakdown.syncs]
             if r.breakdown.idle:
                 lines += ["", f"GPU idle (gaps over {IDLE_MIN_US:.0f} us) by the launch that ended it, "
                               f"`{r.variant.name}` (per step; the profiler's Python tracing inflates host time):", "",

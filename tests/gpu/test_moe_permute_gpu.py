@@ -32,7 +32,8 @@ def test_gather_sum_matches_oracle():
     out, ref = gather_sum(src, rows), gather_sum_reference(src, rows)
     flips = int((out != ref).sum())
     worst = int((out.view(torch.int16).int() - ref.view(torch.int16).int()).abs().max())
-    print(f"\ngather_sum [{TOKENS}x{TOPK} -> {TOKENS}, {HIDDEN}] bf16: {flips} of {out.numel()} differ (max {worst} ulp)")
+    print(f"\ngather_sum [{TOKENS}x{TOPK} -> {TOKENS}, {HIDDEN}] bf16: {flips} of {out.numel()} differ "
+          f"(max {worst} ulp)")
     assert worst <= 1 and flips <= out.numel() // 10000
     assert torch.equal(gather_sum(src, rows), out)  # no atomics: the same bits every run
 
