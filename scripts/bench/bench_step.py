@@ -1029,6 +1029,8 @@ def render_report(results: list[VariantResult], *, skip: int, meta: dict[str, An
         lines.append(row("host gaps, profiled step (wall - busy)", lambda r: f"{r.breakdown.host_gap_ms:.1f}"))
         lines.append(row("host gaps vs the unprofiled mean (ms/iteration - busy)",
                          lambda r: _f(stats[r.variant.name]["ms_mean"] - r.breakdown.busy_ms)))
+        lines.append(row("ms / iteration without the optimizer (unprofiled mean - its GPU time); TFLOP/s (Megatron's)",
+                         lambda r: _without_optimizer(stats[r.variant.name], r.breakdown)))
         lines.append(row("GPU time tied to a launch; Python frames in trace",
                          lambda r: f"{100 * r.breakdown.linked:.0f} %; {r.breakdown.python_frames}"))
         for r in profiled:
@@ -1064,6 +1066,14 @@ def render_report(results: list[VariantResult], *, skip: int, meta: dict[str, An
                                                      r.profile.log_path if r.profile else "", r.trace_path) if p]
     lines += ["", "Logs and traces (next to this file): " + ", ".join(f"`{f}`" for f in files) + "."]
     return "\n".join(lines) + "\n"
+
+
+def _without_optimizer(stats: dict[str, float], b: Breakdown) -> str:
+    """The step with the optimizer's GPU time taken out (Megatron-LM's optimizer: its torch fallback without TE or
+    apex is not the model's), and Megatron's TFLOP/s at that time."""
+    ms = stats.get("ms_mean", math.nan) - b.buckets_ms.get("optimizer + grad buffers", 0.0)
+    flop = stats.get("tflop_per_iter_megatron", math.nan)
+    return f"{ms:.1f}; {flop / ms * 1000:.1f}" if ms > 0 else "-"
 
 
 def summary_lines(results: list[VariantResult], skip: int) -> list[str]:
