@@ -14,6 +14,9 @@ changes what runs on the CPU. Each switch is read when a module is built (``"0"`
   one torch kernel and one host sync per gradient tensor, 162 syncs per step of the GLM-5 slice) as torch's foreach
   norm, left on the device (:func:`multi_tensor_l2_norm`; megatron-core reads the total once, as before). Routed
   through :func:`megatron_glm5.compat.route_grad_norm`; apex's and TE's kernels are left alone.
+* ``MEGATRON_GLM5_FUSED_ROPE`` (experimental, off until measured on the GPU) - the ``tilelang`` attention's four
+  RoPE + concatenations (query, latent keys, indexer query and key) as one Triton kernel each way
+  (:mod:`megatron_glm5.kernels.rope_cat`, :func:`rope_cat`).
 * ``MEGATRON_GLM5_FUSED_MOE_PERMUTE`` (experimental, off until measured on the GPU: ``1`` turns it on) - megatron-core's
   un-fused MoE token permutation (the all-gather dispatcher's ``permute`` / ``unpermute``) with the sums as
   gathers (:mod:`megatron_glm5.kernels.moe_permute`): no atomic adds, fp32 sums, deterministic. Routed through
@@ -37,15 +40,19 @@ from megatron_glm5.kernels.moe_permute import (
     sorted_token_indices,
     unpermute_tokens,
 )
+from megatron_glm5.kernels.rope_cat import rope_cat_reference, rope_cat_supported
+from megatron_glm5.kernels.rope_cat import rope_cat as _rope_cat_kernel
 from megatron_glm5.kernels.swiglu import swiglu, swiglu_supported, weighted_swiglu
 
 FUSED_RMSNORM_ENV = "MEGATRON_GLM5_FUSED_RMSNORM"
 FUSED_SWIGLU_ENV = "MEGATRON_GLM5_FUSED_SWIGLU"
 FUSED_MOE_PERMUTE_ENV = "MEGATRON_GLM5_FUSED_MOE_PERMUTE"
 FUSED_GRAD_NORM_ENV = "MEGATRON_GLM5_FUSED_GRAD_NORM"
+FUSED_ROPE_ENV = "MEGATRON_GLM5_FUSED_ROPE"
 _log = logging.getLogger("megatron_glm5")
 _logged: set[str] = set()
-_DEFAULTS = {FUSED_RMSNORM_ENV: "1", FUSED_SWIGLU_ENV: "1", FUSED_MOE_PERMUTE_ENV: "0", FUSED_GRAD_NORM_ENV: "1"}
+_DEFAULTS = {FUSED_RMSNORM_ENV: "1", FUSED_SWIGLU_ENV: "1", FUSED_MOE_PERMUTE_ENV: "0", FUSED_GRAD_NORM_ENV: "1",
+             FUSED_ROPE_ENV: "0"}
 
 
 def enabled(env: str) -> bool:
@@ -61,6 +68,16 @@ def _rows(input: torch.Tensor) -> torch.Tensor | None:
     if input.dim() not in (2, 3):
         return None
     return input.reshape(-1, input.shape[-1])
+
+
+def rope_cat(x: torch.Tensor, rest: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, rope_first: bool,
+             out_dtype: torch.dtype | None = None, fused: bool = False) -> torch.Tensor:
+    """``cat([rope(x), rest])`` (``rope_first``) or ``cat([rest, rope(x)])`` in ``out_dtype``: the Triton kernel when
+    ``fused`` (the caller's ``MEGATRON_GLM5_FUSED_ROPE``, read when it was built) and it takes the tensors, else the
+    torch expressions."""
+    if fused and rope_cat_supported(x, rest, cos):
+        return _rope_cat_kernel(x, rest, cos, sin, rope_first=rope_first, out_dtype=out_dtype)
+    return rope_cat_reference(x, rest, cos, sin, rope_first=rope_first, out_dtype=out_dtype)
 
 
 def bias_swiglu_impl(input: torch.Tensor, bias, fp8_input_store: bool = False, cpu_offload_input: bool = False):

@@ -9,18 +9,13 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.rope_cat import apply_interleaved_rope  # the torch expressions (the fused kernel's oracle)
+
+__all__ = ["apply_interleaved_rope", "rope_cos_sin"]
+
 
 def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``cos, sin`` of shape ``[*positions.shape, dim // 2]``."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim))
     angles = positions.to(torch.float32)[..., None] * inv_freq
     return angles.cos(), angles.sin()
-
-
-def apply_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the last dim of ``x`` (``[T, ..., d]``) with per-row ``cos/sin`` ``[T, d/2]``; fp32 math, one cast."""
-    while cos.ndim < x.ndim:
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    xf = x.float()
-    even, odd = xf[..., 0::2], xf[..., 1::2]
-    return torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1).to(x.dtype)

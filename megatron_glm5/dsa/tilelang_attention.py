@@ -40,13 +40,14 @@ from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
 
+from ..fusions import FUSED_ROPE_ENV, enabled, rope_cat
 from . import reference
 from .attention import DSACoreAttention, rebuild_down_projections, with_mcore_down_projections
 from .hooks import linear_weight, mark_replicated
 from .indexer_training import main_loss_backward_scale
 from .layout import TokenLayout
 from .loss_after_attention import LossAfterAttention
-from .rope import apply_interleaved_rope, rope_cos_sin
+from .rope import rope_cos_sin
 
 @functools.cache
 def _tilelang_available() -> bool:
@@ -107,6 +108,7 @@ class TileLangSparseAttention(DSACoreAttention):
         self.index_heads = config.dsa_indexer_n_heads
         self.index_dim = config.dsa_indexer_head_dim
         self.rope_dim = config.qk_pos_emb_head_dim
+        self.fused_rope = enabled(FUSED_ROPE_ENV)
 
     def indexer_rows(self, x: torch.Tensor, q_c: torch.Tensor, layout: TokenLayout, rope_q, rope_k,
                      gather: "SequenceGather") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -125,9 +127,9 @@ class TileLangSparseAttention(DSACoreAttention):
         scale = self.index_heads**-0.5 * self.index_dim**-0.5
         w = F.linear(x.float(), linear_weight(idx.linear_weights_proj).float()) * scale  # fp32 head weights
         q, w, k = layout.flatten(gather.rows(q)), layout.flatten(gather.rows(w)), layout.flatten_keys(gather.keys(k))
-        r = self.rope_dim
-        q = torch.cat([apply_interleaved_rope(q[..., :r], *rope_q), q[..., r:]], dim=-1)  # [T_q, Hi, Di]
-        k = torch.cat([apply_interleaved_rope(k[..., :r], *rope_k), k[..., r:]], dim=-1).to(q.dtype)  # [T_k, Di]
+        r, fused = self.rope_dim, self.fused_rope
+        q = rope_cat(q[..., :r], q[..., r:], *rope_q, rope_first=True, fused=fused)  # [T_q, Hi, Di]
+        k = rope_cat(k[..., :r], k[..., r:], *rope_k, rope_first=True, out_dtype=q.dtype, fused=fused)  # [T_k, Di]
         return q, k, w
 
     @torch.no_grad()
@@ -251,6 +253,7 @@ class TileLangMLASelfAttention(MLASelfAttention):
         rebuild_down_projections(self, down)
         if not isinstance(self.core_attention, TileLangSparseAttention):
             raise TypeError(f"TileLangMLASelfAttention needs TileLangSparseAttention, got {type(self.core_attention)}")
+        self.fused_rope = enabled(FUSED_ROPE_ENV)
 
     @property
     def computes_topk(self) -> bool:
@@ -301,14 +304,17 @@ class TileLangMLASelfAttention(MLASelfAttention):
             rope_q = rope_cos_sin(layout.positions, cfg.qk_pos_emb_head_dim, cfg.rotary_base)
             rope_k = rope_q if cp_group is None else rope_cos_sin(layout.key_positions, cfg.qk_pos_emb_head_dim,
                                                                   cfg.rotary_base)
-            q_pe = apply_interleaved_rope(q_pe, *rope_q)
-            k_pe = apply_interleaved_rope(layout.flatten_keys(k_pe), *rope_k)
         else:  # NoPE (GLM-5.3-Flash): the rope parts are empty, no position is read; d = kv_lora_rank = 512
             rope_q = rope_k = None
-            k_pe = layout.flatten_keys(k_pe)
         w_kc, w_vc = self.kv_up_weights()
-        query = torch.cat([torch.einsum("thd,hdc->thc", q_nope, w_kc), q_pe], dim=-1)  # [T_q, H, 576]
-        kv_full = torch.cat([layout.flatten_keys(c), k_pe], dim=-1)  # [T_k, 576]
+        q_latent = torch.einsum("thd,hdc->thc", q_nope, w_kc)
+        if rope_q is not None:
+            query = rope_cat(q_pe, q_latent, *rope_q, rope_first=False, fused=self.fused_rope)  # [T_q, H, 576]
+            kv_full = rope_cat(layout.flatten_keys(k_pe), layout.flatten_keys(c), *rope_k, rope_first=False,
+                               fused=self.fused_rope)  # [T_k, 576]
+        else:
+            query = torch.cat([q_latent, q_pe], dim=-1)
+            kv_full = torch.cat([layout.flatten_keys(c), layout.flatten_keys(k_pe)], dim=-1)
 
         sparse = self.core_attention
         topk, indexer, lse = dsa_topk, None, None
