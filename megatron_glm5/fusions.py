@@ -1,8 +1,9 @@
 """Which fused kernels replace torch / megatron-core elementwise code in the model, and their switches, in one place.
 
-Both are on by default where Triton runs (CUDA); each falls back to the torch path it replaces on any input it does
-not take (CPU tensors, other dtypes, megatron-core's bias / FP8-store / CPU-offload variants), so turning one on never
-changes what runs on the CPU. Each switch is read when a module is built (``"0"`` turns it off):
+Each is on by default unless marked experimental below (those wait for a GPU measurement). Each falls back to the
+path it replaces on any input it does not take (CPU tensors, other dtypes, megatron-core's bias / FP8-store /
+CPU-offload variants), so turning one on never changes what runs on the CPU. Each switch is an environment variable
+read when a module or block spec is built (``0`` or ``1``; anything else is refused):
 
 * ``MEGATRON_GLM5_FUSED_RMSNORM`` - :class:`megatron_glm5.providers.TorchNorm`'s RMSNorm as one Triton kernel each way
   (:mod:`megatron_glm5.kernels.rms_norm`; same numerics up to rare one-ulp flips).
@@ -158,8 +159,9 @@ def install_fusions() -> dict[str, bool]:
         compat.route_moe_permute(permute, unpermute)
     routed = {"swiglu": compat.mlp_swiglu_routed(), "moe_permute": compat.moe_permute_routed(),
               "grad_norm": compat.grad_norm_routed()}
-    norm = "fused" if enabled(FUSED_RMSNORM_ENV) else "torch"
-    message = (f"megatron-glm5 fusions (where Triton runs): RMSNorm {norm}, "
+    own = {"RMSNorm": enabled(FUSED_RMSNORM_ENV), "RoPE": enabled(FUSED_ROPE_ENV)}
+    message = ("megatron-glm5 fusions (Triton kernels where Triton runs): "
+               + ", ".join(f"{k} {'fused' if v else 'torch'}" for k, v in own.items()) + ", "
                + ", ".join(f"{k} {'fused' if v else 'megatron-core'}" for k, v in routed.items()))
     if message not in _logged:
         _logged.add(message)

@@ -5,8 +5,9 @@
   Triton's interpreter (a subprocess with ``TRITON_INTERPRET=1``): fp32 within 1e-5 of the scale; bf16 within a few
   ulps of it (the interpreter rounds fp32 -> bf16 differently from the GPU). A wrong derivative, a missing weight or
   a wrong row / column offset is far outside either bound (the mutation case checks one).
-* Routed: megatron-core's dense ``MLP`` and a ``MoELayer`` (``SequentialMLP`` experts, the weighted form) give the same
-  output and gradients in fp32 with the fused kernels as with megatron-core's own functions, and the kernels ran.
+* Routed: the two functions megatron-core's ``MLP`` looks up (plain and weighted by the routing probabilities) give
+  megatron-core's outputs and gradients in fp32, and the kernels ran; bias variants stay megatron-core's. (Inside a
+  whole model: ``tests/test_fusions_model.py``.)
 * Both kernels compile to sm_90 cubins here (Triton's ptxas, no GPU).
 * Without the interpreter a CPU tensor takes megatron-core's path; ``MEGATRON_GLM5_FUSED_SWIGLU=0`` routes nothing.
 """
