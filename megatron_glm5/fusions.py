@@ -98,8 +98,7 @@ def weighted_bias_swiglu_impl(input: torch.Tensor, bias, weights: torch.Tensor, 
     kernel where it applies."""
     if bias is None and not fp8_input_store:
         y = _rows(input)
-        w = weights.reshape(-1, 1) if weights.numel() == (y.shape[0] if y is not None else -1) else None
-        if y is not None and w is not None and swiglu_supported(y, w):
+        if y is not None and weights.numel() == y.shape[0] and swiglu_supported(y, w := weights.reshape(-1, 1)):
             out = weighted_swiglu(y, w)
             return out if input.dim() == 2 else out.view(input.shape[0], input.shape[1], -1)
     from megatron.core.fusions import fused_bias_swiglu
@@ -149,8 +148,8 @@ def multi_tensor_l2_norm(chunk_size: int, noop_flag, tensor_lists, per_tensor: b
 def install_fusions() -> dict[str, bool]:
     """Route megatron-core's MLP SwiGLU (unless ``MEGATRON_GLM5_FUSED_SWIGLU=0``), its gradient-norm fallback
     (unless ``MEGATRON_GLM5_FUSED_GRAD_NORM=0``) and its MoE permutation (with ``MEGATRON_GLM5_FUSED_MOE_PERMUTE=1``)
-    through this module; called when a GLM block spec is built. Returns what is routed (a routing, once installed,
-    stays for the process)."""
+    through this module; called by :func:`megatron_glm5.core.mla_spec.prepare_runtime` before either GLM family
+    builds a layer spec. Returns what is routed (a routing, once installed, stays for the process)."""
     if enabled(FUSED_SWIGLU_ENV):
         compat.route_mlp_swiglu(bias_swiglu_impl, weighted_bias_swiglu_impl)
     if enabled(FUSED_GRAD_NORM_ENV):

@@ -6,15 +6,12 @@ itself), and the kernels ran."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.triton_checks import passed, run_in_interpreter
+
 
 _SCRIPT = textwrap.dedent('''
     import os, sys
@@ -73,10 +70,7 @@ _SCRIPT = textwrap.dedent('''
 @pytest.mark.parametrize("grouped", ["off", "on"])
 def test_fusions_inside_the_model_match_megatron_core(grouped):
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    r = subprocess.run([sys.executable, "-c", _SCRIPT, grouped], env=env, capture_output=True, text=True, timeout=900)
-    print(r.stdout[-3000:], r.stderr[-3000:])
-    assert r.returncode == 0 and r.stdout.rstrip().endswith("OK")
+    assert passed(run_in_interpreter(_SCRIPT, grouped))
 
 
 def test_grad_norm_fallback_is_routed_and_equals_megatron_cores_expression(monkeypatch):

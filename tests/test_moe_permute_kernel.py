@@ -12,18 +12,13 @@ megatron-core's token dispatcher (:mod:`megatron_glm5.fusions`, ``MEGATRON_GLM5_
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 from megatron_glm5.kernels.moe_permute import expert_rows, gather_sum_reference, sorted_token_indices
-
-REPO = Path(__file__).resolve().parents[1]
+from tests.triton_checks import compile_sm90, mutant_env, passed, run_in_interpreter
 
 
 def _routing(tokens: int, experts: int, topk: int, seed: int, nowhere: int = 0) -> torch.Tensor:
@@ -57,15 +52,10 @@ def test_rows_and_sorted_indices_match_megatron_permute(tokens, experts, topk, n
 
 
 _KERNEL = textwrap.dedent('''
-    import importlib.util, os
     import torch
-    path = os.environ.get("MOE_PERMUTE_MODULE")  # the mutation check loads a changed copy
-    if path:
-        spec = importlib.util.spec_from_file_location("mutant_moe_permute", path)
-        k = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(k)
-    else:
-        from megatron_glm5.kernels import moe_permute as k
+    from tests.triton_checks import kernel_module
+
+    k = kernel_module("moe_permute")  # or the mutation check's changed copy
 
     def rel(a, b):
         return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
@@ -137,36 +127,25 @@ _ROUTED = textwrap.dedent('''
 ''')
 
 
-def _run(script: str, **extra: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               MEGATRON_GLM5_FUSED_MOE_PERMUTE="1", **extra)
-    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+def _run(script: str, **env: str):
+    return run_in_interpreter(script, MEGATRON_GLM5_FUSED_MOE_PERMUTE="1", **env)
 
 
 def test_gather_sum_matches_the_oracle_in_triton_interpreter():
     pytest.importorskip("triton")
-    r = _run(_KERNEL)
-    print(r.stdout[-3000:], r.stderr[-3000:])
-    assert r.returncode == 0 and r.stdout.rstrip().endswith("OK")
+    assert passed(_run(_KERNEL))
 
 
 def test_dispatcher_permutation_routed_to_the_kernel():
     pytest.importorskip("triton")
-    r = _run(_ROUTED)
-    print(r.stdout[-3000:], r.stderr[-3000:])
-    assert r.returncode == 0 and r.stdout.rstrip().endswith("OK")
+    assert passed(_run(_ROUTED))
 
 
 def test_a_skipped_row_is_caught(tmp_path):
     """Mutation check: a kernel that sums only each token's first expert column fails the oracle bound."""
     pytest.importorskip("triton")
-    source = (REPO / "megatron_glm5/kernels/moe_permute.py").read_text()
-    needle = "for e in range(0, experts):"
-    assert needle in source
-    mutant = tmp_path / "mutant_moe_permute.py"
-    mutant.write_text(source.replace(needle, "for e in range(0, 1):"))
-    r = _run(_KERNEL, MOE_PERMUTE_MODULE=str(mutant))
-    assert r.returncode != 0 and "AssertionError" in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
+    r = _run(_KERNEL, **mutant_env(tmp_path, "moe_permute", "for e in range(0, experts):", "for e in range(0, 1):"))
+    assert r.returncode != 0 and "AssertionError" in r.stderr
 
 
 def test_off_by_default_and_cpu_tensors_keep_megatron_core(monkeypatch):
@@ -185,15 +164,10 @@ def test_off_by_default_and_cpu_tensors_keep_megatron_core(monkeypatch):
 
 
 def test_gather_sum_compiles_for_sm90():
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-
+    pytest.importorskip("triton")
     from megatron_glm5.kernels import moe_permute
 
     kernel = moe_permute._triton()
-    sig = {n: "constexpr" if n == "BLOCK" else ("i32" if n in ("stride_src", "stride_out", "hidden", "experts")
-                                                 else "*bf16") for n in kernel.arg_names}
+    sig = {n: "i32" if n in ("stride_src", "stride_out", "hidden", "experts") else "*bf16" for n in kernel.arg_names}
     sig["ROWS"] = "*i32"
-    compiled = triton.compile(triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs={"BLOCK": 1024}),
-                              target=GPUTarget("cuda", 90, 32))
-    assert compiled.asm.get("cubin")
+    compile_sm90(kernel, sig, {"BLOCK": 1024})

@@ -7,26 +7,18 @@ sm_90 cubins; and inside a tiny ``tilelang`` GLM-5.2 model the logits and gradie
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.triton_checks import compile_sm90, mutant_env, passed, run_in_interpreter
+
 
 _SCRIPT = textwrap.dedent('''
-    import importlib.util, os
     import torch
-    path = os.environ.get("ROPE_CAT_MODULE")  # the mutation check loads a changed copy
-    if path:
-        spec = importlib.util.spec_from_file_location("mutant_rope_cat", path)
-        k = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(k)
-    else:
-        from megatron_glm5.kernels import rope_cat as k
+    from tests.triton_checks import kernel_module
+
+    k = kernel_module("rope_cat")  # or the mutation check's changed copy
     from megatron_glm5.dsa.rope import rope_cos_sin
 
     def rel(a, b):
@@ -103,48 +95,27 @@ _MODEL = textwrap.dedent('''
 ''')
 
 
-def _run(script: str, **extra: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               **extra)
-    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
-
-
 def test_rope_cat_matches_the_oracle_in_triton_interpreter():
     pytest.importorskip("triton")
-    r = _run(_SCRIPT)
-    print(r.stdout[-3000:], r.stderr[-3000:])
-    assert r.returncode == 0 and r.stdout.rstrip().endswith("OK")
+    assert passed(run_in_interpreter(_SCRIPT))
 
 
 def test_a_wrong_backward_sign_is_caught(tmp_path):
     pytest.importorskip("triton")
-    source = (REPO / "megatron_glm5/kernels/rope_cat.py").read_text()
-    needle = "(g2 * c - g1 * s)"
-    assert needle in source
-    mutant = tmp_path / "mutant_rope_cat.py"
-    mutant.write_text(source.replace(needle, "(g2 * c + g1 * s)"))
-    r = _run(_SCRIPT, ROPE_CAT_MODULE=str(mutant))
-    assert r.returncode != 0 and "AssertionError" in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
+    r = run_in_interpreter(_SCRIPT, **mutant_env(tmp_path, "rope_cat", "(g2 * c - g1 * s)", "(g2 * c + g1 * s)"))
+    assert r.returncode != 0 and "AssertionError" in r.stderr
 
 
 def test_fused_rope_inside_the_tilelang_model():
     pytest.importorskip("triton")
-    r = _run(_MODEL)
-    print(r.stdout[-3000:], r.stderr[-3000:])
-    assert r.returncode == 0 and r.stdout.rstrip().endswith("OK")
+    assert passed(run_in_interpreter(_MODEL))
 
 
 def test_rope_cat_compiles_for_sm90():
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-
+    pytest.importorskip("triton")
     from megatron_glm5.kernels import rope_cat
 
     for kernel in rope_cat._triton():
-        const = {n: v for n, v in (("BH", 32), ("BA", 512), ("BLOCK_ROWS", rope_cat.BLOCK_ROWS))
-                 if n in kernel.arg_names}
-        sig = {n: "constexpr" if n in const else ("*bf16" if n.isupper() else "i32") for n in kernel.arg_names}
-        sig.update({n: "*fp32" for n in ("COS", "SIN")})
-        compiled = triton.compile(triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=const),
-                                  target=GPUTarget("cuda", 90, 32))
-        assert compiled.asm.get("cubin"), kernel.fn.__name__
+        sig = {n: "*bf16" if n.isupper() else "i32" for n in kernel.arg_names}
+        sig.update(COS="*fp32", SIN="*fp32")
+        compile_sm90(kernel, sig, {"BH": 32, "BA": 512, "BLOCK_ROWS": rope_cat.BLOCK_ROWS})

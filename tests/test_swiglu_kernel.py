@@ -14,28 +14,19 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.triton_checks import compile_sm90, mutant_env, passed, run_in_interpreter
+
 
 _KERNELS = textwrap.dedent('''
-    import importlib.util, os
     import torch
+    from tests.triton_checks import kernel_module
 
-    path = os.environ.get("SWIGLU_MODULE")  # the mutation check loads a changed copy
-    if path:
-        spec = importlib.util.spec_from_file_location("mutant_swiglu", path)
-        k = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(k)
-    else:
-        from megatron_glm5.kernels import swiglu as k
+    k = kernel_module("swiglu")  # or the mutation check's changed copy
 
     def rel(a, b):
         return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
@@ -117,14 +108,8 @@ _ROUTED = textwrap.dedent('''
 ''')
 
 
-def _run(script: str, **env_extra: str) -> str:
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               **env_extra)
-    env.pop("MEGATRON_GLM5_FUSED_SWIGLU", None)
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    print(r.stdout[-3000:], r.stderr[-3000:])
-    assert r.returncode == 0 and r.stdout.rstrip().endswith("OK")
-    return r.stdout
+def _run(script: str, **env: str) -> None:
+    assert passed(run_in_interpreter(script, MEGATRON_GLM5_FUSED_SWIGLU="1", **env))
 
 
 def test_swiglu_kernels_match_the_oracle_in_triton_interpreter():
@@ -140,15 +125,9 @@ def test_megatron_mlp_swiglu_routed_to_the_kernels():
 def test_a_wrong_derivative_is_caught(tmp_path):
     """Mutation check: the backward with ``sig * (1 + a (1 - sig))`` replaced by ``sig`` fails the oracle bound."""
     pytest.importorskip("triton")
-    source = (REPO / "megatron_glm5/kernels/swiglu.py").read_text()
-    needle = "da = gs * sig * (1.0 + a * (1.0 - sig)) * b"
-    assert needle in source
-    mutant = tmp_path / "mutant_swiglu.py"
-    mutant.write_text(source.replace(needle, "da = gs * sig * b"))
-    env = dict(os.environ, TRITON_INTERPRET="1", SWIGLU_MODULE=str(mutant),
-               PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    r = subprocess.run([sys.executable, "-c", _KERNELS], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode != 0 and "AssertionError" in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
+    env = mutant_env(tmp_path, "swiglu", "da = gs * sig * (1.0 + a * (1.0 - sig)) * b", "da = gs * sig * b")
+    r = run_in_interpreter(_KERNELS, **env)
+    assert r.returncode != 0 and "AssertionError" in r.stderr
 
 
 def test_cpu_tensors_take_megatron_cores_path(monkeypatch):
@@ -179,16 +158,10 @@ def test_switches(monkeypatch):
 @pytest.mark.parametrize("weighted", [False, True])
 def test_swiglu_kernels_compile_for_sm90(weighted):
     """Both directions compile to sm_90 cubins on this CPU machine (catches what the interpreter lets through)."""
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-
+    pytest.importorskip("triton")
     from megatron_glm5.kernels import swiglu
 
     for kernel in swiglu._triton():
-        const = {"HAS_W": weighted, "BLOCK": 1024}
-        sig = {n: "constexpr" if n in const else ("i32" if n.startswith("stride") or n == "n" else "*bf16")
-               for n in kernel.arg_names}
-        sig.update({n: "*fp32" for n in ("Wt", "DW") if n in sig})
-        compiled = triton.compile(triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=const),
-                                  target=GPUTarget("cuda", 90, 32))
-        assert compiled.asm.get("cubin"), f"{kernel.fn.__name__}: no cubin"
+        sig = {n: "i32" if n.startswith("stride") or n == "n" else "*bf16" for n in kernel.arg_names}
+        sig.update(Wt="*fp32", DW="*fp32")
+        compile_sm90(kernel, sig, {"HAS_W": weighted, "BLOCK": 1024})

@@ -1,6 +1,6 @@
 """Spec helpers every MLA + DSA family builds its layers from: the MLA projections, the indexer's submodules, one
 DSA self-attention spec, the refusal of configs with the wrong numerics and of settings whose implementation is not
-installed."""
+installed, and what every block spec does before it is built (:func:`prepare_runtime`)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerSubmodules, DSAttentionSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from ..fusions import install_fusions
 from .hf_config import INDEXER_K_NORM_EPS, GLM5ConfigError
 
 
@@ -102,6 +103,15 @@ def check_runtime_dependencies(config) -> None:
                    "installed (add --no-gradient-accumulation-fusion)")
     if bad:
         raise GLM5ConfigError("; ".join(bad))
+
+
+def prepare_runtime(config) -> None:
+    """What every GLM family does before it builds a layer spec: refuse settings whose implementation is not
+    installed (:func:`check_runtime_dependencies`), and route megatron-core's SwiGLU, gradient norm and MoE
+    permutation through the fused kernels the environment asks for (:func:`megatron_glm5.fusions.install_fusions`,
+    once per process)."""
+    check_runtime_dependencies(config)
+    install_fusions()
 
 
 def apex_gradient_accumulation_fusion() -> bool:

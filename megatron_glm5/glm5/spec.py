@@ -37,14 +37,13 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
 from ..core.hf_config import GLM5ConfigError, load_hf_config
-from ..core.mla_spec import check_runtime_dependencies, dsa_attention_spec, wrong_numerics
+from ..core.mla_spec import dsa_attention_spec, prepare_runtime, wrong_numerics
 from ..core.patterns import indexer_types_from_mcore, mlp_types_from_mcore
 from ..core.stages import local_layer_ids, pipeline_stages
 from ..core.stages import validate_stage_layers as _validate_stages
 from ..dsa.attention import GLMAbsorbedMLASelfAttention, GLMSparseAttention
 from ..dsa.indexer_training import IndexerLossSettings, LossSlot, loss_slots, warmup_freeze
 from ..dsa.tilelang_attention import TileLangMLASelfAttention, TileLangSparseAttention
-from ..fusions import install_fusions
 from ..offload import ActivationOffload, activation_offload_for
 from ..providers import default_provider
 from .config import resolve_indexer_types
@@ -218,8 +217,7 @@ def build_glm5_block_spec(
     megatron-core's ``fine_grained_activation_offloading`` / ``offload_modules`` (Megatron-LM's flags).
     ``indexer_warmup``: the indexer warm-up stage (:mod:`megatron_glm5.dsa.indexer_training`)."""
     check_glm5_numerics(config)
-    check_runtime_dependencies(config)
-    install_fusions()
+    prepare_runtime(config)
     args = _megatron_lm_args()
     if args is not None:
         check_document_masking(args)

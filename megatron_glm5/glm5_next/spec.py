@@ -47,7 +47,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayerSubmodul
 
 from ..compat import send_pipeline_hidden_size
 from ..core.hf_config import GLM5ConfigError
-from ..core.mla_spec import check_runtime_dependencies, dsa_attention_spec, indexer_spec, wrong_numerics
+from ..core.mla_spec import dsa_attention_spec, indexer_spec, prepare_runtime, wrong_numerics
 from ..core.patterns import mlp_types_from_mcore
 from ..core.stages import local_layer_ids, pipeline_stages
 from ..core.stages import topk_sources as _topk_sources
@@ -178,9 +178,9 @@ def build_glm5_next_layer_spec(config, layer_type: str, mlp_type: str, indexer_t
     (the decoder layers of the real model; ``expand_streams`` on its first layer), else a plain pre-norm layer (the
     MTP layer, single-layer fixtures). ``activation_offload``: the layer's offload window
     (:mod:`megatron_glm5.offload`). ``config`` is checked by :func:`check_glm5_next_numerics` and
-    :func:`megatron_glm5.core.mla_spec.check_runtime_dependencies`."""
+    :func:`megatron_glm5.core.mla_spec.prepare_runtime`."""
     check_glm5_next_numerics(config)
-    check_runtime_dependencies(config)
+    prepare_runtime(config)
     provider = provider or default_provider()
     if _choice(layer_type, LAYER_TYPES, "layer_type") == "linear_attention":
         mixer = kda_attention_spec(provider)

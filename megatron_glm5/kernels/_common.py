@@ -8,8 +8,11 @@ from __future__ import annotations
 import functools
 import os
 from types import ModuleType
+from typing import Callable, TypeVar
 
 import torch
+
+T_ = TypeVar("T_")
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -40,6 +43,23 @@ def cdiv(a: int, b: int) -> int:
 
 def next_power_of_2(x: int) -> int:
     return 1 if x <= 1 else 1 << (x - 1).bit_length()
+
+
+def triton_kernels(build: Callable[[], T_]) -> Callable[[], T_ | None]:
+    """Decorator for a Triton kernel module's builder (which imports Triton and defines its ``@triton.jit``
+    kernels): the kernels are built once, on first use, and are None where Triton is not installed, so importing
+    the module never needs Triton."""
+
+    @functools.cache
+    def kernels() -> T_ | None:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return None
+        return build()
+
+    kernels.__doc__ = build.__doc__
+    return kernels
 
 
 def triton_runs_on(t: torch.Tensor) -> bool:

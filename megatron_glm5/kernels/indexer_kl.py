@@ -17,11 +17,9 @@ slots) and ``out[t] = rw * kl``. Returns ``out [T]``; its sum is the loss. Oracl
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from megatron_glm5.kernels._common import triton_runs_on
+from megatron_glm5.kernels._common import triton_kernels, triton_runs_on
 
 TARGET_EPS = 1e-10  # megatron-core's INDEXER_LOSS_EPS
 MAX_K = 16384  # one row per program in registers
@@ -51,13 +49,10 @@ def kl_rows_and_dscore_(score: torch.Tensor, target: torch.Tensor, rw: torch.Ten
     return out
 
 
-@functools.cache
+@triton_kernels
 def _kernel():
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
+    import triton
+    import triton.language as tl
 
     @triton.jit
     def kl_rows(S, P, IDX, RW, OUT, K, n_keys, eps, BLOCK: tl.constexpr):

@@ -27,11 +27,9 @@ to their bf16 rounding of every partial sum.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from megatron_glm5.kernels._common import next_power_of_2, triton_runs_on
+from megatron_glm5.kernels._common import next_power_of_2, triton_kernels, triton_runs_on
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -95,16 +93,8 @@ def unpermute_tokens(permuted: torch.Tensor, sorted_indices: torch.Tensor, rows:
     return _Unpermute.apply(permuted, sorted_indices, rows)
 
 
-@functools.cache
+@triton_kernels
 def _triton():
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return None
-    return _build()
-
-
-def _build():
     import triton
     import triton.language as tl
 

@@ -23,11 +23,9 @@ fp32 -> bf16 differently from the GPU (not to nearest even): there the compariso
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from megatron_glm5.kernels._common import triton_runs_on
+from megatron_glm5.kernels._common import triton_kernels, triton_runs_on
 
 MAX_N = 16384  # one row per program in registers; GLM widths: 6144 (hidden), 2048 (q_lora), 512 (kv_lora), 4096
 
@@ -50,16 +48,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _RMSNorm.apply(x, weight, eps)
 
 
-@functools.cache
+@triton_kernels
 def _triton():
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return None
-    return _build()
-
-
-def _build():
     import triton
     import triton.language as tl
 

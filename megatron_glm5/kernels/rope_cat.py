@@ -23,11 +23,9 @@ contraction of ``a b - c d`` (a fused multiply-add here): rare one-ulp flips aft
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from megatron_glm5.kernels._common import next_power_of_2, triton_runs_on
+from megatron_glm5.kernels._common import next_power_of_2, triton_kernels, triton_runs_on
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BLOCK_ROWS = 16
@@ -65,16 +63,8 @@ def rope_cat(x: torch.Tensor, rest: torch.Tensor, cos: torch.Tensor, sin: torch.
     return _RopeCat.apply(x, rest, cos.contiguous(), sin.contiguous(), rope_first, out_dtype or x.dtype)
 
 
-@functools.cache
+@triton_kernels
 def _triton():
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return None
-    return _build()
-
-
-def _build():
     import triton
     import triton.language as tl
 

@@ -22,11 +22,9 @@ Oracle: :func:`stream_mix_reference` (the same expressions in fp32 torch). Only 
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from megatron_glm5.kernels._common import cdiv, next_power_of_2, triton_runs_on
+from megatron_glm5.kernels._common import cdiv, next_power_of_2, triton_kernels, triton_runs_on
 
 BLOCK_H = 256  # columns of h per program (forward) / per loop step (backward)
 
@@ -101,13 +99,10 @@ class _StreamMix(torch.autograd.Function):
 
 
 
-@functools.cache
+@triton_kernels
 def _kernels():
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
+    import triton
+    import triton.language as tl
 
     @triton.jit
     def stream_mix_fwd(X, A, B, Y, OUT, H, N: tl.constexpr, O: tl.constexpr, NP: tl.constexpr, OP: tl.constexpr,

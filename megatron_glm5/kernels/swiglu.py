@@ -25,12 +25,10 @@ product; a compiled one does not, and neither does this.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
-from megatron_glm5.kernels._common import next_power_of_2, triton_runs_on
+from megatron_glm5.kernels._common import next_power_of_2, triton_kernels, triton_runs_on
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -66,16 +64,8 @@ def weighted_swiglu(y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return _WeightedSwiGLU.apply(y, w)
 
 
-@functools.cache
+@triton_kernels
 def _triton():
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return None
-    return _build()
-
-
-def _build():
     import triton
     import triton.language as tl
 
