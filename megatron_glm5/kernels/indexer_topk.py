@@ -10,14 +10,20 @@ Two kernels per query chunk of ``C`` rows; the only large temporary is the chunk
 1. ``indexer_logits``: one CTA per ``128 // Hi`` queries. Each key tile ``[block_n, Di]`` meets all the CTA's
    (query, head) rows in one GEMM (keys as the M dimension), then ReLU, the per-head weights and the head sum run on
    the accumulator. Only key tiles inside the union of the CTA's row ranges are computed (causal rows skip the
-   future); entries outside a row's own range are never read.
+   future); entries outside a row's own range are never read. Each head's ``relu(q.k) * w`` is rounded on its own
+   (``__fmul_rn``) before the sum: left to itself the compiler fused some of the products into the sum's FMAs and
+   not others, depending on the accumulator register, so identical keys scored differently in the last bits and
+   did not tie (626 of 3000 rows); now identical keys give bitwise identical scores, at no measured cost.
 2. ``topk_select``: one CTA per row, exact radix select over a 64-bit key ``(order-preserving score bits, ~index)``
    so every key is distinct and ties resolve to the lower index with no special case. 8-bit digits, a
    warp-aggregated shared-memory histogram (``match.any``) in the first round, early exit once the remaining bucket
    is taken whole (usually after 2-3 of the 4 score digits; index digits only run when equal scores straddle the
-   boundary). The selected keys are
-   collected with ballot-compacted writes and bitonic-sorted in shared memory. -0.0 is folded into +0.0 so that
-   equal scores compare equal, as in the reference's ``torch.sort``.
+   boundary), the histogram's suffix sums by a warp-shuffle scan. The selected keys are collected with
+   ballot-compacted writes and bitonic-sorted in shared memory. -0.0 is folded into +0.0 so that equal scores compare
+   equal, as in the reference's ``torch.sort``. The kernel is bound by the latency of its passes and barriers, so
+   it is sized for residency: 256 threads, registers capped for 8 CTAs per SM (measured on H200: a row kept in
+   shared memory, or a two-pass select with a candidate list, each left fewer CTAs per SM and ran 1.2-1.9x slower;
+   ``scripts/bench/RESULTS_kernels.md``, round 2).
 
 Provenance: the logits kernel's shape (keys as M, ``block_q = 128 // heads``, reshape + head reduction on the
 fragment) follows megatron-core 0.19.2 ``ops/tilelang_indexer_fwd.py`` / tile-ai/tilelang
@@ -49,9 +55,14 @@ def _jit_logits():
     tilelang, T = tilelang_modules()
 
     @tilelang.jit
-    def indexer_logits(heads: int, dim: int, block_n: int = 128, num_stages: int = 2, threads: int = 256):
-        """fp32 ``Logits[r, s]`` for chunk rows ``r`` (token ``RowOffset + r``) and keys in the CTA's row ranges."""
-        block_q = max(1, 128 // heads)
+    def indexer_logits(heads: int, dim: int, block_n: int = 128, num_stages: int = 2, threads: int = 256,
+                       block_q: int = 0, exact_products: bool = True):
+        """fp32 ``Logits[r, s]`` for chunk rows ``r`` (token ``RowOffset + r``) and keys in the CTA's row ranges.
+
+        ``block_q``: queries per CTA (0: ``128 // heads``, one 128-column GEMM). ``exact_products``: each
+        ``relu(q.k) * w`` is rounded on its own (``__fmul_rn``) before the head sum, so the compiler cannot fuse
+        some of them into the sum's FMAs and not others: identical keys then give bitwise identical scores."""
+        block_q = block_q or max(1, 128 // heads)
         n_cols = block_q * heads
         if n_cols % 16 or dim % 16:
             raise ValueError(f"indexer kernel needs (128 // heads) * heads and dim multiples of 16; got {heads}, {dim}")
@@ -103,7 +114,10 @@ def _jit_logits():
                     T.copy(K[k0 : k0 + block_n, :], k_s)
                     T.gemm(k_s, q_s, s_f, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
                     for n, i, h in T.Parallel(block_n, block_q, heads):
-                        s_r[n, i, h] = T.max(s_r[n, i, h], 0) * w_f[i, h]
+                        if exact_products:
+                            s_r[n, i, h] = T.call_extern(f32, "__fmul_rn", T.max(s_r[n, i, h], 0), w_f[i, h])
+                        else:
+                            s_r[n, i, h] = T.max(s_r[n, i, h], 0) * w_f[i, h]
                     T.reduce_sum(s_r, l_s, dim=-1, clear=True)
                     for i, n in T.Parallel(block_q, block_n):
                         if r_base + i < n_rows and k0 + n < hi:
@@ -119,8 +133,14 @@ def _jit_select():
     tilelang, T = tilelang_modules()
 
     @tilelang.jit
-    def topk_select(topk: int, threads: int = 512):
-        """Exact top-``topk`` of ``Logits[r, starts[t]:ends[t]]`` per row, sorted, ties to the lower index."""
+    def topk_select(topk: int, threads: int = 256, min_blocks: int = 0):
+        """Exact top-``topk`` of ``Logits[r, starts[t]:ends[t]]`` per row, sorted, ties to the lower index.
+
+        ``min_blocks`` (0: as many as the SM's 2048 threads allow): CTAs per SM the registers must leave room for.
+        The select is bound by the latency of its passes and barriers, not by bandwidth, so resident CTAs matter
+        most (measured: keeping the row in shared memory, or a two-pass select with a candidate list, cost CTAs
+        per SM and were slower)."""
+        blocks = min_blocks or max(1, 2048 // threads)
         sort_n = next_power_of_2(max(topk, 2))
         if threads % 32 or threads < 256:
             raise ValueError(f"topk_select needs threads >= 256 and a multiple of 32, got {threads}")
@@ -142,7 +162,9 @@ def _jit_select():
             Out: T.Tensor([t_len, topk], i32),
         ):
             with T.Kernel(n_rows, threads=threads) as bx:
+                T.annotate_min_blocks_per_sm(blocks)
                 hist = T.alloc_shared([256], i32)
+                wsum = T.alloc_shared([8], i32)
                 # st: 0 prefix_hi, 1 prefix_lo, 2 remaining need, 3 done, 5 digit, 6 above, 7 bucket,
                 #     8 threshold_hi, 9 threshold_lo
                 st = T.alloc_shared([16], u32)
@@ -150,6 +172,8 @@ def _jit_select():
                 key_l = T.alloc_shared([sort_n], u32)
                 cnt_s = T.alloc_shared([1], i32)
                 above = T.alloc_var(i32)
+                suffix = T.alloc_var(i32)
+                mine = T.alloc_var(i32)
                 base = T.alloc_var(i32)
                 uk = T.alloc_var(u32)
                 kh = T.alloc_var(u32)
@@ -186,9 +210,8 @@ def _jit_select():
                         pl = st[1]
                         for it in T.serial(n_it):
                             j = s0 + it * threads + tx
-                            # Order-preserving uint32 of the fp32 score (larger float -> larger key), -0.0 folded into +0.0; the
-                            # low word ~index makes every key distinct and prefers the lower index (written as statements so the
-                            # generated code does not repeat subexpressions).
+                            # Order-preserving uint32 of the fp32 score (larger float -> larger key), -0.0 folded into
+                            # +0.0 (statements, so the generated code does not repeat subexpressions).
                             uk = T.reinterpret(Logits[bx, T.min(j, t_kv - 1)], u32)
                             if (uk & T.uint32(0x7FFFFFFF)) == T.uint32(0):
                                 uk = T.uint32(0)
@@ -196,6 +219,7 @@ def _jit_select():
                                 kh = ~uk
                             else:
                                 kh = uk | T.uint32(0x80000000)
+                            # The low word ~index makes every key distinct and prefers the lower index.
                             kl = T.uint32(0xFFFFFFFF) - T.cast(j, u32)
                             dg = 256
                             if j < e0:
@@ -220,15 +244,28 @@ def _jit_select():
                                 # Later rounds only see the few elements that still match the prefix.
                                 T.atomic_add(hist[dg], 1)
                         T.sync_threads()
+                        # The bucket holding the need-th largest key: suffix sums of the histogram, a warp-shuffle
+                        # scan per 32 bins plus the totals of the warps above.
                         if tx < 256:
-                            above = 0
-                            for i in T.serial(255 - tx):
-                                above = above + hist[tx + 1 + i]
+                            mine = hist[tx]
+                            suffix = mine
+                            for d in T.unroll(5):
+                                above = T.shfl_down(suffix, 1 << d)
+                                if lane + (1 << d) < 32:
+                                    suffix = suffix + above
+                            if lane == 0:
+                                wsum[tx // 32] = suffix
+                        T.sync_threads()
+                        if tx < 256:
+                            above = suffix - mine
+                            for w in T.unroll(8):
+                                if w > tx // 32:
+                                    above = above + wsum[w]
                             need = T.cast(st[2], i32)
-                            if above < need and above + hist[tx] >= need:
+                            if above < need and above + mine >= need:
                                 st[5] = T.cast(tx, u32)
                                 st[6] = T.cast(above, u32)
-                                st[7] = T.cast(hist[tx], u32)
+                                st[7] = T.cast(mine, u32)
                         T.sync_threads()
                         if tx == 0:
                             b = st[5]

@@ -19,9 +19,15 @@ shared-memory stages (the next block loads while this one computes); -1 slots ar
   so tokens are processed in chunks that keep it near 2 GiB, plus one write and one read of it (~155 GB at 16K
   tokens), a sort per chunk and a launch per chunk; see ``scripts/bench/RESULTS_kernels.md`` for the measured cost.
 
+``dKV = dS^T Q + P^T dO`` is formed in column chunks of 128 (``dkv_split``), each chunk's fp32 accumulator scattered
+before the next. What bounds the kernel (ncu on H200, 16K tokens, ``scripts/bench/kernels_round2/ncu_bwd_h*.txt``):
+at 64 heads the load/store path (L1/TEX 72 % busy: the dKV atomics, about twice the bytes of the KV gather) with
+one 8-warp CTA per SM (222 KB of shared memory, 255 registers), the tensor pipe at 22 %; at 16 heads L2 (74 %, the
+same atomics for a quarter of the math).
+
 Provenance: the per-block math follows tile-ai/tilelang ``examples/deepseek_v32/sparse_mla_bwd.py`` (256 threads and
 64-head blocks at 64 heads). Differences: saved natural-log LSE instead of a forward re-run, a fused ``dlse`` term, the
-``cp.async`` two-stage gather with guarded -1 slots, d_v split in halves so the dKV accumulator stays at 32 registers,
+``cp.async`` two-stage gather with guarded -1 slots, d_v in 128-column chunks so the dKV accumulator stays small,
 atomics issued from registers (no shared staging buffer), head padding with bounded loads/stores, the deterministic
 partial-sum path.
 
@@ -118,8 +124,10 @@ def _jit_bwd():
         block_s: int = 32,
         threads: int = 0,
         with_target: bool = False,
+        dkv_split: int = 0,
     ):
         """Main backward kernel. ``deterministic`` switches the dKV epilogue from atomics to partial-buffer stores;
+        ``dkv_split``: dKV column chunks (0: automatic);
         ``with_target`` also writes ``Tgt[hb, t, k] = sum_{h in head block hb} P[h, t, k]`` (the sparse indexer
         loss's unnormalised target, from the ``P`` this kernel forms anyway; slots of skipped blocks are left as the
         caller's zeros).
@@ -130,13 +138,19 @@ def _jit_bwd():
         if threads == 0:
             threads = 256 if block_h >= 32 else 128
         dh = d_v // 2
+        # dKV in column chunks of 128 (d_v = 512: 4 chunks; 2 for small test latents): fewer registers than halves
+        # (16 heads 210 vs 238; 64 heads spill 328 vs 436 bytes), 2 % faster at 64 heads (RESULTS_kernels.md, round 2)
+        dkv_split = dkv_split or max(2, d_v // 128)
+        dc = d_v // dkv_split  # dKV columns per GEMM chunk: the fp32 accumulator is [block_s, dc]
+        dkv_chunks = [(c, c * dc // dh, c * dc % dh) for c in range(dkv_split)]  # (chunk, Q/dO half, offset)
         d_tail = d_qk - d_v
         has_tail = d_tail > 0  # GLM-5: the 64 RoPE channels; none for a NoPE latent (GLM-5.3-Flash, d_qk == d_v)
         bs = block_s
         rows_per_pass = threads // 8
-        if dh % 64 or d_tail % 64 or d_tail < 0 or bs % rows_per_pass:
-            raise ValueError(f"bwd kernel needs d_v/2, d_qk-d_v >= 0 multiples of 64 and block_s % (threads/8) == 0; "
-                             f"got d_v={d_v}, d_qk={d_qk}, block_s={bs}, threads={threads}")
+        if dh % 64 or d_tail % 64 or d_tail < 0 or bs % rows_per_pass or dkv_split < 2 or dh % dc or dc % 64:
+            raise ValueError(f"bwd kernel needs d_v/2, d_qk-d_v >= 0 multiples of 64, block_s % (threads/8) == 0 and "
+                             f"d_v / dkv_split a multiple of 64 dividing d_v/2; got d_v={d_v}, d_qk={d_qk}, "
+                             f"block_s={bs}, threads={threads}, dkv_split={dkv_split}")
         scale_log2 = softmax_scale * LOG2E
         t_len = T.dynamic("t_len")
         t_kv = T.dynamic("t_kv")
@@ -201,13 +215,14 @@ def _jit_bwd():
             T.gemm(ds_s, kv_r, acc_dq_r, policy=T.GemmWarpPolicy.FullCol)
             if has_tail:
                 T.gemm(ds_s, kt, acc_dq_t, policy=T.GemmWarpPolicy.FullCol)
-            # dKV = dS^T Q + P^T dO, one d_v half at a time (keeps the fp32 accumulator at [block_s, d_v / 2]).
-            T.gemm(ds_s, q_l, acc_dkv, transpose_A=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
-            T.gemm(p_s, do_l, acc_dkv, transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
-            scatter(dKV, acc_dkv, idx_s, bx, hb, blk, 0, dh)
-            T.gemm(ds_s, q_r, acc_dkv, transpose_A=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
-            T.gemm(p_s, do_r, acc_dkv, transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
-            scatter(dKV, acc_dkv, idx_s, bx, hb, blk, dh, dh)
+            # dKV = dS^T Q + P^T dO, ``dc`` columns of d_v at a time (keeps the fp32 accumulator at [block_s, dc]).
+            for c, half, c0 in dkv_chunks:  # trace-time loop
+                src_q = (q_l, q_r)[half]
+                src_do = (do_l, do_r)[half]
+                T.gemm(ds_s, src_q[:, c0 : c0 + dc], acc_dkv, transpose_A=True, clear_accum=True,
+                       policy=T.GemmWarpPolicy.FullCol)
+                T.gemm(p_s, src_do[:, c0 : c0 + dc], acc_dkv, transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
+                scatter(dKV, acc_dkv, idx_s, bx, hb, blk, c * dc, dc)
             if has_tail:
                 T.gemm(ds_s, q_t, acc_dkv_t, transpose_A=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
                 scatter(dKV, acc_dkv_t, idx_s, bx, hb, blk, d_v, d_tail)
@@ -251,7 +266,7 @@ def _jit_bwd():
                 acc_dq_l = T.alloc_fragment([block_h, dh], f32)
                 acc_dq_r = T.alloc_fragment([block_h, dh], f32)
                 acc_dq_t = T.alloc_fragment([block_h, d_tail], f32) if has_tail else None
-                acc_dkv = T.alloc_fragment([bs, dh], f32)
+                acc_dkv = T.alloc_fragment([bs, dc], f32)
                 acc_dkv_t = T.alloc_fragment([bs, d_tail], f32) if has_tail else None
                 tsum = T.alloc_fragment([bs], f32) if with_target else None
 

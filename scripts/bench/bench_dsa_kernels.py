@@ -11,6 +11,8 @@
     P = 4, index_topk 2048, causal) against the torch reference ``megatron_glm5.dsa.kpool`` at S in ``--kpool-seqs``.
 (d) ``--sections nope``: NoPE sparse MLA (d_qk = d_v = 512, KPool width 2051, scale 1/16) fwd / bwd at
     ``--nope-seqs`` x ``--nope-heads`` against the torch reference ``megatron_glm5.dsa.reference.sparse_mla``.
+(e) ``--sections packed``: RL-shaped packed (THD) batches of 4-8 sequences of 1K-8K (``PACKED_BATCHES``, plus one 1K
+    sequence for the per-call overhead): indexer + top-k + sparse MLA fwd + bwd, ours against megatron-core's path.
 
 Also cross-checks our outputs against megatron-core's at every benchmarked shape (output cosine, top-k overlap).
 Timing: ``triton.testing.do_bench`` median after one untimed call (JIT compile) and >= 3 warm-up calls.
@@ -46,8 +48,9 @@ D_QK, D_V, TOPK = 576, 512, 2048
 OUR_KERNELS = (
     [("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_ws", (h, D_QK, D_V, SCALE)) for h in (8, 16, 64, 128)]
     + [("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_simple", (h, D_QK, D_V, SCALE)) for h in (16, 64)]
-    + [("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (h, D_QK, D_V, SCALE, det)) for h in (16, 64) for det in (False, True)]
-    + [("megatron_glm5.kernels.sparse_mla_bwd", "_jit_delta", (h, D_V)) for h in (16, 64)]
+    + [("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (h, D_QK, D_V, SCALE, det))
+       for h in (8, 16, 64, 128) for det in (False, True)]
+    + [("megatron_glm5.kernels.sparse_mla_bwd", "_jit_delta", (h, D_V)) for h in (8, 16, 64, 128)]
     + [("megatron_glm5.kernels.sparse_mla_bwd", "_jit_dkv_reduce", (D_QK, 1))]
     + [("megatron_glm5.kernels.indexer_topk", "_jit_logits", (32, 128))]
     + [("megatron_glm5.kernels.indexer_topk", "_jit_select", (k,)) for k in (256, 512, 2048)]
@@ -329,6 +332,87 @@ def bench_indexer(seq: int, mcore: bool) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# (e) RL: short packed (THD) batches, the whole DSA attention (indexer + top-k + sparse MLA fwd + bwd)
+# ----------------------------------------------------------------------------------------------------------------
+
+PACKED_BATCHES = {
+    "1 x 1K": [1024],
+    "8 x 1K": [1024] * 8,
+    "4 x 1K-8K": [1024, 2048, 4096, 8192],
+    "8 x 1K-8K": [8192, 1024, 4096, 2048, 1024, 8192, 2048, 4096],
+}
+
+
+def bench_packed(name: str, lengths: list[int], heads: int, mcore: bool) -> dict:
+    """One packed batch of ``lengths`` (causal within each sequence): indexer + top-k, then sparse MLA forward and
+    backward on those indices, ours against megatron-core's TileLang path (same inputs; each side its own top-k)."""
+    from megatron_glm5.kernels import indexer_topk
+    from megatron_glm5.kernels.sparse_mla_bwd import sparse_mla_autograd
+
+    dev = torch.device("cuda")
+    total = sum(lengths)
+    g = torch.Generator(device=dev).manual_seed(total + heads)
+    starts = torch.cat([torch.full((n,), o, dtype=torch.int32) for n, o in
+                        zip(lengths, [sum(lengths[:i]) for i in range(len(lengths))])]).to(dev)
+    ends = torch.arange(1, total + 1, dtype=torch.int32, device=dev)
+    qi = torch.randn(total, 32, 128, device=dev, dtype=torch.bfloat16, generator=g)
+    ki = torch.randn(total, 128, device=dev, dtype=torch.bfloat16, generator=g)
+    wi = torch.randn(total, 32, device=dev, generator=g) * (32**-0.5 * 128**-0.5)
+    q = torch.randn(total, heads, D_QK, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_()
+    kv = torch.randn(total, D_QK, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_()
+    go = torch.randn(total, heads, D_V, device=dev, dtype=torch.bfloat16, generator=g)
+    row = {"batch": name, "T": total, "H": heads}
+
+    def ours():
+        idx = indexer_topk(qi, ki, wi, starts, ends, TOPK)
+        o, _ = sparse_mla_autograd(q, kv, idx, SCALE, D_V)
+        torch.autograd.grad(o, (q, kv), go)
+
+    row["ours_topk_ms"] = timed(lambda: indexer_topk(qi, ki, wi, starts, ends, TOPK))
+    row["ours_ms"] = timed(ours)
+    if mcore:
+        try:
+            from megatron.core.transformer.experimental_attention_variant.ops.sparse_mla import SparseMLA
+            from megatron.core.transformer.experimental_attention_variant.ops.tilelang_dsa import fused_qk_topk_lighting
+
+            def mc_topk():
+                return fused_qk_topk_lighting(qi[:, None], ki[:, None], wi[:, None], TOPK, starts, ends, 8192)[0]
+
+            def mc():
+                o, _ = SparseMLA.apply(q, kv[:, None], mc_topk()[:, None], SCALE)
+                torch.autograd.grad(o, (q, kv), go)
+
+            row["mc_topk_ms"] = timed(mc_topk)
+            row["mc_ms"] = timed(mc)
+        except Exception as err:
+            row["mcore_error"] = repr(err)[:200]
+    return row
+
+
+def report_packed(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    lines = [
+        "",
+        "## (e) RL packed batches: indexer + top-k + sparse MLA fwd + bwd (32 x 128 indexer, top-k 2048, causal per "
+        "sequence)",
+        "",
+        "| batch | tokens | H | top-k ms (ours / mcore) | whole ms (ours / mcore) | speed-up |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['batch']} | {r.get('T', '-')} | {r.get('H', '-')} | FAILED: {r['error']} |||")
+            continue
+        mc = r.get("mc_ms")
+        lines.append(
+            f"| {r['batch']} | {r['T']} | {r['H']} | {r['ours_topk_ms']:.2f} / {_f(r.get('mc_topk_ms'), '{:.2f}')} "
+            f"| {r['ours_ms']:.2f} / {_f(mc, '{:.2f}')} | {_f(mc and mc / r['ours_ms'], '{:.2f}')} |"
+        )
+    return lines
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # (c) KPool selection, (d) NoPE sparse MLA (GLM-5.3-Flash)
 # ----------------------------------------------------------------------------------------------------------------
 
@@ -539,7 +623,7 @@ def _f(x, fmt="{:.1f}"):
 
 
 def report(sparse_rows: list[dict], idx_rows: list[dict], notes: list[str], kpool_rows: list[dict] = (),
-           nope_rows: list[dict] = ()) -> str:
+           nope_rows: list[dict] = (), packed_rows: list[dict] = ()) -> str:
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
@@ -552,7 +636,7 @@ def report(sparse_rows: list[dict], idx_rows: list[dict], notes: list[str], kpoo
         f"- date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M:%S')}; git commit: {commit or '?'} (+ working tree)",
         f"- GPU: {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'none'}; torch {torch.__version__}; tilelang {tilelang.__version__}",
     ]
-    flash = report_flash(list(kpool_rows), list(nope_rows))
+    flash = report_flash(list(kpool_rows), list(nope_rows)) + report_packed(list(packed_rows))
     if not sparse_rows and not idx_rows:  # GLM-5.3-Flash sections only
         lines = head + ["- bf16; `triton.testing.do_bench` median (ours), median of CUDA-event-timed calls (torch refs)"]
         lines += flash + ([""] + ["Notes:", ""] + [f"- {n}" for n in notes] if notes else [])
@@ -645,15 +729,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny run of every kernel, compared to the torch oracle")
     ap.add_argument("--fwd-only", action="store_true", help="sparse MLA: time the forward only")
     ap.add_argument("--sections", default="sparse,indexer",
-                    help="comma list of sparse (a), indexer (b), kpool (c), nope (d); also what --precompile-only builds "
+                    help="comma list of sparse (a), indexer (b), kpool (c), nope (d), packed (e); also what --precompile-only builds "
                          "(plus flash_small: the kernels of small_flash_config, precompile only)")
     ap.add_argument("--kpool-seqs", default="8192,16384")
     ap.add_argument("--nope-seqs", default="16384")
     ap.add_argument("--nope-heads", default="64,16")
+    ap.add_argument("--packed-batches", default=";".join(PACKED_BATCHES), help="';'-separated names of PACKED_BATCHES")
+    ap.add_argument("--packed-heads", default="16,64")
     args = ap.parse_args(argv)
     mcore = not args.no_mcore
     sections = tuple(x for x in args.sections.split(",") if x)
-    unknown = set(sections) - {"sparse", "indexer", "kpool", "nope", "flash_small"}
+    unknown = set(sections) - {"sparse", "indexer", "kpool", "nope", "flash_small", "packed"}
     if unknown:
         ap.error(f"unknown sections {sorted(unknown)}")
     if args.workers or args.precompile_only:
@@ -704,9 +790,20 @@ def main(argv: list[str] | None = None) -> int:
             print(r, flush=True)
             nope_rows.append(r)
             torch.cuda.empty_cache()
+    packed_rows = []
+    for name in [b for b in args.packed_batches.split(";") if b and "packed" in sections]:
+        for heads in [int(h) for h in args.packed_heads.split(",") if h]:
+            try:
+                r = bench_packed(name, PACKED_BATCHES[name], heads, mcore)
+            except Exception as err:
+                traceback.print_exc()
+                r = {"batch": name, "H": heads, "error": repr(err)[:160]}
+            print(r, flush=True)
+            packed_rows.append(r)
+            torch.cuda.empty_cache()
     if args.fwd_variant != "auto":
         notes.append(f"forward kernel variant forced to '{args.fwd_variant}'")
-    emit(report(sparse_rows, idx_rows, notes, kpool_rows, nope_rows), args.out, append=False)
+    emit(report(sparse_rows, idx_rows, notes, kpool_rows, nope_rows, packed_rows), args.out, append=False)
     return 0
 
 

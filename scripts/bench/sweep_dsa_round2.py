@@ -1,0 +1,219 @@
+"""Kernel variant sweep for the DSA kernels' round 2 (one H200): which tile and epilogue settings to make the default.
+
+Sections (each prints one markdown table; ``--out`` also writes them):
+
+* ``ties``: identical key rows through the indexer logits kernel: rows whose scores are not all bitwise equal, with
+  and without ``exact_products``, plus one-hot head weights (the GEMM alone), and the full ``indexer_topk`` against
+  the closed form (the first ``topk`` keys of each row).
+* ``logits``: the indexer logits kernel at 32K (32 x 128 heads): queries per CTA and ``exact_products``.
+* ``select``: the top-k select at 8K / 32K / 64K: threads and the CTAs per SM its registers leave room for; every
+  variant's output must equal the default's (the selection is exact, so any difference is a bug).
+* ``bwd``: the sparse-MLA backward at 16K, 64 and 16 heads: ``block_s`` / threads / ``dkv_split``; gradients compared
+  with the current default's (max error over the tensor's max magnitude).
+
+The round-2 runs (``scripts/bench/kernels_round2/sweep*.md``) also measured variants whose code was not kept (a select
+holding its row in shared memory, a two-pass select with a candidate list): see ``RESULTS_kernels.md``.
+
+    source .gpu/install.sh && python scripts/bench/sweep_dsa_round2.py --workers 16 --out sweep.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import os
+import subprocess
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_dsa_kernels import build_in_parallel, causal_random_indices, timed  # noqa: E402
+
+SCALE = 1.0 / 16
+IDX = "megatron_glm5.kernels.indexer_topk"
+BWD = "megatron_glm5.kernels.sparse_mla_bwd"
+# (block_n, num_stages, threads, block_q, exact_products); the default first
+LOGITS_VARIANTS = [(128, 2, 256, 4, True), (128, 2, 256, 4, False), (64, 2, 256, 4, True), (64, 3, 256, 4, True),
+                   (128, 3, 256, 4, True)]
+SELECT_VARIANTS = [(512, 0), (512, 3), (256, 0), (1024, 0)]  # (threads, min_blocks: 0 = 2048 // threads)
+BWD_VARIANTS = {64: [(32, 0, 4), (32, 0, 2)], 16: [(32, 0, 4), (32, 0, 2)]}  # (block_s, threads, dkv_split)
+
+
+def kernels_to_build() -> list[tuple]:
+    cases = [(IDX, "_jit_logits", (32, 128, *v)) for v in LOGITS_VARIANTS]
+    cases += [(IDX, "_jit_select", (2048, *v)) for v in SELECT_VARIANTS]
+    for h, variants in BWD_VARIANTS.items():
+        cases += [(BWD, "_jit_bwd", (h, 576, 512, SCALE, False, bs, th, False, sp)) for bs, th, sp in variants]
+        cases += [(BWD, "_jit_delta", (h, 512))]
+    return cases
+
+
+def indexer_inputs(seq: int, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(seq, 32, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(seq, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(seq, 32, device="cuda", generator=g) * (32**-0.5 * 128**-0.5)
+    starts = torch.zeros(seq, dtype=torch.int32, device="cuda")
+    ends = torch.arange(1, seq + 1, dtype=torch.int32, device="cuda")
+    return q, k, w, starts, ends
+
+
+def run_logits(kernel, q, k, w, starts, ends, rows: int, buf: torch.Tensor):
+    seq = q.shape[0]
+    for c0 in range(0, seq, rows):
+        c1 = min(seq, c0 + rows)
+        kernel(q, k, w, starts, ends, torch.full((1,), c0, dtype=torch.int32, device="cuda"), buf[: c1 - c0])
+
+
+def section_ties() -> list[str]:
+    im = importlib.import_module(IDX)
+    t_len = 3000
+    q, _, w, starts, ends = indexer_inputs(t_len, seed=8)
+    k = torch.randn(1, 128, device="cuda", dtype=torch.bfloat16).expand(t_len, 128).contiguous()
+    onehot = torch.zeros_like(w)
+    onehot[:, 0] = 1.0
+    tri = torch.ones(t_len, t_len, dtype=torch.bool, device="cuda").tril()
+    lines = ["| logits variant | weights | rows with unequal scores (of 3000) | max spread / max score |", "|---|---|---|---|"]
+    for v in LOGITS_VARIANTS[:2]:
+        for wname, weights in (("random", w), ("one-hot", onehot)):
+            kern = im._jit_logits()(32, 128, *v)
+            buf = torch.zeros(t_len, t_len, device="cuda")
+            run_logits(kern, q, k, weights, starts, ends, t_len, buf)
+            hi = torch.where(tri, buf, -float("inf")).amax(dim=1)
+            lo = torch.where(tri, buf, float("inf")).amin(dim=1)
+            spread = float(((hi - lo) / hi.abs().clamp_min(1e-30)).max())
+            lines.append(f"| exact products {v[4]} | {wname} | {int((hi != lo).sum())} | {spread:.1e} |")
+    out = im.indexer_topk_interface(q, k, w, starts, ends, 512)
+    expect = torch.arange(512, device="cuda", dtype=torch.int32).expand(t_len, 512).clone()
+    expect[expect >= ends[:, None]] = -1
+    bad = int((out != expect).any(dim=1).sum())
+    lines.append(f"\nindexer_topk (default config) on identical keys: {bad} of {t_len} rows differ from the closed form")
+    return lines
+
+
+def section_logits(seq: int = 32768) -> list[str]:
+    im = importlib.import_module(IDX)
+    q, k, w, starts, ends = indexer_inputs(seq)
+    rows = im.logits_chunk_rows(seq, 4)
+    buf = torch.empty(rows, seq, device="cuda")
+    pairs = seq * (seq + 1) / 2
+    lines = [f"| logits (S={seq}): block_n, stages, threads, block_q, exact | ms | TFLOP/s (causal pairs) "
+             "| equal to the first variant |", "|---|---|---|---|"]
+    ref = None
+    for v in LOGITS_VARIANTS:
+        kern = im._jit_logits()(32, 128, *v)
+        ms = timed(lambda: run_logits(kern, q, k, w, starts, ends, rows, buf))
+        c_last = (seq - 1) // rows * rows  # the buffer holds the last chunk: tokens c_last.., keys <= token
+        last = buf[: seq - c_last]
+        keep = torch.ones_like(last, dtype=torch.bool).tril(diagonal=c_last)
+        same = "-" if ref is None else str(bool(torch.equal(last[keep], ref)))
+        ref = last[keep].clone() if ref is None else ref
+        lines.append(f"| {v} | {ms:.2f} | {2 * pairs * 32 * 128 / ms / 1e9:.0f} | {same} |")
+    return lines
+
+
+def section_select(seqs=(8192, 32768, 65536)) -> list[str]:
+    im = importlib.import_module(IDX)
+    lines = ["| S | threads | min CTAs per SM | select ms (all chunks) | equal to the first variant |",
+             "|---|---|---|---|---|"]
+    for seq in seqs:
+        q, k, w, starts, ends = indexer_inputs(seq)
+        rows = im.logits_chunk_rows(seq, 4)
+        chunks = [(c0, min(seq, c0 + rows)) for c0 in range(0, seq, rows)]
+        bufs = []
+        lk = im._jit_logits()(32, 128)
+        for c0, c1 in chunks:  # every chunk's logits kept (a few GiB at 64K)
+            b = torch.empty(c1 - c0, seq, device="cuda")
+            lk(q, k, w, starts, ends, torch.full((1,), c0, dtype=torch.int32, device="cuda"), b)
+            bufs.append((torch.full((1,), c0, dtype=torch.int32, device="cuda"), b))
+        ref = None
+        for v in SELECT_VARIANTS:
+            sk = im._jit_select()(2048, *v)
+            out = torch.full((seq, 2048), -7, dtype=torch.int32, device="cuda")
+            ms = timed(lambda: [sk(b, starts, ends, o, out) for o, b in bufs])
+            same = "-" if ref is None else str(bool(torch.equal(out, ref)))
+            ref = out.clone() if ref is None else ref
+            lines.append(f"| {seq} | {v[0]} | {v[1] or 2048 // v[0]} | {ms:.2f} | {same} |")
+        del bufs
+        torch.cuda.empty_cache()
+    return lines
+
+
+def section_bwd(seq: int = 16384) -> list[str]:
+    bm = importlib.import_module(BWD)
+    from megatron_glm5.kernels._common import row_valid_len
+    from megatron_glm5.kernels.sparse_mla_fwd import sparse_mla_fwd_interface
+
+    lines = ["| S | H | block_s | threads | dkv_split | bwd ms | TFLOP/s | dq err | dkv err |", "|---|---|---|---|---|---|---|---|---|"]
+    for h, variants in BWD_VARIANTS.items():
+        g = torch.Generator(device="cuda").manual_seed(h)
+        q = torch.randn(seq, h, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+        kv = torch.randn(seq, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+        idx = causal_random_indices(seq, 2048, torch.device("cuda"))
+        do = torch.randn(seq, h, 512, device="cuda", dtype=torch.bfloat16, generator=g)
+        vlen = row_valid_len(idx)
+        out, lse = sparse_mla_fwd_interface(q, kv, idx, SCALE, 512, valid_len=vlen)
+        delta = bm._jit_delta()(h, 512)(out, do, torch.zeros_like(lse))
+        pairs = float(vlen.sum())
+        flops = 2 * pairs * h * (3 * 576 + 2 * 512)
+        ref = None
+        for bs, th, sp in variants:
+            kern = bm._jit_bwd()(h, 576, 512, SCALE, False, bs, th, False, sp)
+            dq = torch.empty_like(q)
+            dkv = torch.zeros(seq, 576, device="cuda")
+            row0 = torch.zeros(1, dtype=torch.int32, device="cuda")
+            tgt = torch.empty(1, device="cuda")
+
+            def run():
+                dkv.zero_()
+                kern(q, kv, do, idx, vlen, lse, delta, row0, dq, dkv, tgt)
+
+            try:
+                ms = timed(run)
+            except Exception as err:  # e.g. too much shared memory: report, go on
+                lines.append(f"| {seq} | {h} | {bs} | {th or 'auto'} | {sp} | FAILED {err!r} |||| "[:300])
+                continue
+            run()
+            if ref is None:
+                ref = (dq.float().clone(), dkv.clone())
+                eq = ekv = "-"
+            else:
+                eq = f"{float((dq.float() - ref[0]).abs().max() / ref[0].abs().max()):.1e}"
+                ekv = f"{float((dkv - ref[1]).abs().max() / ref[1].abs().max()):.1e}"
+            lines.append(f"| {seq} | {h} | {bs} | {th or 'auto'} | {sp} | {ms:.2f} | {flops / ms / 1e9:.0f} | {eq} | {ekv} |")
+        del q, kv, idx, do, out, lse, delta
+        torch.cuda.empty_cache()
+    return lines
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sections", default="ties,logits,select,bwd")
+    ap.add_argument("--workers", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.workers and not build_in_parallel(kernels_to_build(), args.workers):
+        print("some kernels failed to build (see above); the sections that need them will fail", flush=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    lines = [f"- date: {datetime.datetime.now():%Y-%m-%d %H:%M}; commit {commit or '?'}; GPU {torch.cuda.get_device_name()}",
+             ""]
+    for name in [s for s in args.sections.split(",") if s]:
+        try:
+            part = globals()[f"section_{name}"]()
+        except Exception as err:  # keep the other sections
+            import traceback
+
+            traceback.print_exc()
+            part = [f"{name}: FAILED {err!r}"[:300]]
+        lines += [f"### {name}", ""] + part + [""]
+        print("\n".join(part), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

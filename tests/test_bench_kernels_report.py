@@ -1,0 +1,85 @@
+"""The DSA kernel benchmark's reporting without a GPU: the RL packed-batch table of ``bench_dsa_kernels.py`` and the
+SVG plot of ``plot_kernels.py`` read back from a report in the benchmark's own format."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "scripts" / "bench"
+
+
+def _load(name: str):
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))  # the bench scripts import their sibling ``report``
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+plot = _load("plot_kernels")
+bench = _load("bench_dsa_kernels")
+
+REPORT = """# DSA kernel benchmark
+
+## (a) sparse MLA
+
+| S | H | fwd ms (ours / mcore) | fwd TFLOP/s (ours / mcore) | fwd x | bwd ms (ours / mcore) | bwd TFLOP/s (ours / mcore) | bwd x | fwd+bwd ms (ours / mcore) | fwd+bwd x | out cos vs mcore |
+|---|---|---|---|---|---|---|---|---|---|---|
+| 4096 | 16 | 1.69 / 3.77 | 129.5 / 58.2 | 2.23 | 7.07 / 14.68 | 78.4 / 37.8 | 2.08 | 8.74 / 18.44 | 2.11 | 1.000000 |
+| 4096 | 64 | 2.35 / 4.71 | 373.0 / 186.2 | 2.00 | 13.38 / 40.26 | 165.6 / 55.1 | 3.01 | 15.79 / 44.96 | 2.85 | 1.000000 |
+| 16384 | 16 | FAILED: OOM |||||||||
+| 16384 | 64 | 10.86 / 16.41 | 403.3 / 267.0 | 1.51 | 66.95 / 166.14 | 165.5 / 66.7 | 2.48 | 77.66 / 182.54 | 2.35 | 1.000000 |
+
+## (b) indexer + top-k
+
+| S | ours ms | mcore ms |
+|---|---|---|
+| 8192 | 2.32 | 8.08 |
+"""
+
+
+def test_plot_parses_the_sparse_table_and_skips_failed_rows():
+    rows = plot.parse_sparse_table(REPORT)
+    assert [(r["S"], r["H"]) for r in rows] == [(4096, 16), (4096, 64), (16384, 64)]
+    assert rows[2]["fwd"] == (403.3, 267.0) and rows[2]["bwd"] == (165.5, 66.7)
+
+
+def test_plot_writes_valid_svg_with_a_line_per_series(tmp_path):
+    report = tmp_path / "kernels.md"
+    report.write_text(REPORT)
+    out = tmp_path / "plot.svg"
+    assert plot.main([str(report), str(out), "--caption", "test"]) == 0
+    root = ET.parse(out).getroot()
+    lines = [e for e in root.iter() if e.tag.endswith("polyline")]
+    # fwd and bwd panels x (ours, mcore) x (64 heads; the 16-head series has one point, still a polyline)
+    assert len(lines) == 8
+    texts = "".join(e.text or "" for e in root.iter() if e.tag.endswith("text"))
+    assert "megatron-core, 64 heads" in texts and "16K" in texts
+
+
+def test_plot_rejects_a_report_without_the_table():
+    with pytest.raises(ValueError, match="sparse MLA"):
+        plot.parse_sparse_table("# nothing here\n")
+
+
+def test_packed_report_rows_and_ratio():
+    rows = [
+        {"batch": "8 x 1K", "T": 8192, "H": 16, "ours_topk_ms": 1.65, "mc_topk_ms": 2.23, "ours_ms": 7.97, "mc_ms": 43.13},
+        {"batch": "1 x 1K", "T": 1024, "H": 64, "ours_topk_ms": 0.23, "ours_ms": 1.9, "mcore_error": "x"},
+        {"batch": "4 x 1K-8K", "H": 16, "error": "boom"},
+    ]
+    lines = bench.report_packed(rows)
+    text = "\n".join(lines)
+    assert "| 8 x 1K | 8192 | 16 | 1.65 / 2.23 | 7.97 / 43.13 | 5.41 |" in text
+    assert "| 1 x 1K | 1024 | 64 | 0.23 / - | 1.90 / - | - |" in text
+    assert "FAILED: boom" in text
+    assert bench.report_packed([]) == []
+    assert set(bench.PACKED_BATCHES) >= {"1 x 1K", "8 x 1K-8K"}
+    assert all(4 <= len(v) <= 8 or v == [1024] for v in bench.PACKED_BATCHES.values())
