@@ -83,3 +83,59 @@ def test_packed_report_rows_and_ratio():
     assert bench.report_packed([]) == []
     assert set(bench.PACKED_BATCHES) >= {"1 x 1K", "8 x 1K-8K"}
     assert all(4 <= len(v) <= 8 or v == [1024] for v in bench.PACKED_BATCHES.values())
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Index sets with locality (the stand-in for a trained indexer's top-k) and the group-sharing statistic
+# --------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("locality", [0.0, 0.5, 1.0])
+def test_local_mix_indices_are_causal_distinct_and_minus_one_tailed(locality):
+    import torch
+
+    seq, topk = 700, 64
+    idx = bench.local_mix_indices(seq, topk, torch.device("cpu"), locality, sinks=4, chunk=256)
+    assert idx.shape == (seq, topk) and idx.dtype == torch.int32
+    t = torch.arange(seq)[:, None]
+    valid = idx >= 0
+    assert (idx[valid.nonzero(as_tuple=True)] <= t.expand_as(idx)[valid]).all()  # causal
+    assert torch.equal(valid.sum(dim=1), torch.clamp(torch.arange(seq) + 1, max=topk))  # min(t + 1, topk) valid
+    assert torch.equal(valid, valid.cummin(dim=1).values)  # -1 only as a tail
+    for r in (5, 63, 64, 300, 699):
+        row = idx[r][idx[r] >= 0]
+        assert row.unique().numel() == row.numel()
+
+
+def test_local_mix_full_locality_is_sinks_plus_window():
+    import torch
+
+    seq, topk, sinks = 600, 64, 4
+    idx = bench.local_mix_indices(seq, topk, torch.device("cpu"), 1.0, sinks=sinks, chunk=128)
+    for r in (200, 599):
+        expect = set(range(sinks)) | set(range(r - (topk - sinks) + 1, r + 1))
+        assert set(idx[r].tolist()) == expect
+    with pytest.raises(ValueError, match="locality"):
+        bench.local_mix_indices(8, 4, torch.device("cpu"), 1.5)
+
+
+def test_group_sharing_grows_with_locality():
+    import torch
+
+    seq, topk = 1024, 64
+    shares = [bench.group_sharing(bench.local_mix_indices(seq, topk, torch.device("cpu"), loc), 4) for loc in (0, 0.5, 1)]
+    assert 1.0 <= shares[0] < shares[1] < shares[2] <= 4.0
+    assert shares[2] > 3.5 and shares[0] < 2.0  # random sets share only in the first rows (t < topk: all keys)
+    same = torch.arange(64, dtype=torch.int32).expand(8, 64).contiguous()
+    assert bench.group_sharing(same, 4) == pytest.approx(4.0)
+    tail = same.clone()
+    tail[:, 32:] = -1
+    assert bench.group_sharing(tail, 4) == pytest.approx(4.0)  # -1 slots neither count nor form a key
+
+
+def test_plot_keeps_only_random_index_rows():
+    rows = plot.parse_sparse_table(REPORT.replace(
+        "| 1.000000 |\n| 4096 | 64 |", "| 1.000000 | random (1.02x) |\n| 4096 | 64 |").replace(
+        "| 16384 | 64 | 10.86", "| 16384 | 64 | 10.86").replace(
+        "| 2.35 | 1.000000 |", "| 2.35 | 1.000000 | local 0.9 (3.40x) |"))
+    assert [(r["S"], r["H"]) for r in rows] == [(4096, 16), (4096, 64)]

@@ -153,6 +153,50 @@ def causal_random_indices(seq: int, topk: int, device: torch.device, chunk: int 
     return out
 
 
+@torch.no_grad()
+def local_mix_indices(seq: int, topk: int, device: torch.device, locality: float, sinks: int = 16, chunk: int = 1024,
+                      seed: int = 0) -> torch.Tensor:
+    """int32 [S, topk] like ``causal_random_indices`` (min(t+1, topk) distinct rows of [0, t], -1 tail), but with
+    locality, a stand-in for a trained indexer's top-k (none is available here): the first ``sinks`` keys,
+    then the ``locality * (topk - sinks)`` most recent keys, then random earlier keys, in that order (an indexer's
+    order: by score). ``locality`` 0 gives random sets (neighbouring queries share few keys), 1 gives sinks plus a
+    sliding window (they share nearly all)."""
+    if not 0.0 <= locality <= 1.0:
+        raise ValueError(f"locality must be in [0, 1], got {locality}")
+    g = torch.Generator(device=device).manual_seed(seed)
+    window = int(round(locality * max(topk - sinks, 0)))
+    out = torch.full((seq, topk), -1, dtype=torch.int32, device=device)
+    for r0 in range(0, seq, chunk):
+        r1 = min(seq, r0 + chunk)
+        rows = torch.arange(r0, r1, device=device)[:, None]
+        cols = torch.arange(r1, device=device)[None]
+        score = torch.rand(r1 - r0, r1, device=device, generator=g)  # random keys: [0, 1)
+        score += 2.0 * ((rows - cols) < window)  # recency window: [2, 3)
+        score += 4.0 * (cols < sinks)  # sinks: >= 4
+        score.masked_fill_(cols > rows, -1.0)
+        width = min(topk, r1)
+        vals, idx = score.topk(width, dim=-1)
+        out[r0:r1, :width] = torch.where(vals >= 0, idx, -1).int()  # by score, as an indexer orders them
+    return out
+
+
+@torch.no_grad()
+def group_sharing(indices: torch.Tensor, group: int = 4) -> float:
+    """How many of ``group`` neighbouring queries use an average selected key: the sum of the group's valid slots over
+    the size of their union, averaged over groups (1 = no sharing, ``group`` = identical sets). The gain bound of a
+    kernel that serves a group of queries over the union of their sets."""
+    t = indices.shape[0] // group * group
+    if t == 0:
+        return 1.0
+    rows = indices[:t].reshape(t // group, -1).long()
+    valid = rows >= 0
+    srt = torch.where(valid, rows, torch.iinfo(torch.int64).max).sort(dim=-1).values
+    first = torch.ones_like(srt, dtype=torch.bool)
+    first[:, 1:] = srt[:, 1:] != srt[:, :-1]
+    union = (first & (srt != torch.iinfo(torch.int64).max)).sum(dim=-1).clamp_min(1)
+    return float((valid.sum(dim=-1) / union).mean())
+
+
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double().flatten(), b.double().flatten()
     return float((a @ b) / (a.norm() * b.norm()).clamp_min(1e-300))
@@ -176,7 +220,8 @@ def timed(fn, min_warmup: int = 3) -> float:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def bench_sparse(seq: int, heads: int, mcore: bool, det: bool, variant: str = "auto", bwd: bool = True) -> dict:
+def bench_sparse(seq: int, heads: int, mcore: bool, det: bool, variant: str = "auto", bwd: bool = True,
+                 locality: float | None = None) -> dict:
     from megatron_glm5.kernels.sparse_mla_bwd import sparse_mla_autograd
 
     def sparse_mla_with_lse(q, kv, idx, scale, *, deterministic=False):
@@ -186,12 +231,16 @@ def bench_sparse(seq: int, heads: int, mcore: bool, det: bool, variant: str = "a
     torch.manual_seed(seq + heads)
     q = torch.randn(seq, heads, D_QK, device=dev, dtype=torch.bfloat16).requires_grad_()
     kv = torch.randn(seq, D_QK, device=dev, dtype=torch.bfloat16).requires_grad_()
-    idx = causal_random_indices(seq, TOPK, dev)
+    if locality is None:
+        idx = causal_random_indices(seq, TOPK, dev)
+    else:
+        idx = local_mix_indices(seq, TOPK, dev, locality)
     g = torch.randn(seq, heads, D_V, device=dev, dtype=torch.bfloat16)
     pairs = int((idx >= 0).sum())
     f_fwd = 2 * pairs * heads * (D_QK + D_V)
     f_bwd = 2 * pairs * heads * (3 * D_QK + 2 * D_V)
-    row = {"S": seq, "H": heads, "pairs": pairs}
+    row = {"S": seq, "H": heads, "pairs": pairs, "indices": "random" if locality is None else f"local {locality:g}",
+           "sharing": group_sharing(idx, 4)}
 
     def ours_fwd():
         with torch.no_grad():
@@ -484,7 +533,8 @@ def bench_nope(seq: int, heads: int) -> dict:
     g = torch.randn(seq, heads, d, device=dev, dtype=torch.bfloat16)
     pairs = int((idx >= 0).sum())
     f_fwd, f_bwd = 2 * pairs * heads * (d + d), 2 * pairs * heads * (3 * d + 2 * d)
-    row = {"S": seq, "H": heads, "pairs": pairs}
+    row = {"S": seq, "H": heads, "pairs": pairs, "indices": "random" if locality is None else f"local {locality:g}",
+           "sharing": group_sharing(idx, 4)}
 
     def ours_fwd():
         with torch.no_grad():
@@ -649,8 +699,9 @@ def report(sparse_rows: list[dict], idx_rows: list[dict], notes: list[str], kpoo
         "## (a) sparse MLA",
         "",
         "| S | H | fwd ms (ours / mcore) | fwd TFLOP/s (ours / mcore) | fwd x | bwd ms (ours / mcore) "
-        "| bwd TFLOP/s (ours / mcore) | bwd x | fwd+bwd ms (ours / mcore) | fwd+bwd x | out cos vs mcore |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| bwd TFLOP/s (ours / mcore) | bwd x | fwd+bwd ms (ours / mcore) | fwd+bwd x | out cos vs mcore "
+        "| indices (sharing in groups of 4) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in sparse_rows:
         if "error" in r:
@@ -663,7 +714,8 @@ def report(sparse_rows: list[dict], idx_rows: list[dict], notes: list[str], kpoo
             f"| {_f(r.get('ours_bwd_ms'), '{:.2f}')} / {_f(mb, '{:.2f}')} | {_f(r.get('ours_bwd_tflops'))} / {_f(r.get('mc_bwd_tflops'))} "
             f"| {_f(mb and r.get('ours_bwd_ms') and mb / r['ours_bwd_ms'], '{:.2f}')} "
             f"| {_f(r.get('ours_fb_ms'), '{:.2f}')} / {_f(mfb, '{:.2f}')} "
-            f"| {_f(mfb and r.get('ours_fb_ms') and mfb / r['ours_fb_ms'], '{:.2f}')} | {_f(r.get('out_cos_vs_mcore'), '{:.6f}')} |"
+            f"| {_f(mfb and r.get('ours_fb_ms') and mfb / r['ours_fb_ms'], '{:.2f}')} | {_f(r.get('out_cos_vs_mcore'), '{:.6f}')} "
+            f"| {r.get('indices', 'random')} ({_f(r.get('sharing'), '{:.2f}')}x) |"
         )
     lines += ["", "Forward kernels alone (valid-length precomputed), TFLOP/s over valid pairs:", ""]
     for r in sparse_rows:
@@ -726,6 +778,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", default="16,64")
     ap.add_argument("--indexer-seqs", default="8192,32768,65536")
     ap.add_argument("--fwd-variant", default="auto", choices=["auto", "ws", "simple"])
+    ap.add_argument("--index-locality", default="",
+                    help="sparse MLA: also time index sets with this locality (comma list in [0, 1]; see "
+                         "local_mix_indices), besides the random ones")
     ap.add_argument("--smoke", action="store_true", help="tiny run of every kernel, compared to the torch oracle")
     ap.add_argument("--fwd-only", action="store_true", help="sparse MLA: time the forward only")
     ap.add_argument("--sections", default="sparse,indexer",
@@ -750,18 +805,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         return smoke(args.fwd_variant)
     sparse_rows, idx_rows, kpool_rows, nope_rows, notes = [], [], [], [], []
+    localities = [None] + [float(x) for x in args.index_locality.split(",") if x]
     for seq in [int(s) for s in args.seqs.split(",") if s and "sparse" in sections]:
         for heads in [int(h) for h in args.heads.split(",") if h]:
-            try:
-                r = bench_sparse(
-                    seq, heads, mcore, det=(seq == 16384 and heads == 64), variant=args.fwd_variant, bwd=not args.fwd_only
-                )
-            except Exception as err:
-                traceback.print_exc()
-                r = {"S": seq, "H": heads, "error": repr(err)[:160]}
-            print(r, flush=True)
-            sparse_rows.append(r)
-            torch.cuda.empty_cache()
+            for loc in localities:
+                try:
+                    r = bench_sparse(seq, heads, mcore, det=(seq == 16384 and heads == 64 and loc is None),
+                                     variant=args.fwd_variant, bwd=not args.fwd_only, locality=loc)
+                except Exception as err:
+                    traceback.print_exc()
+                    r = {"S": seq, "H": heads, "error": repr(err)[:160]}
+                print(r, flush=True)
+                sparse_rows.append(r)
+                torch.cuda.empty_cache()
     for seq in [int(s) for s in args.indexer_seqs.split(",") if s and "indexer" in sections]:
         try:
             r = bench_indexer(seq, mcore)
