@@ -44,6 +44,8 @@ COMPILE_CASES = {
     "dkv_reduce_glm": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_dkv_reduce", (576, 1)),
     "indexer_logits_small": ("megatron_glm5.kernels.indexer_topk", "_jit_logits", (8, 64)),
     "indexer_logits_glm": ("megatron_glm5.kernels.indexer_topk", "_jit_logits", (32, 128)),
+    # experimental: the logits kernel without warp specialisation (2 CTAs per SM), timed by sweep_dsa_round2.py
+    "indexer_logits_plain_glm": ("megatron_glm5.kernels.indexer_topk", "_jit_logits_plain", (32, 128)),
     "topk_select_small": ("megatron_glm5.kernels.indexer_topk", "_jit_select", (64,)),
     "topk_select_glm": ("megatron_glm5.kernels.indexer_topk", "_jit_select", (2048,)),
     # KPool (GLM-5.3-Flash): the same indexer kernel scores the pool keys, top-(index_topk // P) = 512 pools

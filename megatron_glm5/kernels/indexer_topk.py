@@ -129,6 +129,130 @@ def _jit_logits():
 
 
 @functools.cache
+def _jit_logits_plain():
+    tilelang, T = tilelang_modules()
+
+    @tilelang.jit(
+        pass_configs={
+            tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
+            tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
+        },
+    )
+    def indexer_logits_plain(heads: int, dim: int, block_n: int = 128, threads: int = 256, min_blocks: int = 2):
+        """The logits kernel's contract (``indexer_logits``, exact products) without warp specialisation: every
+        thread loads key tiles with predicated ``cp.async`` (zero-fill past ``T_kv``) into two stages by hand, and
+        registers are capped for ``min_blocks`` CTAs per SM, so one CTA's epilogue (ReLU, weights, head sum, store)
+        runs while another's GEMM holds the tensor cores; the specialised kernel is one CTA per SM whose epilogue
+        does not overlap its next GEMM. Experimental: compiled on the CPU machine, not yet run on a GPU."""
+        block_q = max(1, 128 // heads)
+        n_cols = block_q * heads
+        chunks = dim // 8  # 16-byte cp.async pieces per key row
+        if n_cols % 16 or dim % 64 or threads % chunks or block_n % (threads // chunks):
+            raise ValueError(f"plain logits kernel needs (128 // heads) * heads % 16 == 0, dim % 64 == 0 and the tile "
+                             f"split evenly over the threads; got heads={heads}, dim={dim}, threads={threads}")
+        rows_per_pass = threads // chunks
+        t_len = T.dynamic("t_len")
+        t_kv = T.dynamic("t_kv")
+        n_rows = T.dynamic("n_rows")
+        bf16, f32, i32 = T.bfloat16, T.float32, T.int32
+
+        @T.macro
+        def load_tile(K, k_s, k0, t_kv, tx):
+            for r in T.unroll(block_n // rows_per_pass):
+                row = r * rows_per_pass + tx // chunks
+                col = (tx % chunks) * 8
+                key = k0 + row
+                T.ptx_cp_async(
+                    T.access_ptr(k_s[row, col], "w", 8),
+                    T.access_ptr(K[T.min(key, t_kv - 1), col], "r", 8),
+                    8,
+                    predicate=key < t_kv,
+                )
+            T.ptx_commit_group()
+
+        @T.macro
+        def tile_step(k_s, k0, s_f, s_r, w_f, l_s, q_s, Logits, r_base, n_rows, hi):
+            T.gemm(k_s, q_s, s_f, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
+            for n, i, h in T.Parallel(block_n, block_q, heads):
+                s_r[n, i, h] = T.call_extern(f32, "__fmul_rn", T.max(s_r[n, i, h], 0), w_f[i, h])
+            T.reduce_sum(s_r, l_s, dim=-1, clear=True)
+            for i, n in T.Parallel(block_q, block_n):
+                if r_base + i < n_rows and k0 + n < hi:
+                    Logits[r_base + i, k0 + n] = l_s[n, i]
+
+        @T.prim_func
+        def main(
+            Q: T.Tensor([t_len, heads, dim], bf16),
+            K: T.Tensor([t_kv, dim], bf16),
+            W: T.Tensor([t_len, heads], f32),
+            Starts: T.Tensor([t_len], i32),
+            Ends: T.Tensor([t_len], i32),
+            RowOffset: T.Tensor([1], i32),
+            Logits: T.Tensor([n_rows, t_kv], f32),
+        ):
+            with T.Kernel(T.ceildiv(n_rows, block_q), threads=threads) as bx:
+                T.annotate_min_blocks_per_sm(min_blocks)
+                q_s = T.alloc_shared([n_cols, dim], bf16)
+                k0_s = T.alloc_shared([block_n, dim], bf16)
+                k1_s = T.alloc_shared([block_n, dim], bf16)
+                s_f = T.alloc_fragment([block_n, n_cols], f32)
+                s_r = T.reshape(s_f, [block_n, block_q, heads])
+                w_f = T.alloc_fragment([block_q, heads], f32)
+                l_s = T.alloc_shared([block_n, block_q], f32)
+                lo = T.alloc_var(i32)
+                hi = T.alloc_var(i32)
+
+                tx = T.get_thread_binding()
+                r_base = bx * block_q
+                t_base = RowOffset[0] + r_base
+                lo = t_kv
+                hi = 0
+                for i in T.serial(block_q):
+                    if r_base + i < n_rows:
+                        s = T.max(T.min(Starts[t_base + i], t_kv), 0)
+                        e = T.max(T.min(Ends[t_base + i], t_kv), 0)
+                        if e > s:
+                            lo = T.min(lo, s)
+                            hi = T.max(hi, e)
+                n_tiles = T.ceildiv(T.max(hi - lo, 0), block_n)
+                if n_tiles > 0:
+                    load_tile(K, k0_s, lo, t_kv, tx)
+                for i, h, d in T.Parallel(block_q, heads, dim):
+                    q_s[i * heads + h, d] = T.if_then_else(
+                        r_base + i < n_rows, Q[T.min(t_base + i, t_len - 1), h, d], 0
+                    )
+                for i, h in T.Parallel(block_q, heads):
+                    w_f[i, h] = T.if_then_else(r_base + i < n_rows, W[T.min(t_base + i, t_len - 1), h], 0)
+
+                for ip in T.serial(T.ceildiv(n_tiles, 2)):
+                    # even tile in stage 0 (the odd one loads meanwhile), then the odd tile in stage 1
+                    if 2 * ip + 1 < n_tiles:
+                        load_tile(K, k1_s, lo + (2 * ip + 1) * block_n, t_kv, tx)
+                        T.ptx_wait_group(1)
+                    else:
+                        T.ptx_wait_group(0)
+                    T.sync_threads()
+                    T.fence_proxy_async()
+                    tile_step(k0_s, lo + 2 * ip * block_n, s_f, s_r, w_f, l_s, q_s, Logits, r_base, n_rows, hi)
+                    T.sync_threads()
+                    if 2 * ip + 1 < n_tiles:
+                        if 2 * ip + 2 < n_tiles:
+                            load_tile(K, k0_s, lo + (2 * ip + 2) * block_n, t_kv, tx)
+                            T.ptx_wait_group(1)
+                        else:
+                            T.ptx_wait_group(0)
+                        T.sync_threads()
+                        T.fence_proxy_async()
+                        tile_step(k1_s, lo + (2 * ip + 1) * block_n, s_f, s_r, w_f, l_s, q_s, Logits, r_base, n_rows,
+                                  hi)
+                        T.sync_threads()
+
+        return main
+
+    return indexer_logits_plain
+
+
+@functools.cache
 def _jit_select():
     tilelang, T = tilelang_modules()
 

@@ -5,7 +5,9 @@ Sections (each prints one markdown table; ``--out`` also writes them):
 * ``ties``: identical key rows through the indexer logits kernel: rows whose scores are not all bitwise equal, with
   and without ``exact_products``, plus one-hot head weights (the GEMM alone), and the full ``indexer_topk`` against
   the closed form (the first ``topk`` keys of each row).
-* ``logits``: the indexer logits kernel at 32K (32 x 128 heads): queries per CTA and ``exact_products``.
+* ``logits``: the indexer logits kernel at 32K (32 x 128 heads): tiles, stages and ``exact_products`` of the
+  warp-specialised kernel, and the experimental kernel without warp specialisation (``_jit_logits_plain``, 2-3 CTAs
+  per SM); outputs compared bitwise with the default's.
 * ``select``: the top-k select at 8K / 32K / 64K: threads and the CTAs per SM its registers leave room for; every
   variant's output must equal the default's (the selection is exact, so any difference is a bug).
 * ``bwd``: the sparse-MLA backward at 16K, 64 and 16 heads: ``block_s`` / threads / ``dkv_split``; gradients compared
@@ -37,12 +39,15 @@ BWD = "megatron_glm5.kernels.sparse_mla_bwd"
 # (block_n, num_stages, threads, block_q, exact_products); the default first
 LOGITS_VARIANTS = [(128, 2, 256, 4, True), (128, 2, 256, 4, False), (64, 2, 256, 4, True), (64, 3, 256, 4, True),
                    (128, 3, 256, 4, True)]
+# the logits kernel without warp specialisation (_jit_logits_plain): (block_n, threads, min_blocks)
+PLAIN_VARIANTS = [(128, 256, 2), (64, 256, 3), (128, 128, 2)]
 SELECT_VARIANTS = [(512, 0), (512, 3), (256, 0), (1024, 0)]  # (threads, min_blocks: 0 = 2048 // threads)
 BWD_VARIANTS = {64: [(32, 0, 4), (32, 0, 2)], 16: [(32, 0, 4), (32, 0, 2)]}  # (block_s, threads, dkv_split)
 
 
 def kernels_to_build() -> list[tuple]:
     cases = [(IDX, "_jit_logits", (32, 128, *v)) for v in LOGITS_VARIANTS]
+    cases += [(IDX, "_jit_logits_plain", (32, 128, *v)) for v in PLAIN_VARIANTS]
     cases += [(IDX, "_jit_select", (2048, *v)) for v in SELECT_VARIANTS]
     for h, variants in BWD_VARIANTS.items():
         cases += [(BWD, "_jit_bwd", (h, 576, 512, SCALE, False, bs, th, False, sp)) for bs, th, sp in variants]
@@ -93,24 +98,30 @@ def section_ties() -> list[str]:
     return lines
 
 
-def section_logits(seq: int = 32768) -> list[str]:
+def section_logits(seq: int = 32768, check_seq: int = 5000) -> list[str]:
     im = importlib.import_module(IDX)
     q, k, w, starts, ends = indexer_inputs(seq)
     rows = im.logits_chunk_rows(seq, 4)
     buf = torch.empty(rows, seq, device="cuda")
     pairs = seq * (seq + 1) / 2
-    lines = [f"| logits (S={seq}): block_n, stages, threads, block_q, exact | ms | TFLOP/s (causal pairs) "
-             "| equal to the first variant |", "|---|---|---|---|"]
+    # exactness on a length with partial tiles: every causal entry written and bitwise equal to the default's
+    cq, ck, cw, cs, ce = indexer_inputs(check_seq, seed=3)
+    cbuf = torch.empty(check_seq, check_seq, device="cuda")
+    causal = torch.ones(check_seq, check_seq, dtype=torch.bool, device="cuda").tril()
+    lines = [f"| logits (S={seq}): ws (block_n, stages, threads, block_q, exact) or plain (block_n, threads, "
+             f"min CTAs per SM) | ms | TFLOP/s (causal pairs) | bitwise equal to the first at {check_seq} tokens |",
+             "|---|---|---|---|"]
     ref = None
-    for v in LOGITS_VARIANTS:
-        kern = im._jit_logits()(32, 128, *v)
+    variants = [("ws", v) for v in LOGITS_VARIANTS] + [("plain", v) for v in PLAIN_VARIANTS]
+    for family, v in variants:
+        kern = im._jit_logits()(32, 128, *v) if family == "ws" else im._jit_logits_plain()(32, 128, *v)
         ms = timed(lambda: run_logits(kern, q, k, w, starts, ends, rows, buf))
-        c_last = (seq - 1) // rows * rows  # the buffer holds the last chunk: tokens c_last.., keys <= token
-        last = buf[: seq - c_last]
-        keep = torch.ones_like(last, dtype=torch.bool).tril(diagonal=c_last)
-        same = "-" if ref is None else str(bool(torch.equal(last[keep], ref)))
-        ref = last[keep].clone() if ref is None else ref
-        lines.append(f"| {v} | {ms:.2f} | {2 * pairs * 32 * 128 / ms / 1e9:.0f} | {same} |")
+        cbuf.fill_(float("nan"))  # an entry the kernel does not write fails the comparison
+        run_logits(kern, cq, ck, cw, cs, ce, check_seq, cbuf)
+        got = cbuf[causal]
+        same = "-" if ref is None else str(bool(torch.equal(got, ref)))
+        ref = got.clone() if ref is None else ref
+        lines.append(f"| {family} {v} | {ms:.2f} | {2 * pairs * 32 * 128 / ms / 1e9:.0f} | {same} |")
     return lines
 
 
