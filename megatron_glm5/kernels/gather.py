@@ -16,11 +16,13 @@ No ``from __future__ import annotations`` here: TileLang evaluates the macros' a
 
 
 def latent_gather_macro(T, *, rows: int, rows_per_pass: int, dh: int, d_tail: int, tail0: int, record_index: bool,
-                        commit: bool):
+                        commit: bool, key_bits: int = 0):
     """``gather(KV, Idx, t, t_kv, topk, lane_id, kv_l, kv_r, kt, idx_s, blk)``: 8 lanes per KV row, 16 B (8 bf16) per
     ``cp.async``, ``rows_per_pass`` rows per pass of the calling threads (``lane_id`` counts them from 0); slot
     ``blk * rows + row`` of query row ``t``. ``record_index``: lane 0 of each row writes the slot's key (or -1) into
-    ``idx_s``; ``commit``: ends with one ``cp.async`` commit group (else the caller signals completion itself)."""
+    ``idx_s``; ``commit``: ends with one ``cp.async`` commit group (else the caller signals completion itself);
+    ``key_bits`` > 0: a non-negative index entry carries other bits above its low ``key_bits`` (the grouped forward's
+    member bits, ``kernels.index_groups``), which are masked off to get the key."""
     has_tail = d_tail > 0
 
     @T.macro
@@ -30,6 +32,8 @@ def latent_gather_macro(T, *, rows: int, rows_per_pass: int, dh: int, d_tail: in
             row = r * rows_per_pass + lane_id // 8
             slot = blk * rows + row
             idx = T.if_then_else(slot < topk, Idx[t, T.min(slot, topk - 1)], -1)
+            if key_bits:
+                idx = T.if_then_else(idx >= 0, idx & ((1 << key_bits) - 1), -1)
             valid = (idx >= 0) and (idx < t_kv)
             src = T.if_then_else(valid, idx, 0)
             if record_index:

@@ -37,6 +37,7 @@ import torch
 
 from megatron_glm5.kernels._common import LOG2E, cdiv, check_tensor, next_power_of_2, row_valid_len, tilelang_modules
 from megatron_glm5.kernels.gather import latent_gather_macro
+from megatron_glm5.kernels.index_groups import KEY_LIMIT, MEMBER_SHIFT
 
 Variant = Literal["auto", "ws", "simple"]
 
@@ -65,8 +66,15 @@ def _jit_fwd_ws():
             tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
         },
     )
-    def sparse_mla_fwd_ws(heads: int, d_qk: int, d_v: int, softmax_scale: float, block_i: int = 64):
+    def sparse_mla_fwd_ws(heads: int, d_qk: int, d_v: int, softmax_scale: float, block_i: int = 64, group: int = 1):
+        """``group`` > 1 (experimental): one CTA per ``group`` consecutive queries over the union of their index sets
+        (``kernels.index_groups``: ``Idx`` row g = union of queries g*group.., each entry key | member bits << 24;
+        ``VLen`` = union lengths), the MMA rows being (query, head) pairs: needs ``group * heads == 64``."""
         block_h, n_hblk = head_block(heads)
+        if group > 1:
+            if group * heads != 64:
+                raise ValueError(f"grouped forward needs group * heads == 64, got group={group}, heads={heads}")
+            block_h, n_hblk = 64, 1
         dh = d_v // 2
         d_tail = d_qk - d_v
         has_tail = d_tail > 0  # GLM-5: the 64 RoPE channels; none for a NoPE latent (GLM-5.3-Flash, d_qk == d_v)
@@ -78,6 +86,7 @@ def _jit_fwd_ws():
         t_len = T.dynamic("t_len")
         t_kv = T.dynamic("t_kv")
         topk = T.dynamic("topk")  # index width: one kernel serves every K
+        n_idx = t_len if group == 1 else T.dynamic("n_grp")  # index rows: one per query, or one union per group
         bf16, f32, i32 = T.bfloat16, T.float32, T.int32
         wgmma = block_h >= 64  # below 64 rows TileLang emits mma.sync; the async-wait form needs wgmma
 
@@ -89,7 +98,12 @@ def _jit_fwd_ws():
             for h, j in T.Parallel(block_h, bi):
                 slot = blk * bi + j
                 idx = T.if_then_else(slot < topk, Idx[t, T.min(slot, topk - 1)], -1)
-                acc_s[h, j] = T.if_then_else((idx >= 0) and (idx < t_kv), 0, -T.infinity(f32))
+                if group == 1:
+                    acc_s[h, j] = T.if_then_else((idx >= 0) and (idx < t_kv), 0, -T.infinity(f32))
+                else:  # row h is query h // heads of the group: its member bit decides
+                    key = idx & (KEY_LIMIT - 1)
+                    mine = ((idx >> (MEMBER_SHIFT + h // heads)) & 1) == 1
+                    acc_s[h, j] = T.if_then_else((idx >= 0) and (key < t_kv) and mine, 0, -T.infinity(f32))
             T.barrier_wait(bar_ready[stage], parity)  # the mask above overlaps the wait for the gathered rows
             T.fence_proxy_async()  # cp.async (generic proxy) data, read next by the tensor cores (async proxy)
             if wgmma:
@@ -137,25 +151,32 @@ def _jit_fwd_ws():
                 if ch < n_vec:
                     h = ch // (width // 8)
                     c = (ch % (width // 8)) * 8
-                    for v in T.vectorized(8):
-                        buf[h, c + v] = T.if_then_else(h0 + h < heads, Q[t, h0 + h, col0 + c + v], 0)
+                    if group == 1:
+                        for v in T.vectorized(8):
+                            buf[h, c + v] = T.if_then_else(h0 + h < heads, Q[t, h0 + h, col0 + c + v], 0)
+                    else:  # row h: query t * group + h // heads, head h % heads (zeros past the last query)
+                        tq = t * group + h // heads
+                        for v in T.vectorized(8):
+                            buf[h, c + v] = T.if_then_else(
+                                tq < t_len, Q[T.min(tq, t_len - 1), h % heads, col0 + c + v], 0
+                            )
 
         # 8 lanes per KV row, 16 B per cp.async; an invalid slot becomes a zero-fill cp.async (source size 0,
         # nothing read), so stale or uninitialised shared memory never reaches the MMA (P1). Completion is signalled
         # by the producer with cp_async_barrier_noinc, not a commit group.
         gather = latent_gather_macro(T, rows=bi, rows_per_pass=16, dh=dh, d_tail=d_tail, tail0=d_v,
-                                     record_index=False, commit=False)
+                                     record_index=False, commit=False, key_bits=MEMBER_SHIFT if group > 1 else 0)
 
         @T.prim_func
         def main(
             Q: T.Tensor([t_len, heads, d_qk], bf16),
             KV: T.Tensor([t_kv, d_qk], bf16),
-            Idx: T.Tensor([t_len, topk], i32),
-            VLen: T.Tensor([t_len], i32),
+            Idx: T.Tensor([n_idx, topk], i32),
+            VLen: T.Tensor([n_idx], i32),
             Out: T.Tensor([t_len, heads, d_v], bf16),
             Lse: T.Tensor([t_len, heads], f32),
         ):
-            with T.Kernel(t_len, n_hblk, threads=384) as (t, hb):
+            with T.Kernel(n_idx, n_hblk, threads=384) as (t, hb):
                 q_l = T.alloc_shared([block_h, dh], bf16)
                 q_r = T.alloc_shared([block_h, dh], bf16)
                 # no tail buffers (None) for a NoPE latent: every tail step below is skipped at trace time
@@ -218,14 +239,26 @@ def _jit_fwd_ws():
                         T.barrier_arrive(bar_free[1])
                     T.copy(l_i, l_s)
                     T.barrier_arrive(bar_fin)
-                    for h, d in T.Parallel(block_h, dh):
-                        if h0 + h < heads:
-                            Out[t, h0 + h, d] = T.cast(T.if_then_else(l_i[h] > 0, acc_ol[h, d] / l_i[h], 0), bf16)
-                    for h in T.Parallel(block_h):
-                        if h0 + h < heads:
-                            Lse[t, h0 + h] = T.if_then_else(
-                                l_i[h] > 0, T.log(l_i[h]) + m_i[h] * softmax_scale, T.infinity(f32)
-                            )
+                    if group == 1:
+                        for h, d in T.Parallel(block_h, dh):
+                            if h0 + h < heads:
+                                Out[t, h0 + h, d] = T.cast(T.if_then_else(l_i[h] > 0, acc_ol[h, d] / l_i[h], 0), bf16)
+                        for h in T.Parallel(block_h):
+                            if h0 + h < heads:
+                                Lse[t, h0 + h] = T.if_then_else(
+                                    l_i[h] > 0, T.log(l_i[h]) + m_i[h] * softmax_scale, T.infinity(f32)
+                                )
+                    else:  # row h: query t * group + h // heads, head h % heads
+                        for h, d in T.Parallel(block_h, dh):
+                            if t * group + h // heads < t_len:
+                                Out[t * group + h // heads, h % heads, d] = T.cast(
+                                    T.if_then_else(l_i[h] > 0, acc_ol[h, d] / l_i[h], 0), bf16
+                                )
+                        for h in T.Parallel(block_h):
+                            if t * group + h // heads < t_len:
+                                Lse[t * group + h // heads, h % heads] = T.if_then_else(
+                                    l_i[h] > 0, T.log(l_i[h]) + m_i[h] * softmax_scale, T.infinity(f32)
+                                )
                 elif tx < 256:
                     # Consumer 1: P V (right half of d_v), rescaled by the alpha consumer 0 published.
                     T.set_max_nreg(168, 1)
@@ -242,11 +275,18 @@ def _jit_fwd_ws():
                         T.barrier_arrive(bar_p_free)
                         T.barrier_arrive(bar_free[1])
                     T.barrier_wait(bar_fin, 0)
-                    for h, d in T.Parallel(block_h, dh):
-                        if h0 + h < heads:
-                            Out[t, h0 + h, dh + d] = T.cast(
-                                T.if_then_else(l_s[h] > 0, acc_or[h, d] / l_s[h], 0), bf16
-                            )
+                    if group == 1:
+                        for h, d in T.Parallel(block_h, dh):
+                            if h0 + h < heads:
+                                Out[t, h0 + h, dh + d] = T.cast(
+                                    T.if_then_else(l_s[h] > 0, acc_or[h, d] / l_s[h], 0), bf16
+                                )
+                    else:
+                        for h, d in T.Parallel(block_h, dh):
+                            if t * group + h // heads < t_len:
+                                Out[t * group + h // heads, h % heads, dh + d] = T.cast(
+                                    T.if_then_else(l_s[h] > 0, acc_or[h, d] / l_s[h], 0), bf16
+                                )
                 else:
                     # Producer: guarded cp.async gather of the selected KV rows, two stages deep.
                     T.set_max_nreg(80, 0)
@@ -407,6 +447,35 @@ def pick_fwd_variant(heads: int, d_qk: int, d_v: int, variant: Variant = "auto")
     if variant != "auto":
         return variant
     return "ws"
+
+
+def sparse_mla_fwd_grouped(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    d_v: int = 512,
+    *,
+    group: int = 0,
+    union: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Experimental forward that serves ``group`` consecutive queries per CTA over the union of their index sets
+    (``group * heads == 64``; 0: ``64 // heads``), the ``sparse_mla_fwd_interface`` contract. ``union``: a prebuilt
+    ``index_groups.group_union_indices(indices, group)``. Not used by the autograd path yet: it is timed against the
+    per-query kernel by ``scripts/bench/sweep_dsa_round2.py`` (section ``grouped``)."""
+    from megatron_glm5.kernels.index_groups import group_union_indices
+
+    check_sparse_mla_args(q, kv, indices, d_v)
+    t_len, heads, d_qk = q.shape
+    group = group or 64 // heads
+    if group * heads != 64:
+        raise ValueError(f"grouped forward needs group * heads == 64, got group={group}, heads={heads}")
+    if t_len == 0:
+        return q.new_zeros(0, heads, d_v), q.new_zeros(0, heads, dtype=torch.float32)
+    uidx, ulen = union if union is not None else group_union_indices(indices, group)
+    kernel = _jit_fwd_ws()(heads, d_qk, d_v, float(softmax_scale), 64, group)
+    out, lse = kernel(q, kv, uidx, ulen)
+    return out, lse
 
 
 def sparse_mla_fwd_interface(

@@ -12,6 +12,9 @@ Sections (each prints one markdown table; ``--out`` also writes them):
   variant's output must equal the default's (the selection is exact, so any difference is a bug).
 * ``bwd``: the sparse-MLA backward at 16K, 64 and 16 heads: ``block_s`` / threads / ``dkv_split``; gradients compared
   with the current default's (max error over the tensor's max magnitude).
+* ``grouped``: the experimental grouped forward (``sparse_mla_fwd_grouped``: 4 queries x 16 heads per CTA over the
+  union of their sets) against the per-query forward at 16K / 16 heads, on random index sets and on sets with
+  locality, with the union build's cost and the output / LSE differences.
 
 The round-2 runs (``scripts/bench/kernels_round2/sweep*.md``) also measured variants whose code was not kept (a select
 holding its row in shared memory, a two-pass select with a candidate list): see ``RESULTS_kernels.md``.
@@ -49,6 +52,8 @@ def kernels_to_build() -> list[tuple]:
     cases = [(IDX, "_jit_logits", (32, 128, *v)) for v in LOGITS_VARIANTS]
     cases += [(IDX, "_jit_logits_plain", (32, 128, *v)) for v in PLAIN_VARIANTS]
     cases += [(IDX, "_jit_select", (2048, *v)) for v in SELECT_VARIANTS]
+    cases += [("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_ws", (16, 576, 512, SCALE)),
+              ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_ws", (16, 576, 512, SCALE, 64, 4))]
     for h, variants in BWD_VARIANTS.items():
         cases += [(BWD, "_jit_bwd", (h, 576, 512, SCALE, False, bs, th, False, sp)) for bs, th, sp in variants]
         cases += [(BWD, "_jit_delta", (h, 512))]
@@ -122,6 +127,50 @@ def section_logits(seq: int = 32768, check_seq: int = 5000) -> list[str]:
         same = "-" if ref is None else str(bool(torch.equal(got, ref)))
         ref = got.clone() if ref is None else ref
         lines.append(f"| {family} {v} | {ms:.2f} | {2 * pairs * 32 * 128 / ms / 1e9:.0f} | {same} |")
+    return lines
+
+
+def section_grouped(seq: int = 16384, heads: int = 16, localities=(None, 0.5, 0.9, 1.0)) -> list[str]:
+    """The experimental grouped forward (4 queries x 16 heads per CTA over the union of their index sets) against the
+    per-query forward, on random index sets and on sets with locality (``local_mix_indices``)."""
+    from bench_dsa_kernels import group_sharing, local_mix_indices
+
+    from megatron_glm5.kernels._common import row_valid_len
+    from megatron_glm5.kernels.index_groups import group_union_indices
+    from megatron_glm5.kernels.sparse_mla_fwd import sparse_mla_fwd_grouped, sparse_mla_fwd_interface
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q = torch.randn(seq, heads, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+    kv = torch.randn(seq, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+    group = 64 // heads
+    lines = [f"| indices (S={seq}, {heads} heads) | sharing (groups of {group}) | per-query fwd ms | union build ms "
+             "| grouped fwd ms | speed-up (kernel / with build) | out max err | lse max err |",
+             "|---|---|---|---|---|---|---|---|"]
+    for loc in localities:
+        dev = torch.device("cuda")
+        idx = causal_random_indices(seq, 2048, dev) if loc is None else local_mix_indices(seq, 2048, dev, loc)
+        vlen = row_valid_len(idx)
+        pairs = float(vlen.sum())
+        base = timed(lambda: sparse_mla_fwd_interface(q, kv, idx, SCALE, 512, valid_len=vlen))
+        build = timed(lambda: group_union_indices(idx, group))
+        union = group_union_indices(idx, group)
+        try:
+            ms = timed(lambda: sparse_mla_fwd_grouped(q, kv, idx, SCALE, 512, union=union))
+            out_g, lse_g = sparse_mla_fwd_grouped(q, kv, idx, SCALE, 512, union=union)
+            out_b, lse_b = sparse_mla_fwd_interface(q, kv, idx, SCALE, 512, valid_len=vlen)
+            err_o = float((out_g.float() - out_b.float()).abs().max())
+            fin = torch.isfinite(lse_b)
+            err_l = float((lse_g[fin] - lse_b[fin]).abs().max()) if bool(fin.any()) else 0.0
+            same_inf = bool(torch.equal(torch.isinf(lse_g), torch.isinf(lse_b)))
+            res = (f"{ms:.2f} | {base / ms:.2f} / {base / (ms + build):.2f} | {err_o:.2e} | "
+                   f"{err_l:.2e}{'' if same_inf else ' (empty rows differ)'}")
+        except Exception as err:  # experimental kernel: report and go on
+            res = f"FAILED {err!r}"[:200] + " | | |"
+        name = "random" if loc is None else f"local {loc:g}"
+        lines.append(f"| {name} | {group_sharing(idx, group):.2f} | {base:.2f} ({2 * pairs * heads * 1088 / base / 1e9:.0f} "
+                     f"TFLOP/s) | {build:.2f} | {res} |")
+        del idx, vlen, union
+        torch.cuda.empty_cache()
     return lines
 
 
@@ -201,7 +250,7 @@ def section_bwd(seq: int = 16384) -> list[str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sections", default="ties,logits,select,bwd")
+    ap.add_argument("--sections", default="ties,logits,select,bwd,grouped")
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

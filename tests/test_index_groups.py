@@ -1,0 +1,47 @@
+"""The union-of-neighbours index layout (``megatron_glm5.kernels.index_groups``) against per-query sets, on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_glm5.kernels.index_groups import KEY_LIMIT, MEMBER_SHIFT, group_union_indices, split_union
+
+
+def _sets(indices: torch.Tensor) -> list[set[int]]:
+    return [{v for v in row if 0 <= v < KEY_LIMIT} for row in indices.tolist()]
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 7])
+def test_union_holds_every_query_set_exactly(group):
+    g = torch.Generator().manual_seed(group)
+    t_len, k = 37, 24
+    idx = torch.randint(0, 60, (t_len, k), generator=g, dtype=torch.int32)
+    idx[3, 10:] = -1  # -1 tail
+    idx[5] = -1  # a row without keys
+    idx[7, 4] = idx[7, 2]  # a key listed twice by one query
+    idx[9, 0] = KEY_LIMIT + 5  # out of range: unused
+    union, length = group_union_indices(idx, group)
+    assert union.dtype == torch.int32 and union.shape[0] == -(-t_len // group)
+    assert split_union(union, group)[:t_len] == _sets(idx)
+    keys = torch.where(union >= 0, union & (KEY_LIMIT - 1), -1)
+    for r, n in enumerate(length.tolist()):
+        row = keys[r]
+        assert (row[:n] >= 0).all() and (row[n:] == -1).all()
+        assert torch.equal(row[:n], row[:n].sort().values) and row[:n].unique().numel() == n  # ascending, distinct
+
+
+def test_union_of_identical_neighbours_is_one_set_with_all_bits():
+    idx = torch.arange(16, dtype=torch.int32).expand(8, 16).contiguous()
+    union, length = group_union_indices(idx, 4)
+    assert length.tolist() == [16, 16]
+    assert ((union >> MEMBER_SHIFT) == 0b1111).all() and torch.equal(union[0] & (KEY_LIMIT - 1), torch.arange(16).int())
+
+
+def test_union_rejects_bad_arguments():
+    with pytest.raises(TypeError, match="int32"):
+        group_union_indices(torch.zeros(4, 4, dtype=torch.int64), 2)
+    with pytest.raises(ValueError, match="group"):
+        group_union_indices(torch.zeros(4, 4, dtype=torch.int32), 8)
+    union, length = group_union_indices(torch.zeros(0, 4, dtype=torch.int32), 4)
+    assert union.shape == (0, 1) and length.numel() == 0
