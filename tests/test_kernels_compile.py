@@ -34,6 +34,8 @@ COMPILE_CASES = {
     "fwd_ws_glm": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_ws", (64, 576, 512, 1 / 16)),
     # experimental: 4 queries x 16 heads per CTA over the union of their index sets (kernels.index_groups)
     "fwd_ws_grouped_glm": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_ws", (16, 576, 512, 1 / 16, 64, 4)),
+    "bwd_grouped_glm": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (16, 576, 512, 1 / 16, False, 32, 0, False,
+                                                                          0, 4)),
     "fwd_simple_small": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_simple", (16, 192, 128, 0.125)),
     "bwd_small_deterministic": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (8, 192, 128, 0.125, True)),
     "bwd_glm": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (64, 576, 512, 1 / 16, False)),

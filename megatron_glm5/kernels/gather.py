@@ -31,14 +31,13 @@ def latent_gather_macro(T, *, rows: int, rows_per_pass: int, dh: int, d_tail: in
         for r in T.unroll(rows // rows_per_pass):
             row = r * rows_per_pass + lane_id // 8
             slot = blk * rows + row
-            idx = T.if_then_else(slot < topk, Idx[t, T.min(slot, topk - 1)], -1)
-            if key_bits:
-                idx = T.if_then_else(idx >= 0, idx & ((1 << key_bits) - 1), -1)
+            raw = T.if_then_else(slot < topk, Idx[t, T.min(slot, topk - 1)], -1)
+            idx = T.if_then_else(raw >= 0, raw & ((1 << key_bits) - 1), -1) if key_bits else raw
             valid = (idx >= 0) and (idx < t_kv)
             src = T.if_then_else(valid, idx, 0)
             if record_index:
                 if lane == 0:
-                    idx_s[row] = T.if_then_else(valid, idx, -1)
+                    idx_s[row] = T.if_then_else(valid, raw, -1)  # with key_bits: the entry, member bits included
             for c in T.unroll(dh // 64):
                 col = c * 64 + lane * 8
                 T.ptx_cp_async(

@@ -51,6 +51,7 @@ from megatron_glm5.kernels._common import (
     tilelang_modules,
 )
 from megatron_glm5.kernels.gather import latent_gather_macro
+from megatron_glm5.kernels.index_groups import KEY_LIMIT, MEMBER_SHIFT
 from megatron_glm5.kernels.sparse_mla_fwd import (
     Variant,
     check_sparse_mla_args,
@@ -125,9 +126,13 @@ def _jit_bwd():
         threads: int = 0,
         with_target: bool = False,
         dkv_split: int = 0,
+        group: int = 1,
     ):
         """Main backward kernel. ``deterministic`` switches the dKV epilogue from atomics to partial-buffer stores;
-        ``dkv_split``: dKV column chunks (0: automatic);
+        ``dkv_split``: dKV column chunks (0: automatic); ``group`` > 1 (experimental, atomic dKV only): one CTA per
+        ``group`` consecutive queries over the union of their index sets, as the grouped forward
+        (``kernels.index_groups``; ``group * heads == 64``): a union key's dKV is summed over the group's queries on
+        chip before its one atomic write;
         ``with_target`` also writes ``Tgt[hb, t, k] = sum_{h in head block hb} P[h, t, k]`` (the sparse indexer
         loss's unnormalised target, from the ``P`` this kernel forms anyway; slots of skipped blocks are left as the
         caller's zeros).
@@ -135,6 +140,11 @@ def _jit_bwd():
         Grid ``(n_rows, head blocks)``; row ``bx`` is token ``row0 + bx`` (the deterministic path runs in chunks).
         """
         block_h, n_hblk = head_block(heads)
+        if group > 1:
+            if group * heads != 64 or deterministic or with_target:
+                raise ValueError(f"grouped backward needs group * heads == 64, atomic dKV and no target; got "
+                                 f"group={group}, heads={heads}, deterministic={deterministic}, target={with_target}")
+            block_h, n_hblk = 64, 1
         if threads == 0:
             threads = 256 if block_h >= 32 else 128
         dh = d_v // 2
@@ -159,7 +169,10 @@ def _jit_bwd():
         bf16, f32, i32 = T.bfloat16, T.float32, T.int32
         dkv_shape = [n_rows, n_hblk, topk, d_qk] if deterministic else [t_kv, d_qk]
         tgt_shape = [n_hblk, t_len, topk] if with_target else [1]
-        grid_rows = n_rows if deterministic else t_len  # the deterministic path runs a chunk of rows per launch
+        n_idx = t_len if group == 1 else T.dynamic("n_grp")  # index rows: one per query, or one union per group
+        # the deterministic path runs a chunk of rows per launch; the grouped one a CTA per group
+        grid_rows = n_rows if deterministic else n_idx
+        key_mask = KEY_LIMIT - 1
 
         @T.macro
         def load_rows(src, t, h0, tx, buf, col0, width):
@@ -169,11 +182,18 @@ def _jit_bwd():
                 if ch < n_vec:
                     h = ch // (width // 8)
                     c = (ch % (width // 8)) * 8
-                    for v in T.vectorized(8):
-                        buf[h, c + v] = T.if_then_else(h0 + h < heads, src[t, h0 + h, col0 + c + v], 0)
+                    if group == 1:
+                        for v in T.vectorized(8):
+                            buf[h, c + v] = T.if_then_else(h0 + h < heads, src[t, h0 + h, col0 + c + v], 0)
+                    else:  # row h: query t * group + h // heads, head h % heads (zeros past the last query)
+                        tq = t * group + h // heads
+                        for v in T.vectorized(8):
+                            buf[h, c + v] = T.if_then_else(
+                                tq < t_len, src[T.min(tq, t_len - 1), h % heads, col0 + c + v], 0
+                            )
 
         gather = latent_gather_macro(T, rows=bs, rows_per_pass=rows_per_pass, dh=dh, d_tail=d_tail, tail0=d_v,
-                                     record_index=True, commit=True)
+                                     record_index=True, commit=True, key_bits=MEMBER_SHIFT if group > 1 else 0)
 
         @T.macro
         def scatter(dKV, acc, idx_s, bx, hb, blk, col0, width):
@@ -181,10 +201,14 @@ def _jit_bwd():
                 for j, d in T.Parallel(bs, width):
                     if blk * bs + j < topk:
                         dKV[bx, hb, blk * bs + j, col0 + d] = acc[j, d]
-            else:
+            elif group == 1:
                 for j, d in T.Parallel(bs, width):
                     if idx_s[j] >= 0:
                         T.atomic_add(dKV[idx_s[j], col0 + d], acc[j, d])
+            else:  # the recorded entry carries member bits above the key
+                for j, d in T.Parallel(bs, width):
+                    if idx_s[j] >= 0:
+                        T.atomic_add(dKV[idx_s[j] & key_mask, col0 + d], acc[j, d])
 
         @T.macro
         def block_step(
@@ -192,8 +216,14 @@ def _jit_bwd():
             q_l, q_r, q_t, do_l, do_r, p_s, ds_s, lse_s, delta_s,
             acc_p, acc_dp, acc_dq_l, acc_dq_r, acc_dq_t, acc_dkv, acc_dkv_t, Tgt, tsum, t,
         ):  # fmt: skip
-            for h, j in T.Parallel(block_h, bs):
-                acc_p[h, j] = T.if_then_else(idx_s[j] >= 0, 0, -T.infinity(f32))
+            if group == 1:
+                for h, j in T.Parallel(block_h, bs):
+                    acc_p[h, j] = T.if_then_else(idx_s[j] >= 0, 0, -T.infinity(f32))
+            else:  # row h is query h // heads of the group: its member bit decides
+                for h, j in T.Parallel(block_h, bs):
+                    acc_p[h, j] = T.if_then_else(
+                        (idx_s[j] >= 0) and (((idx_s[j] >> (MEMBER_SHIFT + h // heads)) & 1) == 1), 0, -T.infinity(f32)
+                    )
             T.gemm(q_l, kv_l, acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
             T.gemm(q_r, kv_r, acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
             if has_tail:
@@ -232,8 +262,8 @@ def _jit_bwd():
             Q: T.Tensor([t_len, heads, d_qk], bf16),
             KV: T.Tensor([t_kv, d_qk], bf16),
             dO: T.Tensor([t_len, heads, d_v], bf16),
-            Idx: T.Tensor([t_len, topk], i32),
-            VLen: T.Tensor([t_len], i32),
+            Idx: T.Tensor([n_idx, topk], i32),
+            VLen: T.Tensor([n_idx], i32),
             Lse: T.Tensor([t_len, heads], f32),
             Delta: T.Tensor([t_len, heads], f32),
             RowOffset: T.Tensor([1], i32),
@@ -281,10 +311,17 @@ def _jit_bwd():
                     load_rows(Q, t, h0, tx, q_t, d_v, d_tail)
                 load_rows(dO, t, h0, tx, do_l, 0, dh)
                 load_rows(dO, t, h0, tx, do_r, dh, dh)
-                for h in T.Parallel(block_h):
-                    # Padded heads: lse = +inf gives P = 0, so they contribute nothing.
-                    lse_s[h] = T.if_then_else(h0 + h < heads, Lse[t, T.min(h0 + h, heads - 1)] * LOG2E, T.infinity(f32))
-                    delta_s[h] = T.if_then_else(h0 + h < heads, Delta[t, T.min(h0 + h, heads - 1)], 0)
+                if group == 1:
+                    for h in T.Parallel(block_h):
+                        # Padded heads: lse = +inf gives P = 0, so they contribute nothing.
+                        lse_s[h] = T.if_then_else(h0 + h < heads, Lse[t, T.min(h0 + h, heads - 1)] * LOG2E, T.infinity(f32))
+                        delta_s[h] = T.if_then_else(h0 + h < heads, Delta[t, T.min(h0 + h, heads - 1)], 0)
+                else:  # rows past the last query: lse = +inf, P = 0
+                    for h in T.Parallel(block_h):
+                        tq = T.min(t * group + h // heads, t_len - 1)
+                        live = t * group + h // heads < t_len
+                        lse_s[h] = T.if_then_else(live, Lse[tq, h % heads] * LOG2E, T.infinity(f32))
+                        delta_s[h] = T.if_then_else(live, Delta[tq, h % heads], 0)
                 T.clear(acc_dq_l)
                 T.clear(acc_dq_r)
                 if has_tail:
@@ -320,14 +357,24 @@ def _jit_bwd():
                         )  # fmt: skip
                         T.sync_threads()
 
-                for h, d in T.Parallel(block_h, dh):
-                    if h0 + h < heads:
-                        dQ[t, h0 + h, d] = T.cast(acc_dq_l[h, d], bf16)
-                        dQ[t, h0 + h, dh + d] = T.cast(acc_dq_r[h, d], bf16)
-                if has_tail:
-                    for h, d in T.Parallel(block_h, d_tail):
+                if group == 1:
+                    for h, d in T.Parallel(block_h, dh):
                         if h0 + h < heads:
-                            dQ[t, h0 + h, d_v + d] = T.cast(acc_dq_t[h, d], bf16)
+                            dQ[t, h0 + h, d] = T.cast(acc_dq_l[h, d], bf16)
+                            dQ[t, h0 + h, dh + d] = T.cast(acc_dq_r[h, d], bf16)
+                    if has_tail:
+                        for h, d in T.Parallel(block_h, d_tail):
+                            if h0 + h < heads:
+                                dQ[t, h0 + h, d_v + d] = T.cast(acc_dq_t[h, d], bf16)
+                else:  # row h: query t * group + h // heads, head h % heads
+                    for h, d in T.Parallel(block_h, dh):
+                        if t * group + h // heads < t_len:
+                            dQ[t * group + h // heads, h % heads, d] = T.cast(acc_dq_l[h, d], bf16)
+                            dQ[t * group + h // heads, h % heads, dh + d] = T.cast(acc_dq_r[h, d], bf16)
+                    if has_tail:
+                        for h, d in T.Parallel(block_h, d_tail):
+                            if t * group + h // heads < t_len:
+                                dQ[t * group + h // heads, h % heads, d_v + d] = T.cast(acc_dq_t[h, d], bf16)
 
         return main
 
@@ -474,6 +521,42 @@ def sparse_mla_bwd_interface(
         offsets = torch.searchsorted(sorted_keys, key_range, out_int32=True)
         reduce(partial[: c1 - c0], order.to(torch.int32), offsets, dkv_acc)
     return outputs(dkv_acc)
+
+
+def sparse_mla_bwd_grouped(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    grad_out: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    d_v: int = 512,
+    *,
+    group: int = 0,
+    union: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Experimental backward serving ``group`` consecutive queries per CTA over the union of their index sets
+    (``group * heads == 64``; 0: ``64 // heads``; atomic dKV): ``(dq, dkv)`` as ``sparse_mla_bwd_interface``. Not used
+    by the autograd path yet; timed against the per-query kernel by ``scripts/bench/sweep_dsa_round2.py``."""
+    from megatron_glm5.kernels.index_groups import group_union_indices
+
+    check_sparse_mla_args(q, kv, indices, d_v)
+    t_len, heads, d_qk = q.shape
+    group = group or 64 // heads
+    if group * heads != 64:
+        raise ValueError(f"grouped backward needs group * heads == 64, got group={group}, heads={heads}")
+    if t_len == 0:
+        return torch.zeros_like(q), torch.zeros_like(kv)
+    uidx, ulen = union if union is not None else group_union_indices(indices, group)
+    delta = _jit_delta()(heads, d_v)(out, grad_out, torch.zeros_like(lse))
+    dq = torch.empty_like(q)
+    dkv_acc = torch.zeros(kv.shape[0], d_qk, dtype=torch.float32, device=q.device)
+    row0 = torch.zeros(1, dtype=torch.int32, device=q.device)
+    target = torch.empty(1, dtype=torch.float32, device=q.device)
+    kernel = _jit_bwd()(heads, d_qk, d_v, float(softmax_scale), False, group=group)
+    kernel(q, kv, grad_out, uidx, ulen, lse, delta, row0, dq, dkv_acc, target)
+    return dq, dkv_acc.to(kv.dtype)
 
 
 # --------------------------------------------------------------------------------------------------------------------

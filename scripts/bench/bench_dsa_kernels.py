@@ -48,6 +48,7 @@ D_QK, D_V, TOPK = 576, 512, 2048
 OUR_KERNELS = (
     [("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_ws", (h, D_QK, D_V, SCALE)) for h in (8, 16, 64, 128)]
     + [("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_ws", (16, D_QK, D_V, SCALE, 64, 4))]  # grouped (experimental)
+    + [("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (16, D_QK, D_V, SCALE, False, 32, 0, False, 0, 4))]
     + [("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_simple", (h, D_QK, D_V, SCALE)) for h in (16, 64)]
     + [("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (h, D_QK, D_V, SCALE, det))
        for h in (8, 16, 64, 128) for det in (False, True)]

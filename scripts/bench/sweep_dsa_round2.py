@@ -12,9 +12,9 @@ Sections (each prints one markdown table; ``--out`` also writes them):
   variant's output must equal the default's (the selection is exact, so any difference is a bug).
 * ``bwd``: the sparse-MLA backward at 16K, 64 and 16 heads: ``block_s`` / threads / ``dkv_split``; gradients compared
   with the current default's (max error over the tensor's max magnitude).
-* ``grouped``: the experimental grouped forward (``sparse_mla_fwd_grouped``: 4 queries x 16 heads per CTA over the
-  union of their sets) against the per-query forward at 16K / 16 heads, on random index sets and on sets with
-  locality, with the union build's cost and the output / LSE differences.
+* ``grouped``: the experimental grouped forward and backward (``sparse_mla_fwd_grouped`` / ``sparse_mla_bwd_grouped``:
+  4 queries x 16 heads per CTA over the union of their sets) against the per-query kernels at 16K / 16 heads, on
+  random index sets and on sets with locality, with the union build's cost and the output / gradient differences.
 
 The round-2 runs (``scripts/bench/kernels_round2/sweep*.md``) also measured variants whose code was not kept (a select
 holding its row in shared memory, a two-pass select with a candidate list): see ``RESULTS_kernels.md``.
@@ -53,7 +53,9 @@ def kernels_to_build() -> list[tuple]:
     cases += [(IDX, "_jit_logits_plain", (32, 128, *v)) for v in PLAIN_VARIANTS]
     cases += [(IDX, "_jit_select", (2048, *v)) for v in SELECT_VARIANTS]
     cases += [("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_ws", (16, 576, 512, SCALE)),
-              ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_ws", (16, 576, 512, SCALE, 64, 4))]
+              ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_ws", (16, 576, 512, SCALE, 64, 4)),
+              (BWD, "_jit_bwd", (16, 576, 512, SCALE, False)),
+              (BWD, "_jit_bwd", (16, 576, 512, SCALE, False, 32, 0, False, 0, 4))]
     for h, variants in BWD_VARIANTS.items():
         cases += [(BWD, "_jit_bwd", (h, 576, 512, SCALE, False, bs, th, False, sp)) for bs, th, sp in variants]
         cases += [(BWD, "_jit_delta", (h, 512))]
@@ -144,8 +146,10 @@ def section_grouped(seq: int = 16384, heads: int = 16, localities=(None, 0.5, 0.
     kv = torch.randn(seq, 576, device="cuda", dtype=torch.bfloat16, generator=g)
     group = 64 // heads
     lines = [f"| indices (S={seq}, {heads} heads) | sharing (groups of {group}) | per-query fwd ms | union build ms "
-             "| grouped fwd ms | speed-up (kernel / with build) | out max err | lse max err |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| grouped fwd ms | speed-up (kernel / with build) | out max err | lse max err "
+             "| bwd ms (per-query / grouped) | bwd speed-up | dq / dkv err (of max) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    do = torch.randn(seq, heads, 512, device="cuda", dtype=torch.bfloat16, generator=g)
     for loc in localities:
         dev = torch.device("cuda")
         idx = causal_random_indices(seq, 2048, dev) if loc is None else local_mix_indices(seq, 2048, dev, loc)
@@ -166,6 +170,19 @@ def section_grouped(seq: int = 16384, heads: int = 16, localities=(None, 0.5, 0.
                    f"{err_l:.2e}{'' if same_inf else ' (empty rows differ)'}")
         except Exception as err:  # experimental kernel: report and go on
             res = f"FAILED {err!r}"[:200] + " | | |"
+        try:
+            from megatron_glm5.kernels.sparse_mla_bwd import sparse_mla_bwd_grouped, sparse_mla_bwd_interface
+
+            out_b, lse_b = sparse_mla_fwd_interface(q, kv, idx, SCALE, 512, valid_len=vlen)
+            b_ms = timed(lambda: sparse_mla_bwd_interface(q, kv, out_b, lse_b, do, idx, SCALE, 512, valid_len=vlen))
+            g_ms = timed(lambda: sparse_mla_bwd_grouped(q, kv, out_b, lse_b, do, idx, SCALE, 512, union=union))
+            dq_b, dkv_b = sparse_mla_bwd_interface(q, kv, out_b, lse_b, do, idx, SCALE, 512, valid_len=vlen)
+            dq_g, dkv_g = sparse_mla_bwd_grouped(q, kv, out_b, lse_b, do, idx, SCALE, 512, union=union)
+            eq = float((dq_g.float() - dq_b.float()).abs().max() / dq_b.float().abs().max())
+            ekv = float((dkv_g.float() - dkv_b.float()).abs().max() / dkv_b.float().abs().max())
+            res += f" | {b_ms:.2f} / {g_ms:.2f} | {b_ms / g_ms:.2f} | {eq:.1e} / {ekv:.1e}"
+        except Exception as err:
+            res += f" | FAILED {err!r}"[:200] + " | |"
         name = "random" if loc is None else f"local {loc:g}"
         lines.append(f"| {name} | {group_sharing(idx, group):.2f} | {base:.2f} ({2 * pairs * heads * 1088 / base / 1e9:.0f} "
                      f"TFLOP/s) | {build:.2f} | {res} |")
