@@ -44,7 +44,7 @@ LOGITS_VARIANTS = [(128, 2, 256, 4, True), (128, 2, 256, 4, False), (64, 2, 256,
                    (128, 3, 256, 4, True)]
 # the logits kernel without warp specialisation (_jit_logits_plain): (block_n, threads, min_blocks)
 PLAIN_VARIANTS = [(128, 256, 2), (64, 256, 3), (128, 128, 2)]
-SELECT_VARIANTS = [(512, 0), (512, 3), (256, 0), (1024, 0)]  # (threads, min_blocks: 0 = 2048 // threads)
+SELECT_VARIANTS = [(256, 0), (512, 0), (512, 3), (1024, 0)]  # (threads, min_blocks: 0 = 2048 // threads); default first
 BWD_VARIANTS = {64: [(32, 0, 4), (32, 0, 2)], 16: [(32, 0, 4), (32, 0, 2)]}  # (block_s, threads, dkv_split)
 
 
