@@ -30,7 +30,8 @@ def group_union_indices(indices: torch.Tensor, group: int) -> tuple[torch.Tensor
     dev = indices.device
     n_grp = -(-t_len // group)
     if n_grp == 0 or k == 0:
-        return torch.full((n_grp, 1), -1, dtype=torch.int32, device=dev), torch.zeros(n_grp, dtype=torch.int32, device=dev)
+        empty = torch.full((n_grp, 1), -1, dtype=torch.int32, device=dev)
+        return empty, torch.zeros(n_grp, dtype=torch.int32, device=dev)
     rows = torch.full((n_grp * group, k), -1, dtype=torch.int64, device=dev)
     rows[:t_len] = indices.long()
     rows = rows.view(n_grp, group * k)

@@ -314,7 +314,9 @@ def _jit_bwd():
                 if group == 1:
                     for h in T.Parallel(block_h):
                         # Padded heads: lse = +inf gives P = 0, so they contribute nothing.
-                        lse_s[h] = T.if_then_else(h0 + h < heads, Lse[t, T.min(h0 + h, heads - 1)] * LOG2E, T.infinity(f32))
+                        lse_s[h] = T.if_then_else(
+                            h0 + h < heads, Lse[t, T.min(h0 + h, heads - 1)] * LOG2E, T.infinity(f32)
+                        )
                         delta_s[h] = T.if_then_else(h0 + h < heads, Delta[t, T.min(h0 + h, heads - 1)], 0)
                 else:  # rows past the last query: lse = +inf, P = 0
                     for h in T.Parallel(block_h):
