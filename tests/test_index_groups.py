@@ -48,14 +48,17 @@ def test_union_rejects_bad_arguments():
 
 
 def test_grouped_kernels_refuse_a_group_that_does_not_fill_64_rows():
-    from megatron_glm5.kernels.sparse_mla_bwd import sparse_mla_bwd_grouped
-    from megatron_glm5.kernels.sparse_mla_fwd import sparse_mla_fwd_grouped
+    from megatron_glm5.kernels.sparse_mla_bwd import sparse_mla_bwd_interface
+    from megatron_glm5.kernels.sparse_mla_fwd import sparse_mla_fwd_interface
 
     q = torch.zeros(8, 32, 576, dtype=torch.bfloat16)
     kv = torch.zeros(8, 576, dtype=torch.bfloat16)
     idx = torch.full((8, 64), -1, dtype=torch.int32)
     with pytest.raises(ValueError, match="group \\* heads == 64"):
-        sparse_mla_fwd_grouped(q, kv, idx, 1 / 16, 512, group=4)
+        sparse_mla_fwd_interface(q, kv, idx, 1 / 16, 512, group=4)
     out = torch.zeros(8, 32, 512, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="group \\* heads == 64"):
-        sparse_mla_bwd_grouped(q, kv, out, torch.zeros(8, 32), out, idx, 1 / 16, 512, group=3)
+        sparse_mla_bwd_interface(q, kv, out, torch.zeros(8, 32), out, idx, 1 / 16, 512, group=3)
+    with pytest.raises(ValueError, match="atomic dKV only"):
+        sparse_mla_bwd_interface(q[:, :16].contiguous(), kv, out[:, :16].contiguous(), torch.zeros(8, 16),
+                                 out[:, :16].contiguous(), idx, 1 / 16, 512, group=4, deterministic=True)

@@ -11,6 +11,8 @@ g * group + group - 1``, each as ``key | (members << MEMBER_SHIFT)`` where bit `
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 MEMBER_SHIFT = 24
@@ -58,6 +60,47 @@ def group_union_indices(indices: torch.Tensor, group: int) -> tuple[torch.Tensor
     slot = torch.arange(width, device=dev)
     union = torch.where(slot < length[:, None], ukey[:, :width] | (members[:, :width] << MEMBER_SHIFT), -1)
     return union.to(torch.int32), length.to(torch.int32)
+
+
+@dataclass(frozen=True)
+class RowMap:
+    """Which (query, head) a sparse-MLA kernel's MMA row ``h`` is, for the CTA of row ``t`` of its index tensor:
+    head ``h0 + h`` of query ``t`` (``group`` 1), or head ``h % heads`` of query ``t * group + h // heads`` (grouped).
+    Plain Python building TileLang expressions at trace time, so both layouts share one kernel body."""
+
+    heads: int
+    group: int
+
+    def query(self, t, h):
+        return t if self.group == 1 else t * self.group + h // self.heads
+
+    def head(self, h0, h):
+        return h0 + h if self.group == 1 else h % self.heads
+
+    def live(self, t, h0, h, t_len):
+        """The row holds a real (query, head): padded heads, or queries past the last, are never stored."""
+        return h0 + h < self.heads if self.group == 1 else self.query(t, h) < t_len
+
+    def load_query(self, T, t, h, t_len):
+        """``query`` clamped for a load (the value of a dead row is masked by ``live``)."""
+        return t if self.group == 1 else T.min(self.query(t, h), t_len - 1)
+
+    def member(self, entry, h):
+        """Whether row ``h``'s query selected a union entry (grouped layout; a non-negative entry)."""
+        return ((entry >> (MEMBER_SHIFT + h // self.heads)) & 1) == 1
+
+
+def grouped_rows(
+    indices: torch.Tensor, heads: int, group: int, union: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """``(group, union rows, union lengths)`` for the sparse-MLA kernels' grouped mode: ``group`` 0 means
+    ``64 // heads``; ``group * heads`` must be 64 (the MMA's row tile); ``union`` is a prebuilt
+    :func:`group_union_indices` result (else it is built here)."""
+    group = group or 64 // max(heads, 1)
+    if group * heads != 64:
+        raise ValueError(f"grouped sparse MLA needs group * heads == 64, got group={group}, heads={heads}")
+    rows, lengths = union if union is not None else group_union_indices(indices, group)
+    return group, rows, lengths
 
 
 def split_union(union: torch.Tensor, group: int) -> list[set[int]]:

@@ -50,6 +50,36 @@ LOGITS_CHUNK_BYTES = 1 << 30
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def _logits_macros(T, heads: int, dim: int, block_n: int, block_q: int, exact_products: bool):
+    """The two logits kernels' shared pieces (TileLang macros): the CTA's query rows and head weights into shared
+    memory / registers, and one key tile's scores (GEMM, ReLU, weights, head sum, store)."""
+    f32 = T.float32
+
+    @T.macro
+    def load_query_rows(Q, W, q_s, w_f, r_base, t_base, n_rows, t_len):
+        for i, h, d in T.Parallel(block_q, heads, dim):
+            q_s[i * heads + h, d] = T.if_then_else(
+                r_base + i < n_rows, Q[T.min(t_base + i, t_len - 1), h, d], 0
+            )
+        for i, h in T.Parallel(block_q, heads):
+            w_f[i, h] = T.if_then_else(r_base + i < n_rows, W[T.min(t_base + i, t_len - 1), h], 0)
+
+    @T.macro
+    def score_tile(k_s, q_s, s_f, s_r, w_f, l_s, Logits, r_base, k0, n_rows, hi):
+        T.gemm(k_s, q_s, s_f, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
+        for n, i, h in T.Parallel(block_n, block_q, heads):
+            if exact_products:
+                s_r[n, i, h] = T.call_extern(f32, "__fmul_rn", T.max(s_r[n, i, h], 0), w_f[i, h])
+            else:
+                s_r[n, i, h] = T.max(s_r[n, i, h], 0) * w_f[i, h]
+        T.reduce_sum(s_r, l_s, dim=-1, clear=True)
+        for i, n in T.Parallel(block_q, block_n):
+            if r_base + i < n_rows and k0 + n < hi:
+                Logits[r_base + i, k0 + n] = l_s[n, i]
+
+    return load_query_rows, score_tile
+
+
 @functools.cache
 def _jit_logits():
     tilelang, T = tilelang_modules()
@@ -70,6 +100,7 @@ def _jit_logits():
         t_kv = T.dynamic("t_kv")
         n_rows = T.dynamic("n_rows")
         bf16, f32, i32 = T.bfloat16, T.float32, T.int32
+        load_query_rows, score_tile = _logits_macros(T, heads, dim, block_n, block_q, exact_products)
 
         @T.prim_func
         def main(
@@ -102,26 +133,12 @@ def _jit_logits():
                         if e > s:
                             lo = T.min(lo, s)
                             hi = T.max(hi, e)
-                for i, h, d in T.Parallel(block_q, heads, dim):
-                    q_s[i * heads + h, d] = T.if_then_else(
-                        r_base + i < n_rows, Q[T.min(t_base + i, t_len - 1), h, d], 0
-                    )
-                for i, h in T.Parallel(block_q, heads):
-                    w_f[i, h] = T.if_then_else(r_base + i < n_rows, W[T.min(t_base + i, t_len - 1), h], 0)
+                load_query_rows(Q, W, q_s, w_f, r_base, t_base, n_rows, t_len)
 
                 for kb in T.Pipelined(T.ceildiv(T.max(hi - lo, 0), block_n), num_stages=num_stages):
                     k0 = lo + kb * block_n
                     T.copy(K[k0 : k0 + block_n, :], k_s)
-                    T.gemm(k_s, q_s, s_f, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
-                    for n, i, h in T.Parallel(block_n, block_q, heads):
-                        if exact_products:
-                            s_r[n, i, h] = T.call_extern(f32, "__fmul_rn", T.max(s_r[n, i, h], 0), w_f[i, h])
-                        else:
-                            s_r[n, i, h] = T.max(s_r[n, i, h], 0) * w_f[i, h]
-                    T.reduce_sum(s_r, l_s, dim=-1, clear=True)
-                    for i, n in T.Parallel(block_q, block_n):
-                        if r_base + i < n_rows and k0 + n < hi:
-                            Logits[r_base + i, k0 + n] = l_s[n, i]
+                    score_tile(k_s, q_s, s_f, s_r, w_f, l_s, Logits, r_base, k0, n_rows, hi)
 
         return main
 
@@ -170,15 +187,7 @@ def _jit_logits_plain():
                 )
             T.ptx_commit_group()
 
-        @T.macro
-        def tile_step(k_s, k0, s_f, s_r, w_f, l_s, q_s, Logits, r_base, n_rows, hi):
-            T.gemm(k_s, q_s, s_f, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
-            for n, i, h in T.Parallel(block_n, block_q, heads):
-                s_r[n, i, h] = T.call_extern(f32, "__fmul_rn", T.max(s_r[n, i, h], 0), w_f[i, h])
-            T.reduce_sum(s_r, l_s, dim=-1, clear=True)
-            for i, n in T.Parallel(block_q, block_n):
-                if r_base + i < n_rows and k0 + n < hi:
-                    Logits[r_base + i, k0 + n] = l_s[n, i]
+        load_query_rows, score_tile = _logits_macros(T, heads, dim, block_n, block_q, True)
 
         @T.prim_func
         def main(
@@ -217,12 +226,7 @@ def _jit_logits_plain():
                 n_tiles = T.ceildiv(T.max(hi - lo, 0), block_n)
                 if n_tiles > 0:
                     load_tile(K, k0_s, lo, t_kv, tx)
-                for i, h, d in T.Parallel(block_q, heads, dim):
-                    q_s[i * heads + h, d] = T.if_then_else(
-                        r_base + i < n_rows, Q[T.min(t_base + i, t_len - 1), h, d], 0
-                    )
-                for i, h in T.Parallel(block_q, heads):
-                    w_f[i, h] = T.if_then_else(r_base + i < n_rows, W[T.min(t_base + i, t_len - 1), h], 0)
+                load_query_rows(Q, W, q_s, w_f, r_base, t_base, n_rows, t_len)
 
                 for ip in T.serial(T.ceildiv(n_tiles, 2)):
                     # even tile in stage 0 (the odd one loads meanwhile), then the odd tile in stage 1
@@ -233,7 +237,7 @@ def _jit_logits_plain():
                         T.ptx_wait_group(0)
                     T.sync_threads()
                     T.fence_proxy_async()
-                    tile_step(k0_s, lo + 2 * ip * block_n, s_f, s_r, w_f, l_s, q_s, Logits, r_base, n_rows, hi)
+                    score_tile(k0_s, q_s, s_f, s_r, w_f, l_s, Logits, r_base, lo + 2 * ip * block_n, n_rows, hi)
                     T.sync_threads()
                     if 2 * ip + 1 < n_tiles:
                         if 2 * ip + 2 < n_tiles:
@@ -243,8 +247,8 @@ def _jit_logits_plain():
                             T.ptx_wait_group(0)
                         T.sync_threads()
                         T.fence_proxy_async()
-                        tile_step(k1_s, lo + (2 * ip + 1) * block_n, s_f, s_r, w_f, l_s, q_s, Logits, r_base, n_rows,
-                                  hi)
+                        score_tile(k1_s, q_s, s_f, s_r, w_f, l_s, Logits, r_base, lo + (2 * ip + 1) * block_n,
+                                   n_rows, hi)
                         T.sync_threads()
 
         return main

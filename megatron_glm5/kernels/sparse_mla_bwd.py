@@ -51,7 +51,7 @@ from megatron_glm5.kernels._common import (
     tilelang_modules,
 )
 from megatron_glm5.kernels.gather import latent_gather_macro
-from megatron_glm5.kernels.index_groups import KEY_LIMIT, MEMBER_SHIFT
+from megatron_glm5.kernels.index_groups import KEY_LIMIT, MEMBER_SHIFT, RowMap, grouped_rows
 from megatron_glm5.kernels.sparse_mla_fwd import (
     Variant,
     check_sparse_mla_args,
@@ -173,6 +173,7 @@ def _jit_bwd():
         # the deterministic path runs a chunk of rows per launch; the grouped one a CTA per group
         grid_rows = n_rows if deterministic else n_idx
         key_mask = KEY_LIMIT - 1
+        rows = RowMap(heads, group)
 
         @T.macro
         def load_rows(src, t, h0, tx, buf, col0, width):
@@ -182,15 +183,12 @@ def _jit_bwd():
                 if ch < n_vec:
                     h = ch // (width // 8)
                     c = (ch % (width // 8)) * 8
-                    if group == 1:
-                        for v in T.vectorized(8):
-                            buf[h, c + v] = T.if_then_else(h0 + h < heads, src[t, h0 + h, col0 + c + v], 0)
-                    else:  # row h: query t * group + h // heads, head h % heads (zeros past the last query)
-                        tq = t * group + h // heads
-                        for v in T.vectorized(8):
-                            buf[h, c + v] = T.if_then_else(
-                                tq < t_len, src[T.min(tq, t_len - 1), h % heads, col0 + c + v], 0
-                            )
+                    for v in T.vectorized(8):
+                        buf[h, c + v] = T.if_then_else(  # a dead row is never read (padded heads: P6)
+                            rows.live(t, h0, h, t_len),
+                            src[rows.load_query(T, t, h, t_len), rows.head(h0, h), col0 + c + v],
+                            0,
+                        )
 
         gather = latent_gather_macro(T, rows=bs, rows_per_pass=rows_per_pass, dh=dh, d_tail=d_tail, tail0=d_v,
                                      record_index=True, commit=True, key_bits=MEMBER_SHIFT if group > 1 else 0)
@@ -219,11 +217,9 @@ def _jit_bwd():
             if group == 1:
                 for h, j in T.Parallel(block_h, bs):
                     acc_p[h, j] = T.if_then_else(idx_s[j] >= 0, 0, -T.infinity(f32))
-            else:  # row h is query h // heads of the group: its member bit decides
+            else:  # a union entry: row h's query decides by its member bit
                 for h, j in T.Parallel(block_h, bs):
-                    acc_p[h, j] = T.if_then_else(
-                        (idx_s[j] >= 0) and (((idx_s[j] >> (MEMBER_SHIFT + h // heads)) & 1) == 1), 0, -T.infinity(f32)
-                    )
+                    acc_p[h, j] = T.if_then_else((idx_s[j] >= 0) and rows.member(idx_s[j], h), 0, -T.infinity(f32))
             T.gemm(q_l, kv_l, acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
             T.gemm(q_r, kv_r, acc_p, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
             if has_tail:
@@ -311,19 +307,13 @@ def _jit_bwd():
                     load_rows(Q, t, h0, tx, q_t, d_v, d_tail)
                 load_rows(dO, t, h0, tx, do_l, 0, dh)
                 load_rows(dO, t, h0, tx, do_r, dh, dh)
-                if group == 1:
-                    for h in T.Parallel(block_h):
-                        # Padded heads: lse = +inf gives P = 0, so they contribute nothing.
-                        lse_s[h] = T.if_then_else(
-                            h0 + h < heads, Lse[t, T.min(h0 + h, heads - 1)] * LOG2E, T.infinity(f32)
-                        )
-                        delta_s[h] = T.if_then_else(h0 + h < heads, Delta[t, T.min(h0 + h, heads - 1)], 0)
-                else:  # rows past the last query: lse = +inf, P = 0
-                    for h in T.Parallel(block_h):
-                        tq = T.min(t * group + h // heads, t_len - 1)
-                        live = t * group + h // heads < t_len
-                        lse_s[h] = T.if_then_else(live, Lse[tq, h % heads] * LOG2E, T.infinity(f32))
-                        delta_s[h] = T.if_then_else(live, Delta[tq, h % heads], 0)
+                for h in T.Parallel(block_h):
+                    # Padded heads (and, grouped, rows past the last query): lse = +inf gives P = 0.
+                    live = rows.live(t, h0, h, t_len)
+                    tq = rows.load_query(T, t, h, t_len)
+                    head = T.min(rows.head(h0, h), heads - 1)
+                    lse_s[h] = T.if_then_else(live, Lse[tq, head] * LOG2E, T.infinity(f32))
+                    delta_s[h] = T.if_then_else(live, Delta[tq, head], 0)
                 T.clear(acc_dq_l)
                 T.clear(acc_dq_r)
                 if has_tail:
@@ -359,24 +349,14 @@ def _jit_bwd():
                         )  # fmt: skip
                         T.sync_threads()
 
-                if group == 1:
-                    for h, d in T.Parallel(block_h, dh):
-                        if h0 + h < heads:
-                            dQ[t, h0 + h, d] = T.cast(acc_dq_l[h, d], bf16)
-                            dQ[t, h0 + h, dh + d] = T.cast(acc_dq_r[h, d], bf16)
-                    if has_tail:
-                        for h, d in T.Parallel(block_h, d_tail):
-                            if h0 + h < heads:
-                                dQ[t, h0 + h, d_v + d] = T.cast(acc_dq_t[h, d], bf16)
-                else:  # row h: query t * group + h // heads, head h % heads
-                    for h, d in T.Parallel(block_h, dh):
-                        if t * group + h // heads < t_len:
-                            dQ[t * group + h // heads, h % heads, d] = T.cast(acc_dq_l[h, d], bf16)
-                            dQ[t * group + h // heads, h % heads, dh + d] = T.cast(acc_dq_r[h, d], bf16)
-                    if has_tail:
-                        for h, d in T.Parallel(block_h, d_tail):
-                            if t * group + h // heads < t_len:
-                                dQ[t * group + h // heads, h % heads, d_v + d] = T.cast(acc_dq_t[h, d], bf16)
+                for h, d in T.Parallel(block_h, dh):
+                    if rows.live(t, h0, h, t_len):
+                        dQ[rows.query(t, h), rows.head(h0, h), d] = T.cast(acc_dq_l[h, d], bf16)
+                        dQ[rows.query(t, h), rows.head(h0, h), dh + d] = T.cast(acc_dq_r[h, d], bf16)
+                if has_tail:
+                    for h, d in T.Parallel(block_h, d_tail):
+                        if rows.live(t, h0, h, t_len):
+                            dQ[rows.query(t, h), rows.head(h0, h), d_v + d] = T.cast(acc_dq_t[h, d], bf16)
 
         return main
 
@@ -461,12 +441,16 @@ def sparse_mla_bwd_interface(
     valid_len: torch.Tensor | None = None,
     deterministic: bool = False,
     with_target: bool = False,
+    group: int = 1,
+    union: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Backward kernel calls: ``(dq [T, H, d_qk] bf16, dkv [T_kv, d_qk] bf16)`` from the saved ``out`` and ``lse``;
     with ``with_target`` also the unnormalised head sum of ``P`` over the selected slots, fp32 ``[T, K]`` (0 on
     invalid slots; the contract of ``sparse_attention_target`` with this ``lse``), formed by the same kernel.
 
     ``grad_lse`` (fp32 ``[T, H]``) adds the gradient flowing into the returned LSE (``dS += P * grad_lse``).
+    ``group`` != 1 (experimental, atomic dKV, no target; 0: ``64 // H``): one CTA per ``group`` consecutive queries
+    over the union of their index sets, as the grouped forward (``union``: a prebuilt ``group_union_indices``).
     """
     check_sparse_mla_args(q, kv, indices, d_v)
     t_len, heads, d_qk = q.shape
@@ -486,7 +470,11 @@ def sparse_mla_bwd_interface(
         target = torch.empty(1, dtype=torch.float32, device=q.device)
     if t_len == 0:
         return (torch.zeros_like(q), torch.zeros_like(kv)) + ((target[0],) if with_target else ())
-    if valid_len is None:
+    if group != 1:
+        if deterministic or with_target:
+            raise ValueError("the grouped backward has atomic dKV only and no attention target")
+        group, indices, valid_len = grouped_rows(indices, heads, group, union)  # the kernel reads the union rows
+    elif valid_len is None:
         valid_len = row_valid_len(indices)
     if grad_lse is None:
         grad_lse = torch.zeros_like(lse)
@@ -496,7 +484,8 @@ def sparse_mla_bwd_interface(
 
     delta = _jit_delta()(heads, d_v)(out, grad_out, grad_lse)
     dq = torch.empty_like(q)
-    kernel = _jit_bwd()(heads, d_qk, d_v, scale, deterministic, with_target=with_target)
+    grouped = {"group": group} if group != 1 else {}  # the per-query kernel keeps its precompiled cache key
+    kernel = _jit_bwd()(heads, d_qk, d_v, scale, deterministic, with_target=with_target, **grouped)
     def outputs(dkv_acc: torch.Tensor) -> tuple[torch.Tensor, ...]:
         grads = (dq, dkv_acc.to(kv.dtype))
         return grads + ((target[0] if n_hblk == 1 else target.sum(0)),) if with_target else grads
@@ -523,42 +512,6 @@ def sparse_mla_bwd_interface(
         offsets = torch.searchsorted(sorted_keys, key_range, out_int32=True)
         reduce(partial[: c1 - c0], order.to(torch.int32), offsets, dkv_acc)
     return outputs(dkv_acc)
-
-
-def sparse_mla_bwd_grouped(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    grad_out: torch.Tensor,
-    indices: torch.Tensor,
-    softmax_scale: float,
-    d_v: int = 512,
-    *,
-    group: int = 0,
-    union: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Experimental backward serving ``group`` consecutive queries per CTA over the union of their index sets
-    (``group * heads == 64``; 0: ``64 // heads``; atomic dKV): ``(dq, dkv)`` as ``sparse_mla_bwd_interface``. Not used
-    by the autograd path yet; timed against the per-query kernel by ``scripts/bench/sweep_dsa_round2.py``."""
-    from megatron_glm5.kernels.index_groups import group_union_indices
-
-    check_sparse_mla_args(q, kv, indices, d_v)
-    t_len, heads, d_qk = q.shape
-    group = group or 64 // heads
-    if group * heads != 64:
-        raise ValueError(f"grouped backward needs group * heads == 64, got group={group}, heads={heads}")
-    if t_len == 0:
-        return torch.zeros_like(q), torch.zeros_like(kv)
-    uidx, ulen = union if union is not None else group_union_indices(indices, group)
-    delta = _jit_delta()(heads, d_v)(out, grad_out, torch.zeros_like(lse))
-    dq = torch.empty_like(q)
-    dkv_acc = torch.zeros(kv.shape[0], d_qk, dtype=torch.float32, device=q.device)
-    row0 = torch.zeros(1, dtype=torch.int32, device=q.device)
-    target = torch.empty(1, dtype=torch.float32, device=q.device)
-    kernel = _jit_bwd()(heads, d_qk, d_v, float(softmax_scale), False, group=group)
-    kernel(q, kv, grad_out, uidx, ulen, lse, delta, row0, dq, dkv_acc, target)
-    return dq, dkv_acc.to(kv.dtype)
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ import torch
 
 from megatron_glm5.kernels._common import LOG2E, cdiv, check_tensor, next_power_of_2, row_valid_len, tilelang_modules
 from megatron_glm5.kernels.gather import latent_gather_macro
-from megatron_glm5.kernels.index_groups import KEY_LIMIT, MEMBER_SHIFT
+from megatron_glm5.kernels.index_groups import KEY_LIMIT, MEMBER_SHIFT, RowMap, grouped_rows
 
 Variant = Literal["auto", "ws", "simple"]
 
@@ -87,6 +87,7 @@ def _jit_fwd_ws():
         t_kv = T.dynamic("t_kv")
         topk = T.dynamic("topk")  # index width: one kernel serves every K
         n_idx = t_len if group == 1 else T.dynamic("n_grp")  # index rows: one per query, or one union per group
+        rows = RowMap(heads, group)
         bf16, f32, i32 = T.bfloat16, T.float32, T.int32
         wgmma = block_h >= 64  # below 64 rows TileLang emits mma.sync; the async-wait form needs wgmma
 
@@ -100,10 +101,9 @@ def _jit_fwd_ws():
                 idx = T.if_then_else(slot < topk, Idx[t, T.min(slot, topk - 1)], -1)
                 if group == 1:
                     acc_s[h, j] = T.if_then_else((idx >= 0) and (idx < t_kv), 0, -T.infinity(f32))
-                else:  # row h is query h // heads of the group: its member bit decides
-                    key = idx & (KEY_LIMIT - 1)
-                    mine = ((idx >> (MEMBER_SHIFT + h // heads)) & 1) == 1
-                    acc_s[h, j] = T.if_then_else((idx >= 0) and (key < t_kv) and mine, 0, -T.infinity(f32))
+                else:  # a union entry: key below the member bits, row h's query decides by its bit
+                    valid = (idx >= 0) and ((idx & (KEY_LIMIT - 1)) < t_kv) and rows.member(idx, h)
+                    acc_s[h, j] = T.if_then_else(valid, 0, -T.infinity(f32))
             T.barrier_wait(bar_ready[stage], parity)  # the mask above overlaps the wait for the gathered rows
             T.fence_proxy_async()  # cp.async (generic proxy) data, read next by the tensor cores (async proxy)
             if wgmma:
@@ -151,15 +151,12 @@ def _jit_fwd_ws():
                 if ch < n_vec:
                     h = ch // (width // 8)
                     c = (ch % (width // 8)) * 8
-                    if group == 1:
-                        for v in T.vectorized(8):
-                            buf[h, c + v] = T.if_then_else(h0 + h < heads, Q[t, h0 + h, col0 + c + v], 0)
-                    else:  # row h: query t * group + h // heads, head h % heads (zeros past the last query)
-                        tq = t * group + h // heads
-                        for v in T.vectorized(8):
-                            buf[h, c + v] = T.if_then_else(
-                                tq < t_len, Q[T.min(tq, t_len - 1), h % heads, col0 + c + v], 0
-                            )
+                    for v in T.vectorized(8):
+                        buf[h, c + v] = T.if_then_else(  # a dead row is never read (padded heads: P6)
+                            rows.live(t, h0, h, t_len),
+                            Q[rows.load_query(T, t, h, t_len), rows.head(h0, h), col0 + c + v],
+                            0,
+                        )
 
         # 8 lanes per KV row, 16 B per cp.async; an invalid slot becomes a zero-fill cp.async (source size 0,
         # nothing read), so stale or uninitialised shared memory never reaches the MMA (P1). Completion is signalled
@@ -239,26 +236,16 @@ def _jit_fwd_ws():
                         T.barrier_arrive(bar_free[1])
                     T.copy(l_i, l_s)
                     T.barrier_arrive(bar_fin)
-                    if group == 1:
-                        for h, d in T.Parallel(block_h, dh):
-                            if h0 + h < heads:
-                                Out[t, h0 + h, d] = T.cast(T.if_then_else(l_i[h] > 0, acc_ol[h, d] / l_i[h], 0), bf16)
-                        for h in T.Parallel(block_h):
-                            if h0 + h < heads:
-                                Lse[t, h0 + h] = T.if_then_else(
-                                    l_i[h] > 0, T.log(l_i[h]) + m_i[h] * softmax_scale, T.infinity(f32)
-                                )
-                    else:  # row h: query t * group + h // heads, head h % heads
-                        for h, d in T.Parallel(block_h, dh):
-                            if t * group + h // heads < t_len:
-                                Out[t * group + h // heads, h % heads, d] = T.cast(
-                                    T.if_then_else(l_i[h] > 0, acc_ol[h, d] / l_i[h], 0), bf16
-                                )
-                        for h in T.Parallel(block_h):
-                            if t * group + h // heads < t_len:
-                                Lse[t * group + h // heads, h % heads] = T.if_then_else(
-                                    l_i[h] > 0, T.log(l_i[h]) + m_i[h] * softmax_scale, T.infinity(f32)
-                                )
+                    for h, d in T.Parallel(block_h, dh):
+                        if rows.live(t, h0, h, t_len):
+                            Out[rows.query(t, h), rows.head(h0, h), d] = T.cast(
+                                T.if_then_else(l_i[h] > 0, acc_ol[h, d] / l_i[h], 0), bf16
+                            )
+                    for h in T.Parallel(block_h):
+                        if rows.live(t, h0, h, t_len):
+                            Lse[rows.query(t, h), rows.head(h0, h)] = T.if_then_else(
+                                l_i[h] > 0, T.log(l_i[h]) + m_i[h] * softmax_scale, T.infinity(f32)
+                            )
                 elif tx < 256:
                     # Consumer 1: P V (right half of d_v), rescaled by the alpha consumer 0 published.
                     T.set_max_nreg(168, 1)
@@ -275,18 +262,11 @@ def _jit_fwd_ws():
                         T.barrier_arrive(bar_p_free)
                         T.barrier_arrive(bar_free[1])
                     T.barrier_wait(bar_fin, 0)
-                    if group == 1:
-                        for h, d in T.Parallel(block_h, dh):
-                            if h0 + h < heads:
-                                Out[t, h0 + h, dh + d] = T.cast(
-                                    T.if_then_else(l_s[h] > 0, acc_or[h, d] / l_s[h], 0), bf16
-                                )
-                    else:
-                        for h, d in T.Parallel(block_h, dh):
-                            if t * group + h // heads < t_len:
-                                Out[t * group + h // heads, h % heads, dh + d] = T.cast(
-                                    T.if_then_else(l_s[h] > 0, acc_or[h, d] / l_s[h], 0), bf16
-                                )
+                    for h, d in T.Parallel(block_h, dh):
+                        if rows.live(t, h0, h, t_len):
+                            Out[rows.query(t, h), rows.head(h0, h), dh + d] = T.cast(
+                                T.if_then_else(l_s[h] > 0, acc_or[h, d] / l_s[h], 0), bf16
+                            )
                 else:
                     # Producer: guarded cp.async gather of the selected KV rows, two stages deep.
                     T.set_max_nreg(80, 0)
@@ -449,35 +429,6 @@ def pick_fwd_variant(heads: int, d_qk: int, d_v: int, variant: Variant = "auto")
     return "ws"
 
 
-def sparse_mla_fwd_grouped(
-    q: torch.Tensor,
-    kv: torch.Tensor,
-    indices: torch.Tensor,
-    softmax_scale: float,
-    d_v: int = 512,
-    *,
-    group: int = 0,
-    union: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Experimental forward that serves ``group`` consecutive queries per CTA over the union of their index sets
-    (``group * heads == 64``; 0: ``64 // heads``), the ``sparse_mla_fwd_interface`` contract. ``union``: a prebuilt
-    ``index_groups.group_union_indices(indices, group)``. Not used by the autograd path yet: it is timed against the
-    per-query kernel by ``scripts/bench/sweep_dsa_round2.py`` (section ``grouped``)."""
-    from megatron_glm5.kernels.index_groups import group_union_indices
-
-    check_sparse_mla_args(q, kv, indices, d_v)
-    t_len, heads, d_qk = q.shape
-    group = group or 64 // heads
-    if group * heads != 64:
-        raise ValueError(f"grouped forward needs group * heads == 64, got group={group}, heads={heads}")
-    if t_len == 0:
-        return q.new_zeros(0, heads, d_v), q.new_zeros(0, heads, dtype=torch.float32)
-    uidx, ulen = union if union is not None else group_union_indices(indices, group)
-    kernel = _jit_fwd_ws()(heads, d_qk, d_v, float(softmax_scale), 64, group)
-    out, lse = kernel(q, kv, uidx, ulen)
-    return out, lse
-
-
 def sparse_mla_fwd_interface(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -487,15 +438,26 @@ def sparse_mla_fwd_interface(
     *,
     valid_len: torch.Tensor | None = None,
     variant: Variant = "auto",
+    group: int = 1,
+    union: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward kernel call: ``(out [T, H, d_v] bf16, lse [T, H] fp32 natural log)``.
 
-    ``valid_len`` (``row_valid_len(indices)``) may be passed in when the caller already has it.
+    ``valid_len`` (``row_valid_len(indices)``) may be passed in when the caller already has it. ``group`` != 1
+    (experimental, ``ws`` kernel; 0: ``64 // H``): one CTA serves ``group`` consecutive queries over the union of their
+    index sets (``kernels.index_groups``; ``union``: a prebuilt ``group_union_indices(indices, group)``), same contract.
+    Not used by the autograd path yet: timed against the per-query kernel by ``scripts/bench/sweep_dsa_round2.py``.
     """
     check_sparse_mla_args(q, kv, indices, d_v)
     t_len, heads, d_qk = q.shape
     if t_len == 0:
         return q.new_zeros(0, heads, d_v), q.new_zeros(0, heads, dtype=torch.float32)
+    if group != 1:
+        if variant not in ("auto", "ws"):
+            raise ValueError(f"the grouped forward is a 'ws' kernel, got variant={variant!r}")
+        group, rows, lengths = grouped_rows(indices, heads, group, union)
+        kernel = _jit_fwd_ws()(heads, d_qk, d_v, float(softmax_scale), 64, group)
+        return kernel(q, kv, rows, lengths)
     if valid_len is None:
         valid_len = row_valid_len(indices)
     kind = pick_fwd_variant(heads, d_qk, d_v, variant)

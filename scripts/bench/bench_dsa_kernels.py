@@ -138,21 +138,9 @@ def build_in_parallel(cases: list[tuple], workers: int) -> bool:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-@torch.no_grad()
 def causal_random_indices(seq: int, topk: int, device: torch.device, chunk: int = 1024, seed: int = 0) -> torch.Tensor:
     """int32 [S, topk]: row t holds min(t+1, topk) distinct random rows of [0, t] (random order), then -1."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    out = torch.full((seq, topk), -1, dtype=torch.int32, device=device)
-    for r0 in range(0, seq, chunk):
-        r1 = min(seq, r0 + chunk)
-        score = torch.rand(r1 - r0, r1, device=device, generator=g)
-        cols = torch.arange(r1, device=device)
-        rows = torch.arange(r0, r1, device=device)
-        score.masked_fill_(cols[None] > rows[:, None], -1.0)
-        width = min(topk, r1)
-        vals, idx = score.topk(width, dim=-1)
-        out[r0:r1, :width] = torch.where(vals >= 0, idx, -1).int()
-    return out
+    return local_mix_indices(seq, topk, device, 0.0, sinks=0, chunk=chunk, seed=seed)
 
 
 @torch.no_grad()
@@ -185,18 +173,16 @@ def local_mix_indices(seq: int, topk: int, device: torch.device, locality: float
 @torch.no_grad()
 def group_sharing(indices: torch.Tensor, group: int = 4) -> float:
     """How many of ``group`` neighbouring queries use an average selected key: the sum of the group's valid slots over
-    the size of their union, averaged over groups (1 = no sharing, ``group`` = identical sets). The gain bound of a
-    kernel that serves a group of queries over the union of their sets."""
+    the size of their union (``kernels.index_groups``), averaged over whole groups (1 = no sharing, ``group`` =
+    identical sets). The gain bound of a kernel that serves a group of queries over the union of their sets."""
+    from megatron_glm5.kernels.index_groups import KEY_LIMIT, group_union_indices
+
     t = indices.shape[0] // group * group
     if t == 0:
         return 1.0
-    rows = indices[:t].reshape(t // group, -1).long()
-    valid = rows >= 0
-    srt = torch.where(valid, rows, torch.iinfo(torch.int64).max).sort(dim=-1).values
-    first = torch.ones_like(srt, dtype=torch.bool)
-    first[:, 1:] = srt[:, 1:] != srt[:, :-1]
-    union = (first & (srt != torch.iinfo(torch.int64).max)).sum(dim=-1).clamp_min(1)
-    return float((valid.sum(dim=-1) / union).mean())
+    _, length = group_union_indices(indices[:t], group)
+    valid = ((indices[:t] >= 0) & (indices[:t] < KEY_LIMIT)).reshape(t // group, -1).sum(dim=-1)
+    return float((valid / length.clamp_min(1)).mean())
 
 
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:

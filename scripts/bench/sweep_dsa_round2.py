@@ -12,7 +12,7 @@ Sections (each prints one markdown table; ``--out`` also writes them):
   variant's output must equal the default's (the selection is exact, so any difference is a bug).
 * ``bwd``: the sparse-MLA backward at 16K, 64 and 16 heads: ``block_s`` / threads / ``dkv_split``; gradients compared
   with the current default's (max error over the tensor's max magnitude).
-* ``grouped``: the experimental grouped forward and backward (``sparse_mla_fwd_grouped`` / ``sparse_mla_bwd_grouped``:
+* ``grouped``: the experimental grouped forward and backward (the interfaces' ``group=4``:
   4 queries x 16 heads per CTA over the union of their sets) against the per-query kernels at 16K / 16 heads, on
   random index sets and on sets with locality, with the union build's cost and the output / gradient differences.
 
@@ -133,13 +133,14 @@ def section_logits(seq: int = 32768, check_seq: int = 5000) -> list[str]:
 
 
 def section_grouped(seq: int = 16384, heads: int = 16, localities=(None, 0.5, 0.9, 1.0)) -> list[str]:
-    """The experimental grouped forward (4 queries x 16 heads per CTA over the union of their index sets) against the
-    per-query forward, on random index sets and on sets with locality (``local_mix_indices``)."""
+    """The experimental grouped forward and backward (4 queries x 16 heads per CTA over the union of their index sets)
+    against the per-query kernels, on random index sets and on sets with locality (``local_mix_indices``)."""
     from bench_dsa_kernels import group_sharing, local_mix_indices
 
     from megatron_glm5.kernels._common import row_valid_len
     from megatron_glm5.kernels.index_groups import group_union_indices
-    from megatron_glm5.kernels.sparse_mla_fwd import sparse_mla_fwd_grouped, sparse_mla_fwd_interface
+    from megatron_glm5.kernels.sparse_mla_bwd import sparse_mla_bwd_interface
+    from megatron_glm5.kernels.sparse_mla_fwd import sparse_mla_fwd_interface
 
     g = torch.Generator(device="cuda").manual_seed(7)
     q = torch.randn(seq, heads, 576, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -158,10 +159,10 @@ def section_grouped(seq: int = 16384, heads: int = 16, localities=(None, 0.5, 0.
         base = timed(lambda: sparse_mla_fwd_interface(q, kv, idx, SCALE, 512, valid_len=vlen))
         build = timed(lambda: group_union_indices(idx, group))
         union = group_union_indices(idx, group)
+        out_b, lse_b = sparse_mla_fwd_interface(q, kv, idx, SCALE, 512, valid_len=vlen)  # the per-query reference
         try:
-            ms = timed(lambda: sparse_mla_fwd_grouped(q, kv, idx, SCALE, 512, union=union))
-            out_g, lse_g = sparse_mla_fwd_grouped(q, kv, idx, SCALE, 512, union=union)
-            out_b, lse_b = sparse_mla_fwd_interface(q, kv, idx, SCALE, 512, valid_len=vlen)
+            ms = timed(lambda: sparse_mla_fwd_interface(q, kv, idx, SCALE, 512, group=group, union=union))
+            out_g, lse_g = sparse_mla_fwd_interface(q, kv, idx, SCALE, 512, group=group, union=union)
             err_o = float((out_g.float() - out_b.float()).abs().max())
             fin = torch.isfinite(lse_b)
             err_l = float((lse_g[fin] - lse_b[fin]).abs().max()) if bool(fin.any()) else 0.0
@@ -171,13 +172,11 @@ def section_grouped(seq: int = 16384, heads: int = 16, localities=(None, 0.5, 0.
         except Exception as err:  # experimental kernel: report and go on
             res = f"FAILED {err!r}"[:200] + " | | |"
         try:
-            from megatron_glm5.kernels.sparse_mla_bwd import sparse_mla_bwd_grouped, sparse_mla_bwd_interface
-
-            out_b, lse_b = sparse_mla_fwd_interface(q, kv, idx, SCALE, 512, valid_len=vlen)
             b_ms = timed(lambda: sparse_mla_bwd_interface(q, kv, out_b, lse_b, do, idx, SCALE, 512, valid_len=vlen))
-            g_ms = timed(lambda: sparse_mla_bwd_grouped(q, kv, out_b, lse_b, do, idx, SCALE, 512, union=union))
+            g_ms = timed(lambda: sparse_mla_bwd_interface(q, kv, out_b, lse_b, do, idx, SCALE, 512, group=group,
+                                                          union=union))
             dq_b, dkv_b = sparse_mla_bwd_interface(q, kv, out_b, lse_b, do, idx, SCALE, 512, valid_len=vlen)
-            dq_g, dkv_g = sparse_mla_bwd_grouped(q, kv, out_b, lse_b, do, idx, SCALE, 512, union=union)
+            dq_g, dkv_g = sparse_mla_bwd_interface(q, kv, out_b, lse_b, do, idx, SCALE, 512, group=group, union=union)
             eq = float((dq_g.float() - dq_b.float()).abs().max() / dq_b.float().abs().max())
             ekv = float((dkv_g.float() - dkv_b.float()).abs().max() / dkv_b.float().abs().max())
             res += f" | {b_ms:.2f} / {g_ms:.2f} | {b_ms / g_ms:.2f} | {eq:.1e} / {ekv:.1e}"
@@ -186,7 +185,7 @@ def section_grouped(seq: int = 16384, heads: int = 16, localities=(None, 0.5, 0.
         name = "random" if loc is None else f"local {loc:g}"
         lines.append(f"| {name} | {group_sharing(idx, group):.2f} | {base:.2f} ({2 * pairs * heads * 1088 / base / 1e9:.0f} "
                      f"TFLOP/s) | {build:.2f} | {res} |")
-        del idx, vlen, union
+        del idx, vlen, union, out_b, lse_b
         torch.cuda.empty_cache()
     return lines
 

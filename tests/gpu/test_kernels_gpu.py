@@ -124,19 +124,23 @@ def test_fwd_matches_reference(heads, variant):
     assert (out[7] == 0).all() and torch.isinf(lse[7]).all()
 
 
+def _grouped_inputs(window: bool, seed: int, t_len: int = 1001, heads: int = 16, topk: int = 512):
+    """Inputs of the grouped kernels' tests: T not a multiple of the group, row 7 all -1, random index sets (little
+    sharing) or a sliding window (neighbours share almost every key)."""
+    q, kv, idx = make_inputs(t_len, heads, topk, seed=seed)
+    if window:
+        keys = torch.arange(t_len, device="cuda")[:, None] - torch.arange(topk, device="cuda")[None]
+        idx = torch.where(keys >= 0, keys, -1).int()
+    idx[7] = -1
+    return q, kv, idx
+
+
 @pytest.mark.parametrize("window", [False, True], ids=["random", "window"])
 def test_grouped_fwd_matches_reference_and_per_query_kernel(window):
     """The experimental grouped forward (4 queries x 16 heads per CTA over the union of their index sets) keeps the
-    per-query contract: T not a multiple of the group, an all -1 row, random sets (little sharing) and sliding-window
-    sets (neighbours share almost every key)."""
-    t_len, heads, topk = 1001, 16, 512
-    q, kv, idx = make_inputs(t_len, heads, topk, seed=3)
-    if window:
-        t = torch.arange(t_len, device="cuda")[:, None]
-        keys = t - torch.arange(topk, device="cuda")[None]
-        idx = torch.where(keys >= 0, keys, -1).int()
-    idx[7] = -1
-    out, lse = fwd_mod.sparse_mla_fwd_grouped(q, kv, idx, SCALE, D_V)
+    per-query contract (inputs: ``_grouped_inputs``)."""
+    q, kv, idx = _grouped_inputs(window, seed=3)
+    out, lse = fwd_mod.sparse_mla_fwd_interface(q, kv, idx, SCALE, D_V, group=4)
     out_ref, lse_ref, _, _ = reference_fwd_bwd(q, kv, idx)
     out_k, lse_k = fwd_mod.sparse_mla_fwd_interface(q, kv, idx, SCALE, D_V)
     cos, lse_err = cosine(out, out_ref), check_lse(lse, lse_ref)
@@ -152,17 +156,12 @@ def test_grouped_fwd_matches_reference_and_per_query_kernel(window):
 def test_grouped_bwd_matches_reference(window):
     """The experimental grouped backward (dKV of a union key summed over the group's queries before one write)
     against the fp32 oracle, per element."""
-    t_len, heads, topk = 1001, 16, 512
-    q, kv, idx = make_inputs(t_len, heads, topk, seed=4)
-    if window:
-        t = torch.arange(t_len, device="cuda")[:, None]
-        keys = t - torch.arange(topk, device="cuda")[None]
-        idx = torch.where(keys >= 0, keys, -1).int()
-    idx[7] = -1
+    q, kv, idx = _grouped_inputs(window, seed=4)
+    t_len, heads, _ = q.shape
     g = torch.Generator(device="cuda").manual_seed(9)
     grad_out = torch.randn(t_len, heads, D_V, device="cuda", dtype=torch.bfloat16, generator=g)
     out, lse = fwd_mod.sparse_mla_fwd_interface(q, kv, idx, SCALE, D_V)
-    dq, dkv = bwd_mod.sparse_mla_bwd_grouped(q, kv, out, lse, grad_out, idx, SCALE, D_V)
+    dq, dkv = bwd_mod.sparse_mla_bwd_interface(q, kv, out, lse, grad_out, idx, SCALE, D_V, group=4)
     _, _, dq_ref, dkv_ref = reference_fwd_bwd(q, kv, idx, grad_out)
     eq, ekv = scaled_err(dq, dq_ref), scaled_err(dkv, dkv_ref)
     print(f"grouped bwd ({'window' if window else 'random'}): per element dq {eq:.2e} dkv {ekv:.2e} of the max")
