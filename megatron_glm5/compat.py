@@ -285,14 +285,24 @@ _originals: dict[tuple[int, str], tuple[Any, str, Any]] = {}  # (id(owner), name
 _patch_lock = threading.RLock()
 
 
+_ABSENT = object()  # the original of an attribute a patch added (removing the patch deletes it again)
+
+
 def install_patches(patches: tuple[Patch, ...]) -> None:
-    """Replace each ``owner.attribute`` (once; the original is remembered until :func:`remove_patches`)."""
+    """Replace (or add) each ``owner.attribute`` (once; the original is remembered until :func:`remove_patches`)."""
     with _patch_lock:
         for owner, name, replacement in patches:
             key = (id(owner), name)
             if key not in _originals:
-                _originals[key] = (owner, name, getattr(owner, name))
+                _originals[key] = (owner, name, getattr(owner, name, _ABSENT))
                 setattr(owner, name, replacement)
+
+
+def _restore(owner: Any, name: str, original: Any) -> None:
+    if original is _ABSENT:
+        delattr(owner, name)
+    else:
+        setattr(owner, name, original)
 
 
 def remove_patches(patches: tuple[Patch, ...]) -> None:
@@ -300,7 +310,7 @@ def remove_patches(patches: tuple[Patch, ...]) -> None:
         for owner, name, _ in patches:
             entry = _originals.pop((id(owner), name), None)
             if entry is not None:
-                setattr(owner, name, entry[2])
+                _restore(*entry)
 
 
 def is_patched(owner: Any, name: str) -> bool:
@@ -312,7 +322,7 @@ def remove_all_patches() -> None:
     """Undo every patch still installed (also at interpreter exit: no patch outlives the code that made it)."""
     with _patch_lock:
         for owner, name, original in _originals.values():
-            setattr(owner, name, original)
+            _restore(owner, name, original)
         _originals.clear()
 
 
@@ -531,6 +541,89 @@ def _probe_grad_norm() -> None:
     assert list(inspect.signature(utils.local_multi_tensor_l2_norm).parameters)[:4] == [
         "chunk_size", "noop_flag", "tensor_lists", "per_tensor"]
     assert hasattr(clip_grads, "l2_norm_impl")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 12. megatron-core's gradient-accumulation fusion: the linear layers' apex module (tensor_parallel.layers)
+# --------------------------------------------------------------------------------------------------------------------
+
+_WGRAD = ("fused_weight_gradient_mlp_cuda", "_grad_accum_fusion_available")
+
+
+def route_wgrad_accumulation(module: Any) -> bool:
+    """Give megatron-core's linear layers ``module`` (apex's ``wgrad_gemm_accum_fp32`` / ``_fp16``) where apex's
+    ``fused_weight_gradient_mlp_cuda`` is not installed, so ``gradient_accumulation_fusion=True`` works without apex.
+    Leaves apex's module alone. Only ``tensor_parallel.layers`` sees it (no module of apex's name is created).
+    Returns whether the layers now have a fusion (apex's or ``module``)."""
+    from megatron.core.tensor_parallel import layers
+
+    if not layers._grad_accum_fusion_available:
+        install_patches(((layers, _WGRAD[0], module), (layers, _WGRAD[1], True)))
+    return bool(layers._grad_accum_fusion_available)
+
+
+def wgrad_accumulation_routed() -> bool:
+    from megatron.core.tensor_parallel import layers
+
+    return is_patched(layers, _WGRAD[0])
+
+
+@_hook("tensor_parallel.layers: _grad_accum_fusion_available and the module global fused_weight_gradient_mlp_cuda "
+       "(wgrad_gemm_accum_fp32 / _fp16(input, grad_output, main_grad)) used by "
+       "LinearWithGradAccumulationAndAsyncCommunication.backward", "fusions.py", MCORE)
+def _probe_wgrad_accumulation() -> None:
+    import inspect
+
+    from megatron.core.tensor_parallel import layers
+
+    assert isinstance(layers._grad_accum_fusion_available, bool)
+    code = inspect.unwrap(layers.LinearWithGradAccumulationAndAsyncCommunication.backward).__code__  # custom_bwd
+    assert "fused_weight_gradient_mlp_cuda" in code.co_names
+    assert {"wgrad_gemm_accum_fp32", "wgrad_gemm_accum_fp16", "grad_added_to_main_grad"} <= set(code.co_names)
+    assert "_grad_accum_fusion_available" in layers.ColumnParallelLinear.__init__.__code__.co_names
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 13. megatron-core's optimizer construction (optimizer._get_megatron_optimizer_based_on_param_groups)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def route_fused_adam(adjust: Callable[[torch.optim.Optimizer], bool]) -> bool:
+    """Call ``adjust`` on the torch optimizer inside every optimizer megatron-core builds, when megatron-core fell back
+    to torch's optimizers (no TE / apex ``FusedAdam``). Returns whether the route is installed."""
+    from megatron.core import optimizer as mcore_optimizer
+
+    if not mcore_optimizer.USING_PYTORCH_OPTIMIZER:
+        return False
+    original = mcore_optimizer._get_megatron_optimizer_based_on_param_groups
+
+    def build(*args, **kwargs):
+        result = original(*args, **kwargs)
+        inner = result[0] if isinstance(result, tuple) else getattr(result, "optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer):
+            adjust(inner)
+        return result
+
+    install_patches(((mcore_optimizer, "_get_megatron_optimizer_based_on_param_groups", build),))
+    return True
+
+
+def fused_adam_routed() -> bool:
+    from megatron.core import optimizer as mcore_optimizer
+
+    return is_patched(mcore_optimizer, "_get_megatron_optimizer_based_on_param_groups")
+
+
+@_hook("optimizer: get_megatron_optimizer builds through the module global "
+       "_get_megatron_optimizer_based_on_param_groups (a MegatronOptimizer with .optimizer, or (optimizer, init_fn)); "
+       "USING_PYTORCH_OPTIMIZER", "fusions.py", MCORE)
+def _probe_fused_adam() -> None:
+    from megatron.core import optimizer as mcore_optimizer
+    from megatron.core.optimizer.optimizer import MegatronOptimizer
+
+    assert isinstance(mcore_optimizer.USING_PYTORCH_OPTIMIZER, bool)
+    assert "_get_megatron_optimizer_based_on_param_groups" in mcore_optimizer.get_megatron_optimizer.__code__.co_names
+    assert "optimizer" in MegatronOptimizer.__init__.__code__.co_varnames
 
 
 def check_all() -> list[str]:

@@ -1,6 +1,6 @@
 """Which fused kernels replace torch / megatron-core elementwise code in the model, and their switches, in one place.
 
-Each is on by default unless marked experimental below (those wait for a GPU measurement). Each falls back to the
+Each is on by default (measured on the H200: issue 23, ``scripts/bench/RESULTS_step.md``). Each falls back to the
 path it replaces on any input it does not take (CPU tensors, other dtypes, megatron-core's bias / FP8-store /
 CPU-offload variants), so turning one on never changes what runs on the CPU. Each switch is an environment variable
 read when a module or block spec is built (``0`` or ``1``; anything else is refused):
@@ -15,13 +15,22 @@ read when a module or block spec is built (``0`` or ``1``; anything else is refu
   one torch kernel and one host sync per gradient tensor, 162 syncs per step of the GLM-5 slice) as torch's foreach
   norm, left on the device (:func:`multi_tensor_l2_norm`; megatron-core reads the total once, as before). Routed
   through :func:`megatron_glm5.compat.route_grad_norm`; apex's and TE's kernels are left alone.
-* ``MEGATRON_GLM5_FUSED_ROPE`` (experimental, off until measured on the GPU) - the ``tilelang`` attention's four
-  RoPE + concatenations (query, latent keys, indexer query and key) as one Triton kernel each way
-  (:mod:`megatron_glm5.kernels.rope_cat`, :func:`rope_cat`).
-* ``MEGATRON_GLM5_FUSED_MOE_PERMUTE`` (experimental, off until measured on the GPU: ``1`` turns it on) - megatron-core's
+* ``MEGATRON_GLM5_FUSED_ROPE`` - the ``tilelang`` attention's four RoPE + concatenations (query, latent keys, indexer
+  query and key) as one Triton kernel each way (:mod:`megatron_glm5.kernels.rope_cat`, :func:`rope_cat`; bitwise
+  equal to the torch expressions on the GPU).
+* ``MEGATRON_GLM5_FUSED_MOE_PERMUTE`` - megatron-core's
   un-fused MoE token permutation (the all-gather dispatcher's ``permute`` / ``unpermute``) with the sums as
   gathers (:mod:`megatron_glm5.kernels.moe_permute`): no atomic adds, fp32 sums, deterministic. Routed through
   :func:`megatron_glm5.compat.route_moe_permute`.
+* ``MEGATRON_GLM5_FUSED_WGRAD_ACCUMULATION`` - megatron-core's
+  ``gradient_accumulation_fusion`` without apex: the linear layers' weight-gradient GEMM adds its fp32 result into
+  ``main_grad`` (:data:`megatron_glm5.optim_fusions.WGRAD_ACCUMULATION`, through
+  :func:`megatron_glm5.compat.route_wgrad_accumulation`). Takes effect where the run asks for the fusion (Megatron-LM's
+  default; ``--no-gradient-accumulation-fusion`` still turns it off; the Python API's ``RuntimePolicy`` asks for it
+  only with apex, since it needs DDP's ``main_grad`` on every weight).
+* ``MEGATRON_GLM5_FUSED_ADAM`` - megatron-core's torch-fallback Adam
+  (no TE / apex ``FusedAdam``) with torch's ``fused=True`` (:func:`megatron_glm5.optim_fusions.use_fused_adam`,
+  through :func:`megatron_glm5.compat.route_fused_adam`).
 
 Measured on the GLM-5 slice (issue 23, ``scripts/bench/RESULTS_step.md``).
 """
@@ -44,16 +53,19 @@ from megatron_glm5.kernels.moe_permute import (
 from megatron_glm5.kernels.rope_cat import rope_cat_reference, rope_cat_supported
 from megatron_glm5.kernels.rope_cat import rope_cat as _rope_cat_kernel
 from megatron_glm5.kernels.swiglu import swiglu, swiglu_supported, weighted_swiglu
+from megatron_glm5.optim_fusions import WGRAD_ACCUMULATION, use_fused_adam
 
 FUSED_RMSNORM_ENV = "MEGATRON_GLM5_FUSED_RMSNORM"
 FUSED_SWIGLU_ENV = "MEGATRON_GLM5_FUSED_SWIGLU"
 FUSED_MOE_PERMUTE_ENV = "MEGATRON_GLM5_FUSED_MOE_PERMUTE"
 FUSED_GRAD_NORM_ENV = "MEGATRON_GLM5_FUSED_GRAD_NORM"
 FUSED_ROPE_ENV = "MEGATRON_GLM5_FUSED_ROPE"
+FUSED_WGRAD_ENV = "MEGATRON_GLM5_FUSED_WGRAD_ACCUMULATION"
+FUSED_ADAM_ENV = "MEGATRON_GLM5_FUSED_ADAM"
 _log = logging.getLogger("megatron_glm5")
 _logged: set[str] = set()
-_DEFAULTS = {FUSED_RMSNORM_ENV: "1", FUSED_SWIGLU_ENV: "1", FUSED_MOE_PERMUTE_ENV: "0", FUSED_GRAD_NORM_ENV: "1",
-             FUSED_ROPE_ENV: "0"}
+_DEFAULTS = {FUSED_RMSNORM_ENV: "1", FUSED_SWIGLU_ENV: "1", FUSED_MOE_PERMUTE_ENV: "1", FUSED_GRAD_NORM_ENV: "1",
+             FUSED_ROPE_ENV: "1", FUSED_WGRAD_ENV: "1", FUSED_ADAM_ENV: "1"}
 
 
 def enabled(env: str) -> bool:
@@ -146,9 +158,8 @@ def multi_tensor_l2_norm(chunk_size: int, noop_flag, tensor_lists, per_tensor: b
 
 
 def install_fusions() -> dict[str, bool]:
-    """Route megatron-core's MLP SwiGLU (unless ``MEGATRON_GLM5_FUSED_SWIGLU=0``), its gradient-norm fallback
-    (unless ``MEGATRON_GLM5_FUSED_GRAD_NORM=0``) and its MoE permutation (with ``MEGATRON_GLM5_FUSED_MOE_PERMUTE=1``)
-    through this module; called by :func:`megatron_glm5.core.mla_spec.prepare_runtime` before either GLM family
+    """Route megatron-core's MLP SwiGLU, gradient-norm fallback, MoE permutation, weight-gradient accumulation and
+    torch-fallback Adam through this module (each unless its switch says ``0``); called by :func:`megatron_glm5.core.mla_spec.prepare_runtime` before either GLM family
     builds a layer spec. Returns what is routed (a routing, once installed, stays for the process)."""
     if enabled(FUSED_SWIGLU_ENV):
         compat.route_mlp_swiglu(bias_swiglu_impl, weighted_bias_swiglu_impl)
@@ -156,8 +167,13 @@ def install_fusions() -> dict[str, bool]:
         compat.route_grad_norm(multi_tensor_l2_norm)
     if enabled(FUSED_MOE_PERMUTE_ENV):
         compat.route_moe_permute(permute, unpermute)
+    if enabled(FUSED_WGRAD_ENV):
+        compat.route_wgrad_accumulation(WGRAD_ACCUMULATION)
+    if enabled(FUSED_ADAM_ENV):
+        compat.route_fused_adam(use_fused_adam)
     routed = {"swiglu": compat.mlp_swiglu_routed(), "moe_permute": compat.moe_permute_routed(),
-              "grad_norm": compat.grad_norm_routed()}
+              "grad_norm": compat.grad_norm_routed(), "wgrad_accumulation": compat.wgrad_accumulation_routed(),
+              "adam": compat.fused_adam_routed()}
     own = {"RMSNorm": enabled(FUSED_RMSNORM_ENV), "RoPE": enabled(FUSED_ROPE_ENV)}
     message = ("megatron-glm5 fusions (Triton kernels where Triton runs): "
                + ", ".join(f"{k} {'fused' if v else 'torch'}" for k, v in own.items()) + ", "

@@ -124,19 +124,22 @@ def apply_architecture(args, arch: Architecture, argv: list[str]) -> list[str]:
 
 def disable_unavailable_fusions(args) -> list[str]:
     """Turn off what Megatron-LM enables by default but needs Transformer Engine or apex CUDA extensions (neither is
-    required by megatron-glm5). Returns the names of the settings changed."""
+    required by megatron-glm5). The gradient-accumulation fusion stays on without apex on CUDA, where megatron-glm5's
+    own serves it (``MEGATRON_GLM5_FUSED_WGRAD_ACCUMULATION``, :mod:`megatron_glm5.fusions`). Returns the names of the
+    settings changed."""
     from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    from .core.mla_spec import apex_gradient_accumulation_fusion
+    from .fusions import FUSED_WGRAD_ENV, enabled
 
     changed = []
     if not HAVE_TE and args.transformer_impl == "transformer_engine":
         args.transformer_impl = "local"
         changed.append("transformer_impl=local")
-    try:
-        import fused_weight_gradient_mlp_cuda  # noqa: F401  (apex)
-    except ImportError:
-        if args.gradient_accumulation_fusion:
-            args.gradient_accumulation_fusion = False
-            changed.append("gradient_accumulation_fusion=False")
+    ours = torch.cuda.is_available() and enabled(FUSED_WGRAD_ENV)
+    if args.gradient_accumulation_fusion and not apex_gradient_accumulation_fusion() and not ours:
+        args.gradient_accumulation_fusion = False
+        changed.append("gradient_accumulation_fusion=False")
     return changed
 
 

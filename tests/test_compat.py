@@ -21,9 +21,33 @@ def test_probe_passes_on_installed_versions(hook):
     hook.probe()
 
 
-def test_fourteen_hooks_cover_the_design_list():
-    assert len(compat.HOOKS) == 14
+def test_sixteen_hooks_cover_the_design_list():
+    assert len(compat.HOOKS) == 16
     assert compat.check_all() == []
+
+
+def test_probe_fails_when_the_linear_layers_stop_using_apex_by_name(monkeypatch):
+    from megatron.core.tensor_parallel import layers
+
+    monkeypatch.delattr(layers, "_grad_accum_fusion_available")
+    assert any("_grad_accum_fusion_available" in f for f in compat.check_all())
+
+
+def test_probe_fails_when_the_optimizer_builder_moves(monkeypatch):
+    from megatron.core import optimizer as mcore_optimizer
+
+    monkeypatch.delattr(mcore_optimizer, "USING_PYTORCH_OPTIMIZER")
+    assert any("USING_PYTORCH_OPTIMIZER" in f for f in compat.check_all())
+
+
+def test_a_patch_that_added_an_attribute_removes_it_again():
+    import types
+
+    owner = types.SimpleNamespace()
+    compat.install_patches(((owner, "added", 1),))
+    assert owner.added == 1 and compat.is_patched(owner, "added")
+    compat.remove_patches(((owner, "added", None),))
+    assert not hasattr(owner, "added") and not compat.is_patched(owner, "added")
 
 
 def test_probe_fails_when_router_replay_list_moves(monkeypatch):

@@ -3,7 +3,7 @@ backward, on CPU in Triton's interpreter (a subprocess with ``TRITON_INTERPRET=1
 attention uses (query ``[T, H, 512 | 64]`` from a strided split, latent keys ``[T, 512 | 64]``, the indexer's
 ``[T, Hi, 64 | 64]`` with the RoPE part first, its fp32 keys cast to bf16), fp32 within 1e-6 of the scale and bf16
 within a few ulps (the interpreter's rounding); a mutation (the backward's sign) is caught; the kernels compile to
-sm_90 cubins; and inside a tiny ``tilelang`` GLM-5.2 model the logits and gradients do not move."""
+sm_90 cubins (each product rounded on its own: ``mul.rn``, no FMA); and inside a tiny ``tilelang`` GLM-5.2 model the logits and gradients do not move."""
 
 from __future__ import annotations
 
@@ -102,7 +102,8 @@ def test_rope_cat_matches_the_oracle_in_triton_interpreter():
 
 def test_a_wrong_backward_sign_is_caught(tmp_path):
     pytest.importorskip("triton")
-    r = run_in_interpreter(_SCRIPT, **mutant_env(tmp_path, "rope_cat", "(g2 * c - g1 * s)", "(g2 * c + g1 * s)"))
+    r = run_in_interpreter(_SCRIPT, **mutant_env(tmp_path, "rope_cat", "mul_rn(g2, c, EXACT) - mul_rn(g1, s, EXACT)",
+                                                   "mul_rn(g2, c, EXACT) + mul_rn(g1, s, EXACT)"))
     assert r.returncode != 0 and "AssertionError" in r.stderr
 
 
@@ -118,4 +119,6 @@ def test_rope_cat_compiles_for_sm90():
     for kernel in rope_cat._triton():
         sig = {n: "*bf16" if n.isupper() else "i32" for n in kernel.arg_names}
         sig.update(COS="*fp32", SIN="*fp32")
-        compile_sm90(kernel, sig, {"BH": 32, "BA": 512, "BLOCK_ROWS": rope_cat.BLOCK_ROWS})
+        ptx = compile_sm90(kernel, sig, {"BH": 32, "BA": 512, "BLOCK_ROWS": rope_cat.BLOCK_ROWS, "EXACT": True})
+        # each product rounded on its own, as torch's kernels round it: no fused multiply-add in the rotation
+        assert "mul.rn.f32" in ptx and "fma.rn.f32" not in ptx, kernel.fn.__name__

@@ -152,11 +152,14 @@ def test_from_hf_pretrained_refuses_a_policy_for_another_layout(model_parallel, 
         from_hf_pretrained(path, policy=default_cpu_policy(tensor_model_parallel_size=4))
 
 
-def test_settings_without_their_implementation_are_refused_with_the_flag(model_parallel):
+def test_settings_without_their_implementation_are_refused_with_the_flag(model_parallel, monkeypatch):
     """Megatron-LM turns on Transformer Engine modules and apex's gradient-accumulation fusion by default; without
-    them the spec names the flag to add instead of megatron-core failing inside the first linear."""
+    them (and with megatron-glm5's own accumulation switched off) the spec names the flag to add instead of
+    megatron-core failing inside the first linear."""
     from megatron.core.extensions.transformer_engine import HAVE_TE
+    from megatron.core.tensor_parallel import layers
 
+    from megatron_glm5 import compat
     from megatron_glm5.core.mla_spec import apex_gradient_accumulation_fusion as _apex_gradient_accumulation_fusion
 
     if HAVE_TE or _apex_gradient_accumulation_fusion():
@@ -165,5 +168,8 @@ def test_settings_without_their_implementation_are_refused_with_the_flag(model_p
     assert config.transformer_impl == "local" and not config.gradient_accumulation_fusion  # what we build
     config.transformer_impl = "transformer_engine"
     config.gradient_accumulation_fusion = True
+    monkeypatch.setenv("MEGATRON_GLM5_FUSED_WGRAD_ACCUMULATION", "0")
+    route = ((layers, "fused_weight_gradient_mlp_cuda", None), (layers, "_grad_accum_fusion_available", None))
+    compat.remove_patches(route)
     with pytest.raises(GLM5ConfigError, match=r"add --transformer-impl local.*add --no-gradient-accumulation-fusion"):
         get_glm5_spec(config)

@@ -52,9 +52,10 @@ def kernel_module(name: str) -> ModuleType:
     return module
 
 
-def compile_sm90(kernel, signature: dict[str, str], constexprs: dict[str, object]) -> None:
+def compile_sm90(kernel, signature: dict[str, str], constexprs: dict[str, object]) -> str:
     """Compile one ``@triton.jit`` kernel for sm_90 on this CPU machine (catches what the interpreter lets through:
-    types that differ between branches, unsupported ops); constexprs the kernel does not take are dropped."""
+    types that differ between branches, unsupported ops); constexprs the kernel does not take are dropped. Returns
+    the PTX."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -63,3 +64,4 @@ def compile_sm90(kernel, signature: dict[str, str], constexprs: dict[str, object
     compiled = triton.compile(triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=const),
                               target=GPUTarget("cuda", 90, 32))
     assert compiled.asm.get("cubin"), f"{kernel.fn.__name__}: no cubin"
+    return compiled.asm["ptx"]

@@ -98,9 +98,14 @@ def check_runtime_dependencies(config) -> None:
     if getattr(config, "transformer_impl", "local") == "transformer_engine" and not HAVE_TE:
         bad.append("transformer_impl='transformer_engine' but Transformer Engine is not installed "
                    "(add --transformer-impl local)")
-    if getattr(config, "gradient_accumulation_fusion", False) and not apex_gradient_accumulation_fusion():
-        bad.append("gradient_accumulation_fusion=True needs apex's fused_weight_gradient_mlp_cuda, which is not "
-                   "installed (add --no-gradient-accumulation-fusion)")
+    if getattr(config, "gradient_accumulation_fusion", False):
+        if not gradient_accumulation_fusion_available():
+            bad.append("gradient_accumulation_fusion=True needs apex's fused_weight_gradient_mlp_cuda, which is not "
+                       "installed (add --no-gradient-accumulation-fusion, or set "
+                       "MEGATRON_GLM5_FUSED_WGRAD_ACCUMULATION=1 for megatron-glm5's torch version)")
+        elif getattr(config, "defer_embedding_wgrad_compute", False) and not apex_gradient_accumulation_fusion():
+            bad.append("defer_embedding_wgrad_compute=True needs apex's fused_weight_gradient_mlp_cuda itself "
+                       "(megatron-glm5's weight-gradient accumulation serves only the linear layers)")
     if bad:
         raise GLM5ConfigError("; ".join(bad))
 
@@ -110,8 +115,15 @@ def prepare_runtime(config) -> None:
     installed (:func:`check_runtime_dependencies`), and route megatron-core's SwiGLU, gradient norm and MoE
     permutation through the fused kernels the environment asks for (:func:`megatron_glm5.fusions.install_fusions`,
     once per process)."""
-    check_runtime_dependencies(config)
     install_fusions()
+    check_runtime_dependencies(config)
+
+
+def gradient_accumulation_fusion_available() -> bool:
+    """apex's fusion, or ours routed into megatron-core's linear layers (``MEGATRON_GLM5_FUSED_WGRAD_ACCUMULATION``)."""
+    from .. import compat
+
+    return apex_gradient_accumulation_fusion() or compat.wgrad_accumulation_routed()
 
 
 def apex_gradient_accumulation_fusion() -> bool:

@@ -38,11 +38,13 @@ def expert_rows(routing_map: torch.Tensor) -> torch.Tensor:
     """int32 ``[T, E]``: the permuted row of each (token, expert) pair of ``routing_map`` (megatron-core's order:
     expert-major, tokens ascending), -1 where the token does not go to the expert. No host sync."""
     m = routing_map.bool()
-    ones = m.to(torch.int32)
-    counts = ones.sum(0, dtype=torch.int32)
+    # Scanned expert-major ([E, T], tokens along the contiguous dim): torch's scan over the outer dim of [T, E] ran
+    # 1.3 ms per call at 8192 x 16 on the H200 (15 ms per step of the GLM-5 slice).
+    ones = m.t().contiguous().to(torch.int32)  # [E, T]
+    counts = ones.sum(1, dtype=torch.int32)
     first_row = torch.cumsum(counts, 0, dtype=torch.int32) - counts  # [E]
-    rank = torch.cumsum(ones, 0, dtype=torch.int32) - ones  # [T, E]: earlier tokens of the same expert
-    return torch.where(m, rank + first_row, torch.full_like(rank, -1))
+    rank = torch.cumsum(ones, 1, dtype=torch.int32) - ones  # [E, T]: earlier tokens of the same expert
+    return torch.where(m.t(), rank + first_row[:, None], -1).t().contiguous()
 
 
 def sorted_token_indices(rows: torch.Tensor, num_rows: int) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""Interleaved RoPE and the concatenation around it as one Triton kernel each way (experimental,
-``MEGATRON_GLM5_FUSED_ROPE=1`` in :mod:`megatron_glm5.fusions`).
+"""Interleaved RoPE and the concatenation around it as one Triton kernel each way (``MEGATRON_GLM5_FUSED_ROPE`` in
+:mod:`megatron_glm5.fusions`, on by default).
 
 Why: the ``tilelang`` attention builds its four RoPE'd operands (the query ``[q_nope W_kc | rope(q_pe)]``, the latent
 keys ``[c | rope(k_pe)]``, the indexer's ``[rope(q[:r]) | q[r:]]`` and ``[rope(k[:r]) | k[r:]]``) with
@@ -17,11 +17,16 @@ Contract (:func:`rope_cat`): ``x [T, H, R]`` or ``[T, R]`` (the RoPE part, any f
 * backward: ``d rest`` the slice of the gradient (in ``rest``'s dtype), ``dx`` the inverse rotation of its slice,
   re-interleaved, in fp32 and one rounding to ``x``'s dtype.
 
-Oracle: :func:`rope_cat_reference` (the torch expressions the attention runs otherwise). Equal up to the fp32
-contraction of ``a b - c d`` (a fused multiply-add here): rare one-ulp flips after the cast to bf16.
+Oracle: :func:`rope_cat_reference` (the torch expressions the attention runs otherwise). Bitwise equal on the GPU,
+forward and backward: each product is rounded on its own (``mul.rn``) as torch's separate kernels round it, so the
+compiler cannot contract ``a b - c d`` into a fused multiply-add (which flipped up to 4 bf16 ulps, and 15 in
+near-cancelling gradients, on the H200). Triton's interpreter (the CPU tests) has no inline PTX and multiplies
+plainly, which numpy rounds the same way.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -69,8 +74,19 @@ def _triton():
     import triton.language as tl
 
     @triton.jit
+    def _mul_rn(a, b, EXACT: tl.constexpr):
+        """``a * b`` rounded on its own (never contracted into an FMA) where inline PTX runs."""
+        if EXACT:
+            return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [a, b], dtype=tl.float32,
+                                             is_pure=True, pack=1)
+        else:
+            return a * b
+
+    globals()["mul_rn"] = _mul_rn  # a module global: neither Triton's compiler nor its interpreter sees closures
+
+    @triton.jit
     def fwd(X, REST, COS, SIN, OUT, n_rows, heads, sxt, sxh, srt, srh, half, width_rest, rope_off, rest_off,
-            width, BH: tl.constexpr, BA: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+            width, BH: tl.constexpr, BA: tl.constexpr, BLOCK_ROWS: tl.constexpr, EXACT: tl.constexpr):
         rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         live = rows < n_rows
         t = rows // heads
@@ -83,15 +99,18 @@ def _triton():
         c = tl.load(COS + (t * half)[:, None] + j[None, :], mask=mj, other=0.0)
         s = tl.load(SIN + (t * half)[:, None] + j[None, :], mask=mj, other=0.0)
         orow = OUT + (rows * width)[:, None]
-        tl.store(orow + rope_off + j[None, :], (e * c - o * s).to(OUT.dtype.element_ty), mask=mj)
-        tl.store(orow + rope_off + half + j[None, :], (o * c + e * s).to(OUT.dtype.element_ty), mask=mj)
+        r1 = mul_rn(e, c, EXACT) - mul_rn(o, s, EXACT)
+        r2 = mul_rn(o, c, EXACT) + mul_rn(e, s, EXACT)
+        tl.store(orow + rope_off + j[None, :], r1.to(OUT.dtype.element_ty), mask=mj)
+        tl.store(orow + rope_off + half + j[None, :], r2.to(OUT.dtype.element_ty), mask=mj)
         a = tl.arange(0, BA)
         ma = live[:, None] & (a < width_rest)[None, :]
         v = tl.load(REST + (t * srt + h * srh)[:, None] + a[None, :], mask=ma, other=0.0)
         tl.store(orow + rest_off + a[None, :], v.to(OUT.dtype.element_ty), mask=ma)
 
     @triton.jit
-    def bwd(G, COS, SIN, DX, n_rows, heads, sgt, sgh, half, rope_off, BH: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    def bwd(G, COS, SIN, DX, n_rows, heads, sgt, sgh, half, rope_off, BH: tl.constexpr, BLOCK_ROWS: tl.constexpr,
+            EXACT: tl.constexpr):
         rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
         live = rows < n_rows
         t = rows // heads
@@ -104,10 +123,16 @@ def _triton():
         c = tl.load(COS + (t * half)[:, None] + j[None, :], mask=mj, other=0.0)
         s = tl.load(SIN + (t * half)[:, None] + j[None, :], mask=mj, other=0.0)
         drow = DX + (rows * (2 * half))[:, None]
-        tl.store(drow + 2 * j[None, :], (g1 * c + g2 * s).to(DX.dtype.element_ty), mask=mj)
-        tl.store(drow + 2 * j[None, :] + 1, (g2 * c - g1 * s).to(DX.dtype.element_ty), mask=mj)
+        d_even = mul_rn(g1, c, EXACT) + mul_rn(g2, s, EXACT)
+        d_odd = mul_rn(g2, c, EXACT) - mul_rn(g1, s, EXACT)
+        tl.store(drow + 2 * j[None, :], d_even.to(DX.dtype.element_ty), mask=mj)
+        tl.store(drow + 2 * j[None, :] + 1, d_odd.to(DX.dtype.element_ty), mask=mj)
 
     return fwd, bwd
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _as3d(t: torch.Tensor) -> torch.Tensor:
@@ -130,7 +155,8 @@ class _RopeCat(torch.autograd.Function):
             fwd[(-(-n_rows // BLOCK_ROWS),)](
                 x3, r3, cos, sin, out, n_rows, heads, x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1), half,
                 width_rest, rope_off, rest_off, width, BH=next_power_of_2(max(half, 2)),
-                BA=next_power_of_2(max(width_rest, 2)), BLOCK_ROWS=BLOCK_ROWS)
+                BA=next_power_of_2(max(width_rest, 2)), BLOCK_ROWS=BLOCK_ROWS,
+                EXACT=x.is_cuda and not _interpreted())
         ctx.save_for_backward(cos, sin)
         ctx.meta = (x.shape, x.dtype, rest.shape, rest.dtype, heads, half, rope_off, rest_off, width_rest)
         return out.view(*x.shape[:-1], width)
@@ -148,5 +174,6 @@ class _RopeCat(torch.autograd.Function):
         n_rows = g3.shape[0] * heads
         if n_rows:
             bwd[(-(-n_rows // BLOCK_ROWS),)](g3, cos, sin, dx, n_rows, heads, g3.stride(0), g3.stride(1), half,
-                                             rope_off, BH=next_power_of_2(max(half, 2)), BLOCK_ROWS=BLOCK_ROWS)
+                                             rope_off, BH=next_power_of_2(max(half, 2)), BLOCK_ROWS=BLOCK_ROWS,
+                                             EXACT=g.is_cuda and not _interpreted())
         return dx.view(x_shape), d_rest, None, None, None, None

@@ -13,8 +13,9 @@ The slice (issue #13): 4 layers, the first dense and three MoE; hidden 6144; 16 
 2048, kv_lora 512, qk nope 192 / rope 64, v 256; indexer 32 heads x 128, top-k 2048; IndexShare freq 4 / offset 3
 (layers 1-3 own an indexer, layer 4 shares); 16 experts, top-8, expert and shared-expert width 2048; dense FFN 12288
 (GLM-5's); vocab 4096 (NullTokenizer); 8192 tokens per sequence, micro-batch 1, global batch 2; bf16; no Transformer
-Engine (``--transformer-impl local --no-gradient-accumulation-fusion``, as in the client's glm5_flags.sh, whose other
-runtime flags are used too). ``--extra-args`` is appended to every run (e.g. ``--moe-grouped-gemm`` to A/B it); shape
+Engine (``--transformer-impl local``; Megatron-LM's default gradient-accumulation fusion, served without apex by
+megatron-glm5's own since issue 23's round 3; the client's glm5_flags.sh turns it off, its other runtime flags are used
+too). ``--extra-args`` is appended to every run (e.g. ``--moe-grouped-gemm`` to A/B it); shape
 flags given there are read back, so the FLOP count follows them.
 
 Per variant: one run of ``--iters`` iterations with ``--log-throughput --log-interval 1 --log-memory-interval N``;
@@ -97,6 +98,11 @@ class Variant:
     env: tuple[tuple[str, str], ...] = ()  # environment of this variant's runs (on top of the bench's)
 
 
+# Round 3's fusions (on by default since): off, with Megatron-LM's gradient-accumulation fusion off, is round 2's step.
+_ROUND3_OFF = (("MEGATRON_GLM5_FUSED_MOE_PERMUTE", "0"), ("MEGATRON_GLM5_FUSED_ROPE", "0"),
+               ("MEGATRON_GLM5_FUSED_WGRAD_ACCUMULATION", "0"), ("MEGATRON_GLM5_FUSED_ADAM", "0"))
+_NO_GAF = ("--no-gradient-accumulation-fusion",)
+
 VARIANTS = {
     v.name: v
     for v in (
@@ -104,12 +110,12 @@ VARIANTS = {
         Variant("mcore-kernels", "get_glm5_spec", ("--dsa-kernel-backend", "tilelang"),
                 "(b) megatron backend + megatron-core's TileLang DSA kernels"),
         Variant("megatron-torch", "get_glm5_spec", (), "(c) megatron backend, no DSA kernels (torch paths)"),
-        Variant("tilelang-grouped-permute", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
-                "(a) with grouped-GEMM experts and the gather-sum MoE permutation",
-                (("MEGATRON_GLM5_FUSED_MOE_PERMUTE", "1"),)),
-        Variant("tilelang-grouped-experimental", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
-                "(a) with grouped-GEMM experts and the experimental fusions (MoE permutation, RoPE)",
-                (("MEGATRON_GLM5_FUSED_MOE_PERMUTE", "1"), ("MEGATRON_GLM5_FUSED_ROPE", "1"))),
+        Variant("tilelang-grouped-round2", "get_glm5_tilelang_spec", ("--moe-grouped-gemm", *_NO_GAF),
+                "(a) with grouped-GEMM experts, round 2's fusions only (no MoE permutation, RoPE, weight-gradient "
+                "accumulation or fused Adam)", _ROUND3_OFF),
+        Variant("mcore-kernels-grouped-round2", "get_glm5_spec",
+                ("--dsa-kernel-backend", "tilelang", "--moe-grouped-gemm", *_NO_GAF),
+                "(b) with grouped-GEMM experts, round 2's fusions only", _ROUND3_OFF),
         Variant("tilelang-unfused", "get_glm5_tilelang_spec", (),
                 "(a) with torch's RMSNorm and megatron-core's eager SwiGLU (the fusions off)",
                 (("MEGATRON_GLM5_FUSED_RMSNORM", "0"), ("MEGATRON_GLM5_FUSED_SWIGLU", "0"))),
@@ -120,7 +126,12 @@ VARIANTS = {
     )
 }
 DEFAULT_VARIANTS = "tilelang,mcore-kernels,tilelang-grouped"
-BASELINE = "mcore-kernels"  # the ratio column is speed relative to this one
+BASELINES = ("mcore-kernels", "mcore-kernels-grouped")  # the ratio column: speed relative to the first one run
+
+
+def baseline(stats: dict) -> str:
+    """The variant the speed column divides by: the first of :data:`BASELINES` that ran."""
+    return next((b for b in BASELINES if b in stats), BASELINES[0])
 
 # The slice, as Megatron-LM flags. GLM numerics flags as in the client's glm5_flags.sh.
 SLICE = {
@@ -161,7 +172,7 @@ def model_args(d: dict[str, int], seq: int) -> list[str]:
 def runtime_args(d: dict[str, int], *, seq: int, iters: int) -> list[str]:
     """One GPU, no TE / apex, mock data, bf16, per-iteration logging of time, TFLOP/s, loss and memory."""
     return [
-        "--transformer-impl", "local", "--no-gradient-accumulation-fusion",
+        "--transformer-impl", "local",  # gradient-accumulation fusion: Megatron-LM's default, without apex ours
         "--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "1", "--expert-model-parallel-size", "1",
         "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(d["vocab"]),
         "--seq-length", str(seq), "--micro-batch-size", "1", "--global-batch-size", "2",
@@ -184,8 +195,8 @@ def pretrain_argv(variant: Variant, *, seq: int, iters: int, scale_down: bool = 
     d = SCALED_DOWN if scale_down else SLICE
     if profile_step is not None:
         iters = profile_step + 1
-    argv = ["--spec", "megatron_glm5.spec", variant.spec, *model_args(d, seq), *runtime_args(d, seq=seq, iters=iters),
-            *variant.args]
+    argv = ["--spec", "megatron_glm5.spec", variant.spec, *model_args(d, seq),
+            *runtime_args(d, seq=seq, iters=iters), *variant.args]
     if profile_step is not None:
         argv += profile_args(profile_step, tb_dir or Path("tb"))
     return argv + list(extra)
@@ -976,7 +987,7 @@ def loss_table(results) -> list[str]:
 
 def render_report(results: list[VariantResult], *, skip: int, meta: dict[str, Any]) -> str:
     stats = {r.variant.name: r.stats(skip) for r in results}
-    base = stats.get(BASELINE, {}).get("ms_mean", math.nan)
+    base = stats.get(baseline(stats), {}).get("ms_mean", math.nan)
     shape = results[0].shape
     flops = flop_count(shape)
     lines = [
@@ -985,7 +996,7 @@ def render_report(results: list[VariantResult], *, skip: int, meta: dict[str, An
         f"`{_md(meta['command'])}`; {meta['versions']}.",
         "",
         f"Slice: {shape.summary()}; bf16, mock data, micro-batch 1, Megatron-LM's pretrain_gpt.py "
-        f"(`--transformer-impl local --no-gradient-accumulation-fusion`){meta['extra']}.",
+        f"(`--transformer-impl local`, gradient-accumulation fusion on){meta['extra']}.",
         "",
         f"FLOP per iteration, our count: {sum(flops.values()) / 1e12:.1f} T ("
         + ", ".join(f"{k} {v / 1e12:.1f}" for k, v in flops.items())
@@ -994,7 +1005,7 @@ def render_report(results: list[VariantResult], *, skip: int, meta: dict[str, An
         + f". Means over iterations {skip + 1}-{meta['iters']}.",
         "",
         "| variant | ms / iteration | tokens/s | TFLOP/s (Megatron's count) | TFLOP/s (our count) | peak allocated GiB "
-        f"| speed vs {BASELINE} |",
+        f"| speed vs {baseline(stats)} |",
         "|---|---|---|---|---|---|---|",
     ]
     for r in results:
@@ -1082,7 +1093,7 @@ def _without_optimizer(stats: dict[str, float], b: Breakdown) -> str:
 def summary_lines(results: list[VariantResult], skip: int) -> list[str]:
     """A few lines per variant for the end of the output (gpu_checks shows the log's tail)."""
     stats = {r.variant.name: r.stats(skip) for r in results}
-    base = stats.get(BASELINE, {}).get("ms_mean", math.nan)
+    base = stats.get(baseline(stats), {}).get("ms_mean", math.nan)
     lines = []
     for r in results:
         s = stats[r.variant.name]
@@ -1092,7 +1103,7 @@ def summary_lines(results: list[VariantResult], skip: int) -> list[str]:
         lines.append(f"[bench_step] {r.variant.name}: {s['ms_mean']:.1f} +- {s['ms_std']:.1f} ms/iteration, "
                      f"{s['tokens_per_s']:.0f} tokens/s, {s['tflops_megatron']:.1f} TFLOP/s (Megatron) / "
                      f"{s['tflops_ours']:.1f} (ours), peak {_f(s['peak_gib'], '.2f')} GiB, "
-                     f"{_f(base / s['ms_mean'], '.2f')}x vs {BASELINE}")
+                     f"{_f(base / s['ms_mean'], '.2f')}x vs {baseline(stats)}")
         b = r.breakdown
         if b is not None:
             lines.append(f"[bench_step] {r.variant.name} GPU ms/step: " + ", ".join(
