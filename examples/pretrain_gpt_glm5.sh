@@ -8,8 +8,8 @@
 # MTP: Megatron-LM r0.19's GPT builder builds MTP from its own (non-DSA) layer specs and asserts on DSA, so add
 # --mtp-num-layers only with `python -m megatron_glm5.pretrain`, which builds the MTP block itself.
 #
-# Without Transformer Engine / apex (megatron-glm5 needs neither) keep `--transformer-impl local` and
-# `--no-gradient-accumulation-fusion` (get_glm5_spec names them if they are missing). Tensor parallelism needs
+# Without Transformer Engine (megatron-glm5 does not need it) keep `--transformer-impl local` (get_glm5_spec names it
+# if it is missing). Megatron-LM's default gradient-accumulation fusion runs without apex on CUDA (megatron-glm5's own). Tensor parallelism needs
 # CUDA_DEVICE_MAX_CONNECTIONS=1. `--make-vocab-size-divisible-by 1` keeps GLM-5.x's vocabulary (154880) unpadded at
 # any TP that divides it, so a checkpoint from `megatron-glm5 convert import` loads with --load (a larger value pads
 # the embedding, e.g. 1280 at TP=4 gives 158720 rows, and --load fails on its shape). Documents: pass
@@ -33,7 +33,7 @@ torchrun --nproc-per-node "${NPROC:-8}" "$MEGATRON_LM/pretrain_gpt.py" \
   --num-experts 256 --moe-router-topk 8 --moe-ffn-hidden-size 2048 --moe-shared-expert-intermediate-size 2048 \
   --moe-layer-freq "([0]*3+[1]*75)" --moe-router-score-function sigmoid --moe-router-enable-expert-bias \
   --moe-router-topk-scaling-factor 2.5 --moe-router-dtype fp32 --moe-router-pre-softmax \
-  --hidden-dropout 0 --attention-dropout 0 --transformer-impl local --no-gradient-accumulation-fusion \
+  --hidden-dropout 0 --attention-dropout 0 --transformer-impl local \
   --tensor-model-parallel-size 4 --sequence-parallel --pipeline-model-parallel-size 2 \
   --decoder-first-pipeline-num-layers 38 --expert-model-parallel-size 8 \
   --mock-data --tokenizer-type NullTokenizer --vocab-size 154880 \

@@ -159,8 +159,8 @@ def multi_tensor_l2_norm(chunk_size: int, noop_flag, tensor_lists, per_tensor: b
 
 def install_fusions() -> dict[str, bool]:
     """Route megatron-core's MLP SwiGLU, gradient-norm fallback, MoE permutation, weight-gradient accumulation and
-    torch-fallback Adam through this module (each unless its switch says ``0``); called by :func:`megatron_glm5.core.mla_spec.prepare_runtime` before either GLM family
-    builds a layer spec. Returns what is routed (a routing, once installed, stays for the process)."""
+    torch-fallback Adam through this module (each unless its switch says ``0``); called by
+    :func:`megatron_glm5.core.mla_spec.prepare_runtime` before either GLM family builds a layer spec. Returns what is routed (a routing, once installed, stays for the process)."""
     if enabled(FUSED_SWIGLU_ENV):
         compat.route_mlp_swiglu(bias_swiglu_impl, weighted_bias_swiglu_impl)
     if enabled(FUSED_GRAD_NORM_ENV):

@@ -34,6 +34,7 @@ from megatron_glm5.kernels._common import next_power_of_2, triton_kernels, trito
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BLOCK_ROWS = 16
+mul_rn = None  # the kernels' product helper (a Triton function), set by _triton() when Triton is first used
 
 
 def apply_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
