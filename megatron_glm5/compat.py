@@ -626,6 +626,51 @@ def _probe_fused_adam() -> None:
     assert "optimizer" in MegatronOptimizer.__init__.__code__.co_varnames
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# 14. megatron-core's all-gather token dispatcher: MoEAllGatherTokenDispatcher.dispatch_postprocess (moe_dispatch.py)
+# --------------------------------------------------------------------------------------------------------------------
+
+_DISPATCH_STATE = ("hidden_shape_before_permute", "local_map", "local_probs", "reversed_local_input_permutation_mapping")
+
+
+def route_dispatch_postprocess(fn: Callable) -> None:
+    """Make ``MoEAllGatherTokenDispatcher.dispatch_postprocess(self, hidden_states, probs)`` call
+    ``fn(self, hidden_states, probs, original)`` (``original``: megatron-core's method, for what ``fn`` does not
+    take). Installed once, process-wide (:func:`install_patches`)."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+    original = MoEAllGatherTokenDispatcher.dispatch_postprocess
+    if is_patched(MoEAllGatherTokenDispatcher, "dispatch_postprocess"):
+        return
+
+    def dispatch_postprocess(self, hidden_states, probs):
+        return fn(self, hidden_states, probs, original)
+
+    install_patches(((MoEAllGatherTokenDispatcher, "dispatch_postprocess", dispatch_postprocess),))
+
+
+def dispatch_postprocess_routed() -> bool:
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+    return is_patched(MoEAllGatherTokenDispatcher, "dispatch_postprocess")
+
+
+@_hook("moe.token_dispatcher: MoEAllGatherTokenDispatcher.dispatch_postprocess(hidden_states, probs) -> (permuted, "
+       "tokens_per_expert, local_probs), leaving hidden_shape_before_permute / local_map / local_probs / "
+       "reversed_local_input_permutation_mapping for combine_preprocess", "moe_dispatch.py", MCORE)
+def _probe_dispatch_postprocess() -> None:
+    import inspect
+
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher as D
+
+    assert list(inspect.signature(D.dispatch_postprocess).parameters) == ["self", "hidden_states", "probs"]
+    sets = set(D.dispatch_postprocess.__code__.co_names)
+    assert set(_DISPATCH_STATE) <= sets and "routing_map" in sets, sets
+    uses = set(D.combine_preprocess.__code__.co_names)
+    assert {"reversed_local_input_permutation_mapping", "hidden_shape_before_permute", "local_map"} <= uses, uses
+    assert {"tp_size", "ep_size"} <= set(D.token_dispatch.__code__.co_names)
+
+
 def check_all() -> list[str]:
     """Run every probe; the names of those that fail (an empty list: every internal is where it was)."""
     failed = []

@@ -22,6 +22,10 @@ read when a module or block spec is built (``0`` or ``1``; anything else is refu
   un-fused MoE token permutation (the all-gather dispatcher's ``permute`` / ``unpermute``) with the sums as
   gathers (:mod:`megatron_glm5.kernels.moe_permute`): no atomic adds, fp32 sums, deterministic. Routed through
   :func:`megatron_glm5.compat.route_moe_permute`.
+* ``MEGATRON_GLM5_MOE_DEVICE_COUNTS`` - with the MoE permutation above, megatron-core's all-gather dispatcher without its
+  two host syncs per MoE layer where every expert is local and every token has exactly ``topk`` experts
+  (:func:`megatron_glm5.moe_dispatch.dispatch_postprocess`: ``tokens_per_expert`` stays on the device). Routed through
+  :func:`megatron_glm5.compat.route_dispatch_postprocess`.
 * ``MEGATRON_GLM5_FUSED_WGRAD_ACCUMULATION`` - megatron-core's
   ``gradient_accumulation_fusion`` without apex: the linear layers' weight-gradient GEMM adds its fp32 result into
   ``main_grad`` (:data:`megatron_glm5.optim_fusions.WGRAD_ACCUMULATION`, through
@@ -53,6 +57,7 @@ from megatron_glm5.kernels.moe_permute import (
 from megatron_glm5.kernels.rope_cat import rope_cat_reference, rope_cat_supported
 from megatron_glm5.kernels.rope_cat import rope_cat as _rope_cat_kernel
 from megatron_glm5.kernels.swiglu import swiglu, swiglu_supported, weighted_swiglu
+from megatron_glm5.moe_dispatch import dispatch_postprocess
 from megatron_glm5.optim_fusions import WGRAD_ACCUMULATION, use_fused_adam
 
 FUSED_RMSNORM_ENV = "MEGATRON_GLM5_FUSED_RMSNORM"
@@ -62,10 +67,11 @@ FUSED_GRAD_NORM_ENV = "MEGATRON_GLM5_FUSED_GRAD_NORM"
 FUSED_ROPE_ENV = "MEGATRON_GLM5_FUSED_ROPE"
 FUSED_WGRAD_ENV = "MEGATRON_GLM5_FUSED_WGRAD_ACCUMULATION"
 FUSED_ADAM_ENV = "MEGATRON_GLM5_FUSED_ADAM"
+MOE_DEVICE_COUNTS_ENV = "MEGATRON_GLM5_MOE_DEVICE_COUNTS"
 _log = logging.getLogger("megatron_glm5")
 _logged: set[str] = set()
 _DEFAULTS = {FUSED_RMSNORM_ENV: "1", FUSED_SWIGLU_ENV: "1", FUSED_MOE_PERMUTE_ENV: "1", FUSED_GRAD_NORM_ENV: "1",
-             FUSED_ROPE_ENV: "1", FUSED_WGRAD_ENV: "1", FUSED_ADAM_ENV: "1"}
+             FUSED_ROPE_ENV: "1", FUSED_WGRAD_ENV: "1", FUSED_ADAM_ENV: "1", MOE_DEVICE_COUNTS_ENV: "1"}
 
 
 def enabled(env: str) -> bool:
@@ -167,13 +173,15 @@ def install_fusions() -> dict[str, bool]:
         compat.route_grad_norm(multi_tensor_l2_norm)
     if enabled(FUSED_MOE_PERMUTE_ENV):
         compat.route_moe_permute(permute, unpermute)
+        if enabled(MOE_DEVICE_COUNTS_ENV):
+            compat.route_dispatch_postprocess(dispatch_postprocess)
     if enabled(FUSED_WGRAD_ENV):
         compat.route_wgrad_accumulation(WGRAD_ACCUMULATION)
     if enabled(FUSED_ADAM_ENV):
         compat.route_fused_adam(use_fused_adam)
     routed = {"swiglu": compat.mlp_swiglu_routed(), "moe_permute": compat.moe_permute_routed(),
               "grad_norm": compat.grad_norm_routed(), "wgrad_accumulation": compat.wgrad_accumulation_routed(),
-              "adam": compat.fused_adam_routed()}
+              "adam": compat.fused_adam_routed(), "moe_device_counts": compat.dispatch_postprocess_routed()}
     own = {"RMSNorm": enabled(FUSED_RMSNORM_ENV), "RoPE": enabled(FUSED_ROPE_ENV)}
     message = ("megatron-glm5 fusions (Triton kernels where Triton runs): "
                + ", ".join(f"{k} {'fused' if v else 'torch'}" for k, v in own.items()) + ", "
