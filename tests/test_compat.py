@@ -21,9 +21,20 @@ def test_probe_passes_on_installed_versions(hook):
     hook.probe()
 
 
-def test_sixteen_hooks_cover_the_design_list():
-    assert len(compat.HOOKS) == 16
+def test_seventeen_hooks_cover_the_design_list():
+    assert len(compat.HOOKS) == 17
     assert compat.check_all() == []
+
+
+def test_probe_fails_when_the_dispatcher_keeps_its_state_elsewhere(monkeypatch):
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+    def dispatch_postprocess(self, hidden_states, probs):  # the permutation's state under other names
+        self.permutation_state = (hidden_states, probs)
+        return hidden_states, None, probs
+
+    monkeypatch.setattr(MoEAllGatherTokenDispatcher, "dispatch_postprocess", dispatch_postprocess)
+    assert any("dispatch_postprocess" in f for f in compat.check_all())
 
 
 def test_probe_fails_when_the_linear_layers_stop_using_apex_by_name(monkeypatch):
