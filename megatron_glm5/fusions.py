@@ -1,6 +1,6 @@
 """Which fused kernels replace torch / megatron-core elementwise code in the model, and their switches, in one place.
 
-Each is on by default (measured on the H200: issue 23, ``scripts/bench/RESULTS_step.md``). Each falls back to the
+Each is on by default unless marked experimental (measured on the H200: issue 23, ``scripts/bench/RESULTS_step.md``). Each falls back to the
 path it replaces on any input it does not take (CPU tensors, other dtypes, megatron-core's bias / FP8-store /
 CPU-offload variants), so turning one on never changes what runs on the CPU. Each switch is an environment variable
 read when a module or block spec is built (``0`` or ``1``; anything else is refused):
@@ -26,6 +26,10 @@ read when a module or block spec is built (``0`` or ``1``; anything else is refu
   two host syncs per MoE layer where every expert is local and every token has exactly ``topk`` experts
   (:func:`megatron_glm5.moe_dispatch.dispatch_postprocess`: ``tokens_per_expert`` stays on the device). Routed through
   :func:`megatron_glm5.compat.route_dispatch_postprocess`.
+* ``MEGATRON_GLM5_ZERO_GROUPS_KERNEL`` (experimental, off until run on a GPU) - with device token counts,
+  :class:`~megatron_glm5.moe.grouped_experts.TorchGroupedMLP` zeroes the zero-token experts' weight gradients with a
+  Triton kernel that writes only their slices (:mod:`megatron_glm5.kernels.zero_groups`) instead of a masked pass
+  over every expert's gradient.
 * ``MEGATRON_GLM5_FUSED_WGRAD_ACCUMULATION`` - megatron-core's
   ``gradient_accumulation_fusion`` without apex: the linear layers' weight-gradient GEMM adds its fp32 result into
   ``main_grad`` (:data:`megatron_glm5.optim_fusions.WGRAD_ACCUMULATION`, through
@@ -68,10 +72,12 @@ FUSED_ROPE_ENV = "MEGATRON_GLM5_FUSED_ROPE"
 FUSED_WGRAD_ENV = "MEGATRON_GLM5_FUSED_WGRAD_ACCUMULATION"
 FUSED_ADAM_ENV = "MEGATRON_GLM5_FUSED_ADAM"
 MOE_DEVICE_COUNTS_ENV = "MEGATRON_GLM5_MOE_DEVICE_COUNTS"
+ZERO_GROUPS_KERNEL_ENV = "MEGATRON_GLM5_ZERO_GROUPS_KERNEL"
 _log = logging.getLogger("megatron_glm5")
 _logged: set[str] = set()
 _DEFAULTS = {FUSED_RMSNORM_ENV: "1", FUSED_SWIGLU_ENV: "1", FUSED_MOE_PERMUTE_ENV: "1", FUSED_GRAD_NORM_ENV: "1",
-             FUSED_ROPE_ENV: "1", FUSED_WGRAD_ENV: "1", FUSED_ADAM_ENV: "1", MOE_DEVICE_COUNTS_ENV: "1"}
+             FUSED_ROPE_ENV: "1", FUSED_WGRAD_ENV: "1", FUSED_ADAM_ENV: "1", MOE_DEVICE_COUNTS_ENV: "1",
+             ZERO_GROUPS_KERNEL_ENV: "0"}
 
 
 def enabled(env: str) -> bool:

@@ -21,7 +21,8 @@ from megatron.core.fusions.fused_bias_geglu import quick_gelu, weighted_bias_qui
 from megatron.core.fusions import fused_bias_swiglu
 from megatron.core.transformer.moe.experts import SequentialMLP
 
-from ..fusions import FUSED_SWIGLU_ENV, enabled, weighted_bias_swiglu_impl
+from ..fusions import FUSED_SWIGLU_ENV, ZERO_GROUPS_KERNEL_ENV, enabled, weighted_bias_swiglu_impl
+from ..kernels.zero_groups import zero_empty_groups, zero_empty_groups_reference
 
 Impl = Literal["auto", "grouped_mm", "sequential"]
 IMPLS: tuple[str, ...] = ("auto", "grouped_mm", "sequential")
@@ -82,11 +83,12 @@ def _aligned(dims: Sequence[int], dtype: torch.dtype) -> bool:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _zero_empty_groups(dw: torch.Tensor, empty) -> torch.Tensor:
+def _zero_empty_groups(dw: torch.Tensor, empty, kernel: bool = False) -> torch.Tensor:
     """Zero the weight gradients of zero-token experts: ``empty`` is a tuple of indices (host counts: only those
-    slices are written) or a bool ``[E]`` device mask (device counts: one masked pass, no sync)."""
+    slices are written) or a bool ``[E]`` device mask (device counts, no sync: one masked pass over ``dw``, or with
+    ``kernel`` the Triton kernel that writes only the empty slices, :mod:`megatron_glm5.kernels.zero_groups`)."""
     if isinstance(empty, torch.Tensor):
-        return dw.masked_fill_(empty[:, None, None], 0)
+        return zero_empty_groups(dw, empty) if kernel else zero_empty_groups_reference(dw, empty)
     for e in empty:
         dw[e].zero_()
     return dw
@@ -99,10 +101,11 @@ class _GroupedLinear(torch.autograd.Function):
     weights is made again in backward instead of being saved (module docstring)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, offs: torch.Tensor, empty, *weights: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, offs: torch.Tensor, empty, zero_kernel: bool,
+                *weights: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()  # grouped_mm's stride rule; a no-op for the dispatcher's tokens and the activation
         ctx.save_for_backward(x, offs, *weights)
-        ctx.empty = empty
+        ctx.empty, ctx.zero_kernel = empty, zero_kernel
         if x.shape[0] == 0:  # a rank with no tokens: grouped_mm rejects an empty contraction in backward
             return x.new_empty(0, weights[0].shape[0])
         return _grouped_mm(x, torch.stack(weights).transpose(1, 2), offs=offs)
@@ -110,26 +113,28 @@ class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, offs, *weights = ctx.saved_tensors
-        need_x, need_w = ctx.needs_input_grad[0], any(ctx.needs_input_grad[3:])
+        need_x, need_w = ctx.needs_input_grad[0], any(ctx.needs_input_grad[4:])
         dx, dws = None, [None] * len(weights)
         if x.shape[0] == 0:
             if need_x:
                 dx = torch.zeros_like(x)
             if need_w:
                 dws = [torch.zeros_like(w) for w in weights]
-            return dx, None, None, *dws
+            return dx, None, None, None, *dws
         dy = dy.contiguous()
         if need_x:
             dx = _grouped_mm(dy, torch.stack(weights), offs=offs)  # [T, K]
         if need_w:
             dw = _grouped_mm(dy.t(), x, offs=offs)  # [E, N, K]: per group dy_e^T @ x_e
-            dws = list(_zero_empty_groups(dw, ctx.empty).unbind(0))
-        return dx, None, None, *dws
+            dws = list(_zero_empty_groups(dw, ctx.empty, ctx.zero_kernel).unbind(0))
+        return dx, None, None, None, *dws
 
 
-def grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], offs: torch.Tensor, empty=()) -> torch.Tensor:
-    """Differentiable grouped ``x @ W_e^T`` (see :class:`_GroupedLinear`)."""
-    return _GroupedLinear.apply(x, offs, empty, *weights)
+def grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], offs: torch.Tensor, empty=(),
+                   zero_kernel: bool = False) -> torch.Tensor:
+    """Differentiable grouped ``x @ W_e^T`` (see :class:`_GroupedLinear`; ``zero_kernel``: see
+    :func:`_zero_empty_groups`)."""
+    return _GroupedLinear.apply(x, offs, empty, zero_kernel, *weights)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -167,6 +172,7 @@ class TorchGroupedMLP(SequentialMLP):
         first = self.local_experts[0]
         self._linear_types = (type(first.linear_fc1), type(first.linear_fc2))
         self.fused_swiglu = enabled(FUSED_SWIGLU_ENV)
+        self.zero_groups_kernel = enabled(ZERO_GROUPS_KERNEL_ENV)
 
     def extra_repr(self) -> str:
         return f"num_local_experts={self.num_local_experts}, impl={self.impl!r}"
@@ -232,15 +238,16 @@ class TorchGroupedMLP(SequentialMLP):
         offs, empty = _offsets(tokens_per_expert, x.device)
         w1 = [e.linear_fc1.weight for e in self.local_experts]
         w2 = [e.linear_fc2.weight for e in self.local_experts]
-        h = grouped_linear(x, w1, offs, empty)  # [T, 2F/etp]
+        zk = self.zero_groups_kernel
+        h = grouped_linear(x, w1, offs, empty, zk)  # [T, 2F/etp]
         if self.activation_recompute:  # "moe_act" in recompute_modules: as TEGroupedMLP
             # fp8=None: megatron-core's CheckpointWithoutOutput treats any non-None value, False included, as fp8
             self.activation_checkpoint = tensor_parallel.CheckpointWithoutOutput(fp8=self.config.fp8)
             a = self.activation_checkpoint.checkpoint(self._activation, h, probs)
-            y = grouped_linear(a, w2, offs, empty)
+            y = grouped_linear(a, w2, offs, empty, zk)
             self.activation_checkpoint.discard_output_and_register_recompute(y)
         else:
-            y = grouped_linear(self._activation(h, probs), w2, offs, empty)  # [T, H]
+            y = grouped_linear(self._activation(h, probs), w2, offs, empty, zk)  # [T, H]
         return y, None
 
     def _activation(self, h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
