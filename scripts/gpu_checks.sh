@@ -15,7 +15,8 @@
 # vs its oracle and megatron-core's eager functions, and its speed), moe_permute (tests/gpu/test_moe_permute_gpu.py:
 # the gather-sum MoE permutation vs its oracle and megatron-core's, and its speed), rope_cat
 # (tests/gpu/test_rope_cat_gpu.py: the fused RoPE + concatenation vs its oracle, and its speed), optim_fusions
-# (tests/gpu/test_optim_fusions_gpu.py: weight-gradient accumulation and fused Adam vs their oracles, and speed).
+# (tests/gpu/test_optim_fusions_gpu.py: weight-gradient accumulation and fused Adam vs their oracles, and speed),
+# zero_groups (tests/gpu/test_zero_groups_gpu.py: the experimental zero-groups kernel vs masked_fill, and speed).
 # Each step has its own log and time limit; a failing step does not stop the others.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -37,6 +38,7 @@ for step in "$@"; do
     rms_norm) run rms_norm 120 python3 -m pytest tests/gpu/test_rms_norm_gpu.py -q -s -p no:cacheprovider ;;
     swiglu) run swiglu 120 python3 -m pytest tests/gpu/test_swiglu_gpu.py -q -s -p no:cacheprovider ;;
     moe_permute) run moe_permute 120 python3 -m pytest tests/gpu/test_moe_permute_gpu.py -q -s -p no:cacheprovider ;;
+    zero_groups) run zero_groups 120 python3 -m pytest tests/gpu/test_zero_groups_gpu.py -q -s -p no:cacheprovider ;;
     optim_fusions) run optim_fusions 120 python3 -m pytest tests/gpu/test_optim_fusions_gpu.py -q -s -p no:cacheprovider ;;
     rope_cat) run rope_cat 120 python3 -m pytest tests/gpu/test_rope_cat_gpu.py -q -s -p no:cacheprovider ;;
     kernels_ws) MEGATRON_GLM5_TEST_FWD_VARIANT=ws run kernels_ws 200 python3 -m pytest tests/gpu/test_kernels_gpu.py -q -s -p no:cacheprovider ;;
