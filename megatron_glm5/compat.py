@@ -317,6 +317,12 @@ def is_patched(owner: Any, name: str) -> bool:
     return (id(owner), name) in _originals
 
 
+def unpatched(owner: Any, name: str) -> Any:
+    """``owner.name`` as it was before any patch of ours (what a probe must look at once a route is installed)."""
+    entry = _originals.get((id(owner), name))
+    return getattr(owner, name) if entry is None else entry[2]
+
+
 @atexit.register
 def remove_all_patches() -> None:
     """Undo every patch still installed (also at interpreter exit: no patch outlives the code that made it)."""
@@ -494,7 +500,8 @@ def _probe_moe_permute() -> None:
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     d = token_dispatcher.MoEAllGatherTokenDispatcher
-    assert "permute" in d.dispatch_postprocess.__code__.co_names, "dispatch_postprocess no longer calls permute"
+    assert "permute" in unpatched(d, "dispatch_postprocess").__code__.co_names, \
+        "dispatch_postprocess no longer calls permute"
     assert "unpermute" in d.combine_preprocess.__code__.co_names, "combine_preprocess no longer calls unpermute"
     assert list(inspect.signature(moe_utils.permute).parameters) == [
         "tokens", "routing_map", "probs", "num_out_tokens", "fused", "drop_and_pad", "tokens_per_expert", "align_size"]
@@ -576,7 +583,7 @@ def _probe_wgrad_accumulation() -> None:
 
     from megatron.core.tensor_parallel import layers
 
-    assert isinstance(layers._grad_accum_fusion_available, bool)
+    assert isinstance(unpatched(layers, "_grad_accum_fusion_available"), bool)
     code = inspect.unwrap(layers.LinearWithGradAccumulationAndAsyncCommunication.backward).__code__  # custom_bwd
     assert "fused_weight_gradient_mlp_cuda" in code.co_names
     assert {"wgrad_gemm_accum_fp32", "wgrad_gemm_accum_fp16", "grad_added_to_main_grad"} <= set(code.co_names)
@@ -663,8 +670,9 @@ def _probe_dispatch_postprocess() -> None:
 
     from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher as D
 
-    assert list(inspect.signature(D.dispatch_postprocess).parameters) == ["self", "hidden_states", "probs"]
-    sets = set(D.dispatch_postprocess.__code__.co_names)
+    method = unpatched(D, "dispatch_postprocess")
+    assert list(inspect.signature(method).parameters) == ["self", "hidden_states", "probs"]
+    sets = set(method.__code__.co_names)
     assert set(_DISPATCH_STATE) <= sets and "routing_map" in sets, sets
     uses = set(D.combine_preprocess.__code__.co_names)
     assert {"reversed_local_input_permutation_mapping", "hidden_shape_before_permute", "local_map"} <= uses, uses
