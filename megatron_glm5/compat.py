@@ -637,7 +637,8 @@ def _probe_fused_adam() -> None:
 # 14. megatron-core's all-gather token dispatcher: MoEAllGatherTokenDispatcher.dispatch_postprocess (moe_dispatch.py)
 # --------------------------------------------------------------------------------------------------------------------
 
-_DISPATCH_STATE = ("hidden_shape_before_permute", "local_map", "local_probs", "reversed_local_input_permutation_mapping")
+_DISPATCH_STATE = ("hidden_shape_before_permute", "local_map", "local_probs",
+                   "reversed_local_input_permutation_mapping")
 
 
 def route_dispatch_postprocess(fn: Callable) -> None:
@@ -646,9 +647,9 @@ def route_dispatch_postprocess(fn: Callable) -> None:
     take). Installed once, process-wide (:func:`install_patches`)."""
     from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
-    original = MoEAllGatherTokenDispatcher.dispatch_postprocess
     if is_patched(MoEAllGatherTokenDispatcher, "dispatch_postprocess"):
         return
+    original = MoEAllGatherTokenDispatcher.dispatch_postprocess
 
     def dispatch_postprocess(self, hidden_states, probs):
         return fn(self, hidden_states, probs, original)

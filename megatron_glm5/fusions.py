@@ -1,9 +1,9 @@
 """Which fused kernels replace torch / megatron-core elementwise code in the model, and their switches, in one place.
 
-Each is on by default unless marked experimental (measured on the H200: issue 23, ``scripts/bench/RESULTS_step.md``). Each falls back to the
-path it replaces on any input it does not take (CPU tensors, other dtypes, megatron-core's bias / FP8-store /
-CPU-offload variants), so turning one on never changes what runs on the CPU. Each switch is an environment variable
-read when a module or block spec is built (``0`` or ``1``; anything else is refused):
+Each is on by default unless marked experimental (measured on the H200: issue 23, ``scripts/bench/RESULTS_step.md``).
+Each falls back to the path it replaces on any input it does not take (CPU tensors, other dtypes, megatron-core's
+bias / FP8-store / CPU-offload variants), so turning one on never changes what runs on the CPU. Each switch is an
+environment variable read when a module or block spec is built (``0`` or ``1``; anything else is refused):
 
 * ``MEGATRON_GLM5_FUSED_RMSNORM`` - :class:`megatron_glm5.providers.TorchNorm`'s RMSNorm as one Triton kernel each way
   (:mod:`megatron_glm5.kernels.rms_norm`; same numerics up to rare one-ulp flips).
@@ -22,8 +22,8 @@ read when a module or block spec is built (``0`` or ``1``; anything else is refu
   un-fused MoE token permutation (the all-gather dispatcher's ``permute`` / ``unpermute``) with the sums as
   gathers (:mod:`megatron_glm5.kernels.moe_permute`): no atomic adds, fp32 sums, deterministic. Routed through
   :func:`megatron_glm5.compat.route_moe_permute`.
-* ``MEGATRON_GLM5_MOE_DEVICE_COUNTS`` - with the MoE permutation above, megatron-core's all-gather dispatcher without its
-  two host syncs per MoE layer where every expert is local and every token has exactly ``topk`` experts
+* ``MEGATRON_GLM5_MOE_DEVICE_COUNTS`` - with the MoE permutation above, megatron-core's all-gather dispatcher without
+  its two host syncs per MoE layer where every expert is local and every token has exactly ``topk`` experts
   (:func:`megatron_glm5.moe_dispatch.dispatch_postprocess`: ``tokens_per_expert`` stays on the device). Routed through
   :func:`megatron_glm5.compat.route_dispatch_postprocess`.
 * ``MEGATRON_GLM5_ZERO_GROUPS_KERNEL`` (experimental, off until run on a GPU) - with device token counts,
@@ -172,7 +172,8 @@ def multi_tensor_l2_norm(chunk_size: int, noop_flag, tensor_lists, per_tensor: b
 def install_fusions() -> dict[str, bool]:
     """Route megatron-core's MLP SwiGLU, gradient-norm fallback, MoE permutation, weight-gradient accumulation and
     torch-fallback Adam through this module (each unless its switch says ``0``); called by
-    :func:`megatron_glm5.core.mla_spec.prepare_runtime` before either GLM family builds a layer spec. Returns what is routed (a routing, once installed, stays for the process)."""
+    :func:`megatron_glm5.core.mla_spec.prepare_runtime` before either GLM family builds a layer spec. Returns what
+    is routed (a routing, once installed, stays for the process)."""
     if enabled(FUSED_SWIGLU_ENV):
         compat.route_mlp_swiglu(bias_swiglu_impl, weighted_bias_swiglu_impl)
     if enabled(FUSED_GRAD_NORM_ENV):

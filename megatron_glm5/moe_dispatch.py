@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from .kernels.moe_permute import expert_rows, moe_permute_supported
+from .kernels.moe_permute import expert_rows, moe_permute_supported, permute_tokens, sorted_token_indices
 
 
 def sync_free_applies(dispatcher, hidden_states: torch.Tensor, probs: torch.Tensor) -> bool:
@@ -55,21 +55,19 @@ def dispatch_postprocess(dispatcher, hidden_states: torch.Tensor, probs: torch.T
     ``tokens_per_expert`` on the device and no host sync where :func:`sync_free_applies`; else ``original``."""
     if not sync_free_applies(dispatcher, hidden_states, probs):
         return original(dispatcher, hidden_states, probs)
-    from megatron.core.transformer.moe import token_dispatcher
-
     dispatcher.hidden_shape_before_permute = hidden_states.shape
     local_map = dispatcher.routing_map.contiguous()
     dispatcher.local_map = local_map
-    tokens, experts = local_map.shape
-    n = tokens * dispatcher.router_topk
+    n = local_map.shape[0] * dispatcher.router_topk
     tokens_per_expert = local_map.sum(dim=0).long()
     # the promise n rests on, checked on the device (a wrong count would leave rows of the permutation unwritten)
     torch._assert_async(tokens_per_expert.sum() == n, "routing map: not exactly topk experts per token")
-    permuted, _, sorted_indices, _, _ = token_dispatcher.permute(hidden_states, local_map, num_out_tokens=n,
-                                                                 fused=False)
+    # the routed permutation's own steps (fusions.permute), with the rows computed once for tokens and probabilities
+    rows = expert_rows(local_map)
+    sorted_indices = sorted_token_indices(rows, n)
+    permuted = permute_tokens(hidden_states, sorted_indices, rows)
     dispatcher.reversed_local_input_permutation_mapping = sorted_indices
     # megatron-core's probs.T.masked_select(map.T): each routed pair's probability at its permuted row
-    rows = expert_rows(local_map)
     slot = torch.where(rows >= 0, rows.long(), n).reshape(-1)  # unrouted pairs land in a spare slot, dropped
     dispatcher.local_probs = probs.new_zeros(n + 1).scatter(0, slot, probs.reshape(-1))[:n]
     dispatcher.routing_map = None

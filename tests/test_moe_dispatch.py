@@ -40,7 +40,8 @@ _SCRIPT = textwrap.dedent('''
     from megatron.core.transformer.moe.moe_layer import get_default_pg_collection
 
     def dispatcher():
-        return MoEAllGatherTokenDispatcher(experts, list(range(experts)), cfg, pg_collection=get_default_pg_collection())
+        return MoEAllGatherTokenDispatcher(experts, list(range(experts)), cfg,
+                                           pg_collection=get_default_pg_collection())
 
     g = torch.Generator().manual_seed(0)
     scores = torch.rand(tokens, experts, generator=g)
