@@ -30,6 +30,9 @@ environment variable read when a module or block spec is built (``0`` or ``1``; 
   :class:`~megatron_glm5.moe.grouped_experts.TorchGroupedMLP` zeroes the zero-token experts' weight gradients with a
   Triton kernel that writes only their slices (:mod:`megatron_glm5.kernels.zero_groups`) instead of a masked pass
   over every expert's gradient.
+* ``MEGATRON_GLM5_GROUPED_SPARSE_MLA`` - the ``tilelang`` attention's sparse MLA at 16 heads per rank with one
+  kernel program per 4 neighbouring queries over the union of their top-k sets (:mod:`megatron_glm5.kernels.index_groups`;
+  the backward too where the sets share enough keys, measured per call without a host sync).
 * ``MEGATRON_GLM5_FUSED_WGRAD_ACCUMULATION`` - megatron-core's
   ``gradient_accumulation_fusion`` without apex: the linear layers' weight-gradient GEMM adds its fp32 result into
   ``main_grad`` (:data:`megatron_glm5.optim_fusions.WGRAD_ACCUMULATION`, through
@@ -73,11 +76,12 @@ FUSED_WGRAD_ENV = "MEGATRON_GLM5_FUSED_WGRAD_ACCUMULATION"
 FUSED_ADAM_ENV = "MEGATRON_GLM5_FUSED_ADAM"
 MOE_DEVICE_COUNTS_ENV = "MEGATRON_GLM5_MOE_DEVICE_COUNTS"
 ZERO_GROUPS_KERNEL_ENV = "MEGATRON_GLM5_ZERO_GROUPS_KERNEL"
+GROUPED_SPARSE_MLA_ENV = "MEGATRON_GLM5_GROUPED_SPARSE_MLA"
 _log = logging.getLogger("megatron_glm5")
 _logged: set[str] = set()
 _DEFAULTS = {FUSED_RMSNORM_ENV: "1", FUSED_SWIGLU_ENV: "1", FUSED_MOE_PERMUTE_ENV: "1", FUSED_GRAD_NORM_ENV: "1",
              FUSED_ROPE_ENV: "1", FUSED_WGRAD_ENV: "1", FUSED_ADAM_ENV: "1", MOE_DEVICE_COUNTS_ENV: "1",
-             ZERO_GROUPS_KERNEL_ENV: "0"}
+             ZERO_GROUPS_KERNEL_ENV: "0", GROUPED_SPARSE_MLA_ENV: "0"}
 
 
 def enabled(env: str) -> bool:

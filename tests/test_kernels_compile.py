@@ -48,7 +48,7 @@ COMPILE_CASES = {
     "dkv_reduce_glm": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_dkv_reduce", (576, 1)),
     "indexer_logits_small": ("megatron_glm5.kernels.indexer_topk", "_jit_logits", (8, 64)),
     "indexer_logits_glm": ("megatron_glm5.kernels.indexer_topk", "_jit_logits", (32, 128)),
-    # experimental: the logits kernel without warp specialisation (2 CTAs per SM), timed by sweep_dsa_round2.py
+    # the logits kernel without warp specialisation (2 CTAs per SM): the interface's default where the shape fits
     "indexer_logits_plain_glm": ("megatron_glm5.kernels.indexer_topk", "_jit_logits_plain", (32, 128)),
     "topk_select_small": ("megatron_glm5.kernels.indexer_topk", "_jit_select", (64,)),
     "topk_select_glm": ("megatron_glm5.kernels.indexer_topk", "_jit_select", (2048,)),

@@ -52,7 +52,7 @@ def kernel_module(name: str) -> ModuleType:
     return module
 
 
-def compile_sm90(kernel, signature: dict[str, str], constexprs: dict[str, object]) -> str:
+def compile_sm90(kernel, signature: dict[str, str], constexprs: dict[str, object], num_warps: int = 4) -> str:
     """Compile one ``@triton.jit`` kernel for sm_90 on this CPU machine (catches what the interpreter lets through:
     types that differ between branches, unsupported ops); constexprs the kernel does not take are dropped. Returns
     the PTX."""
@@ -62,6 +62,6 @@ def compile_sm90(kernel, signature: dict[str, str], constexprs: dict[str, object
     const = {n: v for n, v in constexprs.items() if n in kernel.arg_names}
     sig = {n: ("constexpr" if n in const else signature[n]) for n in kernel.arg_names}
     compiled = triton.compile(triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=const),
-                              target=GPUTarget("cuda", 90, 32))
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
     assert compiled.asm.get("cubin"), f"{kernel.fn.__name__}: no cubin"
     return compiled.asm["ptx"]

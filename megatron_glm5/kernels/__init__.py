@@ -70,6 +70,7 @@ def sparse_mla_with_lse(
     *,
     deterministic: bool = False,
     target_box: Optional[AttentionTargetBox] = None,
+    grouped: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse absorbed-MLA attention, differentiable in ``q`` and ``kv`` (and through ``lse``).
 
@@ -80,9 +81,12 @@ def sparse_mla_with_lse(
         softmax_scale: multiplies ``q . k`` (GLM-5: 1/16).
         deterministic: bitwise reproducible backward (no float atomics), at a documented cost.
         target_box: the backward also stores the unnormalised head-summed probabilities ``[T, K]`` fp32 there.
+        grouped: at 16 heads, neighbouring queries share one kernel program over the union of their index sets
+            (``kernels.index_groups``); faster where their sets overlap.
     Returns: ``out [T, H, d_v]`` bf16 and natural-log ``lse [T, H]`` fp32 (+inf, out 0 on rows without an index).
     """
-    return sparse_mla_autograd(q, kv, indices, softmax_scale, d_v, deterministic=deterministic, target_box=target_box)
+    return sparse_mla_autograd(q, kv, indices, softmax_scale, d_v, deterministic=deterministic, target_box=target_box,
+                               grouped=grouped)
 
 
 def sparse_mla(

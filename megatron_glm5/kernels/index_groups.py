@@ -15,19 +15,50 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_glm5.kernels._common import next_power_of_2, triton_kernels, triton_runs_on
+
 MEMBER_SHIFT = 24
 KEY_LIMIT = 1 << MEMBER_SHIFT  # keys must fit below the member bits
 MAX_GROUP = 31 - MEMBER_SHIFT  # member bits 24..30; bit 31 (sign) stays clear, so -1 remains the only negative value
 
 
-def group_union_indices(indices: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(union int32 [ceil(T / group), U], length int32 [ceil(T / group)])`` from top-k ``indices`` int32 ``[T, K]``
-    (-1 or anything outside ``[0, KEY_LIMIT)`` is an unused slot; a key listed twice by one query counts once).
-    ``U`` is the longest union (at least 1)."""
+def _check(indices: torch.Tensor, group: int) -> None:
     if indices.dtype != torch.int32 or indices.dim() != 2:
         raise TypeError(f"indices must be int32 [T, K], got {indices.dtype} {tuple(indices.shape)}")
     if not 1 <= group <= MAX_GROUP:
         raise ValueError(f"group must be in [1, {MAX_GROUP}], got {group}")
+
+
+def union_width(k: int, group: int) -> int:
+    """The kernel's union row width: ``group x K`` entries rounded up to the power of two its sort needs."""
+    return next_power_of_2(group * next_power_of_2(max(k, 1)))
+
+
+def group_union_indices(
+    indices: torch.Tensor, group: int, *, num_warps: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(union int32 [ceil(T / group), U], length int32 [ceil(T / group)])`` from top-k ``indices`` int32 ``[T, K]``
+    (-1 or anything outside ``[0, KEY_LIMIT)`` is an unused slot; a key listed twice by one query counts once).
+    ``U`` is at least the longest union (:func:`union_width` from the kernel, no host sync; the longest from the
+    oracle); every entry of a row past its length is -1. ``num_warps``: the kernel's warps (a sweep's knob)."""
+    _check(indices, group)
+    t_len, k = indices.shape
+    n_grp = -(-t_len // group)
+    if n_grp == 0 or k == 0 or not triton_runs_on(indices) or _triton() is None:
+        return group_union_indices_reference(indices, group)
+    width = union_width(k, group)
+    union = torch.empty(n_grp, width, dtype=torch.int32, device=indices.device)
+    length = torch.empty(n_grp, dtype=torch.int32, device=indices.device)
+    idx = indices if indices.stride(1) == 1 else indices.contiguous()
+    _triton()[(n_grp,)](idx, union, length, t_len, k, idx.stride(0), GROUP=group, KP=next_power_of_2(k),
+                        WIDTH=width, SHIFT=MEMBER_SHIFT, LIMIT=KEY_LIMIT, num_warps=num_warps or (8 if width >= 4096 else 4))
+    return union, length
+
+
+def group_union_indices_reference(indices: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The oracle of :func:`group_union_indices` in plain torch; ``U`` is the longest union (at least 1), which
+    costs one host sync."""
+    _check(indices, group)
     t_len, k = indices.shape
     dev = indices.device
     n_grp = -(-t_len // group)
@@ -60,6 +91,91 @@ def group_union_indices(indices: torch.Tensor, group: int) -> tuple[torch.Tensor
     slot = torch.arange(width, device=dev)
     union = torch.where(slot < length[:, None], ukey[:, :width] | (members[:, :width] << MEMBER_SHIFT), -1)
     return union.to(torch.int32), length.to(torch.int32)
+
+
+GROUPED_HEADS = 16  # the heads per rank the grouped kernels were measured at (4 queries x 16 heads = 64 rows)
+# The grouped backward's break-even sharing (valid (query, key) pairs per union entry): H200, 16K tokens, 16 heads,
+# 0.81x at 1.93 (random sets), 1.05x at 2.27, 1.65x at 3.26 (scripts/bench/RESULTS_kernels.md, round 3).
+GROUPED_BWD_MIN_SHARING = 2.2
+
+
+def grouped_group(heads: int, *, deterministic: bool, with_target: bool) -> int:
+    """The group the autograd path uses for these heads: ``64 // heads`` at :data:`GROUPED_HEADS` heads, 1 (the
+    per-query kernels) otherwise or where the grouped backward has no variant (deterministic dKV, attention
+    target)."""
+    return 64 // heads if heads == GROUPED_HEADS and not deterministic and not with_target else 1
+
+
+@dataclass
+class SharingProbe:
+    """How many valid (query, key) pairs each union entry serves, measured in the forward and read by the backward
+    without a host sync: the two device sums are copied to pinned host memory behind an event, long complete by the
+    time the backward asks."""
+
+    host: torch.Tensor
+    event: torch.cuda.Event | None
+
+    @classmethod
+    def start(cls, valid_len: torch.Tensor, union_len: torch.Tensor) -> "SharingProbe":
+        stats = torch.stack([valid_len.sum(dtype=torch.int64), union_len.sum(dtype=torch.int64)])
+        if not stats.is_cuda:
+            return cls(stats, None)
+        host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+        host.copy_(stats, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(host, event)
+
+    def sharing(self) -> float:
+        if self.event is not None:
+            self.event.synchronize()
+        pairs, entries = self.host.tolist()
+        return pairs / entries if entries else 0.0
+
+
+@triton_kernels
+def _triton():
+    import triton
+    import triton.language as tl
+
+    global _same_key_or  # a module global: Triton's interpreter and compiler do not see a closure's helpers
+
+    @triton.jit
+    def _same_key_or(a_key, a_bits, b_key, b_bits):
+        # Over a sorted sequence: (the last key, the OR of the member bits of the trailing run of that key). A later
+        # block whose last key equals an earlier block's is all that key, so the runs join; associative as a result.
+        return b_key, tl.where(a_key == b_key, a_bits | b_bits, b_bits)
+
+    @triton.jit
+    def group_union_kernel(IDX, UNION, LENGTH, t_len, k, stride_t, GROUP: tl.constexpr, KP: tl.constexpr,
+                           WIDTH: tl.constexpr, SHIFT: tl.constexpr, LIMIT: tl.constexpr):
+        g = tl.program_id(0)
+        i = tl.arange(0, WIDTH)
+        member = i // KP
+        query = g * GROUP + member
+        ok = (member < GROUP) & (i % KP < k) & (query < t_len)
+        key = tl.load(IDX + query.to(tl.int64) * stride_t + i % KP, mask=ok, other=-1)
+        ok = ok & (key >= 0) & (key < LIMIT)
+        none: tl.constexpr = 2147483647
+        comp = tl.sort(tl.where(ok, key * GROUP + member, none))  # key-major: one key's entries side by side
+        valid = comp != none
+        key = tl.where(valid, comp // GROUP, -1)
+        bits = tl.where(valid, 1 << (comp % GROUP), 0)
+        _, run_bits = tl.associative_scan((key, bits), 0, _same_key_or)  # OR of the key's entries up to here
+        # the next entry's key, through the output row itself: read it all, then write after the barrier
+        row = UNION + g.to(tl.int64) * WIDTH
+        tl.store(row + i, comp)
+        tl.debug_barrier()
+        nxt = tl.load(row + i + 1, mask=i + 1 < WIDTH, other=none)
+        tl.debug_barrier()
+        last = valid & ((nxt == none) | (nxt // GROUP != key))  # the key's last entry holds all its member bits
+        n_union = tl.sum(last.to(tl.int32), axis=0)
+        slot = tl.cumsum(last.to(tl.int32), axis=0) - 1
+        tl.store(row + i, -1, mask=i >= n_union)
+        tl.store(row + slot, key | (run_bits << SHIFT), mask=last)
+        tl.store(LENGTH + g, n_union)
+
+    return group_union_kernel
 
 
 @dataclass(frozen=True)

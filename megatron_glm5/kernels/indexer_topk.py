@@ -155,12 +155,12 @@ def _jit_logits_plain():
             tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
         },
     )
-    def indexer_logits_plain(heads: int, dim: int, block_n: int = 128, threads: int = 256, min_blocks: int = 2):
+    def indexer_logits_plain(heads: int, dim: int, block_n: int = 128, threads: int = 128, min_blocks: int = 2):
         """The logits kernel's contract (``indexer_logits``, exact products) without warp specialisation: every
         thread loads key tiles with predicated ``cp.async`` (zero-fill past ``T_kv``) into two stages by hand, and
         registers are capped for ``min_blocks`` CTAs per SM, so one CTA's epilogue (ReLU, weights, head sum, store)
         runs while another's GEMM holds the tensor cores; the specialised kernel is one CTA per SM whose epilogue
-        does not overlap its next GEMM. Experimental: compiled on the CPU machine, not yet run on a GPU."""
+        does not overlap its next GEMM. The interface's kernel where the shape allows (:func:`logits_kernel`)."""
         block_q = max(1, 128 // heads)
         n_cols = block_q * heads
         chunks = dim // 8  # 16-byte cp.async pieces per key row
@@ -499,6 +499,23 @@ def logits_chunk_rows(t_kv: int, block_q: int) -> int:
     return max(block_q, rows // block_q * block_q)
 
 
+def plain_logits_fits(heads: int, dim: int, block_n: int = 128, threads: int = 128) -> bool:
+    """Whether the logits kernel without warp specialisation takes this indexer shape (its tile load splits evenly)."""
+    chunks = dim // 8
+    return (max(1, 128 // heads) * heads) % 16 == 0 and dim % 64 == 0 and threads % chunks == 0 \
+        and block_n % (threads // chunks) == 0
+
+
+def logits_kernel(heads: int, dim: int):
+    """The logits kernel :func:`indexer_topk_interface` runs: the one without warp specialisation (128 threads, two
+    CTAs per SM so one's epilogue overlaps the other's GEMM) where the shape fits, else the warp-specialised one. Both
+    write bitwise equal logits (H200 sweep: 9.56 against 10.54 ms at 32K tokens, 32 x 128 heads;
+    ``scripts/bench/RESULTS_kernels.md``, round 3)."""
+    if plain_logits_fits(heads, dim):
+        return _jit_logits_plain()(heads, dim)
+    return _jit_logits()(heads, dim)
+
+
 def indexer_topk_interface(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -534,7 +551,7 @@ def indexer_topk_interface(
     if t_kv == 0:
         return out.fill_(-1)
 
-    logits_kernel = _jit_logits()(heads, dim)
+    logits = logits_kernel(heads, dim)
     select_kernel = _jit_select()(topk)
     rows = chunk_rows or logits_chunk_rows(t_kv, block_q)
     buf = torch.empty(min(rows, t_len), t_kv, dtype=torch.float32, device=q.device)
@@ -542,6 +559,6 @@ def indexer_topk_interface(
         c1 = min(t_len, c0 + rows)
         row0 = torch.full((1,), c0, dtype=torch.int32, device=q.device)
         chunk = buf[: c1 - c0]
-        logits_kernel(q, k, weights, starts, ends, row0, chunk)
+        logits(q, k, weights, starts, ends, row0, chunk)
         select_kernel(chunk, starts, ends, row0, out)
     return out

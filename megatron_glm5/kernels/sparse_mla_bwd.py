@@ -51,7 +51,16 @@ from megatron_glm5.kernels._common import (
     tilelang_modules,
 )
 from megatron_glm5.kernels.gather import latent_gather_macro
-from megatron_glm5.kernels.index_groups import KEY_LIMIT, MEMBER_SHIFT, RowMap, grouped_rows
+from megatron_glm5.kernels.index_groups import (
+    GROUPED_BWD_MIN_SHARING,
+    KEY_LIMIT,
+    MEMBER_SHIFT,
+    RowMap,
+    SharingProbe,
+    group_union_indices,
+    grouped_group,
+    grouped_rows,
+)
 from megatron_glm5.kernels.sparse_mla_fwd import (
     Variant,
     check_sparse_mla_args,
@@ -545,12 +554,24 @@ class SparseMLAFunction(torch.autograd.Function):
         ``deterministic=True`` gives bitwise run-to-run identical dq/dkv (no float atomics; slower, see
         ``sparse_mla_bwd``). ``target_box`` (an :class:`AttentionTargetBox`): the backward also writes the head-summed
         ``P`` into it (same kernel, no extra pass over the keys).
+        ``grouped=True``: at 16 heads (``index_groups.grouped_group``) the forward runs the grouped kernel (one CTA
+        per 4 neighbouring queries over the union of their sets) and the backward too where those sets share enough
+        keys (``GROUPED_BWD_MIN_SHARING``, measured in the forward); same contract, other rounding.
     """
 
     @staticmethod
-    def forward(ctx, q, kv, indices, softmax_scale, d_v, deterministic, variant, target_box=None):  # noqa: D102
+    def forward(ctx, q, kv, indices, softmax_scale, d_v, deterministic, variant, target_box=None, grouped=False):  # noqa: D102
         valid_len = row_valid_len(indices)
-        out, lse = sparse_mla_fwd_interface(q, kv, indices, softmax_scale, d_v, valid_len=valid_len, variant=variant)
+        group = grouped_group(q.shape[1], deterministic=deterministic, with_target=target_box is not None)
+        ctx.probe = None
+        if grouped and group > 1 and variant in ("auto", "ws"):
+            union = group_union_indices(indices, group)
+            out, lse = sparse_mla_fwd_interface(q, kv, indices, softmax_scale, d_v, group=group, union=union)
+            ctx.probe = SharingProbe.start(valid_len, union[1])  # the backward's choice, without a host sync
+            del union  # rebuilt by a grouped backward: the union is as large as the indices
+        else:
+            out, lse = sparse_mla_fwd_interface(q, kv, indices, softmax_scale, d_v, valid_len=valid_len,
+                                                variant=variant)
         ctx.save_for_backward(q, kv, indices, valid_len, out, lse)
         ctx.softmax_scale = softmax_scale
         ctx.d_v = d_v
@@ -562,6 +583,10 @@ class SparseMLAFunction(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse):  # noqa: D102
         q, kv, indices, valid_len, out, lse = ctx.saved_tensors
         box = ctx.target_box
+        grouped = {}
+        if ctx.probe is not None and ctx.probe.sharing() >= GROUPED_BWD_MIN_SHARING:
+            group = 64 // q.shape[1]
+            grouped = {"group": group, "union": group_union_indices(indices, group)}
         grads = sparse_mla_bwd_interface(
             q,
             kv,
@@ -575,10 +600,11 @@ class SparseMLAFunction(torch.autograd.Function):
             valid_len=valid_len,
             deterministic=ctx.deterministic,
             with_target=box is not None,
+            **grouped,
         )
         if box is not None:
             box.target = grads[2]
-        return grads[0], grads[1], None, None, None, None, None, None
+        return grads[0], grads[1], None, None, None, None, None, None, None
 
 
 def sparse_mla_autograd(
@@ -591,7 +617,8 @@ def sparse_mla_autograd(
     deterministic: bool = False,
     variant: Variant = "auto",
     target_box: AttentionTargetBox | None = None,
+    grouped: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable ``(out, lse)``; see ``SparseMLAFunction`` for the contract."""
     return SparseMLAFunction.apply(q, kv, indices, float(softmax_scale), int(d_v), bool(deterministic), variant,
-                                   target_box)
+                                   target_box, bool(grouped))

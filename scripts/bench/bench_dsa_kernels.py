@@ -54,7 +54,7 @@ OUR_KERNELS = (
        for h in (8, 16, 64, 128) for det in (False, True)]
     + [("megatron_glm5.kernels.sparse_mla_bwd", "_jit_delta", (h, D_V)) for h in (8, 16, 64, 128)]
     + [("megatron_glm5.kernels.sparse_mla_bwd", "_jit_dkv_reduce", (D_QK, 1))]
-    + [("megatron_glm5.kernels.indexer_topk", "_jit_logits", (32, 128))]
+    + [("megatron_glm5.kernels.indexer_topk", g, (32, 128)) for g in ("_jit_logits", "_jit_logits_plain")]
     + [("megatron_glm5.kernels.indexer_topk", "_jit_select", (k,)) for k in (256, 512, 2048)]
 )
 # GLM-5.3-Flash: NoPE sparse MLA (512 / 512; both forward variants at 64 heads for the tests, the deterministic
@@ -69,7 +69,7 @@ NOPE_KERNELS = (
     + [("megatron_glm5.kernels.sparse_mla_bwd", "_jit_dkv_reduce", (D_NOPE, 1))]
 )
 KPOOL_KERNELS = [
-    ("megatron_glm5.kernels.indexer_topk", "_jit_logits", (32, 128)),
+    ("megatron_glm5.kernels.indexer_topk", "_jit_logits_plain", (32, 128)),
     ("megatron_glm5.kernels.indexer_topk", "_jit_select", (TOPK // KPOOL_P,)),
 ]
 # small_flash_config (tests/gpu/test_glm5_next_gpu.py, examples/pretrain_glm53_flash_tiny.sh): 8 attention heads,
@@ -78,7 +78,7 @@ FLASH_SMALL_KERNELS = [
     ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_ws", (8, D_NOPE, D_NOPE, SCALE)),
     ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (8, D_NOPE, D_NOPE, SCALE, False)),
     ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_delta", (8, D_NOPE)),
-    ("megatron_glm5.kernels.indexer_topk", "_jit_logits", (8, 128)),
+    ("megatron_glm5.kernels.indexer_topk", "_jit_logits_plain", (8, 128)),
     ("megatron_glm5.kernels.indexer_topk", "_jit_select", (256 // KPOOL_P,)),
 ]
 _MC = "megatron.core.transformer.experimental_attention_variant.ops."
@@ -344,7 +344,7 @@ def bench_indexer(seq: int, mcore: bool) -> dict:
     del again
     try:  # split: the logits GEMM kernel vs the top-k select kernel (select timed on the last chunk's logits)
         im = importlib.import_module("megatron_glm5.kernels.indexer_topk")
-        lk, sk = im._jit_logits()(32, 128), im._jit_select()(TOPK)
+        lk, sk = im.logits_kernel(32, 128), im._jit_select()(TOPK)
         rows = im.logits_chunk_rows(seq, 4)
         buf = torch.empty(min(rows, seq), seq, dtype=torch.float32, device=dev)
         res = torch.empty(seq, TOPK, dtype=torch.int32, device=dev)

@@ -45,7 +45,7 @@ BLOCK_SIZE = 8192  # megatron-core's fused indexer row block
 
 _MC = "megatron.core.transformer.experimental_attention_variant.ops."
 KERNELS = [
-    ("megatron_glm5.kernels.indexer_topk", "_jit_logits", (HI, DI)),
+    ("megatron_glm5.kernels.indexer_topk", "_jit_logits_plain", (HI, DI)),
     ("megatron_glm5.kernels.indexer_topk", "_jit_select", (TOPK,)),
     ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_ws", (H, D, D_V, SCALE)),
     ("megatron_glm5.kernels.sparse_attention_target", "_jit_target", (H, D, SCALE)),

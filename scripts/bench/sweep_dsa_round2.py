@@ -12,6 +12,8 @@ Sections (each prints one markdown table; ``--out`` also writes them):
   variant's output must equal the default's (the selection is exact, so any difference is a bug).
 * ``bwd``: the sparse-MLA backward at 16K, 64 and 16 heads: ``block_s`` / threads / ``dkv_split``; gradients compared
   with the current default's (max error over the tensor's max magnitude).
+* ``union``: the union build of the grouped kernels (``kernels.index_groups``), Triton kernel at 4-32 warps
+  against its torch oracle, at 16K and 64K, bitwise compared.
 * ``grouped``: the experimental grouped forward and backward (the interfaces' ``group=4``:
   4 queries x 16 heads per CTA over the union of their sets) against the per-query kernels at 16K / 16 heads, on
   random index sets and on sets with locality, with the union build's cost and the output / gradient differences.
@@ -187,6 +189,40 @@ def section_grouped(seq: int = 16384, heads: int = 16, localities=(None, 0.5, 0.
                      f"TFLOP/s) | {build:.2f} | {res} |")
         del idx, vlen, union, out_b, lse_b
         torch.cuda.empty_cache()
+    return lines
+
+
+def section_union(seqs=(16384, 65536), warps=(4, 8, 16, 32), localities=(None, 0.9)) -> list[str]:
+    """The union build (``group_union_indices``: Triton kernel, its warps) against the torch oracle it replaces:
+    time, and whether every row equals the oracle's (the kernel's rows are wider: the rest must be -1)."""
+    from bench_dsa_kernels import local_mix_indices
+
+    from megatron_glm5.kernels.index_groups import group_union_indices, group_union_indices_reference
+
+    lines = ["| S | indices | torch oracle ms | " + " | ".join(f"kernel {w} warps ms" for w in warps)
+             + " | equal to the oracle |", "|---|---|---|" + "---|" * len(warps) + "---|"]
+    for seq in seqs:
+        for loc in localities:
+            dev = torch.device("cuda")
+            idx = causal_random_indices(seq, 2048, dev) if loc is None else local_mix_indices(seq, 2048, dev, loc)
+            ref_u, ref_l = group_union_indices_reference(idx, 4)
+            ref_ms = timed(lambda: group_union_indices_reference(idx, 4))
+            cells, same = [], True
+            for w in warps:
+                try:
+                    ms = timed(lambda: group_union_indices(idx, 4, num_warps=w))
+                    u, n = group_union_indices(idx, 4, num_warps=w)
+                    width = ref_u.shape[1]
+                    same &= bool(torch.equal(n, ref_l) and torch.equal(u[:, :width], ref_u)
+                                 and bool((u[:, width:] == -1).all()))
+                    cells.append(f"{ms:.3f}")
+                except Exception as err:  # report, go on
+                    cells.append(f"FAILED {err!r}"[:80])
+                    same = False
+            name = "random" if loc is None else f"local {loc:g}"
+            lines.append(f"| {seq} | {name} | {ref_ms:.2f} | " + " | ".join(cells) + f" | {same} |")
+            del idx, ref_u, ref_l
+            torch.cuda.empty_cache()
     return lines
 
 
