@@ -75,11 +75,12 @@ for t_len, k, group, hi, seed in [(37, 24, 1, 60, 1), (37, 24, 4, 60, 3), (37, 2
     idx[5] = -1
     idx[7, 4 % k] = idx[7, 0]  # a key listed twice by one query
     idx[9, 0] = KEY_LIMIT + 5
-    union, length = group_union_indices(idx, group)
     ref_union, ref_length = group_union_indices_reference(idx, group)
     width = ref_union.shape[1]
-    assert torch.equal(length, ref_length), (t_len, k, group)
-    assert torch.equal(union[:, :width], ref_union) and bool((union[:, width:] == -1).all()), (t_len, k, group)
+    for presort in (False, True):
+        union, length = group_union_indices(idx, group, presort=presort)
+        assert torch.equal(length, ref_length), (t_len, k, group, presort)
+        assert torch.equal(union[:, :width], ref_union) and bool((union[:, width:] == -1).all()), (t_len, k, group)
 print("OK")
 """
 
@@ -94,16 +95,19 @@ def test_union_kernel_matches_torch_oracle_in_interpreter():
 
 
 def test_union_kernel_compiles_for_sm90():
-    """The GLM-5 shape (4 x 2048 keys per group) compiles for sm_90 with no local-memory spills in the PTX."""
+    """Both union kernels compile for sm_90 at the GLM-5 shape (4 x 2048 keys per group)."""
     pytest.importorskip("triton")
     from tests.triton_checks import compile_sm90
 
     from megatron_glm5.kernels.index_groups import _triton
 
-    ptx = compile_sm90(_triton(), {"IDX": "*i32", "UNION": "*i32", "LENGTH": "*i32", "t_len": "i32", "k": "i32",
+    ptx = compile_sm90(_triton().sort_in_registers, {"IDX": "*i32", "UNION": "*i32", "LENGTH": "*i32", "t_len": "i32", "k": "i32",
                                    "stride_t": "i32"},
-                       dict(GROUP=4, KP=2048, WIDTH=8192, SHIFT=MEMBER_SHIFT, LIMIT=KEY_LIMIT), num_warps=8)
-    assert "group_union_kernel" in ptx
+                       dict(GROUP=4, KP=2048, WIDTH=8192, SHIFT=MEMBER_SHIFT, LIMIT=KEY_LIMIT), num_warps=32)
+    assert "sort_in_registers" in ptx
+    ptx = compile_sm90(_triton().from_sorted, {"COMP": "*i32", "UNION": "*i32", "LENGTH": "*i32"},
+                       dict(GROUP=4, WIDTH=8192, SHIFT=MEMBER_SHIFT), num_warps=32)
+    assert "from_sorted" in ptx
 
 
 def test_sharing_probe_and_grouped_group():

@@ -12,8 +12,9 @@ Sections (each prints one markdown table; ``--out`` also writes them):
   variant's output must equal the default's (the selection is exact, so any difference is a bug).
 * ``bwd``: the sparse-MLA backward at 16K, 64 and 16 heads: ``block_s`` / threads / ``dkv_split``; gradients compared
   with the current default's (max error over the tensor's max magnitude).
-* ``union``: the union build of the grouped kernels (``kernels.index_groups``), Triton kernel at 4-32 warps
-  against its torch oracle, at 16K and 64K, bitwise compared.
+* ``union``: the union build of the grouped kernels (``kernels.index_groups``), Triton kernel (sorting in registers,
+  or after torch's segmented sort) at 8 / 32 warps against its torch oracle, at 16K and 64K, bitwise compared.
+* ``route``: the autograd route (forward + backward, union builds included) with ``grouped`` off and on.
 * ``grouped``: the experimental grouped forward and backward (the interfaces' ``group=4``:
   4 queries x 16 heads per CTA over the union of their sets) against the per-query kernels at 16K / 16 heads, on
   random index sets and on sets with locality, with the union build's cost and the output / gradient differences.
@@ -192,15 +193,18 @@ def section_grouped(seq: int = 16384, heads: int = 16, localities=(None, 0.5, 0.
     return lines
 
 
-def section_union(seqs=(16384, 65536), warps=(4, 8, 16, 32), localities=(None, 0.9)) -> list[str]:
-    """The union build (``group_union_indices``: Triton kernel, its warps) against the torch oracle it replaces:
-    time, and whether every row equals the oracle's (the kernel's rows are wider: the rest must be -1)."""
+def section_union(seqs=(16384, 65536), localities=(None, 0.9),
+                  variants=((False, 8), (False, 32), (True, 8), (True, 32))) -> list[str]:
+    """The union build (``group_union_indices``: Triton kernel sorting in registers, or torch's segmented sort first
+    (``presort``), at 8 / 32 warps) against the torch oracle it replaces: time, and whether every row equals the
+    oracle's (the kernel's rows are wider: the rest must be -1)."""
     from bench_dsa_kernels import local_mix_indices
 
     from megatron_glm5.kernels.index_groups import group_union_indices, group_union_indices_reference
 
-    lines = ["| S | indices | torch oracle ms | " + " | ".join(f"kernel {w} warps ms" for w in warps)
-             + " | equal to the oracle |", "|---|---|---|" + "---|" * len(warps) + "---|"]
+    names = [f"{'presort' if p else 'in-register sort'} {w} warps ms" for p, w in variants]
+    lines = ["| S | indices | torch oracle ms | " + " | ".join(names) + " | equal to the oracle |",
+             "|---|---|---|" + "---|" * len(variants) + "---|"]
     for seq in seqs:
         for loc in localities:
             dev = torch.device("cuda")
@@ -208,10 +212,10 @@ def section_union(seqs=(16384, 65536), warps=(4, 8, 16, 32), localities=(None, 0
             ref_u, ref_l = group_union_indices_reference(idx, 4)
             ref_ms = timed(lambda: group_union_indices_reference(idx, 4))
             cells, same = [], True
-            for w in warps:
+            for presort, w in variants:
                 try:
-                    ms = timed(lambda: group_union_indices(idx, 4, num_warps=w))
-                    u, n = group_union_indices(idx, 4, num_warps=w)
+                    ms = timed(lambda: group_union_indices(idx, 4, num_warps=w, presort=presort))
+                    u, n = group_union_indices(idx, 4, num_warps=w, presort=presort)
                     width = ref_u.shape[1]
                     same &= bool(torch.equal(n, ref_l) and torch.equal(u[:, :width], ref_u)
                                  and bool((u[:, width:] == -1).all()))
@@ -223,6 +227,36 @@ def section_union(seqs=(16384, 65536), warps=(4, 8, 16, 32), localities=(None, 0
             lines.append(f"| {seq} | {name} | {ref_ms:.2f} | " + " | ".join(cells) + f" | {same} |")
             del idx, ref_u, ref_l
             torch.cuda.empty_cache()
+    return lines
+
+
+def section_route(seq: int = 16384, heads: int = 16, localities=(None, 0.5, 0.9, 1.0)) -> list[str]:
+    """The autograd route (``sparse_mla_autograd``, forward + backward) with ``grouped`` off and on, union builds and
+    the sharing probe included: what a training step sees."""
+    from bench_dsa_kernels import group_sharing, local_mix_indices
+
+    from megatron_glm5.kernels.sparse_mla_bwd import sparse_mla_autograd
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q = torch.randn(seq, heads, 576, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    kv = torch.randn(seq, 576, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+    do = torch.randn(seq, heads, 512, device="cuda", dtype=torch.bfloat16, generator=g)
+    lines = [f"| indices (S={seq}, {heads} heads) | sharing | fwd+bwd ms, per-query | fwd+bwd ms, grouped route "
+             "| speed-up |", "|---|---|---|---|---|"]
+    for loc in localities:
+        dev = torch.device("cuda")
+        idx = causal_random_indices(seq, 2048, dev) if loc is None else local_mix_indices(seq, 2048, dev, loc)
+
+        def step(grouped: bool):
+            q.grad = kv.grad = None
+            out, _ = sparse_mla_autograd(q, kv, idx, SCALE, 512, grouped=grouped)
+            out.backward(do)
+
+        base, grp = timed(lambda: step(False)), timed(lambda: step(True))
+        name = "random" if loc is None else f"local {loc:g}"
+        lines.append(f"| {name} | {group_sharing(idx, 4):.2f} | {base:.2f} | {grp:.2f} | {base / grp:.2f} |")
+        del idx
+        torch.cuda.empty_cache()
     return lines
 
 

@@ -199,10 +199,11 @@ def test_union_kernel_matches_torch_oracle():
 
     for window in (False, True):
         _, _, idx = _grouped_inputs(window, seed=6, t_len=4099, topk=2048)
-        u, n = group_union_indices(idx, 4)
         ur, nr = group_union_indices_reference(idx, 4)
         w = ur.shape[1]
-        assert torch.equal(n, nr) and torch.equal(u[:, :w], ur) and bool((u[:, w:] == -1).all())
+        for presort in (False, True):
+            u, n = group_union_indices(idx, 4, presort=presort)
+            assert torch.equal(n, nr) and torch.equal(u[:, :w], ur) and bool((u[:, w:] == -1).all())
 
 
 def test_fwd_glm_shape_topk_2048():
