@@ -34,7 +34,8 @@ def test_union_holds_every_query_set_exactly(group):
 def test_union_of_identical_neighbours_is_one_set_with_all_bits():
     idx = torch.arange(16, dtype=torch.int32).expand(8, 16).contiguous()
     union, length = group_union_indices(idx, 4)
-    assert length.tolist() == [16, 16]
+    assert length.tolist() == [16, 16] and (union[:, 16:] == -1).all()
+    union = union[:, :16]
     assert ((union >> MEMBER_SHIFT) == 0b1111).all() and torch.equal(union[0] & (KEY_LIMIT - 1), torch.arange(16).int())
 
 
@@ -75,11 +76,12 @@ for t_len, k, group, hi, seed in [(37, 24, 1, 60, 1), (37, 24, 4, 60, 3), (37, 2
     idx[5] = -1
     idx[7, 4 % k] = idx[7, 0]  # a key listed twice by one query
     idx[9, 0] = KEY_LIMIT + 5
-    ref_union, ref_length = group_union_indices_reference(idx, group)
+    bound = None if seed % 2 else 70  # None: the largest key + 1 (capped at KEY_LIMIT); 70 drops some keys
+    ref_union, ref_length = group_union_indices_reference(idx, group, key_bound=bound)
     width = ref_union.shape[1]
-    for presort in (False, True):
-        union, length = group_union_indices(idx, group, presort=presort)
-        assert torch.equal(length, ref_length), (t_len, k, group, presort)
+    for method in ("bitmap", "sort", "presort"):
+        union, length = group_union_indices(idx, group, method=method, key_bound=bound)
+        assert torch.equal(length, ref_length), (t_len, k, group, method)
         assert torch.equal(union[:, :width], ref_union) and bool((union[:, width:] == -1).all()), (t_len, k, group)
 print("OK")
 """
@@ -95,19 +97,20 @@ def test_union_kernel_matches_torch_oracle_in_interpreter():
 
 
 def test_union_kernel_compiles_for_sm90():
-    """Both union kernels compile for sm_90 at the GLM-5 shape (4 x 2048 keys per group)."""
+    """The three union kernels compile for sm_90 at the GLM-5 shape (4 x 2048 keys per group)."""
     pytest.importorskip("triton")
     from tests.triton_checks import compile_sm90
 
     from megatron_glm5.kernels.index_groups import _triton
 
-    ptx = compile_sm90(_triton().sort_in_registers, {"IDX": "*i32", "UNION": "*i32", "LENGTH": "*i32", "t_len": "i32", "k": "i32",
-                                   "stride_t": "i32"},
-                       dict(GROUP=4, KP=2048, WIDTH=8192, SHIFT=MEMBER_SHIFT, LIMIT=KEY_LIMIT), num_warps=32)
+    sig = {"IDX": "*i32", "UNION": "*i32", "LENGTH": "*i32", "SCRATCH": "*i32", "COMP": "*i32", "g0": "i32",
+           "t_len": "i32", "k": "i32", "stride_t": "i32", "bound": "i32", "n_words": "i32"}
+    const = dict(GROUP=4, KP=2048, WIDTH=8192, SHIFT=MEMBER_SHIFT, BLOCK_W=64)
+    ptx = compile_sm90(_triton().sort_in_registers, sig, const, num_warps=32)
     assert "sort_in_registers" in ptx
-    ptx = compile_sm90(_triton().from_sorted, {"COMP": "*i32", "UNION": "*i32", "LENGTH": "*i32"},
-                       dict(GROUP=4, WIDTH=8192, SHIFT=MEMBER_SHIFT), num_warps=32)
-    assert "from_sorted" in ptx
+    assert "from_sorted" in compile_sm90(_triton().from_sorted, sig, const, num_warps=32)
+    ptx = compile_sm90(_triton().bitmap, sig, const, num_warps=8)
+    assert "relaxed.or.b32" in ptx and "ld.global.cg" in ptx  # relaxed ORs; the scan reads them from L2
 
 
 def test_sharing_probe_and_grouped_group():

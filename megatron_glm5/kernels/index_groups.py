@@ -22,10 +22,13 @@ MEMBER_SHIFT = 24
 KEY_LIMIT = 1 << MEMBER_SHIFT  # keys must fit below the member bits
 MAX_GROUP = 31 - MEMBER_SHIFT  # member bits 24..30; bit 31 (sign) stays clear, so -1 remains the only negative value
 _NONE = 2**31 - 1  # an unused slot's composite key: sorts after every real one
-# The union build's defaults (H200, 16K tokens, 4 x 2048 keys per group): the in-register sort at 32 warps took
-# 3.84 ms (8 warps 5.28, 16 warps 5.82; the torch oracle 9.48).
-UNION_WARPS = 32
-UNION_PRESORT = False
+METHODS = ("bitmap", "sort", "presort")
+# The union build's defaults. H200, 16K tokens, 4 x 2048 keys per group: the in-register sort at 32 warps took
+# 3.84 ms (8 warps 5.28, 16 warps 5.82; the torch oracle 9.48); see the module docstring for the methods.
+UNION_METHOD = "bitmap"
+UNION_WARPS = {"bitmap": 8, "sort": 32, "presort": 32}
+_SCRATCH_BYTES = 256 << 20  # the bitmap method's scratch per launch; more groups run in more launches
+_BITMAP_BLOCK_WORDS = 64  # 32-bit words (2048 keys) per step of the bitmap scan
 
 
 def _check(indices: torch.Tensor, group: int) -> None:
@@ -36,50 +39,80 @@ def _check(indices: torch.Tensor, group: int) -> None:
 
 
 def union_width(k: int, group: int) -> int:
-    """The kernel's union row width: ``group x K`` entries rounded up to the power of two its sort needs."""
+    """The kernels' union row width: ``group x K`` entries rounded up to the power of two the kernels' tiles need."""
     return next_power_of_2(group * next_power_of_2(max(k, 1)))
 
 
+def _key_bound(indices: torch.Tensor, key_bound: int | None) -> int:
+    if key_bound is None:  # one host sync; the sparse-MLA callers pass T_kv
+        key_bound = int(indices.max()) + 1 if indices.numel() else 0
+    return max(0, min(int(key_bound), KEY_LIMIT))
+
+
 def group_union_indices(
-    indices: torch.Tensor, group: int, *, num_warps: int | None = None, presort: bool | None = None
+    indices: torch.Tensor,
+    group: int,
+    *,
+    key_bound: int | None = None,
+    method: str | None = None,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(union int32 [ceil(T / group), U], length int32 [ceil(T / group)])`` from top-k ``indices`` int32 ``[T, K]``
-    (-1 or anything outside ``[0, KEY_LIMIT)`` is an unused slot; a key listed twice by one query counts once).
-    ``U`` is at least the longest union (:func:`union_width` from the kernel, no host sync; the longest from the
-    oracle); every entry of a row past its length is -1. ``num_warps`` / ``presort`` (the sort by torch's segmented
-    radix sort instead of in the kernel's registers): a sweep's knobs, defaults :data:`UNION_PRESORT`."""
+    """``(union int32 [ceil(T / group), U], length int32 [ceil(T / group)])`` from top-k ``indices`` int32 ``[T, K]``.
+
+    A slot is used when ``0 <= key < key_bound`` (the sparse-MLA kernels pass ``T_kv``; None: the largest key + 1,
+    one host sync; never above ``KEY_LIMIT``); a key listed twice by one query counts once. ``U`` is at least the
+    longest union (:func:`union_width` from the kernels, no host sync; the longest from the oracle); every entry of
+    a row past its length is -1. ``method`` (:data:`METHODS`, default :data:`UNION_METHOD`) and ``num_warps``: a
+    sweep's knobs; every method gives the same rows."""
     _check(indices, group)
+    method = method or UNION_METHOD
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     t_len, k = indices.shape
     n_grp = -(-t_len // group)
     if n_grp == 0 or k == 0 or not triton_runs_on(indices) or _triton() is None:
-        return group_union_indices_reference(indices, group)
+        return group_union_indices_reference(indices, group, key_bound=key_bound)
+    bound = _key_bound(indices, key_bound)
+    dev = indices.device
     width = union_width(k, group)
-    union = torch.empty(n_grp, width, dtype=torch.int32, device=indices.device)
-    length = torch.empty(n_grp, dtype=torch.int32, device=indices.device)
-    presort = UNION_PRESORT if presort is None else presort
+    length = torch.empty(n_grp, dtype=torch.int32, device=dev)
     kernels = _triton()
-    if presort:
-        rows = torch.full((n_grp * group, k), -1, dtype=torch.int32, device=indices.device)
+    warps = num_warps or UNION_WARPS[method]
+    idx = indices if indices.stride(1) == 1 else indices.contiguous()
+    if method == "bitmap":
+        union = torch.full((n_grp, width), -1, dtype=torch.int32, device=dev)
+        n_words = max(1, -(-bound // 32))
+        per_launch = max(1, min(n_grp, _SCRATCH_BYTES // (4 * group * n_words)))
+        scratch = torch.zeros(per_launch, group, n_words, dtype=torch.int32, device=dev)  # left zeroed by each program
+        for g0 in range(0, n_grp, per_launch):
+            kernels.bitmap[(min(per_launch, n_grp - g0),)](
+                idx, union, length, scratch, g0, t_len, k, idx.stride(0), bound, n_words, GROUP=group,
+                KP=next_power_of_2(k), WIDTH=width, SHIFT=MEMBER_SHIFT, BLOCK_W=_BITMAP_BLOCK_WORDS, num_warps=warps)
+        return union, length
+    union = torch.empty(n_grp, width, dtype=torch.int32, device=dev)
+    if method == "presort":
+        rows = torch.full((n_grp * group, k), -1, dtype=torch.int32, device=dev)
         rows[:t_len] = indices
         rows = rows.view(n_grp, group, k)
-        member = torch.arange(group, dtype=torch.int32, device=indices.device).view(1, group, 1)
-        comp = torch.full((n_grp, width), _NONE, dtype=torch.int32, device=indices.device)
-        comp[:, : group * k] = torch.where((rows >= 0) & (rows < KEY_LIMIT), rows * group + member, _NONE).view(n_grp, -1)
+        member = torch.arange(group, dtype=torch.int32, device=dev).view(1, group, 1)
+        comp = torch.full((n_grp, width), _NONE, dtype=torch.int32, device=dev)
+        comp[:, : group * k] = torch.where((rows >= 0) & (rows < bound), rows * group + member, _NONE).view(n_grp, -1)
         comp = comp.sort(dim=-1).values
         kernels.from_sorted[(n_grp,)](comp, union, length, GROUP=group, WIDTH=width, SHIFT=MEMBER_SHIFT,
-                                      num_warps=num_warps or UNION_WARPS)
+                                      num_warps=warps)
         return union, length
-    idx = indices if indices.stride(1) == 1 else indices.contiguous()
-    kernels.sort_in_registers[(n_grp,)](idx, union, length, t_len, k, idx.stride(0), GROUP=group,
-                                        KP=next_power_of_2(k), WIDTH=width, SHIFT=MEMBER_SHIFT, LIMIT=KEY_LIMIT,
-                                        num_warps=num_warps or UNION_WARPS)
+    kernels.sort_in_registers[(n_grp,)](idx, union, length, t_len, k, idx.stride(0), bound, GROUP=group,
+                                        KP=next_power_of_2(k), WIDTH=width, SHIFT=MEMBER_SHIFT, num_warps=warps)
     return union, length
 
 
-def group_union_indices_reference(indices: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def group_union_indices_reference(
+    indices: torch.Tensor, group: int, *, key_bound: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The oracle of :func:`group_union_indices` in plain torch; ``U`` is the longest union (at least 1), which
     costs one host sync."""
     _check(indices, group)
+    bound = KEY_LIMIT if key_bound is None else _key_bound(indices, key_bound)
     t_len, k = indices.shape
     dev = indices.device
     n_grp = -(-t_len // group)
@@ -90,7 +123,7 @@ def group_union_indices_reference(indices: torch.Tensor, group: int) -> tuple[to
     rows[:t_len] = indices.long()
     rows = rows.view(n_grp, group * k)
     query = torch.arange(group, device=dev).repeat_interleave(k).expand(n_grp, -1)
-    valid = (rows >= 0) & (rows < KEY_LIMIT)
+    valid = (rows >= 0) & (rows < bound)
     big = torch.iinfo(torch.int64).max
     # key-major composite so one query's repeats of a key sit side by side and are counted once
     comp, order = torch.where(valid, rows * group + query, big).sort(dim=-1)
@@ -186,15 +219,15 @@ def _triton():
         tl.store(length_ptr, n_union)
 
     @triton.jit
-    def sort_in_registers(IDX, UNION, LENGTH, t_len, k, stride_t, GROUP: tl.constexpr, KP: tl.constexpr,
-                          WIDTH: tl.constexpr, SHIFT: tl.constexpr, LIMIT: tl.constexpr):
+    def sort_in_registers(IDX, UNION, LENGTH, t_len, k, stride_t, bound, GROUP: tl.constexpr, KP: tl.constexpr,
+                          WIDTH: tl.constexpr, SHIFT: tl.constexpr):
         g = tl.program_id(0)
         i = tl.arange(0, WIDTH)
         member = i // KP
         query = g * GROUP + member
         ok = (member < GROUP) & (i % KP < k) & (query < t_len)
         key = tl.load(IDX + query.to(tl.int64) * stride_t + i % KP, mask=ok, other=-1)
-        ok = ok & (key >= 0) & (key < LIMIT)
+        ok = ok & (key >= 0) & (key < bound)
         none: tl.constexpr = 2147483647
         comp = tl.sort(tl.where(ok, key * GROUP + member, none))  # key-major: one key's entries side by side
         # the next entry, through the output row itself: all of it read before anything is written
@@ -214,7 +247,46 @@ def _triton():
         nxt = tl.load(src + i + 1, mask=i + 1 < WIDTH, other=2147483647)
         _write_union(comp, nxt, i, UNION + g.to(tl.int64) * WIDTH, LENGTH + g, GROUP, SHIFT)
 
-    return SimpleNamespace(sort_in_registers=sort_in_registers, from_sorted=from_sorted)
+    @triton.jit
+    def bitmap(IDX, UNION, LENGTH, SCRATCH, g0, t_len, k, stride_t, bound, n_words, GROUP: tl.constexpr,
+               KP: tl.constexpr, WIDTH: tl.constexpr, SHIFT: tl.constexpr, BLOCK_W: tl.constexpr):
+        # One program per group: each member's keys set bits in its own zeroed bitmap (relaxed atomic ORs to L2),
+        # then the group's key range is scanned a block of words at a time: a key is in the union where any
+        # member's bit is set, its slot the running count of such keys (ascending key order, as the sort gives).
+        # The program zeroes the words it read, so the scratch serves the next launch as it was given.
+        gl = tl.program_id(0)
+        g = g0 + gl
+        i = tl.arange(0, WIDTH)
+        member = i // KP
+        query = g * GROUP + member
+        ok = (member < GROUP) & (i % KP < k) & (query < t_len)
+        key = tl.load(IDX + query.to(tl.int64) * stride_t + i % KP, mask=ok, other=-1)
+        ok = ok & (key >= 0) & (key < bound)
+        maps = SCRATCH + gl.to(tl.int64) * GROUP * n_words
+        tl.atomic_or(maps + member * n_words + (key >> 5), 1 << (key & 31), mask=ok, sem="relaxed")
+        lo = tl.min(tl.where(ok, key, bound), axis=0) >> 5
+        hi = tl.max(tl.where(ok, key, -1), axis=0) >> 5  # -1 >> 5 == -1: an empty group scans nothing
+        tl.debug_barrier()
+        row = UNION + g.to(tl.int64) * WIDTH
+        bit = tl.arange(0, 32)
+        w_off = tl.arange(0, BLOCK_W)
+        count = 0
+        for w0 in range(lo, hi + 1, BLOCK_W):
+            w = w0 + w_off
+            inb = w <= hi
+            members = tl.zeros([BLOCK_W, 32], dtype=tl.int32)
+            for m in tl.static_range(GROUP):
+                word = tl.load(maps + m * n_words + w, mask=inb, other=0, cache_modifier=".cg")
+                members |= ((word[:, None] >> bit[None, :]) & 1) << m
+                tl.store(maps + m * n_words + w, tl.zeros([BLOCK_W], dtype=tl.int32), mask=inb)
+            present = tl.reshape((members != 0).to(tl.int32), [BLOCK_W * 32])
+            slot = count + tl.cumsum(present, axis=0) - 1
+            entry = tl.reshape((w[:, None] * 32 + bit[None, :]) | (members << SHIFT), [BLOCK_W * 32])
+            tl.store(row + slot, entry, mask=present != 0)
+            count += tl.sum(present, axis=0)
+        tl.store(LENGTH + g, count)
+
+    return SimpleNamespace(sort_in_registers=sort_in_registers, from_sorted=from_sorted, bitmap=bitmap)
 
 
 @dataclass(frozen=True)
@@ -246,15 +318,19 @@ class RowMap:
 
 
 def grouped_rows(
-    indices: torch.Tensor, heads: int, group: int, union: tuple[torch.Tensor, torch.Tensor] | None = None
+    indices: torch.Tensor,
+    heads: int,
+    group: int,
+    union: tuple[torch.Tensor, torch.Tensor] | None = None,
+    key_bound: int | None = None,
 ) -> tuple[int, torch.Tensor, torch.Tensor]:
     """``(group, union rows, union lengths)`` for the sparse-MLA kernels' grouped mode: ``group`` 0 means
     ``64 // heads``; ``group * heads`` must be 64 (the MMA's row tile); ``union`` is a prebuilt
-    :func:`group_union_indices` result (else it is built here)."""
+    :func:`group_union_indices` result (else it is built here, keys below ``key_bound``: the kernels' ``T_kv``)."""
     group = group or 64 // max(heads, 1)
     if group * heads != 64:
         raise ValueError(f"grouped sparse MLA needs group * heads == 64, got group={group}, heads={heads}")
-    rows, lengths = union if union is not None else group_union_indices(indices, group)
+    rows, lengths = union if union is not None else group_union_indices(indices, group, key_bound=key_bound)
     return group, rows, lengths
 
 

@@ -482,7 +482,7 @@ def sparse_mla_bwd_interface(
     if group != 1:
         if deterministic or with_target:
             raise ValueError("the grouped backward has atomic dKV only and no attention target")
-        group, indices, valid_len = grouped_rows(indices, heads, group, union)  # the kernel reads the union rows
+        group, indices, valid_len = grouped_rows(indices, heads, group, union, kv.shape[0])  # the kernel reads the union rows
     elif valid_len is None:
         valid_len = row_valid_len(indices)
     if grad_lse is None:
@@ -565,7 +565,7 @@ class SparseMLAFunction(torch.autograd.Function):
         group = grouped_group(q.shape[1], deterministic=deterministic, with_target=target_box is not None)
         ctx.probe = None
         if grouped and group > 1 and variant in ("auto", "ws"):
-            union = group_union_indices(indices, group)
+            union = group_union_indices(indices, group, key_bound=kv.shape[0])
             out, lse = sparse_mla_fwd_interface(q, kv, indices, softmax_scale, d_v, group=group, union=union)
             ctx.probe = SharingProbe.start(valid_len, union[1])  # the backward's choice, without a host sync
             del union  # rebuilt by a grouped backward: the union is as large as the indices
@@ -586,7 +586,7 @@ class SparseMLAFunction(torch.autograd.Function):
         grouped = {}
         if ctx.probe is not None and ctx.probe.sharing() >= GROUPED_BWD_MIN_SHARING:
             group = 64 // q.shape[1]
-            grouped = {"group": group, "union": group_union_indices(indices, group)}
+            grouped = {"group": group, "union": group_union_indices(indices, group, key_bound=kv.shape[0])}
         grads = sparse_mla_bwd_interface(
             q,
             kv,

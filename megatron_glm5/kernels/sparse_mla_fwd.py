@@ -446,7 +446,8 @@ def sparse_mla_fwd_interface(
     ``valid_len`` (``row_valid_len(indices)``) may be passed in when the caller already has it. ``group`` != 1
     (experimental, ``ws`` kernel; 0: ``64 // H``): one CTA serves ``group`` consecutive queries over the union of their
     index sets (``kernels.index_groups``; ``union``: a prebuilt ``group_union_indices(indices, group)``), same contract.
-    Not used by the autograd path yet: timed against the per-query kernel by ``scripts/bench/sweep_dsa_round2.py``.
+    The autograd path runs it with ``grouped=True`` (``MEGATRON_GLM5_GROUPED_SPARSE_MLA``); measured against the
+    per-query kernel by ``scripts/bench/sweep_dsa_round2.py`` (sections ``grouped``, ``route``).
     """
     check_sparse_mla_args(q, kv, indices, d_v)
     t_len, heads, d_qk = q.shape
@@ -455,7 +456,7 @@ def sparse_mla_fwd_interface(
     if group != 1:
         if variant not in ("auto", "ws"):
             raise ValueError(f"the grouped forward is a 'ws' kernel, got variant={variant!r}")
-        group, rows, lengths = grouped_rows(indices, heads, group, union)
+        group, rows, lengths = grouped_rows(indices, heads, group, union, kv.shape[0])
         kernel = _jit_fwd_ws()(heads, d_qk, d_v, float(softmax_scale), 64, group)
         return kernel(q, kv, rows, lengths)
     if valid_len is None:
