@@ -278,6 +278,8 @@ def _triton():
             for m in tl.static_range(GROUP):
                 word = tl.load(maps + m * n_words + w, mask=inb, other=0, cache_modifier=".cg")
                 members |= ((word[:, None] >> bit[None, :]) & 1) << m
+            tl.debug_barrier()  # the words are replicated over warps: every copy is read before any is cleared
+            for m in tl.static_range(GROUP):
                 tl.store(maps + m * n_words + w, tl.zeros([BLOCK_W], dtype=tl.int32), mask=inb)
             present = tl.reshape((members != 0).to(tl.int32), [BLOCK_W * 32])
             slot = count + tl.cumsum(present, axis=0) - 1

@@ -92,6 +92,21 @@ def measure(build, seq: int, heads: int) -> tuple[float, float]:
     return ms, peak
 
 
+def _ours_grouped(heads: int):
+    """The ``tilelang`` backend with ``MEGATRON_GLM5_GROUPED_SPARSE_MLA=1`` (read when the attention is built)."""
+    from megatron_glm5.fusions import GROUPED_SPARSE_MLA_ENV
+
+    old = os.environ.get(GROUPED_SPARSE_MLA_ENV)
+    os.environ[GROUPED_SPARSE_MLA_ENV] = "1"
+    try:
+        return _ours("tilelang", heads)
+    finally:
+        if old is None:
+            del os.environ[GROUPED_SPARSE_MLA_ENV]
+        else:
+            os.environ[GROUPED_SPARSE_MLA_ENV] = old
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--seq", type=int, default=16384)
@@ -107,6 +122,7 @@ def main() -> None:
         ("megatron-core 0.19.2 DSA layer (its spec, TileLang kernels)", _mcore_baseline),
         ("megatron-glm5 `megatron` backend (mcore TileLang kernels)", lambda h: _ours("megatron", h)),
         ("megatron-glm5 `tilelang` backend (our kernels)", lambda h: _ours("tilelang", h)),
+        ("megatron-glm5 `tilelang` backend, grouped sparse MLA", _ours_grouped),
     ):
         try:
             ms, peak = measure(build, args.seq, args.heads)
