@@ -5,8 +5,19 @@ query leaves three-quarters empty) and a key shared by several of them is gather
 
 Layout: row ``g`` of the result holds, in ascending key order, every valid key of queries ``g * group ..
 g * group + group - 1``, each as ``key | (members << MEMBER_SHIFT)`` where bit ``i`` of ``members`` says that query
-``g * group + i`` selected the key; -1 pads the tail. Plain torch (sort, scatter): its cost is a sort of
-``group x K`` keys per group, measured next to the kernels it feeds.
+``g * group + i`` selected the key; -1 pads the tail.
+
+Built on the GPU by Triton with no host sync (rows ``union_width`` wide: the sparse-MLA kernels stop at each row's
+length, so the width costs memory, not work), one program per group, by one of three methods that give the same rows:
+
+* ``bitmap`` (default): each member's keys set bits in that member's bitmap (relaxed atomic ORs, L2-resident), then
+  the group's key range is scanned 2048 keys at a time: a key is in the union where any member's bit is set, its
+  slot the running count. The work grows with the key range, not with the sort's ``log^2``: 0.51 ms at 16K tokens.
+* ``sort``: the ``group x K`` composite keys ``key * group + member`` sorted in registers (``tl.sort``), the members
+  of each key OR-ed by a scan; 3.85 ms at 16K.
+* ``presort``: torch's segmented sort of the composites, then the same Triton pass; 3.23 ms at 16K.
+
+The torch oracle :func:`group_union_indices_reference` (sort, scatter; 9.55 ms at 16K) runs where Triton does not.
 """
 
 from __future__ import annotations
@@ -23,10 +34,11 @@ KEY_LIMIT = 1 << MEMBER_SHIFT  # keys must fit below the member bits
 MAX_GROUP = 31 - MEMBER_SHIFT  # member bits 24..30; bit 31 (sign) stays clear, so -1 remains the only negative value
 _NONE = 2**31 - 1  # an unused slot's composite key: sorts after every real one
 METHODS = ("bitmap", "sort", "presort")
-# The union build's defaults. H200, 16K tokens, 4 x 2048 keys per group: the in-register sort at 32 warps took
-# 3.84 ms (8 warps 5.28, 16 warps 5.82; the torch oracle 9.48); see the module docstring for the methods.
+# The union build's defaults, measured on H200 (4 x 2048 keys per group; scripts/bench/RESULTS_kernels.md, round 3):
+# the bitmap kernel at 4 warps 0.51 ms at 16K tokens, 3.77 ms at 64K; the in-register sort 3.85 / 15.0 ms; torch's
+# segmented sort + the Triton pass 3.23 / 12.6 ms; the torch oracle 9.55 / 36.6 ms.
 UNION_METHOD = "bitmap"
-UNION_WARPS = {"bitmap": 8, "sort": 32, "presort": 32}
+UNION_WARPS = {"bitmap": 4, "sort": 32, "presort": 8}
 _SCRATCH_BYTES = 256 << 20  # the bitmap method's scratch per launch; more groups run in more launches
 _BITMAP_BLOCK_WORDS = 64  # 32-bit words (2048 keys) per step of the bitmap scan
 
@@ -148,9 +160,10 @@ def group_union_indices_reference(
 
 
 GROUPED_HEADS = 16  # the heads per rank the grouped kernels were measured at (4 queries x 16 heads = 64 rows)
-# The grouped backward's break-even sharing (valid (query, key) pairs per union entry): H200, 16K tokens, 16 heads,
-# 0.81x at 1.93 (random sets), 1.05x at 2.27, 1.65x at 3.26 (scripts/bench/RESULTS_kernels.md, round 3).
-GROUPED_BWD_MIN_SHARING = 2.2
+# The grouped backward's break-even sharing (valid (query, key) pairs per union entry), its 0.5 ms union rebuild
+# included: H200, 16K tokens, 16 heads, 0.81x at 1.93 (random sets), 1.05x at 2.27, 1.65x at 3.26
+# (scripts/bench/RESULTS_kernels.md, round 3).
+GROUPED_BWD_MIN_SHARING = 2.25
 
 
 def grouped_group(heads: int, *, deterministic: bool, with_target: bool) -> int:
