@@ -7,23 +7,18 @@ Layout: row ``g`` of the result holds, in ascending key order, every valid key o
 g * group + group - 1``, each as ``key | (members << MEMBER_SHIFT)`` where bit ``i`` of ``members`` says that query
 ``g * group + i`` selected the key; -1 pads the tail.
 
-Built on the GPU by Triton with no host sync (rows ``union_width`` wide: the sparse-MLA kernels stop at each row's
-length, so the width costs memory, not work), one program per group, by one of three methods that give the same rows:
-
-* ``bitmap`` (default): each member's keys set bits in that member's bitmap (relaxed atomic ORs, L2-resident), then
-  the group's key range is scanned 2048 keys at a time: a key is in the union where any member's bit is set, its
-  slot the running count. The work grows with the key range, not with the sort's ``log^2``: 0.51 ms at 16K tokens.
-* ``sort``: the ``group x K`` composite keys ``key * group + member`` sorted in registers (``tl.sort``), the members
-  of each key OR-ed by a scan; 3.85 ms at 16K.
-* ``presort``: torch's segmented sort of the composites, then the same Triton pass; 3.23 ms at 16K.
-
+Built on the GPU by one Triton program per group, with no host sync (rows ``union_width`` wide: the sparse-MLA
+kernels stop at each row's length, so the width costs memory, not work): each member's keys set bits in that
+member's bitmap (relaxed atomic ORs, L2-resident scratch), then the group's key range is scanned 2048 keys at a time;
+a key is in the union where any member's bit is set, its slot the running count. 0.51 ms at 16K tokens, 4 x 2048
+keys per group, on one H200; sorting the ``group x K`` composite keys instead (in registers with ``tl.sort``, or by
+torch's segmented sort) took 3.85 / 3.23 ms (``docs/design/kernels_round2.md``).
 The torch oracle :func:`group_union_indices_reference` (sort, scatter; 9.55 ms at 16K) runs where Triton does not.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 
@@ -32,14 +27,8 @@ from megatron_glm5.kernels._common import next_power_of_2, triton_kernels, trito
 MEMBER_SHIFT = 24
 KEY_LIMIT = 1 << MEMBER_SHIFT  # keys must fit below the member bits
 MAX_GROUP = 31 - MEMBER_SHIFT  # member bits 24..30; bit 31 (sign) stays clear, so -1 remains the only negative value
-_NONE = 2**31 - 1  # an unused slot's composite key: sorts after every real one
-METHODS = ("bitmap", "sort", "presort")
-# The union build's defaults, measured on H200 (4 x 2048 keys per group; scripts/bench/RESULTS_kernels.md, round 3):
-# the bitmap kernel at 4 warps 0.51 ms at 16K tokens, 3.77 ms at 64K; the in-register sort 3.85 / 15.0 ms; torch's
-# segmented sort + the Triton pass 3.23 / 12.6 ms; the torch oracle 9.55 / 36.6 ms.
-UNION_METHOD = "bitmap"
-UNION_WARPS = {"bitmap": 4, "sort": 32, "presort": 8}
-_SCRATCH_BYTES = 256 << 20  # the bitmap method's scratch per launch; more groups run in more launches
+UNION_WARPS = 4  # H200, 16K tokens: 0.51 ms (8 warps 0.57); 64K: 3.77 ms (scripts/bench/RESULTS_kernels.md)
+_SCRATCH_BYTES = 256 << 20  # the bitmaps' scratch per launch; more groups run in more launches
 _BITMAP_BLOCK_WORDS = 64  # 32-bit words (2048 keys) per step of the bitmap scan
 
 
@@ -66,20 +55,15 @@ def group_union_indices(
     group: int,
     *,
     key_bound: int | None = None,
-    method: str | None = None,
-    num_warps: int | None = None,
+    num_warps: int = UNION_WARPS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(union int32 [ceil(T / group), U], length int32 [ceil(T / group)])`` from top-k ``indices`` int32 ``[T, K]``.
 
     A slot is used when ``0 <= key < key_bound`` (the sparse-MLA kernels pass ``T_kv``; None: the largest key + 1,
     one host sync; never above ``KEY_LIMIT``); a key listed twice by one query counts once. ``U`` is at least the
     longest union (:func:`union_width` from the kernels, no host sync; the longest from the oracle); every entry of
-    a row past its length is -1. ``method`` (:data:`METHODS`, default :data:`UNION_METHOD`) and ``num_warps``: a
-    sweep's knobs; every method gives the same rows."""
+    a row past its length is -1. ``num_warps``: a sweep's knob."""
     _check(indices, group)
-    method = method or UNION_METHOD
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     t_len, k = indices.shape
     n_grp = -(-t_len // group)
     if n_grp == 0 or k == 0 or not triton_runs_on(indices) or _triton() is None:
@@ -88,33 +72,15 @@ def group_union_indices(
     dev = indices.device
     width = union_width(k, group)
     length = torch.empty(n_grp, dtype=torch.int32, device=dev)
-    kernels = _triton()
-    warps = num_warps or UNION_WARPS[method]
+    union = torch.full((n_grp, width), -1, dtype=torch.int32, device=dev)
+    n_words = max(1, -(-bound // 32))
+    per_launch = max(1, min(n_grp, _SCRATCH_BYTES // (4 * group * n_words)))
+    scratch = torch.zeros(per_launch, group, n_words, dtype=torch.int32, device=dev)  # left zeroed by each program
     idx = indices if indices.stride(1) == 1 else indices.contiguous()
-    if method == "bitmap":
-        union = torch.full((n_grp, width), -1, dtype=torch.int32, device=dev)
-        n_words = max(1, -(-bound // 32))
-        per_launch = max(1, min(n_grp, _SCRATCH_BYTES // (4 * group * n_words)))
-        scratch = torch.zeros(per_launch, group, n_words, dtype=torch.int32, device=dev)  # left zeroed by each program
-        for g0 in range(0, n_grp, per_launch):
-            kernels.bitmap[(min(per_launch, n_grp - g0),)](
-                idx, union, length, scratch, g0, t_len, k, idx.stride(0), bound, n_words, GROUP=group,
-                KP=next_power_of_2(k), WIDTH=width, SHIFT=MEMBER_SHIFT, BLOCK_W=_BITMAP_BLOCK_WORDS, num_warps=warps)
-        return union, length
-    union = torch.empty(n_grp, width, dtype=torch.int32, device=dev)
-    if method == "presort":
-        rows = torch.full((n_grp * group, k), -1, dtype=torch.int32, device=dev)
-        rows[:t_len] = indices
-        rows = rows.view(n_grp, group, k)
-        member = torch.arange(group, dtype=torch.int32, device=dev).view(1, group, 1)
-        comp = torch.full((n_grp, width), _NONE, dtype=torch.int32, device=dev)
-        comp[:, : group * k] = torch.where((rows >= 0) & (rows < bound), rows * group + member, _NONE).view(n_grp, -1)
-        comp = comp.sort(dim=-1).values
-        kernels.from_sorted[(n_grp,)](comp, union, length, GROUP=group, WIDTH=width, SHIFT=MEMBER_SHIFT,
-                                      num_warps=warps)
-        return union, length
-    kernels.sort_in_registers[(n_grp,)](idx, union, length, t_len, k, idx.stride(0), bound, GROUP=group,
-                                        KP=next_power_of_2(k), WIDTH=width, SHIFT=MEMBER_SHIFT, num_warps=warps)
+    for g0 in range(0, n_grp, per_launch):
+        _triton()[(min(per_launch, n_grp - g0),)](
+            idx, union, length, scratch, g0, t_len, k, idx.stride(0), bound, n_words, GROUP=group,
+            KP=next_power_of_2(k), WIDTH=width, SHIFT=MEMBER_SHIFT, BLOCK_W=_BITMAP_BLOCK_WORDS, num_warps=num_warps)
     return union, length
 
 
@@ -205,61 +171,6 @@ def _triton():
     import triton
     import triton.language as tl
 
-    global _same_key_or  # a module global: Triton's interpreter and compiler do not see a closure's helpers
-
-    @triton.jit
-    def _same_key_or(a_key, a_bits, b_key, b_bits):
-        # Over a sorted sequence: (the last key, the OR of the member bits of the trailing run of that key). A later
-        # block whose last key equals an earlier block's is all that key, so the runs join; associative as a result.
-        return b_key, tl.where(a_key == b_key, a_bits | b_bits, b_bits)
-
-    global _write_union
-
-    @triton.jit
-    def _write_union(comp, nxt, i, row, length_ptr, GROUP: tl.constexpr, SHIFT: tl.constexpr):
-        # ``comp``: one group's composite keys ``key * GROUP + member`` sorted ascending (unused: INT32_MAX), ``nxt``
-        # the entry after each. Writes the union row (one entry per key, its members' bits OR-ed, -1 after) and length.
-        none: tl.constexpr = 2147483647
-        valid = comp != none
-        key = tl.where(valid, comp // GROUP, -1)
-        bits = tl.where(valid, 1 << (comp % GROUP), 0)
-        _, run_bits = tl.associative_scan((key, bits), 0, _same_key_or)  # OR of the key's entries up to here
-        last = valid & ((nxt == none) | (nxt // GROUP != key))  # the key's last entry holds all its member bits
-        n_union = tl.sum(last.to(tl.int32), axis=0)
-        slot = tl.cumsum(last.to(tl.int32), axis=0) - 1
-        tl.store(row + i, -1, mask=i >= n_union)
-        tl.store(row + slot, key | (run_bits << SHIFT), mask=last)
-        tl.store(length_ptr, n_union)
-
-    @triton.jit
-    def sort_in_registers(IDX, UNION, LENGTH, t_len, k, stride_t, bound, GROUP: tl.constexpr, KP: tl.constexpr,
-                          WIDTH: tl.constexpr, SHIFT: tl.constexpr):
-        g = tl.program_id(0)
-        i = tl.arange(0, WIDTH)
-        member = i // KP
-        query = g * GROUP + member
-        ok = (member < GROUP) & (i % KP < k) & (query < t_len)
-        key = tl.load(IDX + query.to(tl.int64) * stride_t + i % KP, mask=ok, other=-1)
-        ok = ok & (key >= 0) & (key < bound)
-        none: tl.constexpr = 2147483647
-        comp = tl.sort(tl.where(ok, key * GROUP + member, none))  # key-major: one key's entries side by side
-        # the next entry, through the output row itself: all of it read before anything is written
-        row = UNION + g.to(tl.int64) * WIDTH
-        tl.store(row + i, comp)
-        tl.debug_barrier()
-        nxt = tl.load(row + i + 1, mask=i + 1 < WIDTH, other=none)
-        tl.debug_barrier()
-        _write_union(comp, nxt, i, row, LENGTH + g, GROUP, SHIFT)
-
-    @triton.jit
-    def from_sorted(COMP, UNION, LENGTH, GROUP: tl.constexpr, WIDTH: tl.constexpr, SHIFT: tl.constexpr):
-        g = tl.program_id(0)
-        i = tl.arange(0, WIDTH)
-        src = COMP + g.to(tl.int64) * WIDTH
-        comp = tl.load(src + i)
-        nxt = tl.load(src + i + 1, mask=i + 1 < WIDTH, other=2147483647)
-        _write_union(comp, nxt, i, UNION + g.to(tl.int64) * WIDTH, LENGTH + g, GROUP, SHIFT)
-
     @triton.jit
     def bitmap(IDX, UNION, LENGTH, SCRATCH, g0, t_len, k, stride_t, bound, n_words, GROUP: tl.constexpr,
                KP: tl.constexpr, WIDTH: tl.constexpr, SHIFT: tl.constexpr, BLOCK_W: tl.constexpr):
@@ -301,7 +212,7 @@ def _triton():
             count += tl.sum(present, axis=0)
         tl.store(LENGTH + g, count)
 
-    return SimpleNamespace(sort_in_registers=sort_in_registers, from_sorted=from_sorted, bitmap=bitmap)
+    return bitmap
 
 
 @dataclass(frozen=True)

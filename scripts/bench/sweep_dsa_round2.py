@@ -12,9 +12,8 @@ Sections (each prints one markdown table; ``--out`` also writes them):
   variant's output must equal the default's (the selection is exact, so any difference is a bug).
 * ``bwd``: the sparse-MLA backward at 16K, 64 and 16 heads: ``block_s`` / threads / ``dkv_split``; gradients compared
   with the current default's (max error over the tensor's max magnitude).
-* ``union``: the union build of the grouped kernels (``kernels.index_groups``): the Triton bitmap kernel, the Triton
-  sort in registers and torch's segmented sort + a Triton pass, at several warps, against the torch oracle, at 16K
-  and 64K, bitwise compared.
+* ``union``: the union build of the grouped kernels (``kernels.index_groups``) at 4 / 8 warps against the torch
+  oracle, at 16K and 64K, bitwise compared.
 * ``route``: the autograd route (forward + backward, union builds included) with ``grouped`` off and on.
 * ``grouped``: the experimental grouped forward and backward (the interfaces' ``group=4``:
   4 queries x 16 heads per CTA over the union of their sets) against the per-query kernels at 16K / 16 heads, on
@@ -195,16 +194,16 @@ def section_grouped(seq: int = 16384, heads: int = 16, localities=(None, 0.5, 0.
 
 
 def section_union(seqs=(16384, 65536), localities=(None, 0.9),
-                  variants=(("bitmap", 4), ("bitmap", 8), ("sort", 32), ("presort", 8))) -> list[str]:
-    """The union build (``group_union_indices``: Triton bitmap kernel, Triton kernel sorting in registers, or
-    torch's segmented sort first, at several warps) against the torch oracle it replaces: time, and whether every
-    row equals the oracle's (the kernels' rows are wider: the rest must be -1)."""
+                  warps=(4, 8)) -> list[str]:
+    """The union build (``group_union_indices``, its warps) against the torch oracle it replaces: time, and whether
+    every row equals the oracle's (the kernel's rows are wider: the rest must be -1). The sort-based builds measured
+    in round 2's second session are in ``RESULTS_kernels.md``."""
     from bench_dsa_kernels import local_mix_indices
 
     from megatron_glm5.kernels.index_groups import group_union_indices, group_union_indices_reference
 
-    names = [f"{m} {w} warps ms" for m, w in variants]
-    lines = ["| S | indices | torch oracle ms | " + " | ".join(names) + " |", "|---|---|---|" + "---|" * len(variants)]
+    names = [f"kernel {w} warps ms" for w in warps]
+    lines = ["| S | indices | torch oracle ms | " + " | ".join(names) + " |", "|---|---|---|" + "---|" * len(warps)]
     for seq in seqs:
         for loc in localities:
             dev = torch.device("cuda")
@@ -212,10 +211,10 @@ def section_union(seqs=(16384, 65536), localities=(None, 0.9),
             ref_u, ref_l = group_union_indices_reference(idx, 4)
             ref_ms = timed(lambda: group_union_indices_reference(idx, 4))
             cells = []
-            for method, w in variants:
+            for w in warps:
                 try:
-                    ms = timed(lambda: group_union_indices(idx, 4, key_bound=seq, method=method, num_warps=w))
-                    u, n = group_union_indices(idx, 4, key_bound=seq, method=method, num_warps=w)
+                    ms = timed(lambda: group_union_indices(idx, 4, key_bound=seq, num_warps=w))
+                    u, n = group_union_indices(idx, 4, key_bound=seq, num_warps=w)
                     width = ref_u.shape[1]
                     same = bool(torch.equal(n, ref_l) and torch.equal(u[:, :width], ref_u)
                                 and bool((u[:, width:] == -1).all()))

@@ -201,9 +201,8 @@ def test_union_kernel_matches_torch_oracle():
         _, _, idx = _grouped_inputs(window, seed=6, t_len=4099, topk=2048)
         ur, nr = group_union_indices_reference(idx, 4)
         w = ur.shape[1]
-        for method in ("bitmap", "sort", "presort"):
-            u, n = group_union_indices(idx, 4, key_bound=idx.shape[0], method=method)
-            assert torch.equal(n, nr) and torch.equal(u[:, :w], ur) and bool((u[:, w:] == -1).all())
+        u, n = group_union_indices(idx, 4, key_bound=idx.shape[0])
+        assert torch.equal(n, nr) and torch.equal(u[:, :w], ur) and bool((u[:, w:] == -1).all())
 
 
 def test_fwd_glm_shape_topk_2048():
