@@ -16,7 +16,9 @@
 # the gather-sum MoE permutation vs its oracle and megatron-core's, and its speed), rope_cat
 # (tests/gpu/test_rope_cat_gpu.py: the fused RoPE + concatenation vs its oracle, and its speed), optim_fusions
 # (tests/gpu/test_optim_fusions_gpu.py: weight-gradient accumulation and fused Adam vs their oracles, and speed),
-# zero_groups (tests/gpu/test_zero_groups_gpu.py: the experimental zero-groups kernel vs masked_fill, and speed).
+# zero_groups (tests/gpu/test_zero_groups_gpu.py: the experimental zero-groups kernel vs masked_fill, and speed),
+# grouped_route (the kernel, backend and RL GPU tests with the opt-in grouped sparse MLA on; bench_step with
+# MEGATRON_GLM5_GROUPED_SPARSE_MLA=1 in the environment times the step with it).
 # Each step has its own log and time limit; a failing step does not stop the others.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,6 +44,8 @@ for step in "$@"; do
     optim_fusions) run optim_fusions 120 python3 -m pytest tests/gpu/test_optim_fusions_gpu.py -q -s -p no:cacheprovider ;;
     rope_cat) run rope_cat 120 python3 -m pytest tests/gpu/test_rope_cat_gpu.py -q -s -p no:cacheprovider ;;
     kernels_ws) MEGATRON_GLM5_TEST_FWD_VARIANT=ws run kernels_ws 200 python3 -m pytest tests/gpu/test_kernels_gpu.py -q -s -p no:cacheprovider ;;
+    grouped_route) MEGATRON_GLM5_TEST_GROUPED=1 MEGATRON_GLM5_GROUPED_SPARSE_MLA=1 run grouped_route 300 python3 -m pytest \
+      tests/gpu/test_kernels_gpu.py tests/gpu/test_backends_gpu.py tests/gpu/test_rl_gpu.py -q -s -p no:cacheprovider ;;
     backends) run backends 240 python3 -m pytest tests/gpu/test_backends_gpu.py -q -s -p no:cacheprovider ;;
     lora) run lora 200 python3 -m pytest tests/gpu/test_lora_gpu.py -q -s -p no:cacheprovider ;;
     indexer_loss_kernels) run indexer_loss_kernels 240 python3 -m pytest tests/gpu/test_indexer_loss_gpu.py -q -s -p no:cacheprovider ;;

@@ -2,6 +2,7 @@
 explains the backward's speed (round-2 notes: atomics vs the MMA pipes vs registers).
 
     ncu --set full -k regex:main_kernel -c 1 python scripts/bench/profile_bwd.py --heads 64 --seq 16384
+    ncu ... python scripts/bench/profile_bwd.py --heads 16 --grouped --index-locality 0.9   # the grouped backward
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_dsa_kernels import causal_random_indices  # noqa: E402
+from bench_dsa_kernels import causal_random_indices, local_mix_indices  # noqa: E402
 
 
 def main() -> int:
@@ -21,6 +22,9 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=64)
     ap.add_argument("--seq", type=int, default=16384)
     ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument("--grouped", action="store_true", help="the grouped backward (16 heads: 4 queries per CTA)")
+    ap.add_argument("--index-locality", type=float, default=None,
+                    help="synthetic sets with this share of a recency window (local_mix_indices); default random")
     args = ap.parse_args()
     from megatron_glm5.kernels.sparse_mla_bwd import sparse_mla_bwd_interface
     from megatron_glm5.kernels.sparse_mla_fwd import sparse_mla_fwd_interface
@@ -29,11 +33,18 @@ def main() -> int:
     h, s = args.heads, args.seq
     q = torch.randn(s, h, 576, device="cuda", dtype=torch.bfloat16, generator=g)
     kv = torch.randn(s, 576, device="cuda", dtype=torch.bfloat16, generator=g)
-    idx = causal_random_indices(s, 2048, torch.device("cuda"))
+    dev = torch.device("cuda")
+    loc = args.index_locality
+    idx = causal_random_indices(s, 2048, dev) if loc is None else local_mix_indices(s, 2048, dev, loc)
+    grouped = {}
+    if args.grouped:
+        from megatron_glm5.kernels.index_groups import group_union_indices
+
+        grouped = {"group": 64 // h, "union": group_union_indices(idx, 64 // h, key_bound=s)}
     do = torch.randn(s, h, 512, device="cuda", dtype=torch.bfloat16, generator=g)
     out, lse = sparse_mla_fwd_interface(q, kv, idx, 1 / 16, 512)
     for _ in range(2):  # the second launch is the one to look at (compiled, caches warm)
-        sparse_mla_bwd_interface(q, kv, out, lse, do, idx, 1 / 16, 512, deterministic=args.deterministic)
+        sparse_mla_bwd_interface(q, kv, out, lse, do, idx, 1 / 16, 512, deterministic=args.deterministic, **grouped)
     torch.cuda.synchronize()
     return 0
 

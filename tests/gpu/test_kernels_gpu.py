@@ -23,10 +23,13 @@ fwd_mod = importlib.import_module("megatron_glm5.kernels.sparse_mla_fwd")
 bwd_mod = importlib.import_module("megatron_glm5.kernels.sparse_mla_bwd")
 # Test-only switch: the forward kernel of the autograd path ("auto" = the library default, "simple"; or "ws").
 FWD_VARIANT = os.environ.get("MEGATRON_GLM5_TEST_FWD_VARIANT", "auto")
+# Test-only switch: the autograd path's grouped route (16 heads: the grouped kernels, ``sparse_mla_autograd(grouped=)``)
+GROUPED = os.environ.get("MEGATRON_GLM5_TEST_GROUPED", "0") == "1"
 
 
 def sparse_mla_with_lse(q, kv, idx, scale, d_v=D_V, *, deterministic=False):
-    return bwd_mod.sparse_mla_autograd(q, kv, idx, scale, d_v, deterministic=deterministic, variant=FWD_VARIANT)
+    return bwd_mod.sparse_mla_autograd(q, kv, idx, scale, d_v, deterministic=deterministic, variant=FWD_VARIANT,
+                                       grouped=GROUPED)
 
 
 def smla(q, kv, idx, scale, d_v=D_V, *, deterministic=False):
