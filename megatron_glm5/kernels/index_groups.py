@@ -128,7 +128,7 @@ def group_union_indices_reference(
 GROUPED_HEADS = 16  # the heads per rank the grouped kernels were measured at (4 queries x 16 heads = 64 rows)
 # The grouped backward's break-even sharing (valid (query, key) pairs per union entry), its 0.5 ms union rebuild
 # included: H200, 16K tokens, 16 heads, 0.81x at 1.93 (random sets), 1.05x at 2.27, 1.65x at 3.26
-# (scripts/bench/RESULTS_kernels.md, round 3).
+# (scripts/bench/RESULTS_kernels.md, round 2, second session).
 GROUPED_BWD_MIN_SHARING = 2.25
 
 
@@ -176,7 +176,7 @@ def _triton():
                KP: tl.constexpr, WIDTH: tl.constexpr, SHIFT: tl.constexpr, BLOCK_W: tl.constexpr):
         # One program per group: each member's keys set bits in its own zeroed bitmap (relaxed atomic ORs to L2),
         # then the group's key range is scanned a block of words at a time: a key is in the union where any
-        # member's bit is set, its slot the running count of such keys (ascending key order, as the sort gives).
+        # member's bit is set, its slot the running count of such keys (ascending key order, as in the oracle).
         # The program zeroes the words it read, so the scratch serves the next launch as it was given.
         gl = tl.program_id(0)
         g = g0 + gl

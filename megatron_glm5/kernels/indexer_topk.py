@@ -510,7 +510,7 @@ def logits_kernel(heads: int, dim: int):
     """The logits kernel :func:`indexer_topk_interface` runs: the one without warp specialisation (128 threads, two
     CTAs per SM so one's epilogue overlaps the other's GEMM) where the shape fits, else the warp-specialised one. Both
     write bitwise equal logits (H200 sweep: 9.56 against 10.54 ms at 32K tokens, 32 x 128 heads;
-    ``scripts/bench/RESULTS_kernels.md``, round 3)."""
+    ``scripts/bench/RESULTS_kernels.md``, round 2, second session)."""
     if plain_logits_fits(heads, dim):
         return _jit_logits_plain()(heads, dim)
     return _jit_logits()(heads, dim)
