@@ -164,7 +164,7 @@ def _jit_logits_plain():
         block_q = max(1, 128 // heads)
         n_cols = block_q * heads
         chunks = dim // 8  # 16-byte cp.async pieces per key row
-        if n_cols % 16 or dim % 64 or threads % chunks or block_n % (threads // chunks):
+        if not plain_logits_fits(heads, dim, block_n, threads):
             raise ValueError(f"plain logits kernel needs (128 // heads) * heads % 16 == 0, dim % 64 == 0 and the tile "
                              f"split evenly over the threads; got heads={heads}, dim={dim}, threads={threads}")
         rows_per_pass = threads // chunks
