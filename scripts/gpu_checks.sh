@@ -18,7 +18,8 @@
 # (tests/gpu/test_optim_fusions_gpu.py: weight-gradient accumulation and fused Adam vs their oracles, and speed),
 # zero_groups (tests/gpu/test_zero_groups_gpu.py: the experimental zero-groups kernel vs masked_fill, and speed),
 # grouped_route (the kernel, backend and RL GPU tests with the opt-in grouped sparse MLA on; bench_step with
-# MEGATRON_GLM5_GROUPED_SPARSE_MLA=1 in the environment times the step with it).
+# MEGATRON_GLM5_GROUPED_SPARSE_MLA=1 in the environment times the step with it), memory_peak (what one step of the
+# slice holds at its peak, by source line; MEMORY_ARGS adds flags, e.g. --seqs 32768 65536).
 # Each step has its own log and time limit; a failing step does not stop the others.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -69,6 +70,7 @@ for step in "$@"; do
     bench_indexer_loss) TAIL=40 run bench_indexer_loss 400 python3 scripts/bench/bench_indexer_loss.py --out "$OUT_DIR/indexer_loss.md" ${BENCH_ARGS:-} ;;
     bench_kernels) run bench_kernels 300 python3 scripts/bench/bench_dsa_kernels.py --out "$OUT_DIR/kernels.md" ${BENCH_ARGS:-} ;;
     bench_step) TAIL=40 run bench_step 560 python3 scripts/bench/bench_step.py --out "$OUT_DIR/step.md" --timeout 150 --profile-variants tilelang,tilelang-unfused ${BENCH_STEP_ARGS:-} ;;
+    memory_peak) TAIL=80 run memory_peak 300 python3 scripts/bench/memory_peak.py --out "$OUT_DIR/memory.md" ${MEMORY_ARGS:-} ;;
     bench_layer) run bench_layer 180 python3 scripts/bench/bench_glm5_layer.py --out "$OUT_DIR/layer.md" ;;
     pretrain_megatron) run pretrain_megatron 150 bash examples/pretrain_glm5_tiny.sh megatron ;;
     pretrain_tilelang) run pretrain_tilelang 150 bash examples/pretrain_glm5_tiny.sh tilelang ;;

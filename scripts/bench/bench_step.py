@@ -123,6 +123,9 @@ VARIANTS = {
                 "(a) with grouped-GEMM experts (`TorchGroupedMLP`)"),
         Variant("mcore-kernels-grouped", "get_glm5_spec", ("--dsa-kernel-backend", "tilelang", "--moe-grouped-gemm"),
                 "(b) with grouped-GEMM experts (`TorchGroupedMLP`)"),
+        Variant("tilelang-grouped-zero-kernel", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
+                "(a) with grouped-GEMM experts, empty experts' weight gradients zeroed by the Triton kernel",
+                (("MEGATRON_GLM5_ZERO_GROUPS_KERNEL", "1"),)),
     )
 }
 DEFAULT_VARIANTS = "tilelang,mcore-kernels,tilelang-grouped"

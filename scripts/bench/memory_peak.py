@@ -1,0 +1,149 @@
+"""Benchmark: what one fwd+bwd step of the GLM-5-shaped slice holds on the GPU at its peak, by source line. CUDA only.
+
+Why: under full recompute the peak of a long sequence is one layer's recomputed activations in its backward
+(``RESULTS_step.md``, long context); which of them dominate decides what to shrink. The step is
+``bench_offload.py``'s (same slice, same settings); torch's allocator history records every allocation with its Python
+stack, the events are replayed to find the peak of allocated bytes, and the blocks live at that moment are grouped by
+the innermost frames outside torch (:func:`live_at_peak`, CPU-tested). Prints and appends a markdown table (bytes,
+bytes per token, count) per ``--seqs`` entry.
+
+    python scripts/bench/memory_peak.py [--recompute full] [--seqs 32768 65536] [--out memory.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from typing import Iterable
+
+GB = 1e9
+_TORCH_PATHS = ("/torch/", "/contextlib.py", "/functools.py", "/typing.py", "/abc.py")
+
+
+def _site(frames: list[dict], depth: int) -> str:
+    """The ``depth`` innermost frames outside torch (``file:line name``), innermost first; ``?`` if none."""
+    keep = []
+    for fr in frames:
+        name = fr.get("filename", "?")
+        if any(p in name for p in _TORCH_PATHS):
+            continue
+        short = name.split("/site-packages/")[-1].split("/work/main/")[-1]
+        for marker in ("megatron_glm5/", "megatron/core/", "scripts/bench/", "bridge/"):
+            if marker in short:
+                short = short[short.index(marker):]
+                break
+        keep.append(f"{short}:{fr.get('line', '?')} {fr.get('name', '?')}")
+        if len(keep) == depth:
+            break
+    return " <- ".join(keep) or "?"
+
+
+def live_at_peak(events: Iterable[dict], baseline: int = 0) -> tuple[int, list[dict]]:
+    """Replay an allocator trace (``torch.cuda.memory._snapshot()["device_traces"][device]``): ``alloc`` adds a block,
+    ``free_completed`` removes it (a block allocated before recording began only lowers the running total). Returns
+    the peak of ``baseline`` + allocated bytes and the events of the blocks live at that peak (recorded blocks only)."""
+    events = list(events)
+    cur = peak = baseline
+    peak_at = -1
+    for i, ev in enumerate(events):
+        action = ev.get("action")
+        if action == "alloc":
+            cur += ev["size"]
+            if cur > peak:
+                peak, peak_at = cur, i
+        elif action == "free_completed":
+            cur -= ev["size"]
+    live: dict[int, dict] = {}
+    for ev in events[:peak_at + 1]:
+        action = ev.get("action")
+        if action == "alloc":
+            live[ev["addr"]] = ev
+        elif action == "free_completed":
+            live.pop(ev["addr"], None)
+    return peak, list(live.values())
+
+
+def group_by_site(blocks: list[dict], depth: int = 2) -> list[tuple[str, int, int]]:
+    """``(site, bytes, count)`` of the blocks, largest first (:func:`_site`)."""
+    sizes: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    for ev in blocks:
+        entry = sizes[_site(ev.get("frames") or [], depth)]
+        entry[0] += ev["size"]
+        entry[1] += 1
+    return sorted(((k, v[0], v[1]) for k, v in sizes.items()), key=lambda r: -r[1])
+
+
+def measure(model, seq: int, depth: int, top: int) -> list[str]:
+    import torch
+    from bench_offload import release, step
+
+    release()
+    baseline = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python", max_entries=2_000_000)
+    try:
+        step(model, seq)
+        torch.cuda.synchronize()
+        snap = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    trace = snap["device_traces"][torch.cuda.current_device()]
+    peak, blocks = live_at_peak(trace, baseline)
+    release()
+    rows = group_by_site(blocks, depth)
+    lines = [f"### {seq} tokens: peak {peak / GB:.2f} GB by the trace, {torch.cuda.max_memory_allocated() / GB:.2f} GB "
+             f"by torch.cuda.max_memory_allocated; before the step {baseline / GB:.2f} GB (parameters, gradients)",
+             "", f"{len(trace)} allocator events; {len(blocks)} recorded blocks live at the peak, "
+             f"{sum(b['size'] for b in blocks) / GB:.2f} GB.", "",
+             "| source (innermost frames outside torch) | GB | KB per token | blocks |", "|---|---|---|---|"]
+    for site, size, count in rows[:top]:
+        lines.append(f"| `{site}` | {size / GB:.3f} | {size / seq / 1e3:.1f} | {count} |")
+    rest = rows[top:]
+    if rest:
+        size = sum(r[1] for r in rest)
+        lines.append(f"| {len(rest)} other sources | {size / GB:.3f} | {size / seq / 1e3:.1f} | "
+                     f"{sum(r[2] for r in rest)} |")
+    return lines + [""]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--recompute", choices=["none", "full"], default="full")
+    p.add_argument("--backend", choices=["megatron", "tilelang"], default="tilelang")
+    p.add_argument("--offload", action="store_true", help="with the activation-offload window")
+    p.add_argument("--seqs", type=int, nargs="+", default=[32768])
+    p.add_argument("--depth", type=int, default=2, help="frames per source")
+    p.add_argument("--top", type=int, default=30, help="rows per table")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("memory_peak.py needs a CUDA device")
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_offload import build, step
+    from report import emit
+
+    from megatron_glm5.parallel import destroy_model_parallel, initialize_model_parallel
+
+    initialize_model_parallel()
+    model = build(args.offload, args.recompute, args.backend)
+    step(model, 2048)  # kernels compiled, gradients allocated: the trace then holds the step alone
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    lines = [f"## Peak GPU memory by source ({datetime.date.today()}, commit {commit or 'n/a'}, "
+             f"{torch.cuda.get_device_name(0)}, recompute {args.recompute}, backend {args.backend}, "
+             f"offload {'on' if args.offload else 'off'}; bench_offload.py's slice, one fwd+bwd)", ""]
+    for seq in args.seqs:
+        lines += measure(model, seq, args.depth, args.top)
+        print(f"measured {seq} tokens", flush=True)
+    emit(lines, args.out)
+    destroy_model_parallel()
+
+
+if __name__ == "__main__":
+    main()
