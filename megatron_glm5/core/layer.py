@@ -50,6 +50,7 @@ from megatron.core.utils import deprecate_inference_params
 from .. import offload
 from ..compat import checkpoint_node as _checkpoint_node
 from ..device_check import check_on_device
+from .mlp_chunks import check_chunkable, forward_mlp_in_chunks
 
 _STASH = "_glm5_dsa_topk"  # attribute of the checkpoint node: {layer module: (topk, fingerprint)}
 FINGERPRINT_GROUPS = 64
@@ -170,6 +171,8 @@ class DSADecoderLayer(TransformerLayer):
             raise NotImplementedError(
                 f"{self.family_title} layers do not support recompute of the input layernorm or CPU offloading yet"
             )
+        if self.config.mlp_chunks_for_training > 1:
+            check_chunkable(self.config)
         if activation_offload is not None and getattr(self.config, "cuda_graph_impl", "none") not in (None, "none"):
             raise NotImplementedError("activation offload moves tensors at run time and cannot be captured in a CUDA "
                                       "graph: use cuda_graph_impl='none' with it")
@@ -197,6 +200,15 @@ class DSADecoderLayer(TransformerLayer):
             return super().forward(*args, **kwargs)
         with window:
             return super().forward(*args, **kwargs)
+
+    def _forward_mlp(self, hidden_states: torch.Tensor, inference_context=None, padding_mask=None,
+                     packed_seq_params=None):
+        """megatron-core's MLP half; in the recompute of a layer with ``mlp_chunks_for_training > 1``, the MLP
+        in sequence chunks recomputed again in the backward (:mod:`megatron_glm5.core.mlp_chunks`)."""
+        if self.config.mlp_chunks_for_training > 1 and inference_context is None and in_recompute(self.training):
+            return forward_mlp_in_chunks(self, hidden_states, padding_mask, packed_seq_params)
+        return super()._forward_mlp(hidden_states, inference_context=inference_context, padding_mask=padding_mask,
+                                    packed_seq_params=packed_seq_params)
 
     def _mix(self, x: torch.Tensor, attention_mask, context: Optional[torch.Tensor], packed_seq_params):
         """The mixer on the normalised input ``x``: ``(out, bias, context to pass on)``. DSA attention takes and

@@ -81,6 +81,9 @@ class RuntimePolicy:
     recompute_method: Literal["uniform", "block"] | None = None
     recompute_num_layers: int | None = None
     recompute_modules: list[str] | None = None
+    # megatron-core's: the MLP in this many sequence chunks; under full recompute our layers recompute all but the
+    # last chunk again in the backward, so the MLP's share of the peak falls ~1/n (megatron_glm5.core.mlp_chunks)
+    mlp_chunks_for_training: int = 1
     moe_token_dispatcher_type: Literal["allgather", "alltoall"] = "allgather"
     moe_grouped_gemm: Literal["auto", "on", "off"] = "auto"  # megatron-core's; "auto": CUDA + bf16, no TE
     moe_aux_loss_coeff: float = 0.0
@@ -118,6 +121,9 @@ class RuntimePolicy:
             raise ValueError(
                 f"RuntimePolicy.moe_grouped_gemm: expected 'auto', 'on' or 'off', got {self.moe_grouped_gemm!r}"
             )
+        if self.mlp_chunks_for_training < 1:
+            raise ValueError(
+                f"RuntimePolicy.mlp_chunks_for_training: expected >= 1, got {self.mlp_chunks_for_training}")
         if self.activation_offload_min_numel < 0:
             raise ValueError(
                 f"RuntimePolicy.activation_offload_min_numel: expected >= 0, got {self.activation_offload_min_numel}")
@@ -182,6 +188,7 @@ def runtime_kwargs(policy: RuntimePolicy, env: RuntimeEnvironment | None = None)
         recompute_granularity=policy.recompute_granularity,
         recompute_method=policy.recompute_method,
         recompute_num_layers=policy.recompute_num_layers,
+        mlp_chunks_for_training=policy.mlp_chunks_for_training,
         moe_token_dispatcher_type=policy.moe_token_dispatcher_type,
         moe_grouped_gemm=policy.moe_grouped_gemm == "on",
         moe_aux_loss_coeff=policy.moe_aux_loss_coeff,

@@ -47,13 +47,14 @@ def glm5_slice_config() -> dict:
     )
 
 
-def build(offload: bool, recompute: str, backend: str):
+def build(offload: bool, recompute: str, backend: str, mlp_chunks: int = 1):
     from megatron_glm5.config import RuntimePolicy, parse_hf_config
     from megatron_glm5.model import build_model
 
     extra = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
         if recompute == "full" else {}
-    policy = RuntimePolicy(params_dtype=torch.bfloat16, activation_offload=offload, **extra)
+    policy = RuntimePolicy(params_dtype=torch.bfloat16, activation_offload=offload, mlp_chunks_for_training=mlp_chunks,
+                           **extra)
     torch.manual_seed(0)
     model = build_model(parse_hf_config(glm5_slice_config()), policy, backend=backend)
     return model.cuda().train()
@@ -143,6 +144,9 @@ def main() -> None:
     p.add_argument("--max-seq", type=int, default=1 << 20)
     p.add_argument("--time-seqs", type=int, nargs="*", default=[16384, 32768])
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--mlp-chunks", type=int, default=1,
+                   help="RuntimePolicy.mlp_chunks_for_training: under full recompute the MLP is recomputed in this many "
+                        "sequence chunks (megatron_glm5.core.mlp_chunks)")
     p.add_argument("--host-budget-gb", type=float, default=None,
                    help="stop the offload search before the host copies would exceed this (default 70%% of RAM)")
     p.add_argument("--settings", choices=["both", "no-offload", "offload"], default="both",
@@ -178,7 +182,7 @@ def main() -> None:
     for offload_on in chosen:
         label = "offload" if offload_on else "no offload"
         print(f"[{label}] building the model", flush=True)
-        model = build(offload_on, args.recompute, args.backend)
+        model = build(offload_on, args.recompute, args.backend, args.mlp_chunks)
         # timed steps first: after the search's out-of-memory step the allocator is fragmented (a 16K step that ran
         # before OOMed after it on the H200)
         times = {seq: time_step(model, seq, args.reps) for seq in args.time_seqs}
@@ -202,7 +206,7 @@ def main() -> None:
         "",
         f"GLM-5-shaped slice (hidden 6144, 16 heads, 4 MoE layers of 16 experts top-8 width 2048 + shared, indexer "
         f"32x128 top-k 2048, IndexShare [F,S,F,S], vocab 1024), bf16, `{args.backend}` backend, recompute "
-        f"{args.recompute}, batch 1, one fwd+bwd per size; PYTORCH_CUDA_ALLOC_CONF="
+        f"{args.recompute}, MLP chunks {args.mlp_chunks}, batch 1, one fwd+bwd per size; PYTORCH_CUDA_ALLOC_CONF="
         f"{os.environ.get('PYTORCH_CUDA_ALLOC_CONF', 'unset')}; host budget for offload {budget:.0f} GB.",
         "",
         "| tokens | no offload: peak GB | offload: peak GB | offload: host GB |",

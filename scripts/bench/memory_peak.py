@@ -67,6 +67,17 @@ def live_at_peak(events: Iterable[dict], baseline: int = 0) -> tuple[int, list[d
     return peak, list(live.values())
 
 
+def live_at_end(events: Iterable[dict]) -> list[dict]:
+    """The recorded blocks still allocated when the trace ends (what a step leaves behind)."""
+    live: dict[int, dict] = {}
+    for ev in events:
+        if ev.get("action") == "alloc":
+            live[ev["addr"]] = ev
+        elif ev.get("action") == "free_completed":
+            live.pop(ev["addr"], None)
+    return list(live.values())
+
+
 def group_by_site(blocks: list[dict], depth: int = 2) -> list[tuple[str, int, int]]:
     """``(site, bytes, count)`` of the blocks, largest first (:func:`_site`)."""
     sizes: dict[str, list[int]] = defaultdict(lambda: [0, 0])
@@ -77,7 +88,7 @@ def group_by_site(blocks: list[dict], depth: int = 2) -> list[tuple[str, int, in
     return sorted(((k, v[0], v[1]) for k, v in sizes.items()), key=lambda r: -r[1])
 
 
-def measure(model, seq: int, depth: int, top: int) -> list[str]:
+def measure(model, seq: int, depth: int, top: int, chunks: int) -> list[str]:
     import torch
     from bench_offload import release, step
 
@@ -93,6 +104,7 @@ def measure(model, seq: int, depth: int, top: int) -> list[str]:
         torch.cuda.memory._record_memory_history(enabled=None)
     trace = snap["device_traces"][torch.cuda.current_device()]
     peak, blocks = live_at_peak(trace, baseline)
+    left = live_at_end(trace)
     release()
     rows = group_by_site(blocks, depth)
     lines = [f"### {seq} tokens: peak {peak / GB:.2f} GB by the trace, {torch.cuda.max_memory_allocated() / GB:.2f} GB "
@@ -107,7 +119,9 @@ def measure(model, seq: int, depth: int, top: int) -> list[str]:
         size = sum(r[1] for r in rest)
         lines.append(f"| {len(rest)} other sources | {size / GB:.3f} | {size / seq / 1e3:.1f} | "
                      f"{sum(r[2] for r in rest)} |")
-    return lines + [""]
+    lines += ["", f"Left allocated after the step: {sum(b['size'] for b in left) / GB:.3f} GB in {len(left)} blocks"
+              + "".join(f"; `{site}` {size / GB:.3f} GB" for site, size, _ in group_by_site(left, depth)[:5]), ""]
+    return lines
 
 
 def main() -> None:
@@ -116,6 +130,7 @@ def main() -> None:
     p.add_argument("--backend", choices=["megatron", "tilelang"], default="tilelang")
     p.add_argument("--offload", action="store_true", help="with the activation-offload window")
     p.add_argument("--seqs", type=int, nargs="+", default=[32768])
+    p.add_argument("--mlp-chunks", type=int, default=1, help="RuntimePolicy.mlp_chunks_for_training")
     p.add_argument("--depth", type=int, default=2, help="frames per source")
     p.add_argument("--top", type=int, default=30, help="rows per table")
     p.add_argument("--out", default=None)
@@ -132,14 +147,15 @@ def main() -> None:
     from megatron_glm5.parallel import destroy_model_parallel, initialize_model_parallel
 
     initialize_model_parallel()
-    model = build(args.offload, args.recompute, args.backend)
+    model = build(args.offload, args.recompute, args.backend, args.mlp_chunks)
     step(model, 2048)  # kernels compiled, gradients allocated: the trace then holds the step alone
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = [f"## Peak GPU memory by source ({datetime.date.today()}, commit {commit or 'n/a'}, "
              f"{torch.cuda.get_device_name(0)}, recompute {args.recompute}, backend {args.backend}, "
-             f"offload {'on' if args.offload else 'off'}; bench_offload.py's slice, one fwd+bwd)", ""]
+             f"offload {'on' if args.offload else 'off'}, MLP chunks {args.mlp_chunks}; bench_offload.py's slice, one "
+             "fwd+bwd)", ""]
     for seq in args.seqs:
-        lines += measure(model, seq, args.depth, args.top)
+        lines += measure(model, seq, args.depth, args.top, args.mlp_chunks)
         print(f"measured {seq} tokens", flush=True)
     emit(lines, args.out)
     destroy_model_parallel()

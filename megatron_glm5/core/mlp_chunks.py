@@ -1,0 +1,139 @@
+"""The MLP half of a decoder layer recomputed in sequence chunks inside full-layer recompute (megatron-core's
+``mlp_chunks_for_training``, Megatron-LM's ``--mlp-chunks-for-training``).
+
+Why: under ``recompute_granularity="full"`` the peak of a long sequence is one layer's recomputed activations in its
+backward, and the MoE holds most of them: on the GLM-5 slice at 64K tokens, 333 of 555 KB per token (the permuted
+tokens, fc1's output, the activation and their gradients; ``scripts/bench/RESULTS_step.md``, long context).
+megatron-core's own ``mlp_chunks_for_training`` runs the MLP in chunks along the sequence but keeps every chunk's
+activations for the backward, so it lowers only the transient part of the peak.
+
+Here, in the recompute of a layer, the first ``n - 1`` chunks run without a graph (their output only) and are
+recomputed one at a time in the backward (:class:`_ChunkRecompute`); the last chunk runs with its graph, as without
+chunks. Its graph was built last, so the backward runs it first and frees it, then recomputes and backpropagates the
+other chunks one by one: the MLP's share of the peak falls to about ``1 / n`` of what it was, for ``(n - 1) / n`` of
+one more MLP forward. Outside a recompute (a forward that keeps its graph, or a checkpoint's first pass) megatron-core's
+own branch runs.
+
+Gradients: the recomputed chunks' parameter gradients are summed (in fp32 when there are several) and handed to
+autograd as the function's input gradients, so each parameter's accumulation node runs once per backward, as
+without chunks (megatron-core's DDP hook refuses a second gradient under ``overlap_grad_reduce``). Weights whose
+gradient the GEMM adds to ``main_grad`` itself (``gradient_accumulation_fusion``) return megatron-core's placeholder,
+which is passed on as it is.
+
+The math per token is unchanged; what depends on the whole sequence or on random numbers is refused
+(:func:`check_chunkable`). The router counts tokens for the expert bias only where gradients are enabled: once per
+recomputed chunk in the backward and once for the last chunk, so once per token in all, as without chunks.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+
+
+def check_chunkable(config) -> None:
+    """Raise ``ValueError`` (naming the settings) where chunks would change the math: a sequence- or batch-level MoE
+    loss (aux, z), router input jitter or forced load balancing (random per call), a bias on the MLP's output, the
+    pre-MLP norm recomputed on its own (its output is what the chunks keep)."""
+    problems = []
+    aux = getattr(config, "moe_aux_loss_coeff", 0.0)
+    aux_on = any(aux) if isinstance(aux, (list, tuple)) else bool(aux)
+    balancing = getattr(config, "moe_router_load_balancing_type", "none")
+    balancing = balancing if isinstance(balancing, (list, tuple)) else [balancing]
+    if aux_on and any(t != "none" for t in balancing):
+        problems.append(f"moe_aux_loss_coeff={aux} with moe_router_load_balancing_type={balancing}")
+    if getattr(config, "moe_z_loss_coeff", None):
+        problems.append(f"moe_z_loss_coeff={config.moe_z_loss_coeff}")
+    if getattr(config, "moe_input_jitter_eps", None):
+        problems.append(f"moe_input_jitter_eps={config.moe_input_jitter_eps}")
+    if getattr(config, "moe_router_force_load_balancing", False):
+        problems.append("moe_router_force_load_balancing")
+    if getattr(config, "add_bias_linear", False):
+        problems.append("add_bias_linear")
+    if "mlp_norm" in (getattr(config, "recompute_modules", None) or ()) \
+            and getattr(config, "recompute_granularity", None) == "selective":
+        problems.append("recompute_modules with 'mlp_norm'")
+    if problems:
+        raise ValueError(f"mlp_chunks_for_training={config.mlp_chunks_for_training} (the MLP recomputed in sequence "
+                         f"chunks under full recompute) cannot be combined with: {', '.join(problems)}")
+
+
+def chunk_sizes(length: int, chunks: int) -> list[int]:
+    """``chunks`` near-equal sizes summing to ``length`` (the larger ones first); fewer when ``length < chunks``."""
+    base, extra = divmod(length, chunks)
+    return [base + (i < extra) for i in range(chunks) if base + (i < extra) > 0]
+
+
+class _ChunkRecompute(torch.autograd.Function):
+    """``cat(run(i, x_i))`` over the chunks ``x_i`` of ``x`` (dim 0, ``sizes``) without a graph; the backward runs
+    each chunk again with gradients and returns ``dx`` and the summed gradients of ``params`` (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, run: Callable[[int, torch.Tensor], torch.Tensor], sizes: list[int], x: torch.Tensor,
+                *params: torch.Tensor) -> torch.Tensor:
+        ctx.run, ctx.sizes, ctx.params = run, sizes, params
+        ctx.save_for_backward(x)
+        return torch.cat([run(i, xi) for i, xi in enumerate(x.split(sizes, 0))], 0)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        params, several = ctx.params, len(ctx.sizes) > 1
+        dx = torch.empty_like(x)
+        sums: list[Optional[torch.Tensor]] = [None] * len(params)
+        for i, (xi, dyi, dxi) in enumerate(zip(x.split(ctx.sizes, 0), dy.split(ctx.sizes, 0),
+                                               dx.split(ctx.sizes, 0))):
+            xi = xi.detach().requires_grad_(True)
+            with torch.enable_grad():
+                yi = ctx.run(i, xi)
+            grads = torch.autograd.grad(yi, (xi, *params), dyi, allow_unused=True)
+            dxi.copy_(grads[0])
+            del yi
+            for j, (p, g) in enumerate(zip(params, grads[1:])):
+                if g is None:
+                    continue
+                if sums[j] is None:
+                    placeholder = getattr(p, "grad_added_to_main_grad", False)
+                    sums[j] = g.float() if several and not placeholder else g
+                elif not getattr(p, "grad_added_to_main_grad", False):
+                    sums[j].add_(g)
+        return (None, None, dx, *sums)
+
+
+def chunked_mlp(mlp: torch.nn.Module, x: torch.Tensor, chunks: int,
+                padding_mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, None]:
+    """``mlp`` on ``x`` (``[s, b, h]``) in ``chunks`` pieces along ``s``: all but the last recomputed in the backward
+    (module docstring). ``padding_mask`` (``[b, s]``) is split with ``x``. Returns ``(output, None)``, megatron-core's
+    ``(output, bias)`` pair (a bias is refused by :func:`check_chunkable`)."""
+    sizes = chunk_sizes(x.shape[0], chunks)
+    masks: Sequence[Optional[torch.Tensor]] = (
+        padding_mask.split(sizes, 1) if padding_mask is not None else [None] * len(sizes))
+
+    def run(i: int, xi: torch.Tensor) -> torch.Tensor:
+        out, bias = mlp(xi, padding_mask=masks[i])
+        if bias is not None:
+            raise RuntimeError("mlp_chunks_for_training: the MLP returned a bias (refused by check_chunkable)")
+        return out
+
+    if len(sizes) == 1:
+        return run(0, x), None
+    head, last = x.split([x.shape[0] - sizes[-1], sizes[-1]], 0)
+    params = tuple(p for p in mlp.parameters() if p.requires_grad)
+    first = _ChunkRecompute.apply(run, sizes[:-1], head, *params)
+    return torch.cat([first, run(len(sizes) - 1, last)], 0), None
+
+
+def forward_mlp_in_chunks(layer, hidden_states: torch.Tensor, padding_mask, packed_seq_params) -> torch.Tensor:
+    """megatron-core's ``TransformerLayer._forward_mlp`` (pre-MLP norm, MoE un-flattening, MLP, bias-dropout-add)
+    with the MLP run by :func:`chunked_mlp`; used by :class:`~megatron_glm5.core.layer.DSADecoderLayer` in the
+    recompute of a layer."""
+    pre = layer._forward_pre_mlp_layernorm(hidden_states)
+    pre, residual = pre if isinstance(pre, tuple) else (pre, hidden_states)
+    if layer.config.fp32_residual_connection:
+        residual = residual.float()
+    pre, padding_mask, mbs = layer._maybe_unflatten_for_moe(pre, padding_mask, packed_seq_params)
+    out, bias = chunked_mlp(layer.mlp, pre, layer.config.mlp_chunks_for_training, padding_mask)
+    if mbs is not None:
+        out = layer._maybe_reflatten_from_moe(out, packed_seq_params, mbs)
+    return layer._forward_post_mlp((out, bias), residual)

@@ -1,0 +1,94 @@
+"""The MLP recomputed in sequence chunks inside full-layer recompute (megatron_glm5.core.mlp_chunks): gradients and
+the expert-bias token counts equal the unchunked recompute's, each parameter's gradient is accumulated once per
+backward (megatron-core DDP's hook contract), the MLP runs the expected number of times with and without a graph, and
+settings whose math depends on the whole sequence are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_glm5.config import parse_hf_config
+from megatron_glm5.core.mlp_chunks import chunk_sizes
+from megatron_glm5.model import build_model, default_cpu_policy
+from megatron_glm5.testing import tiny_glm52_config
+
+SEQ = 48
+FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+
+
+def _build(chunks: int, backend: str = "tilelang", **policy):
+    arch = parse_hf_config(tiny_glm52_config())  # dense first layer, MoE after it, 1 MTP layer
+    torch.manual_seed(0)
+    return arch, build_model(arch, default_cpu_policy(**FULL, mlp_chunks_for_training=chunks, **policy),
+                             backend=backend)
+
+
+def _step(model, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 64, (2, SEQ), generator=gen)
+    pos = torch.arange(SEQ)[None].expand(2, SEQ)
+    loss = model(ids, pos, attention_mask=None, labels=ids).sum()
+    loss.backward()
+    return loss.detach()
+
+
+def _routers(model):
+    return [m for n, m in model.named_modules() if n.endswith("mlp.router")]
+
+
+def test_chunk_sizes():
+    assert chunk_sizes(10, 3) == [4, 3, 3]
+    assert chunk_sizes(2, 4) == [1, 1]
+    assert sum(chunk_sizes(48, 5)) == 48
+
+
+@pytest.mark.parametrize("chunks", [2, 3])
+@pytest.mark.parametrize("backend", ["megatron", "tilelang"])
+def test_chunked_recompute_matches_unchunked(model_parallel, chunks, backend):
+    _, reference = _build(1, backend)
+    _, model = _build(chunks, backend)
+    model.load_state_dict(reference.state_dict())
+    for m in (reference, model):
+        m.train()
+        m.zero_grad(set_to_none=True)
+    assert torch.equal(_step(reference, 1), _step(model, 1))
+    expected = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert set(got) == set(expected) and any(".mlp.experts." in n for n in got)
+    for name, g in expected.items():
+        err = (got[name] - g).abs().max() / g.abs().max().clamp_min(1e-12)
+        assert err <= 1e-5, f"{name}: {err:.2e}"
+    counts = [(r.local_tokens_per_expert.clone(), m.local_tokens_per_expert)
+              for r, m in zip(_routers(reference), _routers(model))]
+    assert counts and all(torch.equal(a, b) for a, b in counts), "expert-bias token counts differ"
+    assert all(int(a.sum()) > 0 for a, _ in counts)
+
+
+def test_each_gradient_accumulated_once_and_mlp_call_count(model_parallel):
+    arch, model = _build(3)
+    model.train()
+    accumulated: dict[str, int] = {}
+    for name, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, name=name: accumulated.__setitem__(
+            name, accumulated.get(name, 0) + 1))
+    mlp = model.decoder.layers[1].mlp  # an MoE layer
+    calls = []
+    mlp.register_forward_pre_hook(lambda mod, args: calls.append((args[0].shape[0], torch.is_grad_enabled())))
+    _step(model, 2)
+    assert accumulated and set(accumulated.values()) == {1}, "a parameter's gradient was accumulated twice"
+    sizes = chunk_sizes(SEQ, 3)
+    # first pass: megatron-core's chunks (no graph); recompute: 2 chunks without a graph, the last with one;
+    # backward: the 2 first chunks again with gradients
+    assert calls == [(s, False) for s in sizes] + [(s, False) for s in sizes[:-1]] + [(sizes[-1], True)] \
+        + [(s, True) for s in sizes[:-1]]
+
+
+def test_refused_with_aux_loss(model_parallel):
+    with pytest.raises(ValueError, match="mlp_chunks_for_training=2 .*moe_aux_loss_coeff"):
+        _build(2, moe_aux_loss_coeff=0.01, moe_router_load_balancing_type="aux_loss")
+
+
+def test_policy_rejects_zero_chunks():
+    with pytest.raises(ValueError, match="mlp_chunks_for_training"):
+        default_cpu_policy(mlp_chunks_for_training=0)
