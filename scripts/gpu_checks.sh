@@ -19,7 +19,9 @@
 # zero_groups (tests/gpu/test_zero_groups_gpu.py: the experimental zero-groups kernel vs masked_fill, and speed),
 # grouped_route (the kernel, backend and RL GPU tests with the opt-in grouped sparse MLA on; bench_step with
 # MEGATRON_GLM5_GROUPED_SPARSE_MLA=1 in the environment times the step with it), memory_peak (what one step of the
-# slice holds at its peak, by source line; MEMORY_ARGS adds flags, e.g. --seqs 32768 65536).
+# slice holds at its peak, by source line; MEMORY_ARGS adds flags, e.g. --seqs 32768 65536), long_context
+# (tests/gpu/test_long_context_gpu.py: the DSA kernels at 262144 tokens, rows past 2^31 element offsets),
+# mlp_chunks_client (Megatron-LM's pretrain_gpt.py with full recompute and --mlp-chunks-for-training 2, both specs).
 # Each step has its own log and time limit; a failing step does not stop the others.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -70,6 +72,10 @@ for step in "$@"; do
     bench_indexer_loss) TAIL=40 run bench_indexer_loss 400 python3 scripts/bench/bench_indexer_loss.py --out "$OUT_DIR/indexer_loss.md" ${BENCH_ARGS:-} ;;
     bench_kernels) run bench_kernels 300 python3 scripts/bench/bench_dsa_kernels.py --out "$OUT_DIR/kernels.md" ${BENCH_ARGS:-} ;;
     bench_step) TAIL=40 run bench_step 560 python3 scripts/bench/bench_step.py --out "$OUT_DIR/step.md" --timeout 150 --profile-variants tilelang,tilelang-unfused ${BENCH_STEP_ARGS:-} ;;
+    long_context) run long_context 240 python3 -m pytest tests/gpu/test_long_context_gpu.py -q -s -p no:cacheprovider ;;
+    mlp_chunks_client) RUNS="get_glm5_tilelang_spec get_glm5_spec" OUT="$OUT_DIR/mlm_chunks" TAIL=8 \
+      EXTRA_ARGS="--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 --mlp-chunks-for-training 2" \
+      run mlp_chunks_client 420 bash .mlm/run_pretrain_gpt.sh ;;
     memory_peak) TAIL=80 run memory_peak 300 python3 scripts/bench/memory_peak.py --out "$OUT_DIR/memory.md" ${MEMORY_ARGS:-} ;;
     bench_layer) run bench_layer 180 python3 scripts/bench/bench_glm5_layer.py --out "$OUT_DIR/layer.md" ;;
     pretrain_megatron) run pretrain_megatron 150 bash examples/pretrain_glm5_tiny.sh megatron ;;

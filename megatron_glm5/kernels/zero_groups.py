@@ -11,8 +11,8 @@ Contract (:func:`zero_empty_groups`): ``dw [E, ...]`` contiguous, ``empty`` bool
 returns ``dw``. Oracle: :func:`zero_empty_groups_reference` (``masked_fill_``), which runs where the kernel does not
 take the tensors.
 
-Experimental, not yet run on a GPU: used only with ``MEGATRON_GLM5_ZERO_GROUPS_KERNEL=1``
-(:mod:`megatron_glm5.fusions`).
+On by default (``MEGATRON_GLM5_ZERO_GROUPS_KERNEL``, :mod:`megatron_glm5.fusions`). H200: 62.9 vs 1055.9 us for a
+``[16, 4096, 6144]`` gradient with no empty group; the GLM-5 slice's step 512.1 -> 501.4 ms (issue 23, round 4).
 """
 
 from __future__ import annotations
