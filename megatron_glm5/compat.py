@@ -680,6 +680,38 @@ def _probe_dispatch_postprocess() -> None:
     assert {"tp_size", "ep_size"} <= set(D.token_dispatch.__code__.co_names)
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# 15. megatron-core's TransformerLayer MLP half (core/mlp_chunks.py: the MLP in chunks inside a layer's recompute)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+_MLP_HALF = {  # method: its parameters after self, as core/mlp_chunks.py and DSADecoderLayer._forward_mlp call them
+    "_forward_mlp": ["hidden_states", "inference_context", "padding_mask", "packed_seq_params"],
+    "_forward_pre_mlp_layernorm": ["hidden_states"],
+    "_maybe_unflatten_for_moe": ["hidden_states", "padding_mask", "packed_seq_params"],
+    "_maybe_reflatten_from_moe": ["output", "packed_seq_params", "mbs"],
+    "_forward_post_mlp": ["mlp_output_with_bias", "residual"],
+}
+
+
+@_hook("transformer_layer.TransformerLayer: forward calls _forward_mlp, whose steps are _forward_pre_mlp_layernorm, "
+       "_maybe_unflatten_for_moe, the MLP, _maybe_reflatten_from_moe, _forward_post_mlp; mlp_chunks_for_training",
+       "core/mlp_chunks.py, core/layer.py", MCORE)
+def _probe_mlp_half() -> None:
+    import inspect
+
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_layer import TransformerLayer as L
+
+    for name, params in _MLP_HALF.items():
+        got = list(inspect.signature(getattr(L, name)).parameters)[1:]
+        assert got == params, f"TransformerLayer.{name}{tuple(got)}, expected {tuple(params)}"
+    assert "_forward_mlp" in L.forward.__code__.co_names
+    steps = set(L._forward_mlp.__code__.co_names)
+    assert set(_MLP_HALF) - {"_forward_mlp"} <= steps, steps
+    assert "mlp_chunks_for_training" in TransformerConfig.__dataclass_fields__
+
+
 def check_all() -> list[str]:
     """Run every probe; the names of those that fail (an empty list: every internal is where it was)."""
     failed = []

@@ -21,8 +21,8 @@ def test_probe_passes_on_installed_versions(hook):
     hook.probe()
 
 
-def test_seventeen_hooks_cover_the_design_list():
-    assert len(compat.HOOKS) == 17
+def test_eighteen_hooks_cover_the_design_list():
+    assert len(compat.HOOKS) == 18
     assert compat.check_all() == []
 
 
@@ -64,6 +64,16 @@ def test_probe_fails_when_the_optimizer_builder_moves(monkeypatch):
 
     monkeypatch.delattr(mcore_optimizer, "USING_PYTORCH_OPTIMIZER")
     assert any("USING_PYTORCH_OPTIMIZER" in f for f in compat.check_all())
+
+
+def test_probe_fails_when_the_mlp_half_changes(monkeypatch):
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    def renamed(self, output, packed_seq_params, micro_batches):
+        return output
+
+    monkeypatch.setattr(TransformerLayer, "_maybe_reflatten_from_moe", renamed)
+    assert any("_maybe_reflatten_from_moe" in f for f in compat.check_all())
 
 
 def test_a_patch_that_added_an_attribute_removes_it_again():
