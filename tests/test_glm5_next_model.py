@@ -192,8 +192,10 @@ def test_gradients_match_transformers(model_parallel, flash_checkpoint, hf_model
 
 @pytest.mark.parametrize("recompute", [dict(recompute_granularity="full", recompute_method="uniform",
                                             recompute_num_layers=1),
+                                       dict(recompute_granularity="full", recompute_method="uniform",
+                                            recompute_num_layers=1, mlp_chunks_for_training=3),
                                        dict(recompute_granularity="selective", recompute_modules=["mlp", "moe"])],
-                         ids=["full-uniform-1", "selective-mlp-moe"])
+                         ids=["full-uniform-1", "full-mlp-chunks-3", "selective-mlp-moe"])
 def test_recompute_gives_the_same_gradients(model_parallel, recompute):
     """Activation recompute over mHC layers (streams through megatron-core's checkpoint; KDA recomputed, DSA top-k
     replayed) gives the no-recompute gradients; recomputing the input norms is refused with the remedy."""
@@ -215,5 +217,7 @@ def test_recompute_gives_the_same_gradients(model_parallel, recompute):
     assert set(grads[0]) == set(grads[1])
     for n, g in grads[0].items():
         assert ((grads[1][n] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item() <= 1e-6, n
+    if recompute.get("mlp_chunks_for_training"):  # the mHC layers' own MLP half runs the chunks
+        assert any(".mlp_hc." in n for n in grads[0])
     with pytest.raises(NotImplementedError, match="recompute of the input layernorm"):
         build_model(arch, default_cpu_policy(recompute_granularity="selective", recompute_modules=["layernorm"]))

@@ -12,7 +12,8 @@ recomputed one at a time in the backward (:class:`_ChunkRecompute`); the last ch
 chunks. Its graph was built last, so the backward runs it first and frees it, then recomputes and backpropagates the
 other chunks one by one: the MLP's share of the peak falls to about ``1 / n`` of what it was, for ``(n - 1) / n`` of
 one more MLP forward. Outside a recompute (a forward that keeps its graph, or a checkpoint's first pass) megatron-core's
-own branch runs.
+own branch runs. GLM-5.3-Flash's mHC layers run the same chunks inside their own MLP half
+(:mod:`megatron_glm5.glm5_next.layer`).
 
 Gradients: the recomputed chunks' parameter gradients are summed (in fp32 when there are several) and handed to
 autograd as the function's input gradients, so each parameter's accumulation node runs once per backward, as

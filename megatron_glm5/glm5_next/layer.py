@@ -20,7 +20,8 @@ import functools
 from megatron.core import tensor_parallel
 from megatron.core.utils import make_viewless_tensor
 
-from ..core.layer import DSADecoderLayer
+from ..core.layer import DSADecoderLayer, in_recompute
+from ..core.mlp_chunks import chunked_mlp
 from .mhc import HyperConnection, expand_streams
 from .swiglu import check_clamped_swiglu_modules
 
@@ -71,6 +72,8 @@ class GLM5NextTransformerLayer(DSADecoderLayer):
         x, padding_mask, mbs = self._maybe_unflatten_for_moe(x, padding_mask, packed_seq_params)
         if self.recompute_mlp:
             out, bias = tensor_parallel.checkpoint(functools.partial(self.mlp, padding_mask=padding_mask), False, x)
+        elif self.config.mlp_chunks_for_training > 1 and inference_context is None and in_recompute(self.training):
+            out, bias = chunked_mlp(self.mlp, x, self.config.mlp_chunks_for_training, padding_mask)
         else:
             out, bias = self.mlp(x, padding_mask=padding_mask)
         out = self._maybe_reflatten_from_moe(out, packed_seq_params, mbs)
