@@ -88,6 +88,58 @@ def group_by_site(blocks: list[dict], depth: int = 2) -> list[tuple[str, int, in
     return sorted(((k, v[0], v[1]) for k, v in sizes.items()), key=lambda r: -r[1])
 
 
+def _describe(obj, depth: int = 3, seen=None) -> str:
+    """Who holds ``obj``: its Python referrers up to ``depth`` levels (an object's ``__dict__`` named by its owner's
+    type and the key). Holders outside Python (an autograd graph node) do not show up."""
+    import gc
+    import types
+
+    seen = set() if seen is None else seen
+    parts = []
+    for ref in gc.get_referrers(obj):
+        if id(ref) in seen or isinstance(ref, types.FrameType) or ref is seen:
+            continue
+        seen.add(id(ref))
+        if isinstance(ref, dict):
+            keys = [k for k, v in ref.items() if v is obj]
+            owners = [o for o in gc.get_referrers(ref) if getattr(o, "__dict__", None) is ref]
+            label = f"{type(owners[0]).__name__}.{keys[0] if keys else '?'}" if owners else f"dict[{keys[:3]}]"
+            parts.append(label + (f" <- ({_describe(owners[0], depth - 1, seen)})" if owners and depth > 1 else ""))
+        else:
+            attrs = [k for k, v in getattr(ref, "__dict__", {}).items() if v is obj] if hasattr(ref, "__dict__") else []
+            label = type(ref).__name__ + (f".{attrs[0]}" if attrs else "")
+            parts.append(label + (f" <- ({_describe(ref, depth - 1, seen)})" if depth > 1 else ""))
+        if len(parts) == 4:
+            break
+    return "; ".join(parts) or "no Python referrer"
+
+
+def holders(model, seq: int) -> list[str]:
+    """The norm outputs (any module whose class name has ``Norm``) still alive after one step, and who holds them."""
+    import gc
+    import weakref
+
+    from bench_offload import release, step
+
+    refs = []
+    hooks = [m.register_forward_hook(
+        lambda mod, args, out, name=name: refs.append((name, weakref.ref(out[0] if isinstance(out, tuple) else out))))
+        for name, m in model.named_modules() if "Norm" in type(m).__name__]
+    try:
+        step(model, seq)
+    finally:
+        for h in hooks:
+            h.remove()
+    gc.collect()
+    alive = [(name, r()) for name, r in refs if r() is not None]
+    lines = [f"Norm outputs alive after a {seq}-token step: {len(alive)} of {len(refs)}"]
+    for name, t in alive[:6]:
+        lines.append(f"- `{name}` {tuple(t.shape)}: {_describe(t)}")
+    del alive
+    release()
+    return lines + [""]
+
+
 def measure(model, seq: int, depth: int, top: int, chunks: int) -> list[str]:
     import torch
     from bench_offload import release, step
@@ -133,6 +185,8 @@ def main() -> None:
     p.add_argument("--mlp-chunks", type=int, default=1, help="RuntimePolicy.mlp_chunks_for_training")
     p.add_argument("--depth", type=int, default=2, help="frames per source")
     p.add_argument("--top", type=int, default=30, help="rows per table")
+    p.add_argument("--holders", action="store_true",
+                   help="instead of the peak: which norm outputs outlive a step, and their Python referrers")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     import torch
@@ -155,7 +209,7 @@ def main() -> None:
              f"offload {'on' if args.offload else 'off'}, MLP chunks {args.mlp_chunks}; bench_offload.py's slice, one "
              "fwd+bwd)", ""]
     for seq in args.seqs:
-        lines += measure(model, seq, args.depth, args.top, args.mlp_chunks)
+        lines += holders(model, seq) if args.holders else measure(model, seq, args.depth, args.top, args.mlp_chunks)
         print(f"measured {seq} tokens", flush=True)
     emit(lines, args.out)
     destroy_model_parallel()
