@@ -54,3 +54,33 @@ def test_earlier_peak_wins():
     assert row == ("megatron/core/transformer/moe/experts.py:10 forward <- "
                    "megatron/core/transformer/transformer_layer.py:30 _forward_mlp", 100, 1)
     assert mp.group_by_site([events[2]]) == [("?", 60, 1)]
+
+
+def test_tensors_in_cycles_names_the_cycle():
+    import torch
+
+    class Node:
+        pass
+
+    def make():
+        a, b = Node(), Node()
+        a.other, b.other = b, a  # a cycle
+        a.kept = torch.zeros(1000)
+        plain = torch.ones(10)  # freed by reference counting: not reported
+        del plain
+
+    found = mp.tensors_in_cycles(make, is_tensor=lambda t: True)
+    assert [(size, shape) for size, shape, _ in found] == [(4000, "(1000,)")]
+    assert found[0][2] == ["Node"]
+
+    def make_frame_cycle():
+        def inner():
+            t = torch.zeros(7)  # noqa: F841 - kept by the frame the exception's traceback holds
+            try:
+                raise ValueError("x")
+            except ValueError as e:
+                inner.kept = e  # exception -> traceback -> frame -> locals -> (via inner) the exception
+        inner()
+
+    found = mp.tensors_in_cycles(make_frame_cycle, is_tensor=lambda t: True)
+    assert any(shape == "(7,)" and any(r.startswith("frame inner") for r in refs) for _, shape, refs in found)

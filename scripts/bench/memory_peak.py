@@ -114,6 +114,66 @@ def _describe(obj, depth: int = 3, seen=None) -> str:
     return "; ".join(parts) or "no Python referrer"
 
 
+def _label(obj) -> str:
+    """A garbage object in a few words: a frame by its function and line, a function by its qualified name, else
+    its type."""
+    import types
+
+    if isinstance(obj, types.FrameType):
+        return f"frame {obj.f_code.co_name} ({obj.f_code.co_filename.rsplit('/', 2)[-1]}:{obj.f_lineno})"
+    if isinstance(obj, (types.FunctionType, types.MethodType)):
+        return f"function {getattr(obj, '__qualname__', '?')}"
+    if isinstance(obj, BaseException):
+        return f"exception {type(obj).__name__}"
+    return type(obj).__name__
+
+
+def tensors_in_cycles(run, is_tensor=None) -> list[tuple[int, str, list[str]]]:
+    """Run ``run()`` with the collector off, then collect with ``DEBUG_SAVEALL``: the tensors only reference cycles
+    kept alive, as ``(bytes, shape, [the garbage objects that refer to it])``, largest first. ``is_tensor`` picks
+    which tensors count (default: CUDA tensors)."""
+    import gc
+
+    import torch
+
+    is_tensor = is_tensor or (lambda t: t.is_cuda)
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        run()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        garbage = list(gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        if enabled:
+            gc.enable()
+    ids = {id(o) for o in garbage}
+    found = []
+    for obj in garbage:
+        if isinstance(obj, torch.Tensor) and is_tensor(obj):
+            refs = [_label(r) for r in gc.get_referrers(obj) if id(r) in ids]
+            found.append((obj.untyped_storage().nbytes(), str(tuple(obj.shape)), refs))
+    del garbage
+    gc.collect()
+    return sorted(found, key=lambda f: -f[0])
+
+
+def cycles(model, seq: int) -> list[str]:
+    """The CUDA tensors a step leaves in reference cycles, and what refers to them (:func:`tensors_in_cycles`)."""
+    from bench_offload import release, step
+
+    found = tensors_in_cycles(lambda: step(model, seq))
+    lines = [f"CUDA tensors held only by reference cycles after a {seq}-token step: {len(found)}, "
+             f"{sum(f[0] for f in found) / GB:.3f} GB of storage", ""]
+    for size, shape, refs in found[:12]:
+        lines.append(f"- {shape}, {size / GB:.3f} GB: {'; '.join(refs[:4]) or 'no garbage referrer'}")
+    release()
+    return lines + [""]
+
+
 def holders(model, seq: int) -> list[str]:
     """The norm outputs (any module whose class name has ``Norm``) still alive after one step, and who holds them."""
     import gc
@@ -187,6 +247,9 @@ def main() -> None:
     p.add_argument("--top", type=int, default=30, help="rows per table")
     p.add_argument("--holders", action="store_true",
                    help="instead of the peak: which norm outputs outlive a step, and their Python referrers")
+    p.add_argument("--cycles", action="store_true",
+                   help="instead of the peak: the CUDA tensors a step leaves in reference cycles, and what refers to "
+                        "them (frames name the function)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     import torch
@@ -209,7 +272,12 @@ def main() -> None:
              f"offload {'on' if args.offload else 'off'}, MLP chunks {args.mlp_chunks}; bench_offload.py's slice, one "
              "fwd+bwd)", ""]
     for seq in args.seqs:
-        lines += holders(model, seq) if args.holders else measure(model, seq, args.depth, args.top, args.mlp_chunks)
+        if args.cycles:
+            lines += cycles(model, seq)
+        elif args.holders:
+            lines += holders(model, seq)
+        else:
+            lines += measure(model, seq, args.depth, args.top, args.mlp_chunks)
         print(f"measured {seq} tokens", flush=True)
     emit(lines, args.out)
     destroy_model_parallel()
