@@ -77,7 +77,7 @@ for step in "$@"; do
     mlp_chunks_client) RUNS="get_glm5_tilelang_spec get_glm5_spec" OUT="$OUT_DIR/mlm_chunks" TAIL=8 \
       EXTRA_ARGS="--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 --mlp-chunks-for-training 2" \
       run mlp_chunks_client 420 bash .mlm/run_pretrain_gpt.sh ;;
-    memory_cycles) TAIL=30 run memory_cycles 200 python3 scripts/bench/memory_peak.py --cycles --seqs 8192 65536 --out "$OUT_DIR/cycles.md" ;;
+    memory_cycles) TAIL=30 run memory_cycles 200 python3 scripts/bench/memory_peak.py --cycles --seqs 8192 65536 --out "$OUT_DIR/cycles.md" ${MEMORY_ARGS:-} ;;
     memory_peak) TAIL=80 run memory_peak 300 python3 scripts/bench/memory_peak.py --out "$OUT_DIR/memory.md" ${MEMORY_ARGS:-} ;;
     bench_layer) run bench_layer 180 python3 scripts/bench/bench_glm5_layer.py --out "$OUT_DIR/layer.md" ;;
     pretrain_megatron) run pretrain_megatron 150 bash examples/pretrain_glm5_tiny.sh megatron ;;

@@ -209,7 +209,11 @@ def test_recompute_gives_the_same_gradients(model_parallel, recompute):
     other = build_model(arch, default_cpu_policy(**recompute))
     other.load_state_dict(base.state_dict())
     ids, pos = _batch()
-    grads = []
+    grads, calls = [], []
+    chunks = recompute.get("mlp_chunks_for_training", 1)
+    if chunks > 1:  # every mHC layer's MLP runs its chunks in the recompute (2 of 3 with a graph only in backward)
+        for layer in other.decoder.layers:
+            layer.mlp.register_forward_pre_hook(lambda mod, args: calls.append(torch.is_grad_enabled()))
     for model in (base, other):
         model.train()
         model(ids, pos, None, labels=ids).sum().backward()
@@ -217,7 +221,9 @@ def test_recompute_gives_the_same_gradients(model_parallel, recompute):
     assert set(grads[0]) == set(grads[1])
     for n, g in grads[0].items():
         assert ((grads[1][n] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item() <= 1e-6, n
-    if recompute.get("mlp_chunks_for_training"):  # the mHC layers' own MLP half runs the chunks
+    if chunks > 1:  # the first pass runs each mHC layer's MLP whole (no graph); then, layer by layer in backward
+        n_layers = len(other.decoder.layers)  # order, the recompute's 2 + 1 chunks and the 2 recomputed again
         assert any(".mlp_hc." in n for n in grads[0])
+        assert calls == [False] * n_layers + [False, False, True, True, True] * n_layers, str(calls)
     with pytest.raises(NotImplementedError, match="recompute of the input layernorm"):
         build_model(arch, default_cpu_policy(recompute_granularity="selective", recompute_modules=["layernorm"]))

@@ -27,12 +27,12 @@ def test_peak_and_live_set():
     events = [
         {"action": "alloc", "addr": 1, "size": 100, "frames": _frames(TORCH, MOE, LAYER)},
         {"action": "alloc", "addr": 2, "size": 50, "frames": _frames(ATT)},
-        {"action": "free_requested", "addr": 1, "size": 100},  # not yet free: the peak below still counts it
+        {"action": "free_requested", "addr": 1, "size": 100},  # no longer allocated (torch's counter drops here)
         {"action": "alloc", "addr": 3, "size": 30, "frames": _frames(MOE)},
-        {"action": "free_completed", "addr": 1, "size": 100},
-        {"action": "free_completed", "addr": 9, "size": 5},  # allocated before recording began
+        {"action": "free_completed", "addr": 1, "size": 100},  # the block may be reused now: not counted twice
+        {"action": "free_requested", "addr": 9, "size": 5},  # allocated before recording began
         {"action": "alloc", "addr": 4, "size": 120, "frames": _frames(ATT)},  # 1000 + 50 + 30 - 5 + 120 = 1195
-        {"action": "free_completed", "addr": 4, "size": 120},
+        {"action": "free_requested", "addr": 4, "size": 120},
     ]
     peak, live = mp.live_at_peak(events, baseline=1000)
     assert peak == 1195
@@ -45,7 +45,7 @@ def test_peak_and_live_set():
 def test_earlier_peak_wins():
     events = [
         {"action": "alloc", "addr": 1, "size": 100, "frames": _frames(MOE, LAYER)},
-        {"action": "free_completed", "addr": 1, "size": 100},
+        {"action": "free_requested", "addr": 1, "size": 100},
         {"action": "alloc", "addr": 2, "size": 60, "frames": []},
     ]
     peak, live = mp.live_at_peak(events)
@@ -84,3 +84,25 @@ def test_tensors_in_cycles_names_the_cycle():
 
     found = mp.tensors_in_cycles(make_frame_cycle, is_tensor=lambda t: True)
     assert any(shape == "(7,)" and any(r.startswith("frame inner") for r in refs) for _, shape, refs in found)
+
+
+def test_bench_offload_search_doubles_then_bisects():
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location("bench_offload", ROOT / "scripts" / "bench" / "bench_offload.py")
+    bo = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT / "scripts" / "bench"))  # bench_offload imports report
+    spec.loader.exec_module(bo)
+    tried = []
+
+    def attempt(seq):  # fits up to 300000 tokens
+        tried.append(seq)
+        return dict(ok=seq <= 300000, error=None if seq <= 300000 else "GPU OOM", peak_gb=seq / 1e4, host_gb=0.0)
+
+    args = SimpleNamespace(start=65536, max_seq=1 << 21, bisect_step=8192)
+    best, rows = bo.longest(None, args, float("inf"), attempt)
+    assert best == 294912  # 36 * 8192 fits, 37 * 8192 = 303104 does not
+    assert tried[:4] == [65536, 131072, 262144, 524288] and len(tried) <= 4 + 6
+    assert [seq for seq, _ in rows] == sorted(tried)
+    best, _ = bo.longest(None, SimpleNamespace(start=65536, max_seq=1 << 21, bisect_step=0), float("inf"), attempt)
+    assert best == 262144

@@ -24,10 +24,10 @@ def _build(chunks: int, backend: str = "tilelang", **policy):
                              backend=backend)
 
 
-def _step(model, seed: int):
+def _step(model, seed: int, seq: int = SEQ):
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 64, (2, SEQ), generator=gen)
-    pos = torch.arange(SEQ)[None].expand(2, SEQ)
+    ids = torch.randint(0, 64, (2, seq), generator=gen)
+    pos = torch.arange(seq)[None].expand(2, seq)
     loss = model(ids, pos, attention_mask=None, labels=ids).sum()
     loss.backward()
     return loss.detach()
@@ -37,22 +37,25 @@ def _routers(model):
     return [m for n, m in model.named_modules() if n.endswith("mlp.router")]
 
 
-def test_chunk_sizes():
-    assert chunk_sizes(10, 3) == [4, 3, 3]
-    assert chunk_sizes(2, 4) == [1, 1]
-    assert sum(chunk_sizes(48, 5)) == 48
+def test_chunk_sizes_are_torch_chunks():
+    """The recompute runs the pieces megatron-core's own branch ran in the checkpoint's first pass."""
+    for length in (0, 1, 2, 10, 47, 48):
+        for chunks in (1, 2, 3, 4, 5):
+            expect = [c.shape[0] for c in torch.empty(length).chunk(max(1, min(chunks, length)))] or [0]
+            assert chunk_sizes(length, chunks) == expect, (length, chunks)
+    assert chunk_sizes(10, 4) == [3, 3, 3, 1]
 
 
-@pytest.mark.parametrize("chunks", [2, 3])
+@pytest.mark.parametrize("chunks,seq", [(2, SEQ), (3, SEQ), (4, 47)], ids=["2", "3", "4-uneven"])
 @pytest.mark.parametrize("backend", ["megatron", "tilelang"])
-def test_chunked_recompute_matches_unchunked(model_parallel, chunks, backend):
+def test_chunked_recompute_matches_unchunked(model_parallel, chunks, seq, backend):
     _, reference = _build(1, backend)
     _, model = _build(chunks, backend)
     model.load_state_dict(reference.state_dict())
     for m in (reference, model):
         m.train()
         m.zero_grad(set_to_none=True)
-    assert torch.equal(_step(reference, 1), _step(model, 1))
+    assert torch.equal(_step(reference, 1, seq), _step(model, 1, seq))
     expected = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
     got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     assert set(got) == set(expected) and any(".mlp.experts." in n for n in got)
@@ -84,9 +87,28 @@ def test_each_gradient_accumulated_once_and_mlp_call_count(model_parallel):
         + [(s, True) for s in sizes[:-1]]
 
 
-def test_refused_with_aux_loss(model_parallel):
-    with pytest.raises(ValueError, match="mlp_chunks_for_training=2 .*moe_aux_loss_coeff"):
-        _build(2, moe_aux_loss_coeff=0.01, moe_router_load_balancing_type="aux_loss")
+@pytest.mark.parametrize("setting,match", [
+    (dict(moe_aux_loss_coeff=0.01, moe_router_load_balancing_type="aux_loss"), "moe_aux_loss_coeff"),
+    (dict(moe_router_load_balancing_type="sinkhorn"), "sinkhorn"),
+])
+def test_refused_where_chunks_change_the_math(model_parallel, setting, match):
+    with pytest.raises(ValueError, match=f"mlp_chunks_for_training=2 .*{match}"):
+        _build(2, **setting)
+
+
+def test_check_chunkable_names_every_refused_setting():
+    from types import SimpleNamespace
+
+    from megatron_glm5.core.mlp_chunks import check_chunkable
+
+    base = dict(mlp_chunks_for_training=2, moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none")
+    check_chunkable(SimpleNamespace(**base))  # GLM-5's own settings pass
+    for name, value in (("moe_z_loss_coeff", 1e-3), ("moe_input_jitter_eps", 0.01),
+                        ("moe_expert_capacity_factor", 1.0), ("moe_router_force_biased", 0.5),
+                        ("moe_router_force_load_balancing", True), ("add_bias_linear", True),
+                        ("moe_router_load_balancing_type", ["none", "quantile_balancing"])):
+        with pytest.raises(ValueError, match=name if name != "moe_router_load_balancing_type" else "quantile"):
+            check_chunkable(SimpleNamespace(**{**base, name: value}))
 
 
 def test_policy_rejects_zero_chunks():

@@ -23,7 +23,8 @@ from megatron_glm5.dsa import reference
 from megatron_glm5.rl import ReplayOverlapWarning, ReplayPayloadError, ReplayStats, compute_logprobs, topk_overlap
 from megatron_glm5.rl import payload as payload_mod
 from megatron_glm5.rl.packing import PackedBatch, ParallelSizes, RankPlan
-from megatron_glm5.rl.replay import ModelLayers, capture_choices, prepare_indexer_replay, prepare_routing_replay
+from megatron_glm5.rl.replay import (ModelLayers, ReplayLayerError, capture_choices, prepare_indexer_replay,
+                                    prepare_routing_replay)
 from megatron_glm5.testing import tiny_glm52_config, write_hf_checkpoint
 from tests.test_rl_logprobs import packed_batch
 
@@ -305,3 +306,16 @@ def test_topk_overlap_is_a_set_overlap():
     a = torch.tensor([[3, 1, 2, -1], [5, 6, 7, 8], [-1, -1, -1, -1]], dtype=torch.int32)
     b = torch.tensor([[1, 2, 3, -1], [8, 9, 5, -1], [-1, -1, -1, -1]], dtype=torch.int32)
     assert topk_overlap(a, b, chunk=2).tolist() == [1.0, 0.5, 1.0]
+
+
+def test_routing_replay_refused_with_mlp_chunks(setup):
+    """Routers that see chunks of a micro-batch cannot take its routing rows: refused by name (the indexer's replay
+    is per attention layer and unaffected)."""
+    import dataclasses
+
+    _, model, _, ids, cu, choices = setup
+    layers = dataclasses.replace(ModelLayers.of(model), mlp_chunks=2)
+    plan = RankPlan.build(PackedBatch.build(ids, cu), ParallelSizes())
+    with pytest.raises(ReplayLayerError, match="mlp_chunks_for_training=2"):
+        prepare_routing_replay(choices["routed_experts"], plan, layers)
+    assert prepare_indexer_replay(choices["indexer_topk"], plan, layers) is not None

@@ -2,8 +2,8 @@
 ``mlp_chunks_for_training``, Megatron-LM's ``--mlp-chunks-for-training``).
 
 Why: under ``recompute_granularity="full"`` the peak of a long sequence is one layer's recomputed activations in its
-backward, and the MoE holds most of them: on the GLM-5 slice at 64K tokens, 333 of 555 KB per token (the permuted
-tokens, fc1's output, the activation and their gradients; ``scripts/bench/RESULTS_step.md``, long context).
+backward, and the MoE holds most of them: on the GLM-5 slice at 64K tokens, 333 of about 560 KB per token (the
+permuted tokens, fc1's output, the activation and their gradients; ``scripts/bench/RESULTS_step.md``, long context).
 megatron-core's own ``mlp_chunks_for_training`` runs the MLP in chunks along the sequence but keeps every chunk's
 activations for the backward, so it lowers only the transient part of the peak.
 
@@ -12,17 +12,19 @@ recomputed one at a time in the backward (:class:`_ChunkRecompute`); the last ch
 chunks. Its graph was built last, so the backward runs it first and frees it, then recomputes and backpropagates the
 other chunks one by one: the MLP's share of the peak falls to about ``1 / n`` of what it was, for ``(n - 1) / n`` of
 one more MLP forward. Outside a recompute (a forward that keeps its graph, or a checkpoint's first pass) megatron-core's
-own branch runs. GLM-5.3-Flash's mHC layers run the same chunks inside their own MLP half
+own branch runs (it keeps every chunk's activations). GLM-5.3-Flash's mHC layers run the same chunks inside their own MLP half
 (:mod:`megatron_glm5.glm5_next.layer`).
 
 Gradients: the recomputed chunks' parameter gradients are summed (in fp32 when there are several) and handed to
 autograd as the function's input gradients, so each parameter's accumulation node runs once per backward, as
 without chunks (megatron-core's DDP hook refuses a second gradient under ``overlap_grad_reduce``). Weights whose
 gradient the GEMM adds to ``main_grad`` itself (``gradient_accumulation_fusion``) return megatron-core's placeholder,
-which is passed on as it is.
+which is passed on as it is. The cost in memory: until the layer's backward ends, the MLP's parameter gradients
+(routed experts: ``grouped_mm``'s bf16 ``[E, N, K]``) are held once, and with 3 or more chunks also their fp32 sums.
 
 The math per token is unchanged; what depends on the whole sequence or on random numbers is refused
-(:func:`check_chunkable`). The router counts tokens for the expert bias only where gradients are enabled: once per
+(:func:`check_chunkable`), and so is RL routing replay (:mod:`megatron_glm5.rl.replay`: one routing record per router
+and micro-batch). The chunks are ``torch.chunk``'s, as in megatron-core's branch. The router counts tokens for the expert bias only where gradients are enabled: once per
 recomputed chunk in the backward and once for the last chunk, so once per token in all, as without chunks.
 """
 
@@ -35,35 +37,38 @@ import torch
 
 def check_chunkable(config) -> None:
     """Raise ``ValueError`` (naming the settings) where chunks would change the math: a sequence- or batch-level MoE
-    loss (aux, z), router input jitter or forced load balancing (random per call), a bias on the MLP's output, the
-    pre-MLP norm recomputed on its own (its output is what the chunks keep)."""
+    loss (aux, z), routing decided over the whole call (Sinkhorn, quantile balancing, a capacity factor that drops
+    tokens), random routing (input jitter, forced balancing or bias: the backward's recompute runs outside the
+    checkpoint's RNG restore), a bias on the MLP's output."""
     problems = []
     aux = getattr(config, "moe_aux_loss_coeff", 0.0)
     aux_on = any(aux) if isinstance(aux, (list, tuple)) else bool(aux)
     balancing = getattr(config, "moe_router_load_balancing_type", "none")
-    balancing = balancing if isinstance(balancing, (list, tuple)) else [balancing]
+    balancing = list(balancing) if isinstance(balancing, (list, tuple)) else [balancing]
     if aux_on and any(t != "none" for t in balancing):
         problems.append(f"moe_aux_loss_coeff={aux} with moe_router_load_balancing_type={balancing}")
-    if getattr(config, "moe_z_loss_coeff", None):
-        problems.append(f"moe_z_loss_coeff={config.moe_z_loss_coeff}")
-    if getattr(config, "moe_input_jitter_eps", None):
-        problems.append(f"moe_input_jitter_eps={config.moe_input_jitter_eps}")
+    whole_call = [t for t in balancing if t in ("sinkhorn", "quantile_balancing")]
+    if whole_call:
+        problems.append(f"moe_router_load_balancing_type={whole_call}")
+    for name in ("moe_z_loss_coeff", "moe_input_jitter_eps", "moe_expert_capacity_factor", "moe_router_force_biased"):
+        if getattr(config, name, None):
+            problems.append(f"{name}={getattr(config, name)}")
     if getattr(config, "moe_router_force_load_balancing", False):
         problems.append("moe_router_force_load_balancing")
     if getattr(config, "add_bias_linear", False):
         problems.append("add_bias_linear")
-    if "mlp_norm" in (getattr(config, "recompute_modules", None) or ()) \
-            and getattr(config, "recompute_granularity", None) == "selective":
-        problems.append("recompute_modules with 'mlp_norm'")
     if problems:
         raise ValueError(f"mlp_chunks_for_training={config.mlp_chunks_for_training} (the MLP recomputed in sequence "
                          f"chunks under full recompute) cannot be combined with: {', '.join(problems)}")
 
 
 def chunk_sizes(length: int, chunks: int) -> list[int]:
-    """``chunks`` near-equal sizes summing to ``length`` (the larger ones first); fewer when ``length < chunks``."""
-    base, extra = divmod(length, chunks)
-    return [base + (i < extra) for i in range(chunks) if base + (i < extra) > 0]
+    """The sizes ``torch.chunk`` gives ``length`` rows in ``min(chunks, length)`` pieces: the pieces megatron-core's
+    own branch runs in the checkpoint's first pass, so the recompute runs the same GEMM shapes."""
+    if length <= 0:
+        return [length]
+    size = -(-length // min(chunks, length))
+    return [min(size, length - start) for start in range(0, length, size)]
 
 
 class _ChunkRecompute(torch.autograd.Function):

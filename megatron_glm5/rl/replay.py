@@ -106,6 +106,7 @@ class ModelLayers:
     router_topk: int
     pipeline_stages: int
     tp_group: Any  # for the sequence-parallel all-gather of indexer rows (None without SP)
+    mlp_chunks: int = 1  # megatron-core's mlp_chunks_for_training: routers then see chunk-sized inputs
 
     @classmethod
     def of(cls, model) -> "ModelLayers":
@@ -120,7 +121,7 @@ class ModelLayers:
                    full={k: e.core_attention for k, e in inv.full.items()}, shared_source=inv.shared_sources,
                    routers=inv.routers, moe_layers=inv.moe_layers(), num_experts=config.num_moe_experts or 0,
                    router_topk=config.moe_router_topk, pipeline_stages=config.pipeline_model_parallel_size,
-                   tp_group=tp_group)
+                   tp_group=tp_group, mlp_chunks=getattr(config, "mlp_chunks_for_training", 1) or 1)
 
     def layer_name(self, key: int) -> str:
         return f"{key}" if key < self.num_layers else f"MTP {key - self.num_layers} (payload layer {key})"
@@ -263,6 +264,10 @@ def prepare_routing_replay(payloads, plan: RankPlan, layers: ModelLayers) -> Sta
     Payload layers are every decoder layer (sglang), optionally + MTP, or the MoE layers only (optionally + MTP)."""
     what = "routing replay"
     layers.refuse_unless(bool(layers.routers), what, "MoE router")
+    if layers.routers and layers.mlp_chunks > 1:
+        raise ReplayLayerError(f"{what}: the model runs its MLP in mlp_chunks_for_training={layers.mlp_chunks} "
+                               "sequence chunks, so each router sees a chunk of the micro-batch at a time; build the "
+                               "model for RL with mlp_chunks_for_training=1")
     if not layers.routers:
         return None
     n, mtp, moe = layers.num_layers, layers.mtp_layers, layers.moe_layers

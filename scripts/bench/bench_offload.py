@@ -97,21 +97,36 @@ def try_step(model, seq: int) -> dict:
                 host_gb=log.bytes_offloaded / GB)
 
 
-def longest(model, args, host_budget_gb: float) -> tuple[int, list[tuple[int, dict]]]:
-    rows, seq, best = [], args.start, 0
+def longest(model, args, host_budget_gb: float, attempt=None) -> tuple[int, list[tuple[int, dict]]]:
+    """The longest sequence one step fits: doubling from ``--start``, then (``--bisect-step`` > 0) a binary search
+    between the last length that fit and the first that did not, in multiples of ``--bisect-step``. ``attempt``
+    (default :func:`try_step` on ``model``) returns ``try_step``'s dict."""
+    attempt = attempt or (lambda seq: try_step(model, seq))
+    rows, seq, best, failed = [], args.start, 0, None
     while seq <= args.max_seq:
         if rows and rows[-1][1]["host_gb"] * 2 > host_budget_gb:  # the next size would not fit on the host
             rows.append((seq, dict(ok=False, error=f"host budget {host_budget_gb:.0f} GB", peak_gb=float("nan"),
                                    host_gb=float("nan"))))
             break
-        result = try_step(model, seq)
+        result = attempt(seq)
         rows.append((seq, result))
         print(f"  seq {seq}: {result}", flush=True)
         if not result["ok"]:
+            failed = seq
             break
         best = seq
         seq *= 2
-    return best, rows
+    step = getattr(args, "bisect_step", 0)
+    if step and failed is not None and best:
+        lo, hi = best // step, failed // step  # lo * step fits, hi * step does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            result = attempt(mid * step)
+            rows.append((mid * step, result))
+            print(f"  seq {mid * step}: {result}", flush=True)
+            lo, hi = (mid, hi) if result["ok"] else (lo, mid)
+        best = lo * step
+    return best, sorted(rows, key=lambda r: r[0])
 
 
 def time_step(model, seq: int, reps: int) -> float | None:
@@ -144,6 +159,9 @@ def main() -> None:
     p.add_argument("--max-seq", type=int, default=1 << 20)
     p.add_argument("--time-seqs", type=int, nargs="*", default=[16384, 32768])
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--bisect-step", type=int, default=0,
+                   help="after the doubling search, bisect between the last fit and the first failure in multiples "
+                        "of this many tokens (0: powers of two only)")
     p.add_argument("--mlp-chunks", type=int, default=1,
                    help="RuntimePolicy.mlp_chunks_for_training: under full recompute the MLP is recomputed in this many "
                         "sequence chunks (megatron_glm5.core.mlp_chunks)")

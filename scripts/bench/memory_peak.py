@@ -21,6 +21,7 @@ from collections import defaultdict
 from typing import Iterable
 
 GB = 1e9
+_MAX_ENTRIES = 2_000_000  # allocator events kept per trace
 _TORCH_PATHS = ("/torch/", "/contextlib.py", "/functools.py", "/typing.py", "/abc.py")
 
 
@@ -42,10 +43,15 @@ def _site(frames: list[dict], depth: int) -> str:
     return " <- ".join(keep) or "?"
 
 
+_FREE = "free_requested"  # torch's allocated-bytes counter drops here (a block still used by another stream is
+# reused only at "free_completed", but it no longer counts as allocated)
+
+
 def live_at_peak(events: Iterable[dict], baseline: int = 0) -> tuple[int, list[dict]]:
-    """Replay an allocator trace (``torch.cuda.memory._snapshot()["device_traces"][device]``): ``alloc`` adds a block,
-    ``free_completed`` removes it (a block allocated before recording began only lowers the running total). Returns
-    the peak of ``baseline`` + allocated bytes and the events of the blocks live at that peak (recorded blocks only)."""
+    """Replay an allocator trace (``torch.cuda.memory._snapshot()["device_traces"][device]``) the way torch counts
+    allocated bytes: ``alloc`` adds a block, ``free_requested`` removes it (a block allocated before recording began
+    only lowers the running total). Returns the peak of ``baseline`` + allocated bytes (``max_memory_allocated`` over
+    the trace) and the events of the blocks live at that peak (recorded blocks only)."""
     events = list(events)
     cur = peak = baseline
     peak_at = -1
@@ -55,27 +61,24 @@ def live_at_peak(events: Iterable[dict], baseline: int = 0) -> tuple[int, list[d
             cur += ev["size"]
             if cur > peak:
                 peak, peak_at = cur, i
-        elif action == "free_completed":
+        elif action == _FREE:
             cur -= ev["size"]
-    live: dict[int, dict] = {}
-    for ev in events[:peak_at + 1]:
-        action = ev.get("action")
-        if action == "alloc":
-            live[ev["addr"]] = ev
-        elif action == "free_completed":
-            live.pop(ev["addr"], None)
-    return peak, list(live.values())
+    return peak, _live(events[:peak_at + 1])
 
 
-def live_at_end(events: Iterable[dict]) -> list[dict]:
-    """The recorded blocks still allocated when the trace ends (what a step leaves behind)."""
+def _live(events: Iterable[dict]) -> list[dict]:
     live: dict[int, dict] = {}
     for ev in events:
         if ev.get("action") == "alloc":
             live[ev["addr"]] = ev
-        elif ev.get("action") == "free_completed":
+        elif ev.get("action") == _FREE:
             live.pop(ev["addr"], None)
     return list(live.values())
+
+
+def live_at_end(events: Iterable[dict]) -> list[dict]:
+    """The recorded blocks still allocated when the trace ends (what a step leaves behind)."""
+    return _live(events)
 
 
 def group_by_site(blocks: list[dict], depth: int = 2) -> list[tuple[str, int, int]]:
@@ -207,7 +210,7 @@ def measure(model, seq: int, depth: int, top: int, chunks: int) -> list[str]:
     release()
     baseline = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python", max_entries=2_000_000)
+    torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python", max_entries=_MAX_ENTRIES)
     try:
         step(model, seq)
         torch.cuda.synchronize()
@@ -215,6 +218,9 @@ def measure(model, seq: int, depth: int, top: int, chunks: int) -> list[str]:
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
     trace = snap["device_traces"][torch.cuda.current_device()]
+    if len(trace) >= _MAX_ENTRIES:
+        raise SystemExit(f"memory_peak.py: the allocator trace filled its {_MAX_ENTRIES} entries at {seq} tokens, so "
+                         "its oldest events are gone; raise _MAX_ENTRIES")
     peak, blocks = live_at_peak(trace, baseline)
     left = live_at_end(trace)
     release()
