@@ -7,11 +7,12 @@ top-8 of width 2048 plus a shared expert, indexer 32 heads x 128 with top-k 2048
 ``[full, shared, full, shared]``, bf16, vocabulary 1024 (the real 154880 would put tens of GB of logits in every
 step and measure the loss, not the layers). For each setting the sequence doubles from ``--start`` (8K) until one
 fwd+bwd step runs out of GPU memory (``torch.cuda.OutOfMemoryError``, memory released before the next setting), runs
-out of the host budget for the offloaded copies, or reaches ``--max-seq``; then the step time at ``--time-seqs``
-(16K, 32K) is the median of ``--reps`` timed steps after a warm-up. One model is alive at a time. Appends a
+out of the host budget for the offloaded copies, or reaches ``--max-seq`` (with ``--bisect-step``, a binary search
+between the last fit and the first failure follows); the step time at ``--time-seqs`` (16K, 32K) is the median of
+``--reps`` timed steps after a warm-up, taken before the search. One model is alive at a time. Appends a
 markdown table (date, commit, GPU) to ``--out``.
 
-    python scripts/bench/bench_offload.py [--recompute none|full] [--out RESULTS.md]
+    python scripts/bench/bench_offload.py [--recompute none|full] [--mlp-chunks N] [--bisect-step 16384] [--out F]
 """
 
 from __future__ import annotations
