@@ -30,7 +30,8 @@ def _strided_causal_indices(t_len: int, topk: int, generator) -> torch.Tensor:
 
 
 def _err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-300))
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
 
 
 def test_sparse_mla_rows_past_int32_offsets():
@@ -45,7 +46,7 @@ def test_sparse_mla_rows_past_int32_offsets():
     qr = q.detach()[rows].float().requires_grad_(True)
     out_ref, lse_ref = ref.sparse_mla(qr, kv.detach().float(), idx[rows], SCALE, D_V)
     out_ref.backward(grad[rows].float())
-    errs = dict(out=_err(out.detach()[rows], out_ref), lse=float((lse.detach()[rows] - lse_ref).abs().max()),
+    errs = dict(out=_err(out[rows], out_ref), lse=float((lse.detach()[rows] - lse_ref.detach()).abs().max()),
                 dq=_err(q.grad[rows], qr.grad))
     print(f"sparse MLA at T={T_LEN}, {HEADS} heads, rows {ROWS}: {errs}; dkv finite: "
           f"{bool(torch.isfinite(kv.grad).all())}")
