@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from megatron_glm5.config import parse_hf_config
-from megatron_glm5.core.mlp_chunks import chunk_sizes
 from megatron_glm5.model import build_model, default_cpu_policy
 from megatron_glm5.testing import tiny_glm52_config
 
@@ -37,15 +36,6 @@ def _routers(model):
     return [m for n, m in model.named_modules() if n.endswith("mlp.router")]
 
 
-def test_chunk_sizes_are_torch_chunks():
-    """The recompute runs the pieces megatron-core's own branch ran in the checkpoint's first pass."""
-    for length in (0, 1, 2, 10, 47, 48):
-        for chunks in (1, 2, 3, 4, 5):
-            expect = [c.shape[0] for c in torch.empty(length).chunk(max(1, min(chunks, length)))] or [0]
-            assert chunk_sizes(length, chunks) == expect, (length, chunks)
-    assert chunk_sizes(10, 4) == [3, 3, 3, 1]
-
-
 @pytest.mark.parametrize("chunks,seq", [(2, SEQ), (3, SEQ), (4, 47)], ids=["2", "3", "4-uneven"])
 @pytest.mark.parametrize("backend", ["megatron", "tilelang"])
 def test_chunked_recompute_matches_unchunked(model_parallel, chunks, seq, backend):
@@ -68,8 +58,10 @@ def test_chunked_recompute_matches_unchunked(model_parallel, chunks, seq, backen
     assert all(int(a.sum()) > 0 for a, _ in counts)
 
 
-def test_each_gradient_accumulated_once_and_mlp_call_count(model_parallel):
-    arch, model = _build(3)
+@pytest.mark.parametrize("chunks,seq,sizes", [(3, SEQ, [16, 16, 16]), (4, 46, [12, 12, 12, 10])])
+def test_each_gradient_accumulated_once_and_mlp_call_count(model_parallel, chunks, seq, sizes):
+    """The recompute runs torch.chunk's pieces, the ones megatron-core's own branch ran in the first pass."""
+    arch, model = _build(chunks)
     model.train()
     accumulated: dict[str, int] = {}
     for name, p in model.named_parameters():
@@ -78,11 +70,10 @@ def test_each_gradient_accumulated_once_and_mlp_call_count(model_parallel):
     mlp = model.decoder.layers[1].mlp  # an MoE layer
     calls = []
     mlp.register_forward_pre_hook(lambda mod, args: calls.append((args[0].shape[0], torch.is_grad_enabled())))
-    _step(model, 2)
+    _step(model, 2, seq)
     assert accumulated and set(accumulated.values()) == {1}, "a parameter's gradient was accumulated twice"
-    sizes = chunk_sizes(SEQ, 3)
-    # first pass: megatron-core's chunks (no graph); recompute: 2 chunks without a graph, the last with one;
-    # backward: the 2 first chunks again with gradients
+    # first pass: megatron-core's chunks (no graph); recompute: n - 1 chunks without a graph, the last with one;
+    # backward: the n - 1 first chunks again with gradients
     assert calls == [(s, False) for s in sizes] + [(s, False) for s in sizes[:-1]] + [(sizes[-1], True)] \
         + [(s, True) for s in sizes[:-1]]
 

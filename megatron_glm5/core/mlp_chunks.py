@@ -11,21 +11,22 @@ Here, in the recompute of a layer, the first ``n - 1`` chunks run without a grap
 recomputed one at a time in the backward (:class:`_ChunkRecompute`); the last chunk runs with its graph, as without
 chunks. Its graph was built last, so the backward runs it first and frees it, then recomputes and backpropagates the
 other chunks one by one: the MLP's share of the peak falls to about ``1 / n`` of what it was, for ``(n - 1) / n`` of
-one more MLP forward. Outside a recompute (a forward that keeps its graph, or a checkpoint's first pass) megatron-core's
-own branch runs (it keeps every chunk's activations). GLM-5.3-Flash's mHC layers run the same chunks inside their own MLP half
-(:mod:`megatron_glm5.glm5_next.layer`).
+one more MLP forward. Outside a recompute (a forward that keeps its graph, or a checkpoint's first pass)
+megatron-core's own branch runs (it keeps every chunk's activations). GLM-5.3-Flash's mHC layers run the same chunks
+inside their own MLP half (:mod:`megatron_glm5.glm5_next.layer`).
 
 Gradients: the recomputed chunks' parameter gradients are summed (in fp32 when there are several) and handed to
-autograd as the function's input gradients, so each parameter's accumulation node runs once per backward, as
-without chunks (megatron-core's DDP hook refuses a second gradient under ``overlap_grad_reduce``). Weights whose
-gradient the GEMM adds to ``main_grad`` itself (``gradient_accumulation_fusion``) return megatron-core's placeholder,
-which is passed on as it is. The cost in memory: until the layer's backward ends, the MLP's parameter gradients
-(routed experts: ``grouped_mm``'s bf16 ``[E, N, K]``) are held once, and with 3 or more chunks also their fp32 sums.
+autograd as the function's input gradients, so each parameter's accumulation node runs once per backward, as without
+chunks (megatron-core's DDP hook refuses a second gradient under ``overlap_grad_reduce``). Weights whose gradient the
+GEMM adds to ``main_grad`` itself (``gradient_accumulation_fusion``) return megatron-core's placeholder, which is
+passed on as it is. The cost in memory: until the layer's backward ends, the MLP's parameter gradients (routed
+experts: ``grouped_mm``'s bf16 ``[E, N, K]``) are held once, and with 3 or more chunks also their fp32 sums.
 
 The math per token is unchanged; what depends on the whole sequence or on random numbers is refused
 (:func:`check_chunkable`), and so is RL routing replay (:mod:`megatron_glm5.rl.replay`: one routing record per router
-and micro-batch). The chunks are ``torch.chunk``'s, as in megatron-core's branch. The router counts tokens for the expert bias only where gradients are enabled: once per
-recomputed chunk in the backward and once for the last chunk, so once per token in all, as without chunks.
+and micro-batch). The chunks are ``torch.chunk``'s, as in megatron-core's branch. The router counts tokens for the
+expert bias only where gradients are enabled: once per recomputed chunk in the backward and once for the last chunk,
+so once per token in all, as without chunks.
 """
 
 from __future__ import annotations
@@ -60,15 +61,6 @@ def check_chunkable(config) -> None:
     if problems:
         raise ValueError(f"mlp_chunks_for_training={config.mlp_chunks_for_training} (the MLP recomputed in sequence "
                          f"chunks under full recompute) cannot be combined with: {', '.join(problems)}")
-
-
-def chunk_sizes(length: int, chunks: int) -> list[int]:
-    """The sizes ``torch.chunk`` gives ``length`` rows in ``min(chunks, length)`` pieces: the pieces megatron-core's
-    own branch runs in the checkpoint's first pass, so the recompute runs the same GEMM shapes."""
-    if length <= 0:
-        return [length]
-    size = -(-length // min(chunks, length))
-    return [min(size, length - start) for start in range(0, length, size)]
 
 
 class _ChunkRecompute(torch.autograd.Function):
@@ -112,7 +104,8 @@ def chunked_mlp(mlp: torch.nn.Module, x: torch.Tensor, chunks: int,
     """``mlp`` on ``x`` (``[s, b, h]``) in ``chunks`` pieces along ``s``: all but the last recomputed in the backward
     (module docstring). ``padding_mask`` (``[b, s]``) is split with ``x``. Returns ``(output, None)``, megatron-core's
     ``(output, bias)`` pair (a bias is refused by :func:`check_chunkable`)."""
-    sizes = chunk_sizes(x.shape[0], chunks)
+    # torch.chunk's pieces, as megatron-core's branch ran them in the checkpoint's first pass: same GEMM shapes
+    sizes = [c.shape[0] for c in x.chunk(max(1, min(chunks, x.shape[0])), 0)]
     masks: Sequence[Optional[torch.Tensor]] = (
         padding_mask.split(sizes, 1) if padding_mask is not None else [None] * len(sizes))
 

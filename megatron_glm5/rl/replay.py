@@ -121,7 +121,7 @@ class ModelLayers:
                    full={k: e.core_attention for k, e in inv.full.items()}, shared_source=inv.shared_sources,
                    routers=inv.routers, moe_layers=inv.moe_layers(), num_experts=config.num_moe_experts or 0,
                    router_topk=config.moe_router_topk, pipeline_stages=config.pipeline_model_parallel_size,
-                   tp_group=tp_group, mlp_chunks=getattr(config, "mlp_chunks_for_training", 1) or 1)
+                   tp_group=tp_group, mlp_chunks=config.mlp_chunks_for_training)
 
     def layer_name(self, key: int) -> str:
         return f"{key}" if key < self.num_layers else f"MTP {key - self.num_layers} (payload layer {key})"

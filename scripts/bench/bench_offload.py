@@ -164,8 +164,8 @@ def main() -> None:
                    help="after the doubling search, bisect between the last fit and the first failure in multiples "
                         "of this many tokens (0: powers of two only)")
     p.add_argument("--mlp-chunks", type=int, default=1,
-                   help="RuntimePolicy.mlp_chunks_for_training: under full recompute the MLP is recomputed in this many "
-                        "sequence chunks (megatron_glm5.core.mlp_chunks)")
+                   help="RuntimePolicy.mlp_chunks_for_training: under full recompute the MLP is recomputed in this "
+                        "many sequence chunks (megatron_glm5.core.mlp_chunks)")
     p.add_argument("--host-budget-gb", type=float, default=None,
                    help="stop the offload search before the host copies would exceed this (default 70%% of RAM)")
     p.add_argument("--settings", choices=["both", "no-offload", "offload"], default="both",

@@ -63,10 +63,11 @@ def live_at_peak(events: Iterable[dict], baseline: int = 0) -> tuple[int, list[d
                 peak, peak_at = cur, i
         elif action == _FREE:
             cur -= ev["size"]
-    return peak, _live(events[:peak_at + 1])
+    return peak, live_at_end(events[:peak_at + 1])
 
 
-def _live(events: Iterable[dict]) -> list[dict]:
+def live_at_end(events: Iterable[dict]) -> list[dict]:
+    """The recorded blocks still allocated when the trace ends (what a step leaves behind)."""
     live: dict[int, dict] = {}
     for ev in events:
         if ev.get("action") == "alloc":
@@ -74,11 +75,6 @@ def _live(events: Iterable[dict]) -> list[dict]:
         elif ev.get("action") == _FREE:
             live.pop(ev["addr"], None)
     return list(live.values())
-
-
-def live_at_end(events: Iterable[dict]) -> list[dict]:
-    """The recorded blocks still allocated when the trace ends (what a step leaves behind)."""
-    return _live(events)
 
 
 def group_by_site(blocks: list[dict], depth: int = 2) -> list[tuple[str, int, int]]:
