@@ -17,8 +17,8 @@
 # (tests/gpu/test_rope_cat_gpu.py: the fused RoPE + concatenation vs its oracle, and its speed), optim_fusions
 # (tests/gpu/test_optim_fusions_gpu.py: weight-gradient accumulation and fused Adam vs their oracles, and speed),
 # zero_groups (tests/gpu/test_zero_groups_gpu.py: the experimental zero-groups kernel vs masked_fill, and speed),
-# grouped_route (the kernel, backend and RL GPU tests with the opt-in grouped sparse MLA on; bench_step with
-# MEGATRON_GLM5_GROUPED_SPARSE_MLA=1 in the environment times the step with it), memory_peak (what one step of the
+# grouped_route (the kernel, backend and RL GPU tests with the grouped sparse MLA, the default, also in the kernel
+# tests' own autograd calls; bench_step's variant tilelang-grouped-per-query-mla times the step without it), memory_peak (what one step of the
 # slice holds at its peak, by source line; MEMORY_ARGS adds flags, e.g. --seqs 32768 65536), long_context
 # (tests/gpu/test_long_context_gpu.py: the DSA kernels at 262144 tokens, rows past 2^31 element offsets),
 # mlp_chunks_client (Megatron-LM's pretrain_gpt.py with full recompute and --mlp-chunks-for-training 2, both specs),

@@ -139,3 +139,29 @@ def test_plot_keeps_only_random_index_rows():
         "| 16384 | 64 | 10.86", "| 16384 | 64 | 10.86").replace(
         "| 2.35 | 1.000000 |", "| 2.35 | 1.000000 | local 0.9 (3.40x) |"))
     assert [(r["S"], r["H"]) for r in rows] == [(4096, 16), (4096, 64)]
+
+
+def test_ncu_source_summary_splits_warpgroups_at_setmaxnreg(tmp_path):
+    """``ncu_source_summary.py`` cuts the SASS at each ``USETMAXREG`` and attributes stall samples, reasons and
+    executed instructions per block to each warpgroup's region (a source page in ncu's CSV layout)."""
+    mod = _load("ncu_source_summary")
+    header = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Warp Stall Sampling (Not-issued Samples)",
+              "Instructions Executed", "stall_long_sb", "stall_wait", "stall_long_sb (Not Issued)"]
+    body = [
+        ["0x0", "LDC R1, c[0x0][0x28]", "10", "10", "8", "0", "10", "0"],
+        ["0x10", "USETMAXREG.DEALLOC.CTAPOOL 0x50", "0", "0", "4", "0", "0", "0"],
+        ["0x20", "@!P0 BRA 0x30", "60", "60", "400", "60", "0", "60"],
+        ["0x30", "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xf0", "0", "0", "4", "0", "0", "0"],
+        ["0x40", "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24", "30", "20", "800", "0", "30", "0"],
+    ]
+    path = tmp_path / "src.csv"
+    path.write_text("\n".join(",".join(f'"{c}"' for c in row) for row in [["Kernel Name", "main_kernel"], header, *body]))
+    _, instructions = mod.load(str(path))
+    lines = mod.summarise(instructions, blocks=4, top=2)
+    assert lines[0] == "5 SASS instructions, 100 stall samples"
+    regions = [line for line in lines if line.startswith("- region")]
+    assert regions[0].startswith("- region 0 (prologue): 10.0% of samples, 2 instructions per warp per block; wait")
+    assert "region 1 (SASS 1: USETMAXREG.DEALLOC" in regions[1] and "60.0% of samples, 101 instructions" in regions[1]
+    assert "long_sb 100%" in regions[1]
+    assert "30.0% of samples, 201 instructions per warp per block; wait 100%" in regions[2]
+    assert "@!P0 BRA" in lines[-2] and "HGMMA" in lines[-1]

@@ -119,3 +119,20 @@ def test_sharing_probe_and_grouped_group():
     assert grouped_group(64, deterministic=False, with_target=False) == 1
     assert grouped_group(16, deterministic=True, with_target=False) == 1
     assert grouped_group(16, deterministic=False, with_target=True) == 1
+
+
+def test_grouped_route_is_on_by_default_and_switchable(monkeypatch):
+    """The ``tilelang`` attention's grouped sparse MLA is the default (issue 22, third session: GPU tests green, the
+    slice's step at parity); ``MEGATRON_GLM5_GROUPED_SPARSE_MLA=0`` keeps the per-query kernels, and only 16 heads
+    per rank, atomic dKV and no attention target take the grouped kernels."""
+    from megatron_glm5 import fusions
+    from megatron_glm5.kernels.index_groups import grouped_group
+
+    monkeypatch.delenv(fusions.GROUPED_SPARSE_MLA_ENV, raising=False)
+    assert fusions.enabled(fusions.GROUPED_SPARSE_MLA_ENV)
+    monkeypatch.setenv(fusions.GROUPED_SPARSE_MLA_ENV, "0")
+    assert not fusions.enabled(fusions.GROUPED_SPARSE_MLA_ENV)
+    assert grouped_group(16, deterministic=False, with_target=False) == 4
+    assert [grouped_group(h, deterministic=False, with_target=False) for h in (8, 32, 64, 128)] == [1, 1, 1, 1]
+    assert grouped_group(16, deterministic=True, with_target=False) == 1
+    assert grouped_group(16, deterministic=False, with_target=True) == 1

@@ -36,6 +36,9 @@ COMPILE_CASES = {
     "fwd_ws_grouped_glm": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_ws", (16, 576, 512, 1 / 16, 64, 4)),
     "bwd_grouped_glm": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (16, 576, 512, 1 / 16, False, 32, 0, False,
                                                                           0, 4)),
+    # the scores / values split forward (opt-in variant "sv"): P over the RoPE tail tile, and its own P tiles (NoPE)
+    "fwd_sv_glm": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_sv", (64, 576, 512, 1 / 16)),
+    "fwd_sv_nope": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_sv", (64, 512, 512, 1 / 16)),
     "fwd_simple_small": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_simple", (16, 192, 128, 0.125)),
     "bwd_small_deterministic": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (8, 192, 128, 0.125, True)),
     "bwd_glm": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (64, 576, 512, 1 / 16, False)),
@@ -143,6 +146,26 @@ def test_sparse_mla_interface_rejects_unsupported_dims_and_bwd_shapes():
         sparse_mla_bwd_interface(q, kv, out, lse, out[:4].contiguous(), idx, 1 / 16)
     with pytest.raises(ValueError, match="lse"):
         sparse_mla_bwd_interface(q, kv, out, lse.double(), out, idx, 1 / 16)
+
+
+def test_sparse_mla_fwd_variants_and_register_splits():
+    """``sv`` needs 64-row tiles (the check runs before any build); both warp-specialised factories refuse register
+    splits larger than the CTA's own allocation, which would make ``setmaxnreg`` wait forever (a hang, not an
+    error, on the GPU), and the grouped forward takes only its two schedules."""
+    from megatron_glm5.kernels.sparse_mla_fwd import _jit_fwd_sv, _jit_fwd_ws
+
+    q, kv, idx = _sparse_inputs(h=16)
+    with pytest.raises(ValueError, match="64 MMA rows"):
+        sparse_mla_fwd_interface(q, kv, idx, 1 / 16, 512, variant="sv")
+    with pytest.raises(ValueError, match="'ws' or 'sv'"):
+        sparse_mla_fwd_interface(q, kv, idx, 1 / 16, 512, variant="simple", group=4)
+    pytest.importorskip("tilelang")
+    with pytest.raises(ValueError, match="summing to <= 504"):
+        _jit_fwd_ws()(64, 576, 512, 1 / 16, 64, 1, (256, 168, 88))
+    with pytest.raises(ValueError, match="summing to <= 504"):
+        _jit_fwd_sv()(64, 576, 512, 1 / 16, 1, (184, 184, 144))
+    with pytest.raises(ValueError, match="64 MMA rows"):
+        _jit_fwd_sv()(16, 576, 512, 1 / 16)
 
 
 def test_sparse_mla_head_dims():

@@ -16,13 +16,14 @@ No ``from __future__ import annotations`` here: TileLang evaluates the macros' a
 
 
 def latent_gather_macro(T, *, rows: int, rows_per_pass: int, dh: int, d_tail: int, tail0: int, record_index: bool,
-                        commit: bool, key_bits: int = 0):
+                        commit: bool, key_bits: int = 0, halves: tuple[bool, bool] = (True, True)):
     """``gather(KV, Idx, t, t_kv, topk, lane_id, kv_l, kv_r, kt, idx_s, blk)``: 8 lanes per KV row, 16 B (8 bf16) per
     ``cp.async``, ``rows_per_pass`` rows per pass of the calling threads (``lane_id`` counts them from 0); slot
     ``blk * rows + row`` of query row ``t``. ``record_index``: lane 0 of each row writes the slot's key (or -1) into
     ``idx_s``; ``commit``: ends with one ``cp.async`` commit group (else the caller signals completion itself);
     ``key_bits`` > 0: a non-negative index entry carries other bits above its low ``key_bits`` (the grouped forward's
-    member bits, ``kernels.index_groups``), which are masked off to get the key."""
+    member bits, ``kernels.index_groups``), which are masked off to get the key. ``halves``: which of the left and
+    right halves this macro copies (a kernel whose two warpgroups each refill the half they read)."""
     has_tail = d_tail > 0
 
     @T.macro
@@ -40,15 +41,17 @@ def latent_gather_macro(T, *, rows: int, rows_per_pass: int, dh: int, d_tail: in
                     idx_s[row] = T.if_then_else(valid, raw, -1)  # with key_bits: the entry, member bits included
             for c in T.unroll(dh // 64):
                 col = c * 64 + lane * 8
-                T.ptx_cp_async(
-                    T.access_ptr(kv_l[row, col], "w", 8), T.access_ptr(KV[src, col], "r", 8), 8, predicate=valid
-                )
-                T.ptx_cp_async(
-                    T.access_ptr(kv_r[row, col], "w", 8),
-                    T.access_ptr(KV[src, dh + col], "r", 8),
-                    8,
-                    predicate=valid,
-                )
+                if halves[0]:
+                    T.ptx_cp_async(
+                        T.access_ptr(kv_l[row, col], "w", 8), T.access_ptr(KV[src, col], "r", 8), 8, predicate=valid
+                    )
+                if halves[1]:
+                    T.ptx_cp_async(
+                        T.access_ptr(kv_r[row, col], "w", 8),
+                        T.access_ptr(KV[src, dh + col], "r", 8),
+                        8,
+                        predicate=valid,
+                    )
             if has_tail:
                 for c in T.unroll(d_tail // 64):
                     col = c * 64 + lane * 8

@@ -3,7 +3,7 @@
 ``out[t, h] = softmax_j(scale * q[t, h] . kv[idx[t, j]]) @ kv[idx[t, j], :d_v]`` over the valid (>= 0) slots of
 ``indices[t]``, plus the natural-log LSE the backward needs. Test oracle: ``megatron_glm5.dsa.reference.sparse_mla``.
 
-Two kernels, one contract:
+Three kernels, one contract:
 
 * ``ws`` (the default, see ``pick_fwd_variant``): warp-specialised, one CTA per (token, 64-head block). A producer
   warpgroup gathers the selected KV rows with ``cp.async`` into two shared-memory stages; consumer warpgroup 0 computes ``Q K^T`` over all ``d_qk``
@@ -14,6 +14,11 @@ Two kernels, one contract:
   block count skips tail padding; any head count (padded inside, loads and stores bounded, P6); a token count that
   need not divide anything; LSE is natural-log and written (upstream allocates it but never stores it);
   one-directional mbarriers between the two consumer warpgroups.
+* ``sv`` (opt-in, ``variant="sv"``; 64-row tiles): the scores / values split of the same work. Warpgroup 0 masks,
+  computes ``Q K^T`` and the online softmax and publishes ``P`` (over the block's RoPE-tail tile) and the rescale
+  factor; warpgroups 1 and 2 rescale and add ``P V`` for their halves of ``d_v`` and then gather their halves of the
+  next rows (no producer warpgroup). Bitwise equal to ``ws``; measured within a few per cent of it (the profile
+  behind it and what it showed: ``scripts/bench/RESULTS_kernels.md``, round 2, third session).
 * ``simple`` (opt-in, ``variant="simple"``): one pipelined loop per CTA (token, head block); synchronous guarded
   16-byte gathers (TileLang does not turn a data-dependent, predicated gather into ``cp.async``), so gather and MMA
   do not overlap and it is the slower of the two at long sequences (measurements: ``scripts/bench/RESULTS_kernels.md``).
@@ -31,6 +36,7 @@ prim_funcs, which refer to closure variables.
 
 
 import functools
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -39,7 +45,7 @@ from megatron_glm5.kernels._common import LOG2E, cdiv, check_tensor, next_power_
 from megatron_glm5.kernels.gather import latent_gather_macro
 from megatron_glm5.kernels.index_groups import KEY_LIMIT, MEMBER_SHIFT, RowMap, grouped_rows
 
-Variant = Literal["auto", "ws", "simple"]
+Variant = Literal["auto", "ws", "sv", "simple"]
 
 
 def head_block(heads: int) -> tuple[int, int]:
@@ -55,6 +61,105 @@ def head_block(heads: int) -> tuple[int, int]:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _FwdTile:
+    """Trace-time constants of one warp-specialised forward build (both schedules)."""
+
+    block_h: int  # MMA rows per CTA
+    bi: int  # index slots per block
+    threads: int
+    rows: RowMap
+    has_tail: bool
+    wgmma: bool  # async wgmma (64 rows) or mma.sync
+
+
+def _fwd_macros(T, tile: _FwdTile, topk, t_len, scale_log2: float):
+    """``(scores, online_softmax, load_q_tile, store_half)``: the macros the ``ws`` and ``sv`` schedules share.
+
+    * ``scores(Idx, t, t_kv, blk, q_l, q_r, q_t, kv_l, kv_r, kt, acc_s, bar_ready, stage, parity)``: the block's
+      mask (validity re-read from the L1-resident index row, so no ordering of generic shared-memory stores across
+      warpgroups is needed; -1 slots get -inf), overlapping the wait for the gathered rows, then ``Q K^T`` into it.
+    * ``online_softmax(acc_s, m_i, m_prev, alpha, l_i, l_blk)``: running max, rescale factor, ``P = exp2(..)`` in
+      ``acc_s`` and the running row sum.
+    * ``load_q_tile(...)``: 16 B vector loads of ``Q`` over all threads; padded heads (or queries past the last)
+      load as zeros and are never stored (P6).
+    * ``store_half(...)``: a warpgroup's half of the normalised output.
+    """
+    block_h, bi, rows, f32 = tile.block_h, tile.bi, tile.rows, T.float32
+
+    @T.macro
+    def scores(Idx, t, t_kv, blk, q_l, q_r, q_t, kv_l, kv_r, kt, acc_s, bar_ready, stage, parity):
+        for h, j in T.Parallel(block_h, bi):
+            slot = blk * bi + j
+            idx = T.if_then_else(slot < topk, Idx[t, T.min(slot, topk - 1)], -1)
+            if rows.group == 1:
+                acc_s[h, j] = T.if_then_else((idx >= 0) and (idx < t_kv), 0, -T.infinity(f32))
+            else:  # a union entry: key below the member bits, row h's query decides by its bit
+                valid = (idx >= 0) and ((idx & (KEY_LIMIT - 1)) < t_kv) and rows.member(idx, h)
+                acc_s[h, j] = T.if_then_else(valid, 0, -T.infinity(f32))
+        T.barrier_wait(bar_ready[stage], parity)  # the mask above overlaps the wait for the gathered rows
+        T.fence_proxy_async()  # cp.async (generic proxy) data, read next by the tensor cores (async proxy)
+        if tile.wgmma:
+            T.wgmma_gemm(q_l, kv_l, acc_s, transpose_B=True)
+            T.wgmma_gemm(q_r, kv_r, acc_s, transpose_B=True)
+            if tile.has_tail:
+                T.wgmma_gemm(q_t, kt, acc_s, transpose_B=True)
+            T.wait_wgmma(0)
+        else:
+            T.gemm(q_l, kv_l, acc_s, transpose_B=True)
+            T.gemm(q_r, kv_r, acc_s, transpose_B=True)
+            if tile.has_tail:
+                T.gemm(q_t, kt, acc_s, transpose_B=True)
+
+    @T.macro
+    def online_softmax(acc_s, m_i, m_prev, alpha, l_i, l_blk):
+        T.copy(m_i, m_prev)
+        T.reduce_max(acc_s, m_i, dim=1, clear=False)
+        for h in T.Parallel(block_h):
+            alpha[h] = T.exp2((m_prev[h] - m_i[h]) * scale_log2)
+        for h, j in T.Parallel(block_h, bi):
+            acc_s[h, j] = T.exp2(acc_s[h, j] * scale_log2 - m_i[h] * scale_log2)
+        T.reduce_sum(acc_s, l_blk, dim=1)
+        for h in T.Parallel(block_h):
+            l_i[h] = l_i[h] * alpha[h] + l_blk[h]
+
+    @T.macro
+    def load_q(Q, t, h0, tx, buf, col0, width):
+        n_vec = block_h * (width // 8)
+        for it in T.unroll(cdiv(n_vec, tile.threads)):
+            ch = it * tile.threads + tx
+            if ch < n_vec:
+                h = ch // (width // 8)
+                c = (ch % (width // 8)) * 8
+                for v in T.vectorized(8):
+                    buf[h, c + v] = T.if_then_else(
+                        rows.live(t, h0, h, t_len),
+                        Q[rows.load_query(T, t, h, t_len), rows.head(h0, h), col0 + c + v],
+                        0,
+                    )
+
+    @T.macro
+    def load_q_tile(Q, t, h0, tx, q_l, q_r, q_t, dh, d_v, d_tail, bar_q):
+        # every thread's share of the CTA's Q (left / right halves, tail), then its arrival on bar_q
+        load_q(Q, t, h0, tx, q_l, 0, dh)
+        load_q(Q, t, h0, tx, q_r, dh, dh)
+        if tile.has_tail:
+            load_q(Q, t, h0, tx, q_t, d_v, d_tail)
+        T.fence_proxy_async()
+        T.barrier_arrive(bar_q)
+
+    @T.macro
+    def store_half(Out, t, h0, acc_o, l_s, col0, width):
+        # one warpgroup's columns [col0, col0 + width) of O, normalised by the row sums in l_s
+        for h, d in T.Parallel(block_h, width):
+            if rows.live(t, h0, h, t_len):
+                Out[rows.query(t, h), rows.head(h0, h), col0 + d] = T.cast(
+                    T.if_then_else(l_s[h] > 0, acc_o[h, d] / l_s[h], 0), T.bfloat16
+                )
+
+    return scores, online_softmax, load_q_tile, store_half
+
+
 @functools.cache
 def _jit_fwd_ws():
     tilelang, T = tilelang_modules()
@@ -66,15 +171,24 @@ def _jit_fwd_ws():
             tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
         },
     )
-    def sparse_mla_fwd_ws(heads: int, d_qk: int, d_v: int, softmax_scale: float, block_i: int = 64, group: int = 1):
-        """``group`` > 1 (experimental): one CTA per ``group`` consecutive queries over the union of their index sets
+    def sparse_mla_fwd_ws(heads: int, d_qk: int, d_v: int, softmax_scale: float, block_i: int = 64, group: int = 1,
+                          nreg: tuple[int, int, int] | None = None):
+        """``group`` > 1: one CTA per ``group`` consecutive queries over the union of their index sets
         (``kernels.index_groups``: ``Idx`` row g = union of queries g*group.., each entry key | member bits << 24;
-        ``VLen`` = union lengths), the MMA rows being (query, head) pairs: needs ``group * heads == 64``."""
+        ``VLen`` = union lengths), the MMA rows being (query, head) pairs: needs ``group * heads == 64``.
+        ``nreg``: registers of consumer 0 / consumer 1 / producer; default (256, 168, 80) at 64 rows (consumer 0
+        spills 88 instead of 144 bytes; 0.7-3 % faster, bitwise equal, ``sweep_sparse_fwd.py``), else
+        (240, 168, 80)."""
         block_h, n_hblk = head_block(heads)
         if group > 1:
             if group * heads != 64:
                 raise ValueError(f"grouped forward needs group * heads == 64, got group={group}, heads={heads}")
             block_h, n_hblk = 64, 1
+        if nreg is None:
+            nreg = (256, 168, 80) if block_h >= 64 else (240, 168, 80)
+        if len(nreg) != 3 or sum(nreg) > 504 or any(n % 8 or not 24 <= n <= 256 for n in nreg):
+            # 384 threads launch with 168 registers each; setmaxnreg only moves the CTA's own (more waits forever)
+            raise ValueError(f"nreg must be 3 multiples of 8 in [24, 256] summing to <= 504, got {nreg}")
         dh = d_v // 2
         d_tail = d_qk - d_v
         has_tail = d_tail > 0  # GLM-5: the 64 RoPE channels; none for a NoPE latent (GLM-5.3-Flash, d_qk == d_v)
@@ -92,43 +206,12 @@ def _jit_fwd_ws():
         wgmma = block_h >= 64  # below 64 rows TileLang emits mma.sync; the async-wait form needs wgmma
 
         # Macros live at factory scope (TileLang does not see functions defined inside the prim_func body).
-        @T.macro
-        def scores(Idx, t, t_kv, blk, q_l, q_r, q_t, kv_l, kv_r, kt, acc_s, bar_ready, stage, parity):
-            # Validity is re-read from the (L1-resident) index row rather than flags the producer wrote, so no
-            # ordering of generic shared-memory stores across warpgroups is needed; -1 slots get -inf.
-            for h, j in T.Parallel(block_h, bi):
-                slot = blk * bi + j
-                idx = T.if_then_else(slot < topk, Idx[t, T.min(slot, topk - 1)], -1)
-                if group == 1:
-                    acc_s[h, j] = T.if_then_else((idx >= 0) and (idx < t_kv), 0, -T.infinity(f32))
-                else:  # a union entry: key below the member bits, row h's query decides by its bit
-                    valid = (idx >= 0) and ((idx & (KEY_LIMIT - 1)) < t_kv) and rows.member(idx, h)
-                    acc_s[h, j] = T.if_then_else(valid, 0, -T.infinity(f32))
-            T.barrier_wait(bar_ready[stage], parity)  # the mask above overlaps the wait for the gathered rows
-            T.fence_proxy_async()  # cp.async (generic proxy) data, read next by the tensor cores (async proxy)
-            if wgmma:
-                T.wgmma_gemm(q_l, kv_l, acc_s, transpose_B=True)
-                T.wgmma_gemm(q_r, kv_r, acc_s, transpose_B=True)
-                if has_tail:
-                    T.wgmma_gemm(q_t, kt, acc_s, transpose_B=True)
-                T.wait_wgmma(0)
-            else:
-                T.gemm(q_l, kv_l, acc_s, transpose_B=True)
-                T.gemm(q_r, kv_r, acc_s, transpose_B=True)
-                if has_tail:
-                    T.gemm(q_t, kt, acc_s, transpose_B=True)
+        tile = _FwdTile(block_h, bi, 384, rows, has_tail, wgmma)
+        scores, online_softmax, load_q_tile, store_half = _fwd_macros(T, tile, topk, t_len, scale_log2)
 
         @T.macro
         def softmax_and_pv_left(kv_l, acc_s, acc_ol, m_i, m_prev, alpha, l_i, l_blk, alpha_s, p_s, bar_p_ready):
-            T.copy(m_i, m_prev)
-            T.reduce_max(acc_s, m_i, dim=1, clear=False)
-            for h in T.Parallel(block_h):
-                alpha[h] = T.exp2((m_prev[h] - m_i[h]) * scale_log2)
-            for h, j in T.Parallel(block_h, bi):
-                acc_s[h, j] = T.exp2(acc_s[h, j] * scale_log2 - m_i[h] * scale_log2)
-            T.reduce_sum(acc_s, l_blk, dim=1)
-            for h in T.Parallel(block_h):
-                l_i[h] = l_i[h] * alpha[h] + l_blk[h]
+            online_softmax(acc_s, m_i, m_prev, alpha, l_i, l_blk)
             for h, d in T.Parallel(block_h, dh):
                 acc_ol[h, d] *= alpha[h]
             T.copy(alpha, alpha_s)
@@ -142,21 +225,6 @@ def _jit_fwd_ws():
             for h, d in T.Parallel(block_h, dh):
                 acc_or[h, d] *= alpha_s[h]
             T.gemm(p_s, kv_r, acc_or)
-
-        @T.macro
-        def load_q(Q, t, h0, tx, buf, col0, width):
-            n_vec = block_h * (width // 8)
-            for it in T.unroll(cdiv(n_vec, 384)):
-                ch = it * 384 + tx
-                if ch < n_vec:
-                    h = ch // (width // 8)
-                    c = (ch % (width // 8)) * 8
-                    for v in T.vectorized(8):
-                        buf[h, c + v] = T.if_then_else(  # a dead row is never read (padded heads: P6)
-                            rows.live(t, h0, h, t_len),
-                            Q[rows.load_query(T, t, h, t_len), rows.head(h0, h), col0 + c + v],
-                            0,
-                        )
 
         # 8 lanes per KV row, 16 B per cp.async; an invalid slot becomes a zero-fill cp.async (source size 0,
         # nothing read), so stale or uninitialised shared memory never reaches the MMA (P1). Completion is signalled
@@ -208,17 +276,11 @@ def _jit_fwd_ws():
                 tx = T.get_thread_binding()
                 n_pair = T.ceildiv(VLen[t], 2 * bi)
 
-                # 16 B vector loads spread over all 384 threads; padded heads load as zeros, never stored (P6).
-                load_q(Q, t, h0, tx, q_l, 0, dh)
-                load_q(Q, t, h0, tx, q_r, dh, dh)
-                if has_tail:
-                    load_q(Q, t, h0, tx, q_t, d_v, d_tail)
-                T.fence_proxy_async()
-                T.barrier_arrive(bar_q)
+                load_q_tile(Q, t, h0, tx, q_l, q_r, q_t, dh, d_v, d_tail, bar_q)
 
                 if tx < 128:
                     # Consumer 0: scores, online softmax, P V (left half of d_v).
-                    T.set_max_nreg(240, 1)
+                    T.set_max_nreg(nreg[0], 1)
                     T.fill(acc_ol, 0)
                     T.fill(l_i, 0)
                     T.fill(m_i, -(2.0**30))  # finite start: a fully masked block gives exp2(-inf) = 0, never NaN
@@ -248,7 +310,7 @@ def _jit_fwd_ws():
                             )
                 elif tx < 256:
                     # Consumer 1: P V (right half of d_v), rescaled by the alpha consumer 0 published.
-                    T.set_max_nreg(168, 1)
+                    T.set_max_nreg(nreg[1], 1)
                     T.fill(acc_or, 0)
                     for jp in T.serial(n_pair):
                         T.barrier_wait(bar_p_ready, 0)  # completion 2*jp
@@ -262,14 +324,10 @@ def _jit_fwd_ws():
                         T.barrier_arrive(bar_p_free)
                         T.barrier_arrive(bar_free[1])
                     T.barrier_wait(bar_fin, 0)
-                    for h, d in T.Parallel(block_h, dh):
-                        if rows.live(t, h0, h, t_len):
-                            Out[rows.query(t, h), rows.head(h0, h), dh + d] = T.cast(
-                                T.if_then_else(l_s[h] > 0, acc_or[h, d] / l_s[h], 0), bf16
-                            )
+                    store_half(Out, t, h0, acc_or, l_s, dh, dh)
                 else:
                     # Producer: guarded cp.async gather of the selected KV rows, two stages deep.
-                    T.set_max_nreg(80, 0)
+                    T.set_max_nreg(nreg[2], 0)
                     for jp in T.serial(n_pair):
                         T.barrier_wait(bar_free[0], (jp & 1) ^ 1)
                         gather(KV, Idx, t, t_kv, topk, tx - 256, kv0_l, kv0_r, kt0, None, 2 * jp)
@@ -281,6 +339,201 @@ def _jit_fwd_ws():
         return main
 
     return sparse_mla_fwd_ws
+
+
+@functools.cache
+def _jit_fwd_sv():
+    tilelang, T = tilelang_modules()
+
+    @tilelang.jit(
+        out_idx=[4, 5],  # non-negative: see _common.OUT_IDX_NOTE
+        pass_configs={
+            tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
+            tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
+        },
+    )
+    def sparse_mla_fwd_sv(heads: int, d_qk: int, d_v: int, softmax_scale: float, group: int = 1,
+                           nreg: tuple[int, int, int] = (144, 176, 176)):
+        """Scores / values split, 384 threads, no producer warpgroup: WG0 masks, computes ``Q K^T`` and the online
+        softmax and publishes ``P`` and the rescale factor per block; WG1 / WG2 each rescale their half of the output
+        accumulator, add ``P V`` for their half of ``d_v``, then gather their half of the stage's next rows (WG2 also
+        the RoPE tail). Profiled reason (ncu, 64 heads, 16K): in ``ws`` consumer warpgroup 0 issued the whole serial
+        chain (mask, scores, softmax, rescale and half the ``P V``) while warpgroup 1 and the producer waited on
+        barriers a fifth of their samples each; here WG0's softmax of block ``j`` runs while WG1 / WG2's ``P V`` of
+        block ``j - 1`` keeps the tensor cores busy. (Four warpgroups with a producer do not compile: 512 threads
+        leave 128 registers per thread, and a [64, 256] fp32 accumulator's wgmma needs about 154.)
+
+        ``P`` of a block is written over the block's RoPE-tail tile once its scores are done (the same [64, 64] bf16
+        tile; a NoPE latent gets two tiles of its own), so shared memory stays at ``ws``'s. 64 MMA rows only (64
+        heads per CTA, or ``group * heads == 64``); ``nreg``: registers of WG0 / WG1 / WG2, multiples of 8 summing to
+        at most 3 x 168 (the CTA's own allocation: more makes ``setmaxnreg`` wait forever)."""
+        block_h, n_hblk = head_block(heads)
+        if group > 1:
+            if group * heads != 64:
+                raise ValueError(f"grouped forward needs group * heads == 64, got group={group}, heads={heads}")
+            block_h, n_hblk = 64, 1
+        if block_h != 64:
+            raise ValueError(f"the sv forward needs 64 MMA rows (heads > 32 or grouped), got {heads} heads")
+        if len(nreg) != 3 or sum(nreg) > 504 or any(n % 8 or not 24 <= n <= 256 for n in nreg):
+            raise ValueError(f"nreg must be 3 multiples of 8 in [24, 256] summing to <= 504, got {nreg}")
+        dh = d_v // 2
+        d_tail = d_qk - d_v
+        has_tail = d_tail > 0
+        p_in_tail = d_tail == 64  # P [64 heads, 64 slots] fits the tail tile [64 slots, 64 channels] exactly
+        if dh % 64 or d_tail % 64 or d_tail < 0:
+            raise ValueError(f"sv kernel needs d_v/2 and d_qk-d_v >= 0 multiples of 64; got {d_v}, {d_qk}")
+        scale_log2 = softmax_scale * LOG2E
+        bi = 64
+        threads = 384
+        t_len = T.dynamic("t_len")
+        t_kv = T.dynamic("t_kv")
+        topk = T.dynamic("topk")
+        n_idx = t_len if group == 1 else T.dynamic("n_grp")
+        rows = RowMap(heads, group)
+        bf16, f32, i32 = T.bfloat16, T.float32, T.int32
+
+        tile = _FwdTile(block_h, bi, threads, rows, has_tail, True)
+        scores, online_softmax, load_q_tile, store_half = _fwd_macros(T, tile, topk, t_len, scale_log2)
+
+        @T.macro
+        def softmax_publish(acc_s, m_i, m_prev, alpha, l_i, l_blk, alpha_s, p_s, bar_p_ready, stage):
+            online_softmax(acc_s, m_i, m_prev, alpha, l_i, l_blk)
+            T.copy(alpha, alpha_s)
+            T.copy(acc_s, p_s)  # over the tail rows this block's scores no longer read (wait_wgmma above)
+            T.fence_proxy_async()  # generic smem writes, read next by the other warpgroups' MMAs
+            T.barrier_arrive(bar_p_ready[stage])
+
+        @T.macro
+        def pv_half(p_s, v_s, alpha_s, acc_o, bar_p_ready, stage, parity):
+            T.barrier_wait(bar_p_ready[stage], parity)
+            T.fence_proxy_async()
+            for h, d in T.Parallel(block_h, dh):
+                acc_o[h, d] *= alpha_s[h]
+            T.gemm(p_s, v_s, acc_o)
+
+        # WG1 gathers the left halves of a block's rows, WG2 the right halves and the tail (8 lanes per row, 16 rows
+        # per pass of 128 threads); -1 slots are zero-filled without a read (P1), completion is signalled by
+        # cp_async_barrier_noinc on the stage's ready barrier (256 arrivals).
+        gather_l = latent_gather_macro(T, rows=bi, rows_per_pass=16, dh=dh, d_tail=0, tail0=d_v, record_index=False,
+                                       commit=False, key_bits=MEMBER_SHIFT if group > 1 else 0, halves=(True, False))
+        gather_r = latent_gather_macro(T, rows=bi, rows_per_pass=16, dh=dh, d_tail=d_tail, tail0=d_v,
+                                       record_index=False, commit=False, key_bits=MEMBER_SHIFT if group > 1 else 0,
+                                       halves=(False, True))
+
+        @T.prim_func
+        def main(
+            Q: T.Tensor([t_len, heads, d_qk], bf16),
+            KV: T.Tensor([t_kv, d_qk], bf16),
+            Idx: T.Tensor([n_idx, topk], i32),
+            VLen: T.Tensor([n_idx], i32),
+            Out: T.Tensor([t_len, heads, d_v], bf16),
+            Lse: T.Tensor([t_len, heads], f32),
+        ):
+            with T.Kernel(n_idx, n_hblk, threads=threads) as (t, hb):
+                q_l = T.alloc_shared([block_h, dh], bf16)
+                q_r = T.alloc_shared([block_h, dh], bf16)
+                q_t = T.alloc_shared([block_h, d_tail], bf16) if has_tail else None
+                kv0_l = T.alloc_shared([bi, dh], bf16)
+                kv0_r = T.alloc_shared([bi, dh], bf16)
+                kt0 = T.alloc_shared([bi, d_tail], bf16) if has_tail else None
+                kv1_l = T.alloc_shared([bi, dh], bf16)
+                kv1_r = T.alloc_shared([bi, dh], bf16)
+                kt1 = T.alloc_shared([bi, d_tail], bf16) if has_tail else None
+                p0_s = kt0 if p_in_tail else T.alloc_shared([block_h, bi], bf16)
+                p1_s = kt1 if p_in_tail else T.alloc_shared([block_h, bi], bf16)
+                alpha0_s = T.alloc_shared([block_h], f32)
+                alpha1_s = T.alloc_shared([block_h], f32)
+                l_s = T.alloc_shared([block_h], f32)
+
+                acc_s = T.alloc_fragment([block_h, bi], f32)
+                acc_ol = T.alloc_fragment([block_h, dh], f32)
+                acc_or = T.alloc_fragment([block_h, dh], f32)
+                m_i = T.alloc_fragment([block_h], f32)
+                m_prev = T.alloc_fragment([block_h], f32)
+                alpha = T.alloc_fragment([block_h], f32)
+                l_i = T.alloc_fragment([block_h], f32)
+                l_blk = T.alloc_fragment([block_h], f32)
+
+                bar_q = T.alloc_barrier(threads)
+                bar_ready = T.alloc_barrier([256, 256])  # WG1 + WG2 gathers -> WG0 (cp.async noinc arrivals)
+                bar_p_ready = T.alloc_barrier([128, 128])  # WG0 -> WG1, WG2: P and alpha of the stage's block
+                bar_p_free = T.alloc_barrier([128, 128])  # WG1 -> WG2: done reading P, the tail may be refilled
+                bar_fin = T.alloc_barrier(128)  # WG0 -> WG1, WG2: the final row sums are in smem
+
+                h0 = hb * block_h
+                tx = T.get_thread_binding()
+                n_pair = T.ceildiv(VLen[t], 2 * bi)
+
+                load_q_tile(Q, t, h0, tx, q_l, q_r, q_t, dh, d_v, d_tail, bar_q)
+
+                if tx < 128:
+                    # WG0: mask, scores, online softmax; P over the stage's tail rows, alpha to smem.
+                    T.set_max_nreg(nreg[0], 0)
+                    T.fill(l_i, 0)
+                    T.fill(m_i, -(2.0**30))  # finite start: a fully masked block gives exp2(-inf) = 0, never NaN
+                    T.barrier_wait(bar_q, 0)
+                    for jp in T.serial(n_pair):
+                        scores(Idx, t, t_kv, 2 * jp, q_l, q_r, q_t, kv0_l, kv0_r, kt0, acc_s, bar_ready, 0, jp & 1)
+                        softmax_publish(acc_s, m_i, m_prev, alpha, l_i, l_blk, alpha0_s, p0_s, bar_p_ready, 0)
+                        scores(Idx, t, t_kv, 2 * jp + 1, q_l, q_r, q_t, kv1_l, kv1_r, kt1, acc_s, bar_ready, 1, jp & 1)
+                        softmax_publish(acc_s, m_i, m_prev, alpha, l_i, l_blk, alpha1_s, p1_s, bar_p_ready, 1)
+                    T.copy(l_i, l_s)
+                    T.barrier_arrive(bar_fin)
+                    for h in T.Parallel(block_h):
+                        if rows.live(t, h0, h, t_len):
+                            Lse[rows.query(t, h), rows.head(h0, h)] = T.if_then_else(
+                                l_i[h] > 0, T.log(l_i[h]) + m_i[h] * softmax_scale, T.infinity(f32)
+                            )
+                elif tx < 256:
+                    # WG1: left half of d_v; then refills the stage's left halves with the block two ahead.
+                    T.set_max_nreg(nreg[1], 1)
+                    T.fill(acc_ol, 0)
+                    if n_pair > 0:
+                        gather_l(KV, Idx, t, t_kv, topk, tx - 128, kv0_l, kv0_l, kt0, None, 0)
+                        T.cp_async_barrier_noinc(bar_ready[0])
+                        gather_l(KV, Idx, t, t_kv, topk, tx - 128, kv1_l, kv1_l, kt1, None, 1)
+                        T.cp_async_barrier_noinc(bar_ready[1])
+                    for jp in T.serial(n_pair):
+                        pv_half(p0_s, kv0_l, alpha0_s, acc_ol, bar_p_ready, 0, jp & 1)
+                        T.barrier_arrive(bar_p_free[0])
+                        if jp + 1 < n_pair:
+                            gather_l(KV, Idx, t, t_kv, topk, tx - 128, kv0_l, kv0_l, kt0, None, 2 * jp + 2)
+                            T.cp_async_barrier_noinc(bar_ready[0])
+                        pv_half(p1_s, kv1_l, alpha1_s, acc_ol, bar_p_ready, 1, jp & 1)
+                        T.barrier_arrive(bar_p_free[1])
+                        if jp + 1 < n_pair:
+                            gather_l(KV, Idx, t, t_kv, topk, tx - 128, kv1_l, kv1_l, kt1, None, 2 * jp + 3)
+                            T.cp_async_barrier_noinc(bar_ready[1])
+                    T.barrier_wait(bar_fin, 0)
+                    store_half(Out, t, h0, acc_ol, l_s, 0, dh)
+                else:
+                    # WG2: right half of d_v; then refills the right halves and, once WG1 is done with P, the tail.
+                    T.set_max_nreg(nreg[2], 1)
+                    T.fill(acc_or, 0)
+                    if n_pair > 0:
+                        gather_r(KV, Idx, t, t_kv, topk, tx - 256, kv0_r, kv0_r, kt0, None, 0)
+                        T.cp_async_barrier_noinc(bar_ready[0])
+                        gather_r(KV, Idx, t, t_kv, topk, tx - 256, kv1_r, kv1_r, kt1, None, 1)
+                        T.cp_async_barrier_noinc(bar_ready[1])
+                    for jp in T.serial(n_pair):
+                        pv_half(p0_s, kv0_r, alpha0_s, acc_or, bar_p_ready, 0, jp & 1)
+                        if jp + 1 < n_pair:
+                            if p_in_tail:
+                                T.barrier_wait(bar_p_free[0], jp & 1)
+                            gather_r(KV, Idx, t, t_kv, topk, tx - 256, kv0_r, kv0_r, kt0, None, 2 * jp + 2)
+                            T.cp_async_barrier_noinc(bar_ready[0])
+                        pv_half(p1_s, kv1_r, alpha1_s, acc_or, bar_p_ready, 1, jp & 1)
+                        if jp + 1 < n_pair:
+                            if p_in_tail:
+                                T.barrier_wait(bar_p_free[1], jp & 1)
+                            gather_r(KV, Idx, t, t_kv, topk, tx - 256, kv1_r, kv1_r, kt1, None, 2 * jp + 3)
+                            T.cp_async_barrier_noinc(bar_ready[1])
+                    T.barrier_wait(bar_fin, 0)
+                    store_half(Out, t, h0, acc_or, l_s, dh, dh)
+
+        return main
+
+    return sparse_mla_fwd_sv
 
 
 @functools.cache
@@ -421,9 +674,9 @@ def check_sparse_mla_args(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tens
 
 
 def pick_fwd_variant(heads: int, d_qk: int, d_v: int, variant: Variant = "auto") -> str:
-    """``auto`` picks ``ws``, the warp-specialised forward, the faster of the two on every benchmarked shape
-    (``scripts/bench/RESULTS_kernels.md``; ``tests/gpu/test_kernels_gpu.py`` covers both). ``simple`` stays
-    available as ``variant="simple"``."""
+    """``auto`` picks ``ws``, the warp-specialised forward: faster than ``simple`` on every benchmarked shape, and
+    ``sv`` (bitwise the same output) was within +-2 % of it except on grouped random sets, +4.5 %
+    (``scripts/bench/RESULTS_kernels.md``; ``tests/gpu/test_kernels_gpu.py`` covers all three)."""
     if variant != "auto":
         return variant
     return "ws"
@@ -444,29 +697,37 @@ def sparse_mla_fwd_interface(
     """Forward kernel call: ``(out [T, H, d_v] bf16, lse [T, H] fp32 natural log)``.
 
     ``valid_len`` (``row_valid_len(indices)``) may be passed in when the caller already has it. ``group`` != 1
-    (experimental, ``ws`` kernel; 0: ``64 // H``): one CTA serves ``group`` consecutive queries over the union of their
+    (``ws`` or ``sv`` kernel; 0: ``64 // H``): one CTA serves ``group`` consecutive queries over the union of their
     index sets (``kernels.index_groups``; ``union``: a prebuilt ``group_union_indices(indices, group)``), same contract.
-    The autograd path runs it with ``grouped=True`` (``MEGATRON_GLM5_GROUPED_SPARSE_MLA``); measured against the
-    per-query kernel by ``scripts/bench/sweep_dsa_round2.py`` (sections ``grouped``, ``route``).
+    The autograd path runs it with ``grouped=True`` (``MEGATRON_GLM5_GROUPED_SPARSE_MLA``, on by default); measured
+    against the per-query kernel by ``scripts/bench/sweep_dsa_round2.py`` (sections ``grouped``, ``route``) and the
+    schedules by ``scripts/bench/sweep_sparse_fwd.py``.
     """
     check_sparse_mla_args(q, kv, indices, d_v)
     t_len, heads, d_qk = q.shape
     if t_len == 0:
         return q.new_zeros(0, heads, d_v), q.new_zeros(0, heads, dtype=torch.float32)
     if group != 1:
-        if variant not in ("auto", "ws"):
-            raise ValueError(f"the grouped forward is a 'ws' kernel, got variant={variant!r}")
+        if variant not in ("auto", "ws", "sv"):
+            raise ValueError(f"the grouped forward is a 'ws' or 'sv' kernel, got variant={variant!r}")
         group, rows, lengths = grouped_rows(indices, heads, group, union, kv.shape[0])
-        kernel = _jit_fwd_ws()(heads, d_qk, d_v, float(softmax_scale), 64, group)
+        if variant == "sv":
+            kernel = _jit_fwd_sv()(heads, d_qk, d_v, float(softmax_scale), group)
+        else:
+            kernel = _jit_fwd_ws()(heads, d_qk, d_v, float(softmax_scale), 64, group)
         return kernel(q, kv, rows, lengths)
     if valid_len is None:
         valid_len = row_valid_len(indices)
     kind = pick_fwd_variant(heads, d_qk, d_v, variant)
     if kind == "ws":
         kernel = _jit_fwd_ws()(heads, d_qk, d_v, float(softmax_scale))
+    elif kind == "sv":
+        if head_block(heads)[0] != 64:
+            raise ValueError(f"variant 'sv' needs 64 MMA rows per CTA (more than 32 heads), got {heads} heads")
+        kernel = _jit_fwd_sv()(heads, d_qk, d_v, float(softmax_scale))
     elif kind == "simple":
         kernel = _jit_fwd_simple()(heads, d_qk, d_v, float(softmax_scale))
     else:
-        raise ValueError(f"variant must be 'auto', 'ws' or 'simple', got {variant!r}")
+        raise ValueError(f"variant must be 'auto', 'ws', 'sv' or 'simple', got {variant!r}")
     out, lse = kernel(q, kv, indices, valid_len)
     return out, lse

@@ -133,6 +133,31 @@ def build_in_parallel(cases: list[tuple], workers: int) -> bool:
     return ok
 
 
+def run_sweep_sections(names: str, sections: dict, out: str | None) -> list[str]:
+    """Run the sweep scripts' sections (``sections[name]()`` -> markdown lines) in order under a date / commit / GPU
+    header; a failing section is reported and the others still run; the report is printed and, with ``out``,
+    written."""
+    import datetime
+    import subprocess
+    import traceback
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    lines = [f"- date: {datetime.datetime.now():%Y-%m-%d %H:%M}; commit {commit or '?'}; GPU "
+             f"{torch.cuda.get_device_name()}", ""]
+    for name in [n for n in names.split(",") if n]:
+        try:
+            part = sections[name]()
+        except Exception as err:  # keep the other sections
+            traceback.print_exc()
+            part = [f"{name}: FAILED {err!r}"[:300]]
+        lines += [f"### {name}", ""] + part + [""]
+        print("\n".join(part), flush=True)
+    if out:
+        with open(out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    return lines
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Inputs
 # ----------------------------------------------------------------------------------------------------------------

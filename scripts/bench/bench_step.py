@@ -123,6 +123,10 @@ VARIANTS = {
                 "(a) with grouped-GEMM experts (`TorchGroupedMLP`)"),
         Variant("mcore-kernels-grouped", "get_glm5_spec", ("--dsa-kernel-backend", "tilelang", "--moe-grouped-gemm"),
                 "(b) with grouped-GEMM experts (`TorchGroupedMLP`)"),
+        Variant("tilelang-grouped-per-query-mla", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
+                "(a) with grouped-GEMM experts, the sparse MLA per query only (the grouped sparse MLA, 4 "
+                "neighbouring queries per CTA over the union of their index sets, is the default since round 2's "
+                "third kernel session)", (("MEGATRON_GLM5_GROUPED_SPARSE_MLA", "0"),)),
         Variant("tilelang-grouped-masked-zero", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
                 "(a) with grouped-GEMM experts, empty experts' weight gradients zeroed by a masked pass over every "
                 "expert's (round 3; the Triton kernel is the default since round 4)",

@@ -1,8 +1,10 @@
-"""One sparse-MLA backward launch at a given shape, for a profiler (``ncu -k regex:main_kernel``): the profile that
-explains the backward's speed (round-2 notes: atomics vs the MMA pipes vs registers).
+"""One sparse-MLA backward (or, with ``--forward``, forward) launch at a given shape, for a profiler: the profile
+that explains the kernel's speed (round-2 notes: atomics vs the MMA pipes vs registers). The launch of interest is
+the only one inside ``cudaProfilerStart/Stop``, so ``--profile-from-start off`` picks it without launch counting.
 
-    ncu --set full -k regex:main_kernel -c 1 python scripts/bench/profile_bwd.py --heads 64 --seq 16384
+    ncu --set full --profile-from-start off -k regex:main_kernel python scripts/bench/profile_bwd.py --heads 64
     ncu ... python scripts/bench/profile_bwd.py --heads 16 --grouped --index-locality 0.9   # the grouped backward
+    ncu ... python scripts/bench/profile_bwd.py --heads 64 --forward                        # the forward
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=64)
     ap.add_argument("--seq", type=int, default=16384)
     ap.add_argument("--deterministic", action="store_true")
-    ap.add_argument("--grouped", action="store_true", help="the grouped backward (16 heads: 4 queries per CTA)")
+    ap.add_argument("--grouped", action="store_true", help="the grouped kernels (16 heads: 4 queries per CTA)")
+    ap.add_argument("--forward", action="store_true", help="profile the forward launch instead of the backward")
+    ap.add_argument("--fwd-variant", default="auto", help="the forward kernel (sparse_mla_fwd_interface's variant)")
     ap.add_argument("--index-locality", type=float, default=None,
                     help="synthetic sets with this share of a recency window (local_mix_indices); default random")
     args = ap.parse_args()
@@ -42,10 +46,23 @@ def main() -> int:
 
         grouped = {"group": 64 // h, "union": group_union_indices(idx, 64 // h, key_bound=s)}
     do = torch.randn(s, h, 512, device="cuda", dtype=torch.bfloat16, generator=g)
-    out, lse = sparse_mla_fwd_interface(q, kv, idx, 1 / 16, 512)
-    for _ in range(2):  # the second launch is the one to look at (compiled, caches warm)
+    fwd_kw = {"group": grouped["group"], "union": grouped["union"]} if grouped else {}
+    fwd_kw["variant"] = args.fwd_variant
+
+    def forward():
+        return sparse_mla_fwd_interface(q, kv, idx, 1 / 16, 512, **fwd_kw)
+
+    def backward():
         sparse_mla_bwd_interface(q, kv, out, lse, do, idx, 1 / 16, 512, deterministic=args.deterministic, **grouped)
+
+    out, lse = forward()  # compiled, caches warm: the second launch is the one to look at
+    launch = forward if args.forward else backward
+    launch()
     torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    launch()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
     return 0
 
 

@@ -28,16 +28,14 @@ holding its row in shared memory, a two-pass select with a candidate list): see 
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib
 import os
-import subprocess
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_dsa_kernels import build_in_parallel, causal_random_indices, timed  # noqa: E402
+from bench_dsa_kernels import build_in_parallel, causal_random_indices, run_sweep_sections, timed  # noqa: E402
 
 SCALE = 1.0 / 16
 IDX = "megatron_glm5.kernels.indexer_topk"
@@ -340,22 +338,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.workers and not build_in_parallel(kernels_to_build(), args.workers):
         print("some kernels failed to build (see above); the sections that need them will fail", flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    lines = [f"- date: {datetime.datetime.now():%Y-%m-%d %H:%M}; commit {commit or '?'}; GPU {torch.cuda.get_device_name()}",
-             ""]
-    for name in [s for s in args.sections.split(",") if s]:
-        try:
-            part = globals()[f"section_{name}"]()
-        except Exception as err:  # keep the other sections
-            import traceback
-
-            traceback.print_exc()
-            part = [f"{name}: FAILED {err!r}"[:300]]
-        lines += [f"### {name}", ""] + part + [""]
-        print("\n".join(part), flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    sections = {k[len("section_"):]: v for k, v in globals().items() if k.startswith("section_")}
+    run_sweep_sections(args.sections, sections, args.out)
     return 0
 
 

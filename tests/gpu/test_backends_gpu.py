@@ -153,8 +153,10 @@ def test_backends_train_alike(models):
     for c in (m, t):
         assert sum(c[-5:]) / 5 < c[0] - 0.5, "loss must fall"
     assert abs(m[0] - t[0]) <= 1e-2, "same weights, same batch: the first loss must agree"
-    # Bounded by this run's own run-to-run noise (the megatron backend twice): measured on the H200 (2026-12-01,
-    # scripts/bench/RESULTS_indexer_training.md) the noise in the mean of the last 5 losses was 0.022 and 0.050 in two
-    # runs (max per step 0.092 / 0.157) while the backends differed by 0.031 and 0.015: twice the noise plus 0.02.
-    bound = 2 * noise + 0.02
+    # Bounded by this run's own run-to-run noise (the megatron backend twice) plus a floor: one run's noise is a
+    # single sample and was as low as 0.002. Measured on the H200 (mean of the last 5 losses), eight runs on
+    # 2026-12-01 / 02: backends apart by 0.002-0.051 while the megatron backend's own two runs were 0.002-0.050 apart
+    # (scripts/bench/RESULTS_indexer_training.md; scripts/bench/kernels_round4/README.md). A wrong gradient stops
+    # the loss falling or moves it by far more.
+    bound = 2 * noise + 0.06
     assert end_gap <= bound, f"the curves must end at the same level (gap {end_gap:.3f}, run-to-run {noise:.3f})"

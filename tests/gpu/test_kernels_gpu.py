@@ -127,6 +127,36 @@ def test_fwd_matches_reference(heads, variant):
     assert (out[7] == 0).all() and torch.isinf(lse[7]).all()
 
 
+@pytest.mark.parametrize("d_qk", [576, 512], ids=["glm5", "nope"])
+@pytest.mark.parametrize("heads,topk", [(64, 512), (128, 515), (48, 512)])
+def test_fwd_sv_matches_reference_and_ws(heads, topk, d_qk):
+    """The scores / values split forward (``variant="sv"``): the fp32 oracle's contract and, within bf16 rounding,
+    the ``ws`` kernel's output; 48 heads pad to a 64-row tile, 515 is an index width that is not a multiple of the
+    block, the NoPE latent keeps P in tiles of its own."""
+    t_len = 1000
+    g = torch.Generator(device="cuda").manual_seed(heads + d_qk)
+    q = torch.randn(t_len, heads, d_qk, device="cuda", dtype=torch.bfloat16, generator=g)
+    kv = torch.randn(t_len, d_qk, device="cuda", dtype=torch.bfloat16, generator=g)
+    idx = causal_random_indices(t_len, topk, "cuda", generator=g)
+    idx[7] = -1
+    out, lse = fwd_mod.sparse_mla_fwd_interface(q, kv, idx, SCALE, D_V, variant="sv")
+    out_ws, lse_ws = fwd_mod.sparse_mla_fwd_interface(q, kv, idx, SCALE, D_V, variant="ws")
+    out_ref, lse_ref = ref.sparse_mla(q.float(), kv.float(), idx, SCALE, D_V, chunk=256)
+    cos, lse_err = cosine(out, out_ref), check_lse(lse, lse_ref)
+    diff = (out.float() - out_ws.float()).abs().max().item()
+    print(f"fwd sv H={heads} K={topk} d_qk={d_qk}: cos={cos:.7f} lse_err={lse_err:.2e}; vs ws: out max diff "
+          f"{diff:.2e}, lse max diff {check_lse(lse, lse_ws):.2e}")
+    assert torch.isfinite(out).all() and cos >= 0.9999 and lse_err < 2e-3
+    assert (out[7] == 0).all() and torch.isinf(lse[7]).all()
+    assert diff <= 2 ** -6 * out_ws.float().abs().max().item()
+
+
+def test_fwd_sv_rejects_small_head_tiles():
+    q, kv, idx = make_inputs(64, 16, 64)
+    with pytest.raises(ValueError, match="64 MMA rows"):
+        fwd_mod.sparse_mla_fwd_interface(q, kv, idx, SCALE, D_V, variant="sv")
+
+
 def _grouped_inputs(window: bool, seed: int, t_len: int = 1001, heads: int = 16, topk: int = 512):
     """Inputs of the grouped kernels' tests: T not a multiple of the group, row 7 all -1, random index sets (little
     sharing) or a sliding window (neighbours share almost every key)."""
@@ -138,18 +168,19 @@ def _grouped_inputs(window: bool, seed: int, t_len: int = 1001, heads: int = 16,
     return q, kv, idx
 
 
+@pytest.mark.parametrize("variant", ["ws", "sv"])
 @pytest.mark.parametrize("window", [False, True], ids=["random", "window"])
-def test_grouped_fwd_matches_reference_and_per_query_kernel(window):
+def test_grouped_fwd_matches_reference_and_per_query_kernel(window, variant):
     """The experimental grouped forward (4 queries x 16 heads per CTA over the union of their index sets) keeps the
-    per-query contract (inputs: ``_grouped_inputs``)."""
+    per-query contract (inputs: ``_grouped_inputs``), with either schedule."""
     q, kv, idx = _grouped_inputs(window, seed=3)
-    out, lse = fwd_mod.sparse_mla_fwd_interface(q, kv, idx, SCALE, D_V, group=4)
+    out, lse = fwd_mod.sparse_mla_fwd_interface(q, kv, idx, SCALE, D_V, group=4, variant=variant)
     out_ref, lse_ref, _, _ = reference_fwd_bwd(q, kv, idx)
     out_k, lse_k = fwd_mod.sparse_mla_fwd_interface(q, kv, idx, SCALE, D_V)
     cos, lse_err = cosine(out, out_ref), check_lse(lse, lse_ref)
     diff = (out.float() - out_k.float()).abs().max().item()
-    print(f"grouped fwd ({'window' if window else 'random'}): cos={cos:.7f} lse_err={lse_err:.2e}; vs the per-query "
-          f"kernel: out max diff {diff:.2e}")
+    print(f"grouped fwd {variant} ({'window' if window else 'random'}): cos={cos:.7f} lse_err={lse_err:.2e}; vs the "
+          f"per-query kernel: out max diff {diff:.2e}")
     assert torch.isfinite(out).all() and cos >= 0.9999 and lse_err < 2e-3
     assert (out[7] == 0).all() and torch.isinf(lse[7]).all()
     assert diff <= 2 ** -6 * out_k.float().abs().max().item()  # same math, another MMA shape: bf16 rounding only

@@ -1,0 +1,153 @@
+"""Sparse-MLA forward schedules side by side (one H200, issue 22's forward rows): each variant's time, TFLOP/s and
+its output / LSE difference from the default kernel's, at 16K tokens and 64 heads (random causal sets), plus the
+16-head grouped kernel (4 queries x 16 heads per CTA) on random and 90 %-local sets.
+
+Variants are (label, factory, args) over the factories of ``megatron_glm5.kernels.sparse_mla_fwd``; the first row of
+each table is the default the others are compared with.
+
+    source .gpu/install.sh && python scripts/bench/sweep_sparse_fwd.py --workers 16 --out fwd.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_dsa_kernels import (  # noqa: E402
+    build_in_parallel, causal_random_indices, local_mix_indices, run_sweep_sections, timed,
+)
+
+FWD = "megatron_glm5.kernels.sparse_mla_fwd"
+SCALE = 1.0 / 16
+
+# (label, factory, extra args after (heads, d_qk, d_v, scale)); the default first
+VARIANTS_64 = [
+    ("ws 256/168/80 (default)", "_jit_fwd_ws", (64, 1, (256, 168, 80))),
+    ("ws 240/168/80 (round 2)", "_jit_fwd_ws", (64, 1, (240, 168, 80))),
+    ("sv 144/176/176", "_jit_fwd_sv", (1, (144, 176, 176))),
+    ("sv 136/184/184", "_jit_fwd_sv", (1, (136, 184, 184))),
+    ("sv 152/176/176", "_jit_fwd_sv", (1, (152, 176, 176))),
+]
+VARIANTS_16_GROUPED = [
+    ("ws grouped 256/168/80 (default)", "_jit_fwd_ws", (64, 4, (256, 168, 80))),
+    ("ws grouped 240/168/80 (round 2)", "_jit_fwd_ws", (64, 4, (240, 168, 80))),
+    ("sv grouped 144/176/176", "_jit_fwd_sv", (4, (144, 176, 176))),
+]
+
+
+def kernels_to_build() -> list[tuple]:
+    cases = [(FWD, f, (64, 576, 512, SCALE, *a)) for _, f, a in VARIANTS_64]
+    cases += [(FWD, f, (16, 576, 512, SCALE, *a)) for _, f, a in VARIANTS_16_GROUPED]
+    return cases
+
+
+def _compare(lines, label, ms, flops, out, lse, ref):
+    if ref is None:
+        err_o = err_l = "-"
+    else:
+        err_o = f"{float((out.float() - ref[0].float()).abs().max()):.1e}"
+        fin = torch.isfinite(ref[1])
+        same_inf = bool(torch.equal(fin, torch.isfinite(lse)))
+        err_l = f"{float((lse[fin] - ref[1][fin]).abs().max()):.1e}" + ("" if same_inf else " (inf rows differ)")
+    lines.append(f"| {label} | {ms:.3f} | {flops / ms / 1e9:.0f} | {err_o} | {err_l} |")
+
+
+def section_fwd64(seq: int = 16384) -> list[str]:
+    """64 heads, random causal sets: the per-query kernels (one CTA per token)."""
+    from megatron_glm5.kernels._common import row_valid_len
+
+    mod = importlib.import_module(FWD)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(seq, 64, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+    kv = torch.randn(seq, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+    idx = causal_random_indices(seq, 2048, torch.device("cuda"))
+    vlen = row_valid_len(idx)
+    flops = 2 * float(vlen.sum()) * 64 * (576 + 512)
+    lines = [f"S = {seq}, 64 heads, random causal top-2048 sets", "",
+             "| variant | fwd ms | TFLOP/s | out max diff | lse max diff |", "|---|---|---|---|---|"]
+    ref = None
+    for label, fac, args in VARIANTS_64:
+        try:
+            kern = getattr(mod, fac)()(64, 576, 512, SCALE, *args)
+            ms = timed(lambda: kern(q, kv, idx, vlen))
+            out, lse = kern(q, kv, idx, vlen)
+        except Exception as err:  # report, go on
+            lines.append(f"| {label} | FAILED {err!r} |||| "[:300])
+            continue
+        _compare(lines, label, ms, flops, out, lse, ref)
+        if ref is None:
+            ref = (out, lse)
+    return lines
+
+
+def section_fwd16(seq: int = 16384) -> list[str]:
+    """16 heads, grouped kernel (4 queries per CTA over the union of their sets), random and 90 %-local sets."""
+    from megatron_glm5.kernels.index_groups import group_union_indices, grouped_rows
+
+    mod = importlib.import_module(FWD)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(seq, 16, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+    kv = torch.randn(seq, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+    lines = ["| variant | sets | fwd ms | TFLOP/s | out max diff | lse max diff |", "|---|---|---|---|---|---|"]
+    for loc in (None, 0.9):
+        dev = torch.device("cuda")
+        idx = causal_random_indices(seq, 2048, dev) if loc is None else local_mix_indices(seq, 2048, dev, loc)
+        flops = 2 * float((idx >= 0).sum()) * 16 * (576 + 512)
+        _, rows, lengths = grouped_rows(idx, 16, 4, group_union_indices(idx, 4, key_bound=seq), seq)
+        ref = None
+        for label, fac, args in VARIANTS_16_GROUPED:
+            tag = f"{label} | {'random' if loc is None else f'local {loc}'}"
+            try:
+                kern = getattr(mod, fac)()(16, 576, 512, SCALE, *args)
+                ms = timed(lambda: kern(q, kv, rows, lengths))
+                out, lse = kern(q, kv, rows, lengths)
+            except Exception as err:
+                lines.append(f"| {tag} | FAILED {err!r} |||| "[:300])
+                continue
+            _compare(lines, tag, ms, flops, out, lse, ref)
+            if ref is None:
+                ref = (out, lse)
+    return lines
+
+
+def section_gather(seq: int = 16384) -> list[str]:
+    """How much the gather costs: every row selects 2048 valid keys, either random over the whole sequence (each
+    CTA gathers its own rows from L2) or the same 2048 keys for every row (the rows stay hot in L2 and largely in
+    L1); equal FLOPs, so the time difference is what the gather's locality buys."""
+    mod = importlib.import_module(FWD)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    q = torch.randn(seq, 64, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+    kv = torch.randn(seq, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+    rand = torch.rand(seq, seq, device="cuda", generator=g).topk(2048, dim=-1).indices.int().contiguous()
+    same = torch.arange(2048, device="cuda", dtype=torch.int32).expand(seq, 2048).contiguous()
+    vlen = torch.full((seq,), 2048, device="cuda", dtype=torch.int32)
+    flops = 2 * float(seq * 2048) * 64 * (576 + 512)
+    lines = ["| variant | sets | fwd ms | TFLOP/s |", "|---|---|---|---|"]
+    for label, fac, args in (VARIANTS_64[0], VARIANTS_64[-1]):
+        kern = getattr(mod, fac)()(64, 576, 512, SCALE, *args)
+        for name, idx in (("random 2048 of all keys", rand), ("the same 2048 keys", same)):
+            ms = timed(lambda: kern(q, kv, idx, vlen))
+            lines.append(f"| {label} | {name} | {ms:.3f} | {flops / ms / 1e9:.0f} |")
+    return lines
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sections", default="fwd64,fwd16")
+    ap.add_argument("--workers", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if args.workers and not build_in_parallel(kernels_to_build(), args.workers):
+        print("some kernels failed to build (see above); their rows will fail", flush=True)
+    sections = {k[len("section_"):]: v for k, v in globals().items() if k.startswith("section_")}
+    run_sweep_sections(args.sections, sections, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
