@@ -37,8 +37,9 @@ environment variable read when a module or block spec is built (``0`` or ``1``; 
   without a host sync). H200, 16K tokens, forward + backward: 0.99x on random sets, 1.03x / 1.60x / 1.94x with 50 /
   90 / 100 % of each set in a shared recency window; the GLM-5 slice's step 486.3 -> 483.2 ms (a randomly
   initialised indexer: few shared keys). On since the kernel, backend and RL GPU tests passed with it (issue 22,
-  third session); a trained indexer's sets and contexts past 16K were not measured (the union build grows with the
-  context: 3.8 ms at 64K).
+  third session), for calls of up to 16K query tokens (``index_groups.GROUPED_MAX_TOKENS``): a trained indexer's
+  sets and longer contexts were not measured (the union build grows faster than the kernels, 3.8 ms at 64K, and
+  the union is held on top of the indices).
 * ``MEGATRON_GLM5_FUSED_WGRAD_ACCUMULATION`` - megatron-core's
   ``gradient_accumulation_fusion`` without apex: the linear layers' weight-gradient GEMM adds its fp32 result into
   ``main_grad`` (:data:`megatron_glm5.optim_fusions.WGRAD_ACCUMULATION`, through

@@ -17,10 +17,11 @@
 # (tests/gpu/test_rope_cat_gpu.py: the fused RoPE + concatenation vs its oracle, and its speed), optim_fusions
 # (tests/gpu/test_optim_fusions_gpu.py: weight-gradient accumulation and fused Adam vs their oracles, and speed),
 # zero_groups (tests/gpu/test_zero_groups_gpu.py: the experimental zero-groups kernel vs masked_fill, and speed),
-# grouped_route (the kernel, backend and RL GPU tests with the grouped sparse MLA, the default, also in the kernel
-# tests' own autograd calls; bench_step's variant tilelang-grouped-per-query-mla times the step without it), memory_peak (what one step of the
-# slice holds at its peak, by source line; MEMORY_ARGS adds flags, e.g. --seqs 32768 65536), long_context
-# (tests/gpu/test_long_context_gpu.py: the DSA kernels at 262144 tokens, rows past 2^31 element offsets),
+# grouped_route (the kernel tests with the grouped sparse MLA, the default route, also in their own autograd calls),
+# per_query_route (the backend and RL GPU tests with MEGATRON_GLM5_GROUPED_SPARSE_MLA=0: the per-query kernels the
+# route falls back to; bench_step's variant tilelang-grouped-per-query-mla times the step that way), memory_peak
+# (what one step of the slice holds at its peak, by source line; MEMORY_ARGS adds flags, e.g. --seqs 32768 65536),
+# long_context (tests/gpu/test_long_context_gpu.py: the DSA kernels at 262144 tokens, rows past 2^31 element offsets),
 # mlp_chunks_client (Megatron-LM's pretrain_gpt.py with full recompute and --mlp-chunks-for-training 2, both specs),
 # memory_cycles (the CUDA tensors a step of the slice leaves in reference cycles, and the objects of each cycle).
 # Each step has its own log and time limit; a failing step does not stop the others.
@@ -48,8 +49,10 @@ for step in "$@"; do
     optim_fusions) run optim_fusions 120 python3 -m pytest tests/gpu/test_optim_fusions_gpu.py -q -s -p no:cacheprovider ;;
     rope_cat) run rope_cat 120 python3 -m pytest tests/gpu/test_rope_cat_gpu.py -q -s -p no:cacheprovider ;;
     kernels_ws) MEGATRON_GLM5_TEST_FWD_VARIANT=ws run kernels_ws 200 python3 -m pytest tests/gpu/test_kernels_gpu.py -q -s -p no:cacheprovider ;;
-    grouped_route) MEGATRON_GLM5_TEST_GROUPED=1 MEGATRON_GLM5_GROUPED_SPARSE_MLA=1 run grouped_route 300 python3 -m pytest \
-      tests/gpu/test_kernels_gpu.py tests/gpu/test_backends_gpu.py tests/gpu/test_rl_gpu.py -q -s -p no:cacheprovider ;;
+    grouped_route) MEGATRON_GLM5_TEST_GROUPED=1 run grouped_route 300 python3 -m pytest tests/gpu/test_kernels_gpu.py \
+      -q -s -p no:cacheprovider ;;
+    per_query_route) MEGATRON_GLM5_GROUPED_SPARSE_MLA=0 run per_query_route 300 python3 -m pytest \
+      tests/gpu/test_backends_gpu.py tests/gpu/test_rl_gpu.py -q -s -p no:cacheprovider ;;
     backends) run backends 240 python3 -m pytest tests/gpu/test_backends_gpu.py -q -s -p no:cacheprovider ;;
     lora) run lora 200 python3 -m pytest tests/gpu/test_lora_gpu.py -q -s -p no:cacheprovider ;;
     indexer_loss_kernels) run indexer_loss_kernels 240 python3 -m pytest tests/gpu/test_indexer_loss_gpu.py -q -s -p no:cacheprovider ;;

@@ -155,8 +155,9 @@ def test_ncu_source_summary_splits_warpgroups_at_setmaxnreg(tmp_path):
         ["0x40", "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24", "30", "20", "800", "0", "30", "0"],
     ]
     path = tmp_path / "src.csv"
-    path.write_text("\n".join(",".join(f'"{c}"' for c in row) for row in [["Kernel Name", "main_kernel"], header, *body]))
-    _, instructions = mod.load(str(path))
+    rows = [["Kernel Name", "main_kernel"], header, *body]
+    path.write_text("\n".join(",".join(f'"{c}"' for c in row) for row in rows))
+    instructions = mod.load(str(path))
     lines = mod.summarise(instructions, blocks=4, top=2)
     assert lines[0] == "5 SASS instructions, 100 stall samples"
     regions = [line for line in lines if line.startswith("- region")]

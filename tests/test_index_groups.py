@@ -121,18 +121,34 @@ def test_sharing_probe_and_grouped_group():
     assert grouped_group(16, deterministic=False, with_target=True) == 1
 
 
-def test_grouped_route_is_on_by_default_and_switchable(monkeypatch):
+def test_grouped_route_is_on_by_default_switchable_and_bounded(monkeypatch):
     """The ``tilelang`` attention's grouped sparse MLA is the default (issue 22, third session: GPU tests green, the
-    slice's step at parity); ``MEGATRON_GLM5_GROUPED_SPARSE_MLA=0`` keeps the per-query kernels, and only 16 heads
-    per rank, atomic dKV and no attention target take the grouped kernels."""
+    slice's step at parity); ``MEGATRON_GLM5_GROUPED_SPARSE_MLA=0`` keeps the per-query kernels; calls past
+    ``GROUPED_MAX_TOKENS`` query tokens (unmeasured there) take the per-query kernels too."""
     from megatron_glm5 import fusions
-    from megatron_glm5.kernels.index_groups import grouped_group
+    from megatron_glm5.kernels.index_groups import GROUPED_MAX_TOKENS, grouped_group
 
     monkeypatch.delenv(fusions.GROUPED_SPARSE_MLA_ENV, raising=False)
     assert fusions.enabled(fusions.GROUPED_SPARSE_MLA_ENV)
     monkeypatch.setenv(fusions.GROUPED_SPARSE_MLA_ENV, "0")
     assert not fusions.enabled(fusions.GROUPED_SPARSE_MLA_ENV)
-    assert grouped_group(16, deterministic=False, with_target=False) == 4
-    assert [grouped_group(h, deterministic=False, with_target=False) for h in (8, 32, 64, 128)] == [1, 1, 1, 1]
-    assert grouped_group(16, deterministic=True, with_target=False) == 1
-    assert grouped_group(16, deterministic=False, with_target=True) == 1
+    assert GROUPED_MAX_TOKENS == 16384
+    assert grouped_group(16, deterministic=False, with_target=False, tokens=GROUPED_MAX_TOKENS) == 4
+    assert grouped_group(16, deterministic=False, with_target=False, tokens=GROUPED_MAX_TOKENS + 1) == 1
+    assert grouped_group(32, deterministic=False, with_target=False, tokens=8) == 1
+
+
+def test_group_one_is_not_a_grouped_layout():
+    """``group=0`` resolves to ``64 // heads``; at 64 heads that is 1, the per-query layout, which the grouped
+    interfaces refuse (they used to run on union rows with member bits, every slot masked: zeros, no error)."""
+    from megatron_glm5.kernels.sparse_mla_bwd import sparse_mla_bwd_interface
+    from megatron_glm5.kernels.sparse_mla_fwd import sparse_mla_fwd_interface
+
+    q = torch.zeros(8, 64, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(8, 576, dtype=torch.bfloat16)
+    idx = torch.full((8, 64), -1, dtype=torch.int32)
+    out = torch.zeros(8, 64, 512, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="group >= 2"):
+        sparse_mla_fwd_interface(q, kv, idx, 1 / 16, 512, group=0)
+    with pytest.raises(ValueError, match="group >= 2"):
+        sparse_mla_bwd_interface(q, kv, out, torch.zeros(8, 64), out, idx, 1 / 16, 512, group=0)

@@ -32,13 +32,17 @@ SM90 = '{"kind": "cuda", "arch": "sm_90a"}'
 COMPILE_CASES = {
     "fwd_ws_small": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_ws", (8, 192, 128, 0.125)),
     "fwd_ws_glm": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_ws", (64, 576, 512, 1 / 16)),
-    # experimental: 4 queries x 16 heads per CTA over the union of their index sets (kernels.index_groups)
+    # grouped (the default route at 16 heads): 4 queries x 16 heads per CTA over the union of their index sets
     "fwd_ws_grouped_glm": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_ws", (16, 576, 512, 1 / 16, 64, 4)),
     "bwd_grouped_glm": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (16, 576, 512, 1 / 16, False, 32, 0, False,
                                                                           0, 4)),
+    # experimental: 2 queries x 16 heads (32-row tiles: the dQ accumulator fits without spills)
+    "bwd_grouped2_glm": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (16, 576, 512, 1 / 16, False, 32, 0, False,
+                                                                           0, 2)),
     # the scores / values split forward (opt-in variant "sv"): P over the RoPE tail tile, and its own P tiles (NoPE)
     "fwd_sv_glm": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_sv", (64, 576, 512, 1 / 16)),
     "fwd_sv_nope": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_sv", (64, 512, 512, 1 / 16)),
+    "fwd_sv_grouped_glm": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_sv", (16, 576, 512, 1 / 16, 4)),
     "fwd_simple_small": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_simple", (16, 192, 128, 0.125)),
     "bwd_small_deterministic": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (8, 192, 128, 0.125, True)),
     "bwd_glm": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (64, 576, 512, 1 / 16, False)),
@@ -151,7 +155,7 @@ def test_sparse_mla_interface_rejects_unsupported_dims_and_bwd_shapes():
 def test_sparse_mla_fwd_variants_and_register_splits():
     """``sv`` needs 64-row tiles (the check runs before any build); both warp-specialised factories refuse register
     splits larger than the CTA's own allocation, which would make ``setmaxnreg`` wait forever (a hang, not an
-    error, on the GPU), and the grouped forward takes only its two schedules."""
+    error, on the GPU), or moving registers the wrong way; the grouped forward takes only its two schedules."""
     from megatron_glm5.kernels.sparse_mla_fwd import _jit_fwd_sv, _jit_fwd_ws
 
     q, kv, idx = _sparse_inputs(h=16)
@@ -163,7 +167,11 @@ def test_sparse_mla_fwd_variants_and_register_splits():
     with pytest.raises(ValueError, match="summing to <= 504"):
         _jit_fwd_ws()(64, 576, 512, 1 / 16, 64, 1, (256, 168, 88))
     with pytest.raises(ValueError, match="summing to <= 504"):
-        _jit_fwd_sv()(64, 576, 512, 1 / 16, 1, (184, 184, 144))
+        _jit_fwd_sv()(64, 576, 512, 1 / 16, 1, (144, 184, 184))
+    with pytest.raises(ValueError, match=">= 168"):  # an increase below the launch count
+        _jit_fwd_sv()(64, 576, 512, 1 / 16, 1, (144, 160, 176))
+    with pytest.raises(ValueError, match="<= 168"):  # a decrease above it
+        _jit_fwd_ws()(64, 576, 512, 1 / 16, 64, 1, (168, 168, 176))
     with pytest.raises(ValueError, match="64 MMA rows"):
         _jit_fwd_sv()(16, 576, 512, 1 / 16)
 

@@ -130,13 +130,19 @@ GROUPED_HEADS = 16  # the heads per rank the grouped kernels were measured at (4
 # included: H200, 16K tokens, 16 heads, 0.81x at 1.93 (random sets), 1.05x at 2.27, 1.65x at 3.26
 # (scripts/bench/RESULTS_kernels.md, round 2, second session).
 GROUPED_BWD_MIN_SHARING = 2.25
+# The most query tokens per call the grouped route takes: measured up to 16K (the route 0.99x-1.94x, the slice's step
+# at 8K at parity). Past that the union build grows faster than the kernels (0.51 ms at 16K, 3.77 ms at 64K) and the
+# union, as large as the indices, is held on top of them in the forward: not measured yet, so per-query there.
+GROUPED_MAX_TOKENS = 16384
 
 
-def grouped_group(heads: int, *, deterministic: bool, with_target: bool) -> int:
-    """The group the autograd path uses for these heads: ``64 // heads`` at :data:`GROUPED_HEADS` heads, 1 (the
-    per-query kernels) otherwise or where the grouped backward has no variant (deterministic dKV, attention
-    target)."""
-    return 64 // heads if heads == GROUPED_HEADS and not deterministic and not with_target else 1
+def grouped_group(heads: int, *, deterministic: bool, with_target: bool, tokens: int = 0) -> int:
+    """The group the autograd path uses for these heads: ``64 // heads`` at :data:`GROUPED_HEADS` heads and at most
+    :data:`GROUPED_MAX_TOKENS` query tokens, 1 (the per-query kernels) otherwise or where the grouped backward has no
+    variant (deterministic dKV, attention target)."""
+    if heads != GROUPED_HEADS or deterministic or with_target or tokens > GROUPED_MAX_TOKENS:
+        return 1
+    return 64 // heads
 
 
 @dataclass
@@ -249,13 +255,17 @@ def grouped_rows(
     group: int,
     union: tuple[torch.Tensor, torch.Tensor] | None = None,
     key_bound: int | None = None,
+    row_tiles: tuple[int, ...] = (64,),
 ) -> tuple[int, torch.Tensor, torch.Tensor]:
     """``(group, union rows, union lengths)`` for the sparse-MLA kernels' grouped mode: ``group`` 0 means
-    ``64 // heads``; ``group * heads`` must be 64 (the MMA's row tile); ``union`` is a prebuilt
-    :func:`group_union_indices` result (else it is built here, keys below ``key_bound``: the kernels' ``T_kv``)."""
+    ``64 // heads``; ``group * heads`` must be one of ``row_tiles`` (the kernel's MMA row tiles: 64, or for the
+    backward also 32); ``union`` is a prebuilt :func:`group_union_indices` result (else it is built here, keys below
+    ``key_bound``: the kernels' ``T_kv``)."""
     group = group or 64 // max(heads, 1)
-    if group * heads != 64:
-        raise ValueError(f"grouped sparse MLA needs group * heads == 64, got group={group}, heads={heads}")
+    if group < 2 or group * heads not in row_tiles:  # group 1 is the per-query layout: no member bits
+        tiles = " or ".join(map(str, row_tiles))
+        raise ValueError(f"grouped sparse MLA needs group >= 2 and group * heads == {tiles}, got group={group} "
+                         f"(group 0 resolves to 64 // heads), heads={heads}")
     rows, lengths = union if union is not None else group_union_indices(indices, group, key_bound=key_bound)
     return group, rows, lengths
 

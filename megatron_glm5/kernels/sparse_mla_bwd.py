@@ -138,10 +138,11 @@ def _jit_bwd():
         group: int = 1,
     ):
         """Main backward kernel. ``deterministic`` switches the dKV epilogue from atomics to partial-buffer stores;
-        ``dkv_split``: dKV column chunks (0: automatic); ``group`` > 1 (experimental, atomic dKV only): one CTA per
-        ``group`` consecutive queries over the union of their index sets, as the grouped forward
-        (``kernels.index_groups``; ``group * heads == 64``): a union key's dKV is summed over the group's queries on
-        chip before its one atomic write;
+        ``dkv_split``: dKV column chunks (0: automatic); ``group`` > 1 (atomic dKV only): one CTA per ``group``
+        consecutive queries over the union of their index sets, as the grouped forward (``kernels.index_groups``;
+        ``group * heads`` 64, or 32: experimental, since the 64-row tile's ``dQ`` accumulator spills at 256 threads
+        (255 registers, 348 bytes) where the 32-row one does not (228 registers; ptxas, sm_90a)): a union key's dKV
+        is summed over the group's queries on chip before its one atomic write;
         ``with_target`` also writes ``Tgt[hb, t, k] = sum_{h in head block hb} P[h, t, k]`` (the sparse indexer
         loss's unnormalised target, from the ``P`` this kernel forms anyway; slots of skipped blocks are left as the
         caller's zeros).
@@ -150,10 +151,10 @@ def _jit_bwd():
         """
         block_h, n_hblk = head_block(heads)
         if group > 1:
-            if group * heads != 64 or deterministic or with_target:
-                raise ValueError(f"grouped backward needs group * heads == 64, atomic dKV and no target; got "
+            if group * heads not in (32, 64) or deterministic or with_target:
+                raise ValueError(f"grouped backward needs group * heads == 64 or 32, atomic dKV and no target; got "
                                  f"group={group}, heads={heads}, deterministic={deterministic}, target={with_target}")
-            block_h, n_hblk = 64, 1
+            block_h, n_hblk = group * heads, 1
         if threads == 0:
             threads = 256 if block_h >= 32 else 128
         dh = d_v // 2
@@ -458,8 +459,9 @@ def sparse_mla_bwd_interface(
     invalid slots; the contract of ``sparse_attention_target`` with this ``lse``), formed by the same kernel.
 
     ``grad_lse`` (fp32 ``[T, H]``) adds the gradient flowing into the returned LSE (``dS += P * grad_lse``).
-    ``group`` != 1 (experimental, atomic dKV, no target; 0: ``64 // H``): one CTA per ``group`` consecutive queries
-    over the union of their index sets, as the grouped forward (``union``: a prebuilt ``group_union_indices``).
+    ``group`` != 1 (atomic dKV, no target; 0: ``64 // H``; ``32 // H`` experimental): one CTA per ``group``
+    consecutive queries over the union of their index sets, as the grouped forward (``union``: a prebuilt
+    ``group_union_indices`` of the same group).
     """
     check_sparse_mla_args(q, kv, indices, d_v)
     t_len, heads, d_qk = q.shape
@@ -482,7 +484,8 @@ def sparse_mla_bwd_interface(
     if group != 1:
         if deterministic or with_target:
             raise ValueError("the grouped backward has atomic dKV only and no attention target")
-        group, indices, valid_len = grouped_rows(indices, heads, group, union, kv.shape[0])  # the kernel reads the union rows
+        # the kernel reads the union rows; 32-row tiles (group 2 at 16 heads) are the experimental spill-free shape
+        group, indices, valid_len = grouped_rows(indices, heads, group, union, kv.shape[0], row_tiles=(64, 32))
     elif valid_len is None:
         valid_len = row_valid_len(indices)
     if grad_lse is None:
@@ -554,19 +557,22 @@ class SparseMLAFunction(torch.autograd.Function):
         ``deterministic=True`` gives bitwise run-to-run identical dq/dkv (no float atomics; slower, see
         ``sparse_mla_bwd``). ``target_box`` (an :class:`AttentionTargetBox`): the backward also writes the head-summed
         ``P`` into it (same kernel, no extra pass over the keys).
-        ``grouped=True``: at 16 heads (``index_groups.grouped_group``) the forward runs the grouped kernel (one CTA
-        per 4 neighbouring queries over the union of their sets) and the backward too where those sets share enough
-        keys (``GROUPED_BWD_MIN_SHARING``, measured in the forward); same contract, other rounding.
+        ``grouped=True``: at 16 heads and up to 16K tokens (``index_groups.grouped_group``) the forward runs the
+        grouped kernel (one CTA per 4 neighbouring queries over the union of their sets) and the backward too where
+        those sets share enough keys (``GROUPED_BWD_MIN_SHARING``, measured in the forward); same contract, other
+        rounding.
     """
 
     @staticmethod
     def forward(ctx, q, kv, indices, softmax_scale, d_v, deterministic, variant, target_box=None, grouped=False):  # noqa: D102
         valid_len = row_valid_len(indices)
-        group = grouped_group(q.shape[1], deterministic=deterministic, with_target=target_box is not None)
+        group = grouped_group(q.shape[1], deterministic=deterministic, with_target=target_box is not None,
+                              tokens=q.shape[0])
         ctx.probe = None
-        if grouped and group > 1 and variant in ("auto", "ws"):
+        if grouped and group > 1 and variant in ("auto", "ws", "sv"):
             union = group_union_indices(indices, group, key_bound=kv.shape[0])
-            out, lse = sparse_mla_fwd_interface(q, kv, indices, softmax_scale, d_v, group=group, union=union)
+            out, lse = sparse_mla_fwd_interface(q, kv, indices, softmax_scale, d_v, group=group, union=union,
+                                                variant=variant)
             ctx.probe = SharingProbe.start(valid_len, union[1])  # the backward's choice, without a host sync
             del union  # rebuilt by a grouped backward: the union is as large as the indices
         else:

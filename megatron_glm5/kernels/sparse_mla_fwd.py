@@ -17,8 +17,8 @@ Three kernels, one contract:
 * ``sv`` (opt-in, ``variant="sv"``; 64-row tiles): the scores / values split of the same work. Warpgroup 0 masks,
   computes ``Q K^T`` and the online softmax and publishes ``P`` (over the block's RoPE-tail tile) and the rescale
   factor; warpgroups 1 and 2 rescale and add ``P V`` for their halves of ``d_v`` and then gather their halves of the
-  next rows (no producer warpgroup). Bitwise equal to ``ws``; measured within a few per cent of it (the profile
-  behind it and what it showed: ``scripts/bench/RESULTS_kernels.md``, round 2, third session).
+  next rows (no producer warpgroup). Bitwise equal to ``ws``; measured within about 1 % of it (the profile behind
+  it and what it showed: ``scripts/bench/RESULTS_kernels.md``, round 2, third session).
 * ``simple`` (opt-in, ``variant="simple"``): one pipelined loop per CTA (token, head block); synchronous guarded
   16-byte gathers (TileLang does not turn a data-dependent, predicated gather into ``cp.async``), so gather and MMA
   do not overlap and it is the slower of the two at long sequences (measurements: ``scripts/bench/RESULTS_kernels.md``).
@@ -59,6 +59,25 @@ def head_block(heads: int) -> tuple[int, int]:
 # --------------------------------------------------------------------------------------------------------------------
 # TileLang factories (static shapes and tile parameters are arguments; token counts are dynamic)
 # --------------------------------------------------------------------------------------------------------------------
+
+
+# Registers per thread at launch of a 384-thread CTA (65536 / 384, rounded down to ptxas's 8): a warpgroup's
+# ``setmaxnreg`` can only move registers within the CTA's own allocation, so a split must sum to at most 3x this
+# (more and the increasing warpgroup waits forever: a GPU hang, not an error), an increase may not go below it and a
+# decrease not above it (ptxas refuses the latter; the PTX ISA leaves the former undefined).
+LAUNCH_REGS_384 = 65536 // 384 // 8 * 8
+
+
+def check_register_split(nreg: tuple[int, ...], directions: tuple[int, ...]) -> None:
+    """Refuse a ``setmaxnreg`` split (registers per warpgroup, ``directions`` 1 = increase, 0 = decrease) that a
+    384-thread CTA cannot honour."""
+    ok = len(nreg) == len(directions) == 3 and sum(nreg) <= 3 * LAUNCH_REGS_384
+    ok = ok and all(n % 8 == 0 and 24 <= n <= 256 for n in nreg)
+    ok = ok and all((n >= LAUNCH_REGS_384) if inc else (n <= LAUNCH_REGS_384) for n, inc in zip(nreg, directions))
+    if not ok:
+        kinds = ", ".join(">= %d" % LAUNCH_REGS_384 if inc else "<= %d" % LAUNCH_REGS_384 for inc in directions)
+        raise ValueError(f"nreg must be 3 multiples of 8 in [24, 256] ({kinds}) summing to <= "
+                         f"{3 * LAUNCH_REGS_384}, got {tuple(nreg)}")
 
 
 @dataclass(frozen=True)
@@ -186,9 +205,7 @@ def _jit_fwd_ws():
             block_h, n_hblk = 64, 1
         if nreg is None:
             nreg = (256, 168, 80) if block_h >= 64 else (240, 168, 80)
-        if len(nreg) != 3 or sum(nreg) > 504 or any(n % 8 or not 24 <= n <= 256 for n in nreg):
-            # 384 threads launch with 168 registers each; setmaxnreg only moves the CTA's own (more waits forever)
-            raise ValueError(f"nreg must be 3 multiples of 8 in [24, 256] summing to <= 504, got {nreg}")
+        check_register_split(nreg, (1, 1, 0))  # consumers 0 and 1 increase, the producer decreases
         dh = d_v // 2
         d_tail = d_qk - d_v
         has_tail = d_tail > 0  # GLM-5: the 64 RoPE channels; none for a NoPE latent (GLM-5.3-Flash, d_qk == d_v)
@@ -357,16 +374,22 @@ def _jit_fwd_sv():
         """Scores / values split, 384 threads, no producer warpgroup: WG0 masks, computes ``Q K^T`` and the online
         softmax and publishes ``P`` and the rescale factor per block; WG1 / WG2 each rescale their half of the output
         accumulator, add ``P V`` for their half of ``d_v``, then gather their half of the stage's next rows (WG2 also
-        the RoPE tail). Profiled reason (ncu, 64 heads, 16K): in ``ws`` consumer warpgroup 0 issued the whole serial
-        chain (mask, scores, softmax, rescale and half the ``P V``) while warpgroup 1 and the producer waited on
-        barriers a fifth of their samples each; here WG0's softmax of block ``j`` runs while WG1 / WG2's ``P V`` of
-        block ``j - 1`` keeps the tensor cores busy. (Four warpgroups with a producer do not compile: 512 threads
-        leave 128 registers per thread, and a [64, 256] fp32 accumulator's wgmma needs about 154.)
+        the RoPE tail). Why (ncu, 64 heads, 16K): in ``ws`` consumer warpgroup 0 issued the whole serial chain (mask,
+        scores, softmax, rescale and half the ``P V``) while consumer 1 and the producer spent 62-82 % of their own
+        samples in mbarrier waits. Measured: WG0's instructions fall by a third, the time within a few per cent of
+        ``ws`` (``scripts/bench/RESULTS_kernels.md``): the mask -> scores -> softmax chain of one block in one
+        warpgroup remains. (Four warpgroups with a producer do not compile: 512 threads leave 128 registers per
+        thread, and a [64, 256] fp32 accumulator's wgmma needs about 154.)
 
         ``P`` of a block is written over the block's RoPE-tail tile once its scores are done (the same [64, 64] bf16
-        tile; a NoPE latent gets two tiles of its own), so shared memory stays at ``ws``'s. 64 MMA rows only (64
-        heads per CTA, or ``group * heads == 64``); ``nreg``: registers of WG0 / WG1 / WG2, multiples of 8 summing to
-        at most 3 x 168 (the CTA's own allocation: more makes ``setmaxnreg`` wait forever)."""
+        tile; a NoPE latent gets two tiles of its own), so shared memory stays at ``ws``'s. Which warpgroup may
+        overwrite what: WG1 refills a stage's left halves after its own ``P V`` on them, WG2 the right halves and,
+        after ``bar_p_free`` (WG1 done reading ``P``), the tail; WG0 rewrites a stage's ``P`` and rescale factor only
+        after the stage's next ``bar_ready`` phase, whose arrivals are WG1 / WG2's refill ``cp.async``, issued after
+        their ``P V`` (``wgmma`` waited) and rescale reads retired. 64 MMA rows only (64 heads per CTA, or
+        ``group * heads == 64``); ``nreg``: registers of WG0 / WG1 / WG2 (:func:`check_register_split`); 144 is the
+        split the GPU tests ran (152 / 176 / 176 measured 1 % faster once, at 64 heads only).
+        """
         block_h, n_hblk = head_block(heads)
         if group > 1:
             if group * heads != 64:
@@ -374,8 +397,7 @@ def _jit_fwd_sv():
             block_h, n_hblk = 64, 1
         if block_h != 64:
             raise ValueError(f"the sv forward needs 64 MMA rows (heads > 32 or grouped), got {heads} heads")
-        if len(nreg) != 3 or sum(nreg) > 504 or any(n % 8 or not 24 <= n <= 256 for n in nreg):
-            raise ValueError(f"nreg must be 3 multiples of 8 in [24, 256] summing to <= 504, got {nreg}")
+        check_register_split(nreg, (0, 1, 1))  # WG0 decreases, WG1 and WG2 increase
         dh = d_v // 2
         d_tail = d_qk - d_v
         has_tail = d_tail > 0
@@ -495,12 +517,14 @@ def _jit_fwd_sv():
                         T.cp_async_barrier_noinc(bar_ready[1])
                     for jp in T.serial(n_pair):
                         pv_half(p0_s, kv0_l, alpha0_s, acc_ol, bar_p_ready, 0, jp & 1)
-                        T.barrier_arrive(bar_p_free[0])
+                        if p_in_tail:  # only a P tile that is also the tail is refilled by WG2
+                            T.barrier_arrive(bar_p_free[0])
                         if jp + 1 < n_pair:
                             gather_l(KV, Idx, t, t_kv, topk, tx - 128, kv0_l, kv0_l, kt0, None, 2 * jp + 2)
                             T.cp_async_barrier_noinc(bar_ready[0])
                         pv_half(p1_s, kv1_l, alpha1_s, acc_ol, bar_p_ready, 1, jp & 1)
-                        T.barrier_arrive(bar_p_free[1])
+                        if p_in_tail:
+                            T.barrier_arrive(bar_p_free[1])
                         if jp + 1 < n_pair:
                             gather_l(KV, Idx, t, t_kv, topk, tx - 128, kv1_l, kv1_l, kt1, None, 2 * jp + 3)
                             T.cp_async_barrier_noinc(bar_ready[1])
@@ -675,8 +699,8 @@ def check_sparse_mla_args(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tens
 
 def pick_fwd_variant(heads: int, d_qk: int, d_v: int, variant: Variant = "auto") -> str:
     """``auto`` picks ``ws``, the warp-specialised forward: faster than ``simple`` on every benchmarked shape, and
-    ``sv`` (bitwise the same output) was within +-2 % of it except on grouped random sets, +4.5 %
-    (``scripts/bench/RESULTS_kernels.md``; ``tests/gpu/test_kernels_gpu.py`` covers all three)."""
+    ``sv`` (bitwise the same output) measured within about 1 % of it (``scripts/bench/RESULTS_kernels.md``;
+    ``tests/gpu/test_kernels_gpu.py`` covers all three)."""
     if variant != "auto":
         return variant
     return "ws"

@@ -47,7 +47,13 @@ D_QK, D_V, TOPK = 576, 512, 2048
 # processes fills TileLang's disk cache, so the single-process test and benchmark runs only load them.
 OUR_KERNELS = (
     [("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_ws", (h, D_QK, D_V, SCALE)) for h in (8, 16, 64, 128)]
-    + [("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_ws", (16, D_QK, D_V, SCALE, 64, 4))]  # grouped (experimental)
+    + [("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_ws", (16, D_QK, D_V, SCALE, 64, 4))]  # grouped
+    + [("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_ws", (48, D_QK, D_V, SCALE))]  # the sv tests' reference
+    + [("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_sv", (h, d, d_v, SCALE))  # the opt-in sv schedule
+       for h in (48, 64, 128) for d, d_v in ((D_QK, D_V), (512, 512))]
+    + [("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_sv", (16, D_QK, D_V, SCALE, 4))]
+    + [("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_ws", (h, 512, 512, SCALE)) for h in (48, 128)]
+    + [("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (16, D_QK, D_V, SCALE, False, 32, 0, False, 0, 2))]
     + [("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (16, D_QK, D_V, SCALE, False, 32, 0, False, 0, 4))]
     + [("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_simple", (h, D_QK, D_V, SCALE)) for h in (16, 64)]
     + [("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (h, D_QK, D_V, SCALE, det))

@@ -122,8 +122,7 @@ def main() -> None:
     for name, build in (
         ("megatron-core 0.19.2 DSA layer (its spec, TileLang kernels)", _mcore_baseline),
         ("megatron-glm5 `megatron` backend (mcore TileLang kernels)", lambda h: _ours("megatron", h)),
-        ("megatron-glm5 `tilelang` backend (our kernels; grouped sparse MLA at 16 heads)",
-         lambda h: _ours("tilelang", h)),
+        ("megatron-glm5 `tilelang` backend (our kernels, the default routes)", lambda h: _ours("tilelang", h)),
         ("megatron-glm5 `tilelang` backend, per-query sparse MLA only", _ours_per_query),
     ):
         try:

@@ -17,8 +17,10 @@ import csv
 import sys
 
 
-def load(path: str) -> tuple[list[str], list[dict]]:
-    rows = list(csv.reader(open(path, newline="")))
+def load(path: str) -> list[dict]:
+    """Each SASS instruction of the page: its text, stall samples, executions and samples per stall reason."""
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
     head_at = next(i for i, r in enumerate(rows) if r and r[0] == "Address")
     header = rows[head_at]
     col = {h: i for i, h in enumerate(header)}
@@ -33,7 +35,7 @@ def load(path: str) -> tuple[list[str], list[dict]]:
             "executed": int(r[col["Instructions Executed"]] or 0),
             "stalls": {s[len("stall_"):]: int(r[col[s]] or 0) for s in stalls},
         })
-    return stalls, out
+    return out
 
 
 def summarise(instructions: list[dict], blocks: int = 0, top: int = 30) -> list[str]:
@@ -71,7 +73,7 @@ def main() -> int:
                     help="index blocks walked per warp in total: CTAs x warps per warpgroup x blocks per CTA")
     ap.add_argument("--top", type=int, default=30)
     args = ap.parse_args()
-    _, instructions = load(args.csv)
+    instructions = load(args.csv)
     print("\n".join(summarise(instructions, args.blocks, args.top)))
     return 0
 

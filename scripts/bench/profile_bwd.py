@@ -1,6 +1,7 @@
 """One sparse-MLA backward (or, with ``--forward``, forward) launch at a given shape, for a profiler: the profile
-that explains the kernel's speed (round-2 notes: atomics vs the MMA pipes vs registers). The launch of interest is
-the only one inside ``cudaProfilerStart/Stop``, so ``--profile-from-start off`` picks it without launch counting.
+that explains the kernel's speed (round-2 notes: atomics vs the MMA pipes vs registers). Only the call of interest
+runs inside ``cudaProfilerStart/Stop``, so ``--profile-from-start off`` picks it without launch counting: the forward
+is one ``main_kernel`` launch, the backward two (its ``Delta`` preprocessing, then the backward kernel).
 
     ncu --set full --profile-from-start off -k regex:main_kernel python scripts/bench/profile_bwd.py --heads 64
     ncu ... python scripts/bench/profile_bwd.py --heads 16 --grouped --index-locality 0.9   # the grouped backward
