@@ -115,10 +115,10 @@ def test_sharing_probe_and_grouped_group():
     probe = SharingProbe.start(torch.tensor([2048, 2048, 1024, 0], dtype=torch.int32), torch.tensor([2560]))
     assert probe.sharing() == pytest.approx(5120 / 2560)
     assert SharingProbe.start(torch.zeros(3, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)).sharing() == 0.0
-    assert grouped_group(16, deterministic=False, with_target=False) == 4
-    assert grouped_group(64, deterministic=False, with_target=False) == 1
-    assert grouped_group(16, deterministic=True, with_target=False) == 1
-    assert grouped_group(16, deterministic=False, with_target=True) == 1
+    assert grouped_group(16, deterministic=False, with_target=False, tokens=8) == 4
+    assert grouped_group(64, deterministic=False, with_target=False, tokens=8) == 1
+    assert grouped_group(16, deterministic=True, with_target=False, tokens=8) == 1
+    assert grouped_group(16, deterministic=False, with_target=True, tokens=8) == 1
 
 
 def test_grouped_route_is_on_by_default_switchable_and_bounded(monkeypatch):

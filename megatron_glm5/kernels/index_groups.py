@@ -136,7 +136,7 @@ GROUPED_BWD_MIN_SHARING = 2.25
 GROUPED_MAX_TOKENS = 16384
 
 
-def grouped_group(heads: int, *, deterministic: bool, with_target: bool, tokens: int = 0) -> int:
+def grouped_group(heads: int, *, deterministic: bool, with_target: bool, tokens: int) -> int:
     """The group the autograd path uses for these heads: ``64 // heads`` at :data:`GROUPED_HEADS` heads and at most
     :data:`GROUPED_MAX_TOKENS` query tokens, 1 (the per-query kernels) otherwise or where the grouped backward has no
     variant (deterministic dKV, attention target)."""
@@ -249,6 +249,16 @@ class RowMap:
         return ((entry >> (MEMBER_SHIFT + h // self.heads)) & 1) == 1
 
 
+def grouped_tile_rows(heads: int, group: int, row_tiles: tuple[int, ...] = (64,)) -> int:
+    """The MMA rows of a grouped kernel's CTA, ``group * heads``, which must be one of the kernel's ``row_tiles``
+    (64; the backward also takes 32); group 1 is the per-query layout (no member bits), so never grouped."""
+    if group < 2 or group * heads not in row_tiles:
+        tiles = " or ".join(map(str, row_tiles))
+        raise ValueError(f"grouped sparse MLA needs group >= 2 and group * heads == {tiles}, got group={group} "
+                         f"(group 0 resolves to 64 // heads), heads={heads}")
+    return group * heads
+
+
 def grouped_rows(
     indices: torch.Tensor,
     heads: int,
@@ -262,10 +272,7 @@ def grouped_rows(
     backward also 32); ``union`` is a prebuilt :func:`group_union_indices` result (else it is built here, keys below
     ``key_bound``: the kernels' ``T_kv``)."""
     group = group or 64 // max(heads, 1)
-    if group < 2 or group * heads not in row_tiles:  # group 1 is the per-query layout: no member bits
-        tiles = " or ".join(map(str, row_tiles))
-        raise ValueError(f"grouped sparse MLA needs group >= 2 and group * heads == {tiles}, got group={group} "
-                         f"(group 0 resolves to 64 // heads), heads={heads}")
+    grouped_tile_rows(heads, group, row_tiles)
     rows, lengths = union if union is not None else group_union_indices(indices, group, key_bound=key_bound)
     return group, rows, lengths
 

@@ -60,6 +60,7 @@ from megatron_glm5.kernels.index_groups import (
     group_union_indices,
     grouped_group,
     grouped_rows,
+    grouped_tile_rows,
 )
 from megatron_glm5.kernels.sparse_mla_fwd import (
     Variant,
@@ -69,6 +70,11 @@ from megatron_glm5.kernels.sparse_mla_fwd import (
 )
 
 DETERMINISTIC_PARTIAL_BYTES = 2 << 30  # budget for the per-chunk partial dKV buffer
+
+# The grouped backward's CTA row tiles: 64 (4 queries at 16 heads, the autograd route's) and, experimental, 32
+# (2 queries): the 64-row tile's dQ accumulator spills at 256 threads (255 registers, 348 bytes), the 32-row one does
+# not (228 registers; ptxas, sm_90a).
+GROUPED_BWD_ROW_TILES = (64, 32)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -140,9 +146,8 @@ def _jit_bwd():
         """Main backward kernel. ``deterministic`` switches the dKV epilogue from atomics to partial-buffer stores;
         ``dkv_split``: dKV column chunks (0: automatic); ``group`` > 1 (atomic dKV only): one CTA per ``group``
         consecutive queries over the union of their index sets, as the grouped forward (``kernels.index_groups``;
-        ``group * heads`` 64, or 32: experimental, since the 64-row tile's ``dQ`` accumulator spills at 256 threads
-        (255 registers, 348 bytes) where the 32-row one does not (228 registers; ptxas, sm_90a)): a union key's dKV
-        is summed over the group's queries on chip before its one atomic write;
+        ``group * heads`` one of :data:`GROUPED_BWD_ROW_TILES`): a union key's dKV is summed over the group's
+        queries on chip before its one atomic write;
         ``with_target`` also writes ``Tgt[hb, t, k] = sum_{h in head block hb} P[h, t, k]`` (the sparse indexer
         loss's unnormalised target, from the ``P`` this kernel forms anyway; slots of skipped blocks are left as the
         caller's zeros).
@@ -151,10 +156,10 @@ def _jit_bwd():
         """
         block_h, n_hblk = head_block(heads)
         if group > 1:
-            if group * heads not in (32, 64) or deterministic or with_target:
-                raise ValueError(f"grouped backward needs group * heads == 64 or 32, atomic dKV and no target; got "
-                                 f"group={group}, heads={heads}, deterministic={deterministic}, target={with_target}")
-            block_h, n_hblk = group * heads, 1
+            if deterministic or with_target:
+                raise ValueError(f"the grouped backward has atomic dKV only and no target; got "
+                                 f"deterministic={deterministic}, target={with_target}")
+            block_h, n_hblk = grouped_tile_rows(heads, group, GROUPED_BWD_ROW_TILES), 1
         if threads == 0:
             threads = 256 if block_h >= 32 else 128
         dh = d_v // 2
@@ -484,8 +489,8 @@ def sparse_mla_bwd_interface(
     if group != 1:
         if deterministic or with_target:
             raise ValueError("the grouped backward has atomic dKV only and no attention target")
-        # the kernel reads the union rows; 32-row tiles (group 2 at 16 heads) are the experimental spill-free shape
-        group, indices, valid_len = grouped_rows(indices, heads, group, union, kv.shape[0], row_tiles=(64, 32))
+        # the kernel reads the union rows
+        group, indices, valid_len = grouped_rows(indices, heads, group, union, kv.shape[0], GROUPED_BWD_ROW_TILES)
     elif valid_len is None:
         valid_len = row_valid_len(indices)
     if grad_lse is None:

@@ -43,7 +43,7 @@ import torch
 
 from megatron_glm5.kernels._common import LOG2E, cdiv, check_tensor, next_power_of_2, row_valid_len, tilelang_modules
 from megatron_glm5.kernels.gather import latent_gather_macro
-from megatron_glm5.kernels.index_groups import KEY_LIMIT, MEMBER_SHIFT, RowMap, grouped_rows
+from megatron_glm5.kernels.index_groups import KEY_LIMIT, MEMBER_SHIFT, RowMap, grouped_rows, grouped_tile_rows
 
 Variant = Literal["auto", "ws", "sv", "simple"]
 
@@ -93,7 +93,8 @@ class _FwdTile:
 
 
 def _fwd_macros(T, tile: _FwdTile, topk, t_len, scale_log2: float):
-    """``(scores, online_softmax, load_q_tile, store_half)``: the macros the ``ws`` and ``sv`` schedules share.
+    """``(scores, online_softmax, load_q_tile, store_half, rescale_pv)``: the macros the ``ws`` and ``sv`` schedules
+    share.
 
     * ``scores(Idx, t, t_kv, blk, q_l, q_r, q_t, kv_l, kv_r, kt, acc_s, bar_ready, stage, parity)``: the block's
       mask (validity re-read from the L1-resident index row, so no ordering of generic shared-memory stores across
@@ -103,6 +104,7 @@ def _fwd_macros(T, tile: _FwdTile, topk, t_len, scale_log2: float):
     * ``load_q_tile(...)``: 16 B vector loads of ``Q`` over all threads; padded heads (or queries past the last)
       load as zeros and are never stored (P6).
     * ``store_half(...)``: a warpgroup's half of the normalised output.
+    * ``rescale_pv(p_s, v_s, alpha_s, acc_o)``: a warpgroup's half of ``O`` rescaled, then plus ``P V``.
     """
     block_h, bi, rows, f32 = tile.block_h, tile.bi, tile.rows, T.float32
 
@@ -176,7 +178,14 @@ def _fwd_macros(T, tile: _FwdTile, topk, t_len, scale_log2: float):
                     T.if_then_else(l_s[h] > 0, acc_o[h, d] / l_s[h], 0), T.bfloat16
                 )
 
-    return scores, online_softmax, load_q_tile, store_half
+    @T.macro
+    def rescale_pv(p_s, v_s, alpha_s, acc_o):
+        # a warpgroup's output half: rescaled by the factor the softmax published, then plus P V
+        for h, d in T.Parallel(block_h, v_s.shape[1]):
+            acc_o[h, d] *= alpha_s[h]
+        T.gemm(p_s, v_s, acc_o)
+
+    return scores, online_softmax, load_q_tile, store_half, rescale_pv
 
 
 @functools.cache
@@ -198,11 +207,7 @@ def _jit_fwd_ws():
         ``nreg``: registers of consumer 0 / consumer 1 / producer; default (256, 168, 80) at 64 rows (consumer 0
         spills 88 instead of 144 bytes; 0.7-3 % faster, bitwise equal, ``sweep_sparse_fwd.py``), else
         (240, 168, 80)."""
-        block_h, n_hblk = head_block(heads)
-        if group > 1:
-            if group * heads != 64:
-                raise ValueError(f"grouped forward needs group * heads == 64, got group={group}, heads={heads}")
-            block_h, n_hblk = 64, 1
+        block_h, n_hblk = (grouped_tile_rows(heads, group), 1) if group > 1 else head_block(heads)
         if nreg is None:
             nreg = (256, 168, 80) if block_h >= 64 else (240, 168, 80)
         check_register_split(nreg, (1, 1, 0))  # consumers 0 and 1 increase, the producer decreases
@@ -224,7 +229,7 @@ def _jit_fwd_ws():
 
         # Macros live at factory scope (TileLang does not see functions defined inside the prim_func body).
         tile = _FwdTile(block_h, bi, 384, rows, has_tail, wgmma)
-        scores, online_softmax, load_q_tile, store_half = _fwd_macros(T, tile, topk, t_len, scale_log2)
+        scores, online_softmax, load_q_tile, store_half, rescale_pv = _fwd_macros(T, tile, topk, t_len, scale_log2)
 
         @T.macro
         def softmax_and_pv_left(kv_l, acc_s, acc_ol, m_i, m_prev, alpha, l_i, l_blk, alpha_s, p_s, bar_p_ready):
@@ -236,12 +241,6 @@ def _jit_fwd_ws():
             T.fence_proxy_async()  # generic smem writes of P, read next by the other warpgroup's MMA
             T.barrier_arrive(bar_p_ready)
             T.gemm(p_s, kv_l, acc_ol)
-
-        @T.macro
-        def pv_right(kv_r, p_s, alpha_s, acc_or):
-            for h, d in T.Parallel(block_h, dh):
-                acc_or[h, d] *= alpha_s[h]
-            T.gemm(p_s, kv_r, acc_or)
 
         # 8 lanes per KV row, 16 B per cp.async; an invalid slot becomes a zero-fill cp.async (source size 0,
         # nothing read), so stale or uninitialised shared memory never reaches the MMA (P1). Completion is signalled
@@ -332,12 +331,12 @@ def _jit_fwd_ws():
                     for jp in T.serial(n_pair):
                         T.barrier_wait(bar_p_ready, 0)  # completion 2*jp
                         T.fence_proxy_async()
-                        pv_right(kv0_r, p_s, alpha_s, acc_or)
+                        rescale_pv(p_s, kv0_r, alpha_s, acc_or)
                         T.barrier_arrive(bar_p_free)
                         T.barrier_arrive(bar_free[0])
                         T.barrier_wait(bar_p_ready, 1)  # completion 2*jp + 1
                         T.fence_proxy_async()
-                        pv_right(kv1_r, p_s, alpha_s, acc_or)
+                        rescale_pv(p_s, kv1_r, alpha_s, acc_or)
                         T.barrier_arrive(bar_p_free)
                         T.barrier_arrive(bar_free[1])
                     T.barrier_wait(bar_fin, 0)
@@ -390,11 +389,7 @@ def _jit_fwd_sv():
         ``group * heads == 64``); ``nreg``: registers of WG0 / WG1 / WG2 (:func:`check_register_split`); 144 is the
         split the GPU tests ran (152 / 176 / 176 measured 1 % faster once, at 64 heads only).
         """
-        block_h, n_hblk = head_block(heads)
-        if group > 1:
-            if group * heads != 64:
-                raise ValueError(f"grouped forward needs group * heads == 64, got group={group}, heads={heads}")
-            block_h, n_hblk = 64, 1
+        block_h, n_hblk = (grouped_tile_rows(heads, group), 1) if group > 1 else head_block(heads)
         if block_h != 64:
             raise ValueError(f"the sv forward needs 64 MMA rows (heads > 32 or grouped), got {heads} heads")
         check_register_split(nreg, (0, 1, 1))  # WG0 decreases, WG1 and WG2 increase
@@ -415,7 +410,7 @@ def _jit_fwd_sv():
         bf16, f32, i32 = T.bfloat16, T.float32, T.int32
 
         tile = _FwdTile(block_h, bi, threads, rows, has_tail, True)
-        scores, online_softmax, load_q_tile, store_half = _fwd_macros(T, tile, topk, t_len, scale_log2)
+        scores, online_softmax, load_q_tile, store_half, rescale_pv = _fwd_macros(T, tile, topk, t_len, scale_log2)
 
         @T.macro
         def softmax_publish(acc_s, m_i, m_prev, alpha, l_i, l_blk, alpha_s, p_s, bar_p_ready, stage):
@@ -429,9 +424,7 @@ def _jit_fwd_sv():
         def pv_half(p_s, v_s, alpha_s, acc_o, bar_p_ready, stage, parity):
             T.barrier_wait(bar_p_ready[stage], parity)
             T.fence_proxy_async()
-            for h, d in T.Parallel(block_h, dh):
-                acc_o[h, d] *= alpha_s[h]
-            T.gemm(p_s, v_s, acc_o)
+            rescale_pv(p_s, v_s, alpha_s, acc_o)
 
         # WG1 gathers the left halves of a block's rows, WG2 the right halves and the tail (8 lanes per row, 16 rows
         # per pass of 128 threads); -1 slots are zero-filled without a read (P1), completion is signalled by

@@ -15,11 +15,10 @@ Sections (each prints one markdown table; ``--out`` also writes them):
 * ``union``: the union build of the grouped kernels (``kernels.index_groups``) at 4 / 8 warps against the torch
   oracle, at 16K and 64K, bitwise compared.
 * ``route``: the autograd route (forward + backward, union builds included) with ``grouped`` off and on.
-* ``grouped_bwd2``: the grouped backward with 32-row tiles (``group=2`` at 16 heads, no register spills) against
-  the 64-row one and the per-query kernel, union builds timed apart.
-* ``grouped``: the grouped forward and backward (the interfaces' ``group=4``, the default route at 16 heads:
-  4 queries x 16 heads per CTA over the union of their sets) against the per-query kernels at 16K / 16 heads, on
-  random index sets and on sets with locality, with the union build's cost and the output / gradient differences.
+* ``grouped``: the grouped forward and backward (the interfaces' ``group=4``, the default route at 16 heads: 4
+  queries x 16 heads per CTA over the union of their sets; and the backward's experimental 32-row ``group=2``)
+  against the per-query kernels at 16K / 16 heads, on random index sets and on sets with locality, with the union
+  builds' cost and the output / gradient differences.
 
 The round-2 runs (``scripts/bench/kernels_round2/sweep*.md``) also measured variants whose code was not kept (a select
 holding its row in shared memory, a two-pass select with a candidate list): see ``RESULTS_kernels.md``.
@@ -152,8 +151,9 @@ def section_grouped(seq: int = 16384, heads: int = 16, localities=(None, 0.5, 0.
     group = 64 // heads
     lines = [f"| indices (S={seq}, {heads} heads) | sharing (groups of {group}) | per-query fwd ms | union build ms "
              "| grouped fwd ms | speed-up (kernel / with build) | out max err | lse max err "
-             "| bwd ms (per-query / grouped) | bwd speed-up | dq / dkv err (of max) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| bwd ms (per-query / grouped) | bwd speed-up | dq / dkv err (of max) "
+             "| group 2 bwd: union build ms / bwd ms / speed-up / dq, dkv err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     do = torch.randn(seq, heads, 512, device="cuda", dtype=torch.bfloat16, generator=g)
     for loc in localities:
         dev = torch.device("cuda")
@@ -186,56 +186,22 @@ def section_grouped(seq: int = 16384, heads: int = 16, localities=(None, 0.5, 0.
             res += f" | {b_ms:.2f} / {g_ms:.2f} | {b_ms / g_ms:.2f} | {eq:.1e} / {ekv:.1e}"
         except Exception as err:
             res += f" | FAILED {err!r}"[:200] + " | |"
+        try:  # the experimental 32-row tiles (2 queries): no register spills, less sharing, its own union
+            build2 = timed(lambda: group_union_indices(idx, 2, key_bound=seq))
+            union2 = group_union_indices(idx, 2, key_bound=seq)
+            g2_ms = timed(lambda: sparse_mla_bwd_interface(q, kv, out_b, lse_b, do, idx, SCALE, 512, group=2,
+                                                           union=union2))
+            dq_2, dkv_2 = sparse_mla_bwd_interface(q, kv, out_b, lse_b, do, idx, SCALE, 512, group=2, union=union2)
+            e2 = float((dq_2.float() - dq_b.float()).abs().max() / dq_b.float().abs().max())
+            ekv2 = float((dkv_2.float() - dkv_b.float()).abs().max() / dkv_b.float().abs().max())
+            res += f" | {build2:.2f} / {g2_ms:.2f} / {b_ms / g2_ms:.2f} / {e2:.1e}, {ekv2:.1e}"
+            del union2
+        except Exception as err:
+            res += f" | FAILED {err!r}"[:200]
         name = "random" if loc is None else f"local {loc:g}"
         lines.append(f"| {name} | {group_sharing(idx, group):.2f} | {base:.2f} ({2 * pairs * heads * 1088 / base / 1e9:.0f} "
                      f"TFLOP/s) | {build:.2f} | {res} |")
         del idx, vlen, union, out_b, lse_b
-        torch.cuda.empty_cache()
-    return lines
-
-
-def section_grouped_bwd2(seq: int = 16384, heads: int = 16, localities=(None, 0.5, 0.9, 1.0)) -> list[str]:
-    """The grouped backward with 32-row tiles (2 queries x 16 heads, no spills: 228 registers) against the 64-row one
-    (4 queries, 255 registers and spills) and the per-query kernel: time with each union build, and the gradients'
-    difference from the per-query kernel's (of the max)."""
-    from bench_dsa_kernels import group_sharing, local_mix_indices
-
-    from megatron_glm5.kernels._common import row_valid_len
-    from megatron_glm5.kernels.index_groups import group_union_indices
-    from megatron_glm5.kernels.sparse_mla_bwd import sparse_mla_bwd_interface
-    from megatron_glm5.kernels.sparse_mla_fwd import sparse_mla_fwd_interface
-
-    g = torch.Generator(device="cuda").manual_seed(8)
-    q = torch.randn(seq, heads, 576, device="cuda", dtype=torch.bfloat16, generator=g)
-    kv = torch.randn(seq, 576, device="cuda", dtype=torch.bfloat16, generator=g)
-    do = torch.randn(seq, heads, 512, device="cuda", dtype=torch.bfloat16, generator=g)
-    lines = [f"| indices (S={seq}, {heads} heads) | group | sharing | union build ms | bwd ms (kernel) | TFLOP/s "
-             "| vs per-query (with build) | dq / dkv err (of max) |", "|---|---|---|---|---|---|---|---|"]
-    for loc in localities:
-        dev = torch.device("cuda")
-        idx = causal_random_indices(seq, 2048, dev) if loc is None else local_mix_indices(seq, 2048, dev, loc)
-        vlen = row_valid_len(idx)
-        flops = 2 * float(vlen.sum()) * heads * (3 * 576 + 2 * 512)
-        out, lse = sparse_mla_fwd_interface(q, kv, idx, SCALE, 512, valid_len=vlen)
-        base = timed(lambda: sparse_mla_bwd_interface(q, kv, out, lse, do, idx, SCALE, 512, valid_len=vlen))
-        dq_b, dkv_b = sparse_mla_bwd_interface(q, kv, out, lse, do, idx, SCALE, 512, valid_len=vlen)
-        name = "random" if loc is None else f"local {loc:g}"
-        lines.append(f"| {name} | 1 | - | - | {base:.2f} | {flops / base / 1e9:.0f} | 1.00 | - |")
-        for group in (4, 2):
-            try:
-                build = timed(lambda: group_union_indices(idx, group, key_bound=seq))
-                union = group_union_indices(idx, group, key_bound=seq)
-                ms = timed(lambda: sparse_mla_bwd_interface(q, kv, out, lse, do, idx, SCALE, 512, group=group,
-                                                            union=union))
-                dq, dkv = sparse_mla_bwd_interface(q, kv, out, lse, do, idx, SCALE, 512, group=group, union=union)
-                eq = float((dq.float() - dq_b.float()).abs().max() / dq_b.float().abs().max())
-                ekv = float((dkv.float() - dkv_b.float()).abs().max() / dkv_b.float().abs().max())
-                lines.append(f"| {name} | {group} | {group_sharing(idx, group):.2f} | {build:.2f} | {ms:.2f} | "
-                             f"{flops / ms / 1e9:.0f} | {base / ms:.2f} ({base / (ms + build):.2f}) | "
-                             f"{eq:.1e} / {ekv:.1e} |")
-            except Exception as err:  # experimental shape: report and go on
-                lines.append(f"| {name} | {group} | FAILED {err!r}"[:300] + " |||||")
-        del idx, vlen, out, lse
         torch.cuda.empty_cache()
     return lines
 
