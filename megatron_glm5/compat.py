@@ -14,6 +14,7 @@ import atexit
 import contextlib
 import sys
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -710,6 +711,63 @@ def _probe_mlp_half() -> None:
     steps = set(L._forward_mlp.__code__.co_names)
     assert set(_MLP_HALF) - {"_forward_mlp"} <= steps, steps
     assert "mlp_chunks_for_training" in TransformerConfig.__dataclass_fields__
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 16. megatron-core's token dispatchers: per-call tensors kept on the dispatcher (core/layer.py)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def release_dispatcher_graph(moe_layer: Any) -> int:
+    """Detach the tensors megatron-core's token dispatcher keeps on itself from the call under way (the all-gather
+    dispatcher's ``local_probs``, the all-to-all's ``probs``; the flex dispatcher keeps its own one level down, not
+    reached): they are read again only for their dtype in that call's combine, but as they are they hold its
+    autograd graph until the next call replaces them. In a layer's recompute that graph's leaves are the checkpoint's
+    detached input (with its gradient) or, with MLP chunks, a chunk of the norm output, so each MoE layer's input and
+    gradient outlived its backward: 2.4 GB after a 32K-token step of the GLM-5 slice (``RESULTS_step.md``, round 5).
+    Returns how many were detached."""
+    dispatcher = getattr(moe_layer, "token_dispatcher", None)
+    if dispatcher is None:
+        return 0
+    held = [(k, v) for k, v in vars(dispatcher).items() if isinstance(v, torch.Tensor) and v.grad_fn is not None]
+    for k, v in held:
+        setattr(dispatcher, k, v.detach())
+    return len(held)
+
+
+def release_dispatcher_graph_after_experts(moe_layer: Any) -> bool:
+    """Call :func:`release_dispatcher_graph` on ``moe_layer`` each time its experts' forward ends (a forward hook on
+    ``moe_layer.experts``, run also when that forward raises). The experts' call, not the MoE layer's, is where a
+    selective ``recompute_modules=["moe"]`` recompute passes too (it reruns the layer's inner function, not its
+    ``__call__``). Returns whether a hook was installed (not for a layer without dispatcher or experts)."""
+    experts = getattr(moe_layer, "experts", None)
+    if getattr(moe_layer, "token_dispatcher", None) is None or not isinstance(experts, torch.nn.Module):
+        return False
+    owner = weakref.ref(moe_layer)  # the hook lives on a child of the layer: no reference cycle
+
+    def release(module, args, output) -> None:
+        layer = owner()
+        if layer is not None:
+            release_dispatcher_graph(layer)
+
+    experts.register_forward_hook(release, always_call=True)
+    return True
+
+
+@_hook("moe.moe_layer.MoELayer: token_dispatcher, a plain object whose dispatch of one call keeps tensors on self "
+       "(MoEAllGatherTokenDispatcher.local_probs, MoEAlltoAllTokenDispatcher.probs), read within that call; "
+       "routed_experts_compute calls self.experts (its forward hooks run, also in the moe recompute)",
+       "core/layer.py", MCORE)
+def _probe_dispatcher_state() -> None:
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.token_dispatcher import (MoEAllGatherTokenDispatcher,
+                                                                MoEAlltoAllTokenDispatcher, MoETokenDispatcher)
+
+    assert {"token_dispatcher", "experts"} <= set(MoELayer.__init__.__code__.co_names)
+    assert "experts" in MoELayer.routed_experts_compute.__code__.co_names
+    assert not issubclass(MoETokenDispatcher, torch.nn.Module)
+    assert "local_probs" in unpatched(MoEAllGatherTokenDispatcher, "dispatch_postprocess").__code__.co_names
+    assert "probs" in MoEAlltoAllTokenDispatcher.dispatch_preprocess.__code__.co_names
 
 
 def check_all() -> list[str]:

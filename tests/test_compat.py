@@ -21,8 +21,8 @@ def test_probe_passes_on_installed_versions(hook):
     hook.probe()
 
 
-def test_eighteen_hooks_cover_the_design_list():
-    assert len(compat.HOOKS) == 18
+def test_nineteen_hooks_cover_the_design_list():
+    assert len(compat.HOOKS) == 19
     assert compat.check_all() == []
 
 
@@ -211,3 +211,28 @@ def test_no_internal_import_outside_compat():
             if found:
                 offending[path.relative_to(REPO).as_posix()] = found
     assert not offending, offending
+
+
+def test_probe_fails_when_the_dispatcher_becomes_a_module(monkeypatch):
+    """release_dispatcher_graph reads the dispatcher's state with vars(): a module would keep tensors elsewhere."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    class ModuleDispatcher(torch.nn.Module):
+        pass
+
+    monkeypatch.setattr(token_dispatcher, "MoETokenDispatcher", ModuleDispatcher)
+    assert any("token_dispatcher" in f for f in compat.check_all())
+
+
+def test_release_dispatcher_graph_detaches_only_graph_tensors():
+    class Dispatcher:  # megatron-core's dispatchers are plain objects
+        pass
+
+    layer = torch.nn.Module()
+    layer.token_dispatcher = d = Dispatcher()
+    w = torch.ones(3, requires_grad=True)
+    d.local_probs, d.mapping, d.leaf = w * 2, torch.arange(3), w
+    assert compat.release_dispatcher_graph(layer) == 1
+    assert d.local_probs.grad_fn is None and torch.equal(d.local_probs, torch.full((3,), 2.0))
+    assert d.leaf is w and d.mapping.grad_fn is None  # a leaf holds no graph: left as it is
+    assert compat.release_dispatcher_graph(torch.nn.Linear(2, 2)) == 0

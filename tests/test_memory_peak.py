@@ -106,3 +106,34 @@ def test_bench_offload_search_doubles_then_bisects():
     assert [seq for seq, _ in rows] == sorted(tried)
     best, _ = bo.longest(None, SimpleNamespace(start=65536, max_seq=1 << 21, bisect_step=0), float("inf"), attempt)
     assert best == 262144
+
+
+def test_graph_holders_finds_saved_tensors_until_backward():
+    import torch
+
+    class Keep(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, extra):
+            ctx.save_for_backward(x)
+            ctx.extra = extra  # a tensor set on ctx: kept as long as the node lives
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, dy):
+            return dy * 2, None
+
+    x = torch.randn(4, 8)
+    w = torch.randn(8, 3, requires_grad=True)
+    extra = torch.zeros(5)
+    h = Keep.apply(x @ w, extra)
+    y = h.sum()
+    ptrs = {x.data_ptr(), extra.data_ptr()}
+    wanted = lambda t: t.data_ptr() in ptrs  # noqa: E731
+    found = mp.graph_holders([y, object()], wanted)
+    where = sorted(w_ for _, w_, _ in found)
+    assert any(w_.startswith("MmBackward0._saved_self") for w_ in where), where
+    assert any(w_.endswith("ctx.extra") for w_ in where), where
+    assert all(root == "tensor ()" for root, _, _ in found)
+    y.backward()  # saved variables released; the ctx attribute stays while the node lives
+    found = mp.graph_holders([y], wanted)
+    assert [w_.split(".", 1)[1] for _, w_, _ in found] == ["ctx.extra"]

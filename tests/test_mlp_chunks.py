@@ -19,7 +19,7 @@ FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_
 def _build(chunks: int, backend: str = "tilelang", **policy):
     arch = parse_hf_config(tiny_glm52_config())  # dense first layer, MoE after it, 1 MTP layer
     torch.manual_seed(0)
-    return arch, build_model(arch, default_cpu_policy(**FULL, mlp_chunks_for_training=chunks, **policy),
+    return arch, build_model(arch, default_cpu_policy(**{**FULL, **policy}, mlp_chunks_for_training=chunks),
                              backend=backend)
 
 
@@ -105,3 +105,73 @@ def test_check_chunkable_names_every_refused_setting():
 def test_policy_rejects_zero_chunks():
     with pytest.raises(ValueError, match="mlp_chunks_for_training"):
         default_cpu_policy(mlp_chunks_for_training=0)
+
+
+def _graph_state(model) -> list[str]:
+    """Tensors with an autograd graph kept as attributes of a module or of a plain object a module holds (the token
+    dispatcher is not a module)."""
+    found, seen = [], set()
+    for name, module in model.named_modules():
+        holders = [(name, module)] + [(f"{name}.{k}", v) for k, v in vars(module).items()
+                                      if hasattr(v, "__dict__") and not isinstance(v, (torch.nn.Module, torch.Tensor))]
+        for where, obj in holders:
+            if id(obj) in seen:
+                continue
+            seen.add(id(obj))
+            for k, v in vars(obj).items():
+                for t in (v if isinstance(v, (list, tuple)) else (v,)):
+                    if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                        found.append(f"{where}.{k}")
+    return found
+
+
+def _leaves_alive(ptrs: set[int]) -> list[tuple]:
+    """Python tensors, and leaves of autograd graphs reachable from Python objects, whose storage is in ``ptrs``."""
+    import gc
+
+    found, seen = [], set()
+    for obj in gc.get_objects():
+        if not isinstance(obj, torch.Tensor):
+            continue
+        if obj.untyped_storage().data_ptr() in ptrs:
+            found.append(("tensor", tuple(obj.shape)))
+        stack = [obj.grad_fn]
+        while stack:
+            node = stack.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            leaf = getattr(node, "variable", None)  # AccumulateGrad
+            if isinstance(leaf, torch.Tensor) and leaf.untyped_storage().data_ptr() in ptrs:
+                found.append((node.name(), tuple(leaf.shape)))
+            stack.extend(fn for fn, _ in node.next_functions)
+    return found
+
+
+_SELECTIVE_MOE = dict(recompute_granularity="selective", recompute_method=None, recompute_num_layers=None,
+                      recompute_modules=["moe"])
+
+
+@pytest.mark.parametrize("chunks,policy", [(1, {}), (2, {}), (1, _SELECTIVE_MOE)],
+                         ids=["full", "full-2-chunks", "selective-moe"])
+def test_step_leaves_no_graph_behind(model_parallel, chunks, policy):
+    """After a step under full (or the MoE's selective) recompute no module keeps an autograd graph: megatron-core's
+    dispatcher kept the probabilities of the last call with their graph, whose leaves were the recompute's detached
+    input (and its gradient) or, with chunks, a chunk of the norm output (compat.release_dispatcher_graph). The
+    layers' inputs and norm outputs are gone once the step ends."""
+    import gc
+
+    _, model = _build(chunks, **policy)  # the all-gather dispatcher (the all-to-all one needs CUDA streams)
+    model.train()
+    ptrs: set[int] = set()
+    record = lambda mod, args, out: ptrs.add((out[0] if isinstance(out, tuple) else out)  # noqa: E731
+                                             .untyped_storage().data_ptr())
+    hooks = [model.embedding.register_forward_hook(record)]
+    hooks += [m.register_forward_hook(record) for n, m in model.named_modules() if n.endswith("pre_mlp_layernorm")]
+    _step(model, 3)
+    for h in hooks:
+        h.remove()
+    assert ptrs
+    assert _graph_state(model) == []
+    gc.collect()
+    assert _leaves_alive(ptrs) == []

@@ -47,7 +47,7 @@ from megatron.core.tensor_parallel.random import is_checkpointing
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import deprecate_inference_params
 
-from .. import offload
+from .. import compat, offload
 from ..compat import checkpoint_node as _checkpoint_node
 from ..device_check import check_on_device
 from .mlp_chunks import check_chunkable, forward_mlp_in_chunks
@@ -173,6 +173,9 @@ class DSADecoderLayer(TransformerLayer):
             )
         if self.config.mlp_chunks_for_training > 1:
             check_chunkable(self.config)
+        # the MoE dispatcher's per-call tensors would keep this call's graph (and, in a recompute, this layer's input
+        # and its gradient) alive until the next step
+        compat.release_dispatcher_graph_after_experts(self.mlp)
         if activation_offload is not None and getattr(self.config, "cuda_graph_impl", "none") not in (None, "none"):
             raise NotImplementedError("activation offload moves tensors at run time and cannot be captured in a CUDA "
                                       "graph: use cuda_graph_impl='none' with it")

@@ -55,7 +55,7 @@ def _triton():
 
     @triton.jit
     def fwd(X, W, Y, RSTD, stride_x, stride_y, N, eps, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 past 349525 rows of 6144
         cols = tl.arange(0, BLOCK)
         mask = cols < N
         x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
@@ -74,7 +74,7 @@ def _triton():
         mask = cols < N
         w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
         dw = tl.zeros([BLOCK], dtype=tl.float32)
-        first = pid * rows_per_prog
+        first = pid.to(tl.int64) * rows_per_prog
         for i in range(0, rows_per_prog):
             row = first + i
             if row < rows:

@@ -8,8 +8,9 @@ top-8 of width 2048 plus a shared expert, indexer 32 heads x 128 with top-k 2048
 step and measure the loss, not the layers). For each setting the sequence doubles from ``--start`` (8K) until one
 fwd+bwd step runs out of GPU memory (``torch.cuda.OutOfMemoryError``, memory released before the next setting), runs
 out of the host budget for the offloaded copies, or reaches ``--max-seq`` (with ``--bisect-step``, a binary search
-between the last fit and the first failure follows); the step time at ``--time-seqs`` (16K, 32K) is the median of
-``--reps`` timed steps after a warm-up, taken before the search. One model is alive at a time. Appends a
+between the last fit and the first failure follows; the model is built again after each failed attempt, whose
+leftovers made shorter attempts fail early); the step time at ``--time-seqs`` (16K, 32K) is the median of ``--reps``
+timed steps after a warm-up, taken before the search. One model is alive at a time. Appends a
 markdown table (date, commit, GPU) to ``--out``.
 
     python scripts/bench/bench_offload.py [--recompute none|full] [--mlp-chunks N] [--bisect-step 16384] [--out F]
@@ -205,7 +206,22 @@ def main() -> None:
         # timed steps first: after the search's out-of-memory step the allocator is fragmented (a 16K step that ran
         # before OOMed after it on the H200)
         times = {seq: time_step(model, seq, args.reps) for seq in args.time_seqs}
-        best, rows = longest(model, args, budget if offload_on else float("inf"))
+        holder = [model]
+        del model
+
+        def attempt(seq: int, offload_on=offload_on) -> dict:
+            """``try_step``; after a failure the model is built again: a step that ran out of memory half-way
+            leaves state behind (the recompute's graph held by module state, the stashed top-k) that made the
+            next, shorter attempts fail 10-15 GB early on the H200."""
+            result = try_step(holder[0], seq)
+            if not result["ok"]:
+                holder[0] = None
+                release()
+                holder[0] = build(offload_on, args.recompute, args.backend, args.mlp_chunks)
+            return result
+
+        best, rows = longest(None, args, budget if offload_on else float("inf"), attempt)  # no second reference
+        model = holder.pop()
         results[label] = dict(best=best, rows=rows, times=times)
         del model
         release()

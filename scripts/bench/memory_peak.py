@@ -199,6 +199,120 @@ def holders(model, seq: int) -> list[str]:
     return lines + [""]
 
 
+def _saved_tensors(node) -> list[tuple[str, object]]:
+    """The tensors an autograd node keeps: built-in nodes' ``_saved_*`` attributes, a custom Function's
+    ``saved_tensors``, the tensors set on its ``ctx`` (released ones raise and are skipped), an ``AccumulateGrad``
+    node's leaf."""
+    import torch
+
+    found = []
+    names = [n for n in dir(node) if n.startswith("_saved_")] + ["saved_tensors", "variable"]  # AccumulateGrad's leaf
+    for name in names:
+        try:
+            value = getattr(node, name)
+        except (RuntimeError, AttributeError):
+            continue
+        for v in (value if isinstance(value, (list, tuple)) else (value,)):
+            if isinstance(v, torch.Tensor):
+                found.append((name, v))
+    for name, v in getattr(node, "__dict__", {}).items():
+        for t in (v if isinstance(v, (list, tuple)) else (v,)):
+            if isinstance(t, torch.Tensor):
+                found.append((f"ctx.{name}", t))
+    return found
+
+
+def graph_holders(objects: Iterable, wanted) -> list[tuple[str, str, object]]:
+    """Walk every autograd graph reachable from ``objects`` (tensors with a ``grad_fn``, autograd nodes) and return
+    ``(root, node and attribute, tensor)`` for each saved tensor where ``wanted(tensor)``; ``root`` names the Python
+    object the walk started from (its type, the tensor's shape). Each node is visited once."""
+    import torch
+
+    seen: set[int] = set()
+    found = []
+    for obj in objects:
+        if isinstance(obj, torch.Tensor):
+            start, root = obj.grad_fn, f"tensor {tuple(obj.shape)}"
+        elif isinstance(obj, torch.autograd.graph.Node):
+            start, root = obj, f"node {type(obj).__name__}"
+        else:
+            continue
+        stack = [start] if start is not None else []
+        while stack:
+            node = stack.pop()
+            if node is None or id(node) in seen:
+                continue
+            seen.add(id(node))
+            for attr, t in _saved_tensors(node):
+                if wanted(t):
+                    found.append((root, f"{node.name()}.{attr}", t))
+            stack.extend(fn for fn, _ in getattr(node, "next_functions", ()) if fn is not None)
+    return found
+
+
+def _active_blocks() -> list[dict]:
+    """The allocator's allocated blocks now (``address``, ``size``, allocation ``frames`` where history was on)."""
+    import torch
+
+    blocks = []
+    for seg in torch.cuda.memory._snapshot()["segments"]:
+        addr = seg["address"]
+        for b in seg["blocks"]:
+            if b["state"] == "active_allocated":
+                blocks.append(dict(address=b.get("address", addr), size=b["size"], frames=b.get("frames") or []))
+            addr += b["size"]
+    return blocks
+
+
+def leftover(model, seq: int, depth: int) -> list[str]:
+    """What a step leaves allocated, before and after ``gc.collect()``, by allocation site, and who holds what
+    survives the collection: a Python object (its referrers), a tensor saved in an autograd graph reachable from a
+    Python object (:func:`graph_holders`), or neither."""
+    import gc
+
+    import torch
+    from bench_offload import release, step
+
+    release()
+    before = {b["address"] for b in _active_blocks()}
+    torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python", max_entries=_MAX_ENTRIES)
+    try:
+        step(model, seq)
+        torch.cuda.synchronize()
+        uncollected = [b for b in _active_blocks() if b["address"] not in before]
+        gc.collect()
+        kept = [b for b in _active_blocks() if b["address"] not in before]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+    def table(title: str, blocks: list[dict]) -> list[str]:
+        rows = [f"{title}: {sum(b['size'] for b in blocks) / GB:.3f} GB in {len(blocks)} blocks", "",
+                "| allocated at | GB | blocks |", "|---|---|---|"]
+        rows += [f"| `{site}` | {size / GB:.3f} | {n} |" for site, size, n in group_by_site(blocks, depth)[:12]]
+        return rows + [""]
+
+    lines = [f"### Left by a {seq}-token step", ""] + table("Before a collection", uncollected)
+    lines += table("After `gc.collect()`", kept)
+    spans = sorted((b["address"], b["address"] + b["size"]) for b in kept if b["size"] >= 1 << 20)
+
+    def wanted(t) -> bool:
+        if not (isinstance(t, torch.Tensor) and t.is_cuda):
+            return False
+        ptr = t.untyped_storage().data_ptr()
+        return any(lo <= ptr < hi for lo, hi in spans)
+
+    objects = gc.get_objects()
+    direct = [o for o in objects if isinstance(o, torch.Tensor) and wanted(o)]
+    lines.append(f"Tensors (1 MB blocks and up) among Python's objects: {len(direct)}")
+    lines += [f"- {tuple(t.shape)} {t.dtype}: {_describe(t)}" for t in direct[:8]]
+    held = graph_holders(objects, wanted)
+    lines += ["", f"Saved in autograd graphs reachable from Python objects: {len(held)}"]
+    lines += [f"- {tuple(t.shape)} {t.dtype}: {where}, graph of {root}" for root, where, t in held[:12]]
+    del objects, direct, held
+    release()
+    return lines + [""]
+
+
 def measure(model, seq: int, depth: int, top: int, chunks: int) -> list[str]:
     import torch
     from bench_offload import release, step
@@ -252,6 +366,9 @@ def main() -> None:
     p.add_argument("--cycles", action="store_true",
                    help="instead of the peak: the CUDA tensors a step leaves in reference cycles, and what refers to "
                         "them (frames name the function)")
+    p.add_argument("--leftover", action="store_true",
+                   help="instead of the peak: what a step leaves allocated before and after a collection, and who "
+                        "holds it (Python referrers, autograd graphs)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     import torch
@@ -278,6 +395,8 @@ def main() -> None:
             lines += cycles(model, seq)
         elif args.holders:
             lines += holders(model, seq)
+        elif args.leftover:
+            lines += leftover(model, seq, args.depth)
         else:
             lines += measure(model, seq, args.depth, args.top, args.mlp_chunks)
         print(f"measured {seq} tokens", flush=True)
