@@ -46,6 +46,12 @@ environment variable read when a module or block spec is built (``0`` or ``1``; 
   :func:`megatron_glm5.compat.route_wgrad_accumulation`). Takes effect where the run asks for the fusion (Megatron-LM's
   default; ``--no-gradient-accumulation-fusion`` still turns it off; the Python API's ``RuntimePolicy`` asks for it
   only with apex, since it needs DDP's ``main_grad`` on every weight).
+* ``MEGATRON_GLM5_GROUPED_WGRAD_ACCUMULATION`` (experimental, off: not yet run on a GPU) - with
+  ``gradient_accumulation_fusion`` and DDP's ``main_grad`` on every expert weight,
+  :class:`~megatron_glm5.moe.grouped_experts.TorchGroupedMLP` adds each grouped weight gradient into the experts'
+  ``main_grad`` in one Triton launch that skips the zero-token experts
+  (:mod:`megatron_glm5.kernels.grouped_wgrad_accum`; its oracle, DDP's per-expert ``add_``, is bitwise the same),
+  instead of handing DDP's hook one bf16 gradient per expert (16 adds per grouped GEMM, after a zeroing pass).
 * ``MEGATRON_GLM5_FUSED_ADAM`` - megatron-core's torch-fallback Adam
   (no TE / apex ``FusedAdam``) with torch's ``fused=True`` (:func:`megatron_glm5.optim_fusions.use_fused_adam`,
   through :func:`megatron_glm5.compat.route_fused_adam`).
@@ -84,11 +90,12 @@ FUSED_ADAM_ENV = "MEGATRON_GLM5_FUSED_ADAM"
 MOE_DEVICE_COUNTS_ENV = "MEGATRON_GLM5_MOE_DEVICE_COUNTS"
 ZERO_GROUPS_KERNEL_ENV = "MEGATRON_GLM5_ZERO_GROUPS_KERNEL"
 GROUPED_SPARSE_MLA_ENV = "MEGATRON_GLM5_GROUPED_SPARSE_MLA"
+GROUPED_WGRAD_ACCUMULATION_ENV = "MEGATRON_GLM5_GROUPED_WGRAD_ACCUMULATION"
 _log = logging.getLogger("megatron_glm5")
 _logged: set[str] = set()
 _DEFAULTS = {FUSED_RMSNORM_ENV: "1", FUSED_SWIGLU_ENV: "1", FUSED_MOE_PERMUTE_ENV: "1", FUSED_GRAD_NORM_ENV: "1",
              FUSED_ROPE_ENV: "1", FUSED_WGRAD_ENV: "1", FUSED_ADAM_ENV: "1", MOE_DEVICE_COUNTS_ENV: "1",
-             ZERO_GROUPS_KERNEL_ENV: "1", GROUPED_SPARSE_MLA_ENV: "1"}
+             ZERO_GROUPS_KERNEL_ENV: "1", GROUPED_SPARSE_MLA_ENV: "1", GROUPED_WGRAD_ACCUMULATION_ENV: "0"}
 
 
 def enabled(env: str) -> bool:

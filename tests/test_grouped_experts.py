@@ -196,6 +196,127 @@ def test_empty_group_gradients_are_zeroed_even_if_the_gemm_leaves_them_unwritten
         assert not grads[1].any() and not grads[3].any() and grads[0].abs().sum() > 0
 
 
+def _ddp_like(weights):
+    """What megatron-core's DDP gives each parameter: an fp32 ``main_grad`` and the ``grad_added_to_main_grad`` flag."""
+    for i, w in enumerate(weights):
+        w.main_grad = torch.randn(w.shape, generator=torch.Generator().manual_seed(100 + i))
+        w.grad_added_to_main_grad = False
+    return [w.main_grad.clone() for w in weights]
+
+
+def test_weight_gradients_added_to_main_grad_skip_empty_groups(monkeypatch):
+    """With ``accumulate`` and DDP's ``main_grad`` on every weight, the grouped weight gradient is added into each
+    expert's ``main_grad`` (bitwise what DDP's hook adds: fp32 += the bf16-free fp32 gradient here), the empty
+    experts' slices (NaN, as a GEMM that leaves them unwritten) never reach it, the flags tell DDP to skip its add,
+    and the input gradient is unchanged."""
+    original = ge._grouped_mm
+
+    def poisoned(a, b, offs=None, **k):
+        out = original(a, b, offs=offs, **k)
+        if a.dim() == 2 and b.dim() == 2:
+            out[torch.diff(offs, prepend=offs.new_zeros(1)) == 0] = float("nan")
+        return out
+
+    monkeypatch.setattr(ge, "_grouped_mm", poisoned)
+    counts = torch.tensor([3, 0, 5, 0])
+    offs = counts.cumsum(0).to(torch.int32)
+    x0 = torch.randn(8, 16)
+    for empty in ((1, 3), counts == 0):
+        w = [torch.randn(32, 16, generator=torch.Generator().manual_seed(i)).requires_grad_(True) for i in range(4)]
+        x = x0.clone().requires_grad_(True)
+        plain = torch.autograd.grad(grouped_linear(x, w, offs, empty).sum(), [x, *w])
+        base = _ddp_like(w)
+        fused_dx = torch.autograd.grad(grouped_linear(x, w, offs, empty, accumulate=True).sum(), x)[0]
+        assert torch.equal(fused_dx, plain[0])
+        for e, (wi, b, g) in enumerate(zip(w, base, plain[1:])):
+            assert wi.grad_added_to_main_grad
+            assert torch.equal(wi.main_grad, b.add(g)), f"expert {e}"
+        assert torch.equal(w[1].main_grad, base[1]) and torch.equal(w[3].main_grad, base[3])
+
+
+def test_weight_gradients_returned_without_main_grad():
+    """``accumulate`` without DDP (no ``main_grad``), or with an fp16 ``main_grad``: gradients go back to autograd."""
+    counts = torch.tensor([3, 2])
+    offs = counts.cumsum(0).to(torch.int32)
+    x = torch.randn(5, 16)
+    w = [torch.randn(32, 16, requires_grad=True) for _ in range(2)]
+    want = torch.autograd.grad(grouped_linear(x, w, offs).sum(), w)
+    got = torch.autograd.grad(grouped_linear(x, w, offs, accumulate=True).sum(), w)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    _ddp_like(w)
+    w[1].main_grad = w[1].main_grad.half()
+    got = torch.autograd.grad(grouped_linear(x, w, offs, accumulate=True).sum(), w)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)) and not w[0].grad_added_to_main_grad
+
+
+def test_experts_module_accumulates_micro_batches_into_main_grad(model_parallel, monkeypatch):
+    """``TorchGroupedMLP`` with ``gradient_accumulation_fusion``: two micro-batches (one with empty experts) leave in
+    ``main_grad`` exactly what DDP's per-expert adds of the unfused path leave."""
+    from megatron.core.tensor_parallel import layers
+
+    # the expert linears refuse the flag without apex when built (the grouped path never calls them)
+    monkeypatch.setattr(layers, "_grad_accum_fusion_available", True)
+    switch = "MEGATRON_GLM5_GROUPED_WGRAD_ACCUMULATION"
+    monkeypatch.setenv(switch, "0")  # experimental: off by default, and off when asked
+    assert not _standalone_experts(_experts_config(gradient_accumulation_fusion=True)).accumulate_wgrad
+    monkeypatch.setenv(switch, "1")
+    fused = _standalone_experts(_experts_config(gradient_accumulation_fusion=True))
+    plain = _standalone_experts(_experts_config())
+    assert fused.accumulate_wgrad and not plain.accumulate_wgrad
+    plain.load_state_dict(fused.state_dict())
+    weights = {n: p for n, p in fused.named_parameters()}
+    start = _ddp_like(list(weights.values()))
+    sums = {n: s.clone() for n, s in zip(weights, start)}
+    for seed, counts in ((0, [5, 0, 7, 3, 0, 9, 1, 6]), (1, [2, 4, 4, 4, 3, 3, 1, 10])):
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(sum(counts), 64, generator=gen)
+        probs = torch.rand(sum(counts), generator=gen)
+        for m in (fused, plain):
+            m.zero_grad(set_to_none=True)
+            y, _ = m(x, torch.tensor(counts), probs)
+            y.square().sum().backward()
+        for n, p in plain.named_parameters():
+            sums[n].add_(p.grad)
+        assert all(p.grad_added_to_main_grad for p in weights.values())  # stays set, as DDP keeps it within a step
+    for n, p in weights.items():
+        assert torch.equal(p.main_grad, sums[n]), n
+
+
+def test_mlp_chunks_pass_the_accumulated_placeholders_on():
+    """In the MLP recomputed in chunks (core/mlp_chunks.py) the grouped GEMMs add each chunk's weight gradient to
+    ``main_grad`` (the last chunk's first, as the backward runs it) and the placeholders are passed on unsummed."""
+    from megatron_glm5.core.mlp_chunks import chunked_mlp
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            gen = torch.Generator().manual_seed(7)
+            self.w = torch.nn.ParameterList([torch.randn(32, 16, generator=gen) for _ in range(3)])
+            self.accumulate = True
+
+        def forward(self, x, padding_mask=None):
+            rows = x.reshape(-1, 16)
+            n = rows.shape[0]
+            offs = torch.tensor([n // 2, n // 2, n], dtype=torch.int32)  # expert 1 empty
+            y = grouped_linear(rows, list(self.w), offs, (1,), accumulate=self.accumulate)
+            return y.reshape(*x.shape[:-1], 32), None
+
+    mlp = Experts()
+    x = torch.randn(8, 2, 16)
+    base = _ddp_like(list(mlp.w))
+    out, _ = chunked_mlp(mlp, x, 2)
+    out.square().sum().backward()
+    mlp.accumulate = False
+    want = [b.clone() for b in base]
+    for chunk in (x[4:], x[:4]):  # the backward's order: the last chunk's graph, then the recomputed first chunk
+        grads = torch.autograd.grad(mlp(chunk)[0].square().sum(), list(mlp.w))
+        for acc, g in zip(want, grads):
+            acc.add_(g)
+    for e, p in enumerate(mlp.w):
+        assert p.grad_added_to_main_grad and torch.equal(p.main_grad, want[e]), e
+    assert torch.equal(mlp.w[1].main_grad, base[1])
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # The experts module against SequentialMLP
 # --------------------------------------------------------------------------------------------------------------------

@@ -18,9 +18,10 @@ inside their own MLP half (:mod:`megatron_glm5.glm5_next.layer`).
 Gradients: the recomputed chunks' parameter gradients are summed (in fp32 when there are several) and handed to
 autograd as the function's input gradients, so each parameter's accumulation node runs once per backward, as without
 chunks (megatron-core's DDP hook refuses a second gradient under ``overlap_grad_reduce``). Weights whose gradient the
-GEMM adds to ``main_grad`` itself (``gradient_accumulation_fusion``) return megatron-core's placeholder, which is
-passed on as it is. The cost in memory: until the layer's backward ends, the MLP's parameter gradients (routed
-experts: ``grouped_mm``'s bf16 ``[E, N, K]``) are held once, and with 3 or more chunks also their fp32 sums.
+GEMM adds to ``main_grad`` itself (``gradient_accumulation_fusion``; the routed experts' grouped GEMMs too) return
+a placeholder, and the first chunk's is passed on as it is. The cost in memory: until the layer's backward ends, the
+MLP's parameter gradients or placeholders (routed experts: ``grouped_mm``'s bf16 ``[E, N, K]``) are held once, and
+with 3 or more chunks also the fp32 sums of those that are not placeholders.
 
 The math per token is unchanged; what depends on the whole sequence or on random numbers is refused
 (:func:`check_chunkable`), and so is RL routing replay (:mod:`megatron_glm5.rl.replay`: one routing record per router

@@ -21,7 +21,9 @@ from megatron.core.fusions.fused_bias_geglu import quick_gelu, weighted_bias_qui
 from megatron.core.fusions import fused_bias_swiglu
 from megatron.core.transformer.moe.experts import SequentialMLP
 
-from ..fusions import FUSED_SWIGLU_ENV, ZERO_GROUPS_KERNEL_ENV, enabled, weighted_bias_swiglu_impl
+from ..fusions import (FUSED_SWIGLU_ENV, GROUPED_WGRAD_ACCUMULATION_ENV, ZERO_GROUPS_KERNEL_ENV, enabled,
+                       weighted_bias_swiglu_impl)
+from ..kernels.grouped_wgrad_accum import accumulate_groups
 from ..kernels.zero_groups import zero_empty_groups, zero_empty_groups_reference
 
 Impl = Literal["auto", "grouped_mm", "sequential"]
@@ -94,18 +96,45 @@ def _zero_empty_groups(dw: torch.Tensor, empty, kernel: bool = False) -> torch.T
     return dw
 
 
+def _main_grads(weights: Sequence[torch.Tensor]) -> list[torch.Tensor] | None:
+    """The weights' fp32 ``main_grad`` where megatron-core's DDP gave every one of them one and lets a layer add its
+    gradient itself (``grad_added_to_main_grad``, as its linear layers do under ``gradient_accumulation_fusion``);
+    else None (Megatron-FSDP, ``zero_out_wgrad``, no DDP)."""
+    mains = []
+    for w in weights:
+        m = getattr(w, "main_grad", None)
+        if (not isinstance(m, torch.Tensor) or not hasattr(w, "grad_added_to_main_grad")
+                or hasattr(w, "__fsdp_param__") or getattr(w, "zero_out_wgrad", False)
+                or m.dtype != torch.float32 or m.shape != w.shape):
+            return None
+        mains.append(m)
+    return mains
+
+
+def _empty_mask(empty, groups: int, device: torch.device) -> torch.Tensor:
+    """``empty`` as a bool ``[E]`` mask on ``device`` (host indices are copied from pinned memory, no stream sync)."""
+    if isinstance(empty, torch.Tensor):
+        return empty
+    mask = torch.zeros(groups, dtype=torch.bool)
+    mask[list(empty)] = True
+    return mask.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else mask
+
+
 class _GroupedLinear(torch.autograd.Function):
     """``y[offs[e-1]:offs[e]] = x[offs[e-1]:offs[e]] @ weights[e]^T`` for ``E`` weights ``[N, K]`` (``nn.Linear``
     layout). ``x``: ``[T, K]``, rows sorted by expert; ``offs``: int32 ``[E]`` row ends, ``offs[-1] == T``; ``empty``:
     the zero-token experts (see :func:`_zero_empty_groups`). Returns ``[T, N]``. The stacked ``[E, N, K]`` copy of the
-    weights is made again in backward instead of being saved (module docstring)."""
+    weights is made again in backward instead of being saved (module docstring). With ``accumulate`` and DDP's
+    ``main_grad`` on every weight (:func:`_main_grads`) the weight gradients are added to ``main_grad`` in one launch
+    (:mod:`megatron_glm5.kernels.grouped_wgrad_accum`) and autograd gets placeholders, as megatron-core's linear
+    layers do under ``gradient_accumulation_fusion``."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, offs: torch.Tensor, empty, zero_kernel: bool,
+    def forward(ctx, x: torch.Tensor, offs: torch.Tensor, empty, zero_kernel: bool, accumulate: bool,
                 *weights: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()  # grouped_mm's stride rule; a no-op for the dispatcher's tokens and the activation
         ctx.save_for_backward(x, offs, *weights)
-        ctx.empty, ctx.zero_kernel = empty, zero_kernel
+        ctx.empty, ctx.zero_kernel, ctx.accumulate = empty, zero_kernel, accumulate
         if x.shape[0] == 0:  # a rank with no tokens: grouped_mm rejects an empty contraction in backward
             return x.new_empty(0, weights[0].shape[0])
         return _grouped_mm(x, torch.stack(weights).transpose(1, 2), offs=offs)
@@ -113,28 +142,37 @@ class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, offs, *weights = ctx.saved_tensors
-        need_x, need_w = ctx.needs_input_grad[0], any(ctx.needs_input_grad[4:])
+        need_x, need_w = ctx.needs_input_grad[0], any(ctx.needs_input_grad[5:])
         dx, dws = None, [None] * len(weights)
         if x.shape[0] == 0:
             if need_x:
                 dx = torch.zeros_like(x)
             if need_w:
                 dws = [torch.zeros_like(w) for w in weights]
-            return dx, None, None, None, *dws
+            return dx, None, None, None, None, *dws
         dy = dy.contiguous()
         if need_x:
             dx = _grouped_mm(dy, torch.stack(weights), offs=offs)  # [T, K]
         if need_w:
             dw = _grouped_mm(dy.t(), x, offs=offs)  # [E, N, K]: per group dy_e^T @ x_e
-            dws = list(_zero_empty_groups(dw, ctx.empty, ctx.zero_kernel).unbind(0))
-        return dx, None, None, None, *dws
+            mains = _main_grads(weights) if ctx.accumulate else None
+            if mains is not None:
+                accumulate_groups(dw, mains, _empty_mask(ctx.empty, len(weights), dw.device))
+                for w in weights:
+                    w.grad_added_to_main_grad = True
+                # placeholders, as megatron-core's linear layers return (DDP's hook skips its add and drops them):
+                # the GEMM's own slices, so nothing is allocated; an empty expert's slice is left unwritten
+                dws = list(dw.unbind(0))
+            else:
+                dws = list(_zero_empty_groups(dw, ctx.empty, ctx.zero_kernel).unbind(0))
+        return dx, None, None, None, None, *dws
 
 
 def grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], offs: torch.Tensor, empty=(),
-                   zero_kernel: bool = False) -> torch.Tensor:
+                   zero_kernel: bool = False, accumulate: bool = False) -> torch.Tensor:
     """Differentiable grouped ``x @ W_e^T`` (see :class:`_GroupedLinear`; ``zero_kernel``: see
-    :func:`_zero_empty_groups`)."""
-    return _GroupedLinear.apply(x, offs, empty, zero_kernel, *weights)
+    :func:`_zero_empty_groups`; ``accumulate``: weight gradients into DDP's ``main_grad``)."""
+    return _GroupedLinear.apply(x, offs, empty, zero_kernel, accumulate, *weights)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -173,6 +211,7 @@ class TorchGroupedMLP(SequentialMLP):
         self._linear_types = (type(first.linear_fc1), type(first.linear_fc2))
         self.fused_swiglu = enabled(FUSED_SWIGLU_ENV)
         self.zero_groups_kernel = enabled(ZERO_GROUPS_KERNEL_ENV)
+        self.accumulate_wgrad = bool(cfg.gradient_accumulation_fusion) and enabled(GROUPED_WGRAD_ACCUMULATION_ENV)
 
     def extra_repr(self) -> str:
         return f"num_local_experts={self.num_local_experts}, impl={self.impl!r}"
@@ -238,16 +277,16 @@ class TorchGroupedMLP(SequentialMLP):
         offs, empty = _offsets(tokens_per_expert, x.device)
         w1 = [e.linear_fc1.weight for e in self.local_experts]
         w2 = [e.linear_fc2.weight for e in self.local_experts]
-        zk = self.zero_groups_kernel
-        h = grouped_linear(x, w1, offs, empty, zk)  # [T, 2F/etp]
+        zk, acc = self.zero_groups_kernel, self.accumulate_wgrad
+        h = grouped_linear(x, w1, offs, empty, zk, acc)  # [T, 2F/etp]
         if self.activation_recompute:  # "moe_act" in recompute_modules: as TEGroupedMLP
             # fp8=None: megatron-core's CheckpointWithoutOutput treats any non-None value, False included, as fp8
             self.activation_checkpoint = tensor_parallel.CheckpointWithoutOutput(fp8=self.config.fp8)
             a = self.activation_checkpoint.checkpoint(self._activation, h, probs)
-            y = grouped_linear(a, w2, offs, empty, zk)
+            y = grouped_linear(a, w2, offs, empty, zk, acc)
             self.activation_checkpoint.discard_output_and_register_recompute(y)
         else:
-            y = grouped_linear(self._activation(h, probs), w2, offs, empty, zk)  # [T, H]
+            y = grouped_linear(self._activation(h, probs), w2, offs, empty, zk, acc)  # [T, H]
         return y, None
 
     def _activation(self, h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:

@@ -76,8 +76,9 @@ def step(model, seq: int) -> None:
     model(ids, pos, None, labels=ids).float().mean().backward()
 
 
-def try_step(model, seq: int) -> dict:
-    """One fwd+bwd at ``seq`` tokens: peak GPU GB, host GB offloaded, or the reason it failed."""
+def try_step(model, seq: int, repeat: int = 1) -> dict:
+    """``repeat`` fwd+bwd steps in a row at ``seq`` tokens (no collection between them, as in training): peak GPU GB
+    over them, host GB offloaded, or the reason one failed."""
     from megatron_glm5 import offload
 
     release()
@@ -85,7 +86,8 @@ def try_step(model, seq: int) -> dict:
     error = None
     with offload.recording() as log:
         try:
-            step(model, seq)
+            for _ in range(repeat):
+                step(model, seq)
             torch.cuda.synchronize()
         except torch.cuda.OutOfMemoryError:
             error = "GPU OOM"
@@ -164,6 +166,9 @@ def main() -> None:
     p.add_argument("--bisect-step", type=int, default=0,
                    help="after the doubling search, bisect between the last fit and the first failure in multiples "
                         "of this many tokens (0: powers of two only)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="steps in a row per attempt of the search (2: the steady state of training, where a step "
+                        "starts with what the one before left)")
     p.add_argument("--mlp-chunks", type=int, default=1,
                    help="RuntimePolicy.mlp_chunks_for_training: under full recompute the MLP is recomputed in this "
                         "many sequence chunks (megatron_glm5.core.mlp_chunks)")
@@ -213,7 +218,7 @@ def main() -> None:
             """``try_step``; after a failure the model is built again: a step that ran out of memory half-way
             leaves state behind (the recompute's graph held by module state, the stashed top-k) that made the
             next, shorter attempts fail 10-15 GB early on the H200."""
-            result = try_step(holder[0], seq)
+            result = try_step(holder[0], seq, args.repeat)
             if not result["ok"]:
                 holder[0] = None
                 release()
