@@ -206,7 +206,7 @@ def _ddp_like(weights):
 
 def test_weight_gradients_added_to_main_grad_skip_empty_groups(monkeypatch):
     """With ``accumulate`` and DDP's ``main_grad`` on every weight, the grouped weight gradient is added into each
-    expert's ``main_grad`` (bitwise what DDP's hook adds: fp32 += the bf16-free fp32 gradient here), the empty
+    expert's ``main_grad`` (bitwise what DDP's hook would add from the returned gradients), the empty
     experts' slices (NaN, as a GEMM that leaves them unwritten) never reach it, the flags tell DDP to skip its add,
     and the input gradient is unchanged."""
     original = ge._grouped_mm

@@ -7,7 +7,10 @@ stack, the events are replayed to find the peak of allocated bytes, and the bloc
 the innermost frames outside torch (:func:`live_at_peak`, CPU-tested). Prints and appends a markdown table (bytes,
 bytes per token, count) per ``--seqs`` entry.
 
-    python scripts/bench/memory_peak.py [--recompute full] [--seqs 32768 65536] [--out memory.md]
+``--leftover`` instead reports what a step leaves allocated and who holds it; ``--cycles``, the tensors only reference
+cycles keep.
+
+    python scripts/bench/memory_peak.py [--recompute full] [--seqs 32768 65536] [--leftover | --cycles] [--out F]
 """
 
 from __future__ import annotations
@@ -173,32 +176,6 @@ def cycles(model, seq: int) -> list[str]:
     return lines + [""]
 
 
-def holders(model, seq: int) -> list[str]:
-    """The norm outputs (any module whose class name has ``Norm``) still alive after one step, and who holds them."""
-    import gc
-    import weakref
-
-    from bench_offload import release, step
-
-    refs = []
-    hooks = [m.register_forward_hook(
-        lambda mod, args, out, name=name: refs.append((name, weakref.ref(out[0] if isinstance(out, tuple) else out))))
-        for name, m in model.named_modules() if "Norm" in type(m).__name__]
-    try:
-        step(model, seq)
-    finally:
-        for h in hooks:
-            h.remove()
-    gc.collect()
-    alive = [(name, r()) for name, r in refs if r() is not None]
-    lines = [f"Norm outputs alive after a {seq}-token step: {len(alive)} of {len(refs)}"]
-    for name, t in alive[:6]:
-        lines.append(f"- `{name}` {tuple(t.shape)}: {_describe(t)}")
-    del alive
-    release()
-    return lines + [""]
-
-
 def _saved_tensors(node) -> list[tuple[str, object]]:
     """The tensors an autograd node keeps: built-in nodes' ``_saved_*`` attributes, a custom Function's
     ``saved_tensors``, the tensors set on its ``ctx`` (released ones raise and are skipped), an ``AccumulateGrad``
@@ -304,7 +281,8 @@ def leftover(model, seq: int, depth: int) -> list[str]:
     objects = gc.get_objects()
     direct = [o for o in objects if isinstance(o, torch.Tensor) and wanted(o)]
     lines.append(f"Tensors (1 MB blocks and up) among Python's objects: {len(direct)}")
-    lines += [f"- {tuple(t.shape)} {t.dtype}: {_describe(t)}" for t in direct[:8]]
+    ours = {id(objects), id(direct)}  # this function's own lists are not holders
+    lines += [f"- {tuple(t.shape)} {t.dtype}: {_describe(t, seen=set(ours))}" for t in direct[:8]]
     held = graph_holders(objects, wanted)
     lines += ["", f"Saved in autograd graphs reachable from Python objects: {len(held)}"]
     lines += [f"- {tuple(t.shape)} {t.dtype}: {where}, graph of {root}" for root, where, t in held[:12]]
@@ -361,8 +339,6 @@ def main() -> None:
     p.add_argument("--mlp-chunks", type=int, default=1, help="RuntimePolicy.mlp_chunks_for_training")
     p.add_argument("--depth", type=int, default=2, help="frames per source")
     p.add_argument("--top", type=int, default=30, help="rows per table")
-    p.add_argument("--holders", action="store_true",
-                   help="instead of the peak: which norm outputs outlive a step, and their Python referrers")
     p.add_argument("--cycles", action="store_true",
                    help="instead of the peak: the CUDA tensors a step leaves in reference cycles, and what refers to "
                         "them (frames name the function)")
@@ -393,8 +369,6 @@ def main() -> None:
     for seq in args.seqs:
         if args.cycles:
             lines += cycles(model, seq)
-        elif args.holders:
-            lines += holders(model, seq)
         elif args.leftover:
             lines += leftover(model, seq, args.depth)
         else:
