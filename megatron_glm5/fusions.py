@@ -34,12 +34,12 @@ environment variable read when a module or block spec is built (``0`` or ``1``; 
 * ``MEGATRON_GLM5_GROUPED_SPARSE_MLA`` - the ``tilelang`` attention's sparse MLA at 16 heads per rank with
   one kernel program per 4 neighbouring queries over the union of their top-k sets
   (:mod:`megatron_glm5.kernels.index_groups`; the backward too where the sets share enough keys, measured per call
-  without a host sync). H200, 16K tokens, forward + backward: 0.99x on random sets, 1.03x / 1.60x / 1.94x with 50 /
-  90 / 100 % of each set in a shared recency window; the GLM-5 slice's step 486.3 -> 483.2 ms (a randomly
-  initialised indexer: few shared keys). On since the kernel, backend and RL GPU tests passed with it (issue 22,
-  third session), for calls of up to 16K query tokens (``index_groups.GROUPED_MAX_TOKENS``): a trained indexer's
-  sets and longer contexts were not measured (the union build grows faster than the kernels, 3.8 ms at 64K, and
-  the union is held on top of the indices).
+  without a host sync). H200, forward + backward with the ping-pong forward: 1.02x / 1.05x / 1.66x at 16K on
+  random sets and with 50 / 90 % of each set in a shared recency window, 0.98x / 1.03x / 1.60x at 64K; the GLM-5
+  slice's step 486.3 -> 483.2 ms (a randomly initialised indexer: few shared keys). On since the kernel, backend
+  and RL GPU tests passed with it (issue 22, third session), for calls of up to 64K query tokens
+  (``index_groups.GROUPED_MAX_TOKENS``, raised from 16K in the fourth session): a trained indexer's sets were not
+  measured, nor longer calls (the union build grows faster than the kernels: 3.8 ms at 64K, 12.4 at 128K).
 * ``MEGATRON_GLM5_FUSED_WGRAD_ACCUMULATION`` - megatron-core's
   ``gradient_accumulation_fusion`` without apex: the linear layers' weight-gradient GEMM adds its fp32 result into
   ``main_grad`` (:data:`megatron_glm5.optim_fusions.WGRAD_ACCUMULATION`, through

@@ -124,7 +124,7 @@ def test_sharing_probe_and_grouped_group():
 def test_grouped_route_is_on_by_default_switchable_and_bounded(monkeypatch):
     """The ``tilelang`` attention's grouped sparse MLA is the default (issue 22, third session: GPU tests green, the
     slice's step at parity); ``MEGATRON_GLM5_GROUPED_SPARSE_MLA=0`` keeps the per-query kernels; calls past
-    ``GROUPED_MAX_TOKENS`` query tokens (unmeasured there) take the per-query kernels too."""
+    ``GROUPED_MAX_TOKENS`` query tokens (64K: unmeasured past it) take the per-query kernels too."""
     from megatron_glm5 import fusions
     from megatron_glm5.kernels.index_groups import GROUPED_MAX_TOKENS, grouped_group
 
@@ -132,7 +132,7 @@ def test_grouped_route_is_on_by_default_switchable_and_bounded(monkeypatch):
     assert fusions.enabled(fusions.GROUPED_SPARSE_MLA_ENV)
     monkeypatch.setenv(fusions.GROUPED_SPARSE_MLA_ENV, "0")
     assert not fusions.enabled(fusions.GROUPED_SPARSE_MLA_ENV)
-    assert GROUPED_MAX_TOKENS == 16384
+    assert GROUPED_MAX_TOKENS == 65536
     assert grouped_group(16, deterministic=False, with_target=False, tokens=GROUPED_MAX_TOKENS) == 4
     assert grouped_group(16, deterministic=False, with_target=False, tokens=GROUPED_MAX_TOKENS + 1) == 1
     assert grouped_group(32, deterministic=False, with_target=False, tokens=8) == 1

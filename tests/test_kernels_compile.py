@@ -43,6 +43,10 @@ COMPILE_CASES = {
     "fwd_sv_glm": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_sv", (64, 576, 512, 1 / 16)),
     "fwd_sv_nope": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_sv", (64, 512, 512, 1 / 16)),
     "fwd_sv_grouped_glm": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_sv", (16, 576, 512, 1 / 16, 4)),
+    # the ping-pong forward (the default at 64 MMA rows): P of the even block over the RoPE tail tile, or its own (NoPE)
+    "fwd_pp_glm": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_pp", (64, 576, 512, 1 / 16)),
+    "fwd_pp_nope": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_pp", (64, 512, 512, 1 / 16)),
+    "fwd_pp_grouped_glm": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_pp", (16, 576, 512, 1 / 16, 4)),
     "fwd_simple_small": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_simple", (16, 192, 128, 0.125)),
     "bwd_small_deterministic": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (8, 192, 128, 0.125, True)),
     "bwd_glm": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (64, 576, 512, 1 / 16, False)),
@@ -153,15 +157,21 @@ def test_sparse_mla_interface_rejects_unsupported_dims_and_bwd_shapes():
 
 
 def test_sparse_mla_fwd_variants_and_register_splits():
-    """``sv`` needs 64-row tiles (the check runs before any build); both warp-specialised factories refuse register
-    splits larger than the CTA's own allocation, which would make ``setmaxnreg`` wait forever (a hang, not an
-    error, on the GPU), or moving registers the wrong way; the grouped forward takes only its two schedules."""
-    from megatron_glm5.kernels.sparse_mla_fwd import _jit_fwd_sv, _jit_fwd_ws
+    """``sv`` and ``pp`` need 64-row tiles (the check runs before any build); the warp-specialised factories refuse
+    register splits larger than the CTA's own allocation, which would make ``setmaxnreg`` wait forever (a hang, not
+    an error, on the GPU), or moving registers the wrong way; the grouped forward takes only its three schedules;
+    ``auto`` is ``pp`` at 64 MMA rows and ``ws`` below."""
+    from megatron_glm5.kernels.sparse_mla_fwd import _jit_fwd_pp, _jit_fwd_sv, _jit_fwd_ws, pick_fwd_variant
+
+    assert [pick_fwd_variant(h, 576, 512) for h in (8, 16, 32, 33, 64, 128)] == ["ws"] * 3 + ["pp"] * 3
+    assert pick_fwd_variant(64, 576, 512, "ws") == "ws"
 
     q, kv, idx = _sparse_inputs(h=16)
     with pytest.raises(ValueError, match="64 MMA rows"):
         sparse_mla_fwd_interface(q, kv, idx, 1 / 16, 512, variant="sv")
-    with pytest.raises(ValueError, match="'ws' or 'sv'"):
+    with pytest.raises(ValueError, match="64 MMA rows"):
+        sparse_mla_fwd_interface(q, kv, idx, 1 / 16, 512, variant="pp")
+    with pytest.raises(ValueError, match="'ws', 'sv' or 'pp'"):
         sparse_mla_fwd_interface(q, kv, idx, 1 / 16, 512, variant="simple", group=4)
     pytest.importorskip("tilelang")
     with pytest.raises(ValueError, match="summing to <= 504"):
@@ -174,6 +184,12 @@ def test_sparse_mla_fwd_variants_and_register_splits():
         _jit_fwd_ws()(64, 576, 512, 1 / 16, 64, 1, (168, 168, 176))
     with pytest.raises(ValueError, match="64 MMA rows"):
         _jit_fwd_sv()(16, 576, 512, 1 / 16)
+    with pytest.raises(ValueError, match="summing to <= 504"):
+        _jit_fwd_pp()(64, 576, 512, 1 / 16, 1, (216, 216, 80))
+    with pytest.raises(ValueError, match="<= 168"):  # the producer gives registers away
+        _jit_fwd_pp()(64, 576, 512, 1 / 16, 1, (168, 168, 176))
+    with pytest.raises(ValueError, match="64 MMA rows"):
+        _jit_fwd_pp()(32, 576, 512, 1 / 16)
 
 
 def test_sparse_mla_head_dims():

@@ -130,10 +130,12 @@ GROUPED_HEADS = 16  # the heads per rank the grouped kernels were measured at (4
 # included: H200, 16K tokens, 16 heads, 0.81x at 1.93 (random sets), 1.05x at 2.27, 1.65x at 3.26
 # (scripts/bench/RESULTS_kernels.md, round 2, second session).
 GROUPED_BWD_MIN_SHARING = 2.25
-# The most query tokens per call the grouped route takes: measured up to 16K (the route 0.99x-1.94x, the slice's step
-# at 8K at parity). Past that the union build grows faster than the kernels (0.51 ms at 16K, 3.77 ms at 64K) and the
-# union, as large as the indices, is held on top of them in the forward: not measured yet, so per-query there.
-GROUPED_MAX_TOKENS = 16384
+# The most query tokens per call the grouped route takes. Measured with the ping-pong forward (H200, 16 heads,
+# forward + backward against the per-query kernels): 16K 1.02x / 1.66x on random / 90 %-local sets, 32K 1.00x /
+# 1.64x, 64K 0.98x / 1.60x; the step's extra memory over its inputs at 64K 1.50 GiB against 2.15 per-query (the
+# union is dropped after the forward). Past 64K the union build grows faster than the kernels (3.8 ms at 64K, 12.4
+# at 128K): not measured, so per-query there (scripts/bench/RESULTS_kernels.md, round 2, fourth session).
+GROUPED_MAX_TOKENS = 65536
 
 
 def grouped_group(heads: int, *, deterministic: bool, with_target: bool, tokens: int) -> int:

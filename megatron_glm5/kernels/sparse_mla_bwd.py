@@ -562,7 +562,7 @@ class SparseMLAFunction(torch.autograd.Function):
         ``deterministic=True`` gives bitwise run-to-run identical dq/dkv (no float atomics; slower, see
         ``sparse_mla_bwd``). ``target_box`` (an :class:`AttentionTargetBox`): the backward also writes the head-summed
         ``P`` into it (same kernel, no extra pass over the keys).
-        ``grouped=True``: at 16 heads and up to 16K tokens (``index_groups.grouped_group``) the forward runs the
+        ``grouped=True``: at 16 heads and up to 64K tokens (``index_groups.grouped_group``) the forward runs the
         grouped kernel (one CTA per 4 neighbouring queries over the union of their sets) and the backward too where
         those sets share enough keys (``GROUPED_BWD_MIN_SHARING``, measured in the forward); same contract, other
         rounding.
@@ -574,7 +574,7 @@ class SparseMLAFunction(torch.autograd.Function):
         group = grouped_group(q.shape[1], deterministic=deterministic, with_target=target_box is not None,
                               tokens=q.shape[0])
         ctx.probe = None
-        if grouped and group > 1 and variant in ("auto", "ws", "sv"):
+        if grouped and group > 1 and variant in ("auto", "ws", "sv", "pp"):
             union = group_union_indices(indices, group, key_bound=kv.shape[0])
             out, lse = sparse_mla_fwd_interface(q, kv, indices, softmax_scale, d_v, group=group, union=union,
                                                 variant=variant)

@@ -52,6 +52,9 @@ OUR_KERNELS = (
     + [("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_sv", (h, d, d_v, SCALE))  # the opt-in sv schedule
        for h in (48, 64, 128) for d, d_v in ((D_QK, D_V), (512, 512))]
     + [("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_sv", (16, D_QK, D_V, SCALE, 4))]
+    + [("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_pp", (h, d, d_v, SCALE))  # the default at 64 MMA rows
+       for h in (48, 64, 128) for d, d_v in ((D_QK, D_V), (512, 512))]
+    + [("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_pp", (16, D_QK, D_V, SCALE, 4))]  # grouped
     + [("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_ws", (h, 512, 512, SCALE)) for h in (48, 128)]
     + [("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (16, D_QK, D_V, SCALE, False, 32, 0, False, 0, 2))]
     + [("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (16, D_QK, D_V, SCALE, False, 32, 0, False, 0, 4))]
@@ -68,6 +71,7 @@ OUR_KERNELS = (
 D_NOPE, KPOOL_P, KPOOL_WIDTH = 512, 4, TOPK + 4 - 1
 NOPE_KERNELS = (
     [("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_ws", (h, D_NOPE, D_NOPE, SCALE)) for h in (16, 64)]
+    + [("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_pp", (64, D_NOPE, D_NOPE, SCALE))]
     + [("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_simple", (64, D_NOPE, D_NOPE, SCALE))]
     + [("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (h, D_NOPE, D_NOPE, SCALE, False)) for h in (16, 64)]
     + [("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (64, D_NOPE, D_NOPE, SCALE, True))]
@@ -281,8 +285,8 @@ def bench_sparse(seq: int, heads: int, mcore: bool, det: bool, variant: str = "a
     from megatron_glm5.kernels.sparse_mla_fwd import sparse_mla_fwd_interface
 
     vlen = row_valid_len(idx)
-    for v in ("ws", "simple"):
-        if variant in ("auto", v):
+    for v in ("ws", "pp", "simple"):
+        if variant in ("auto", v) and (v != "pp" or heads > 32):  # pp: 64-row tiles only
             try:
                 row[f"fwd_{v}_kernel_ms"] = timed(
                     lambda v=v: sparse_mla_fwd_interface(q.detach(), kv.detach(), idx, SCALE, D_V, valid_len=vlen, variant=v)
@@ -552,8 +556,7 @@ def bench_nope(seq: int, heads: int) -> dict:
     g = torch.randn(seq, heads, d, device=dev, dtype=torch.bfloat16)
     pairs = int((idx >= 0).sum())
     f_fwd, f_bwd = 2 * pairs * heads * (d + d), 2 * pairs * heads * (3 * d + 2 * d)
-    row = {"S": seq, "H": heads, "pairs": pairs, "indices": "random" if locality is None else f"local {locality:g}",
-           "sharing": group_sharing(idx, 4)}
+    row = {"S": seq, "H": heads, "pairs": pairs, "indices": "random", "sharing": group_sharing(idx, 4)}
 
     def ours_fwd():
         with torch.no_grad():
@@ -743,7 +746,7 @@ def report(sparse_rows: list[dict], idx_rows: list[dict], notes: list[str], kpoo
         f_fwd = 2 * r["pairs"] * r["H"] * (D_QK + D_V)
         parts = [
             f"{v} {r[k]:.2f} ms = {f_fwd / r[k] / 1e9:.0f} TFLOP/s"
-            for v, k in (("ws", "fwd_ws_kernel_ms"), ("simple", "fwd_simple_kernel_ms"))
+            for v, k in (("ws", "fwd_ws_kernel_ms"), ("pp", "fwd_pp_kernel_ms"), ("simple", "fwd_simple_kernel_ms"))
             if k in r
         ]
         lines.append(f"- S={r['S']} H={r['H']}: " + "; ".join(parts))
@@ -796,7 +799,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seqs", default="4096,16384,32768")
     ap.add_argument("--heads", default="16,64")
     ap.add_argument("--indexer-seqs", default="8192,32768,65536")
-    ap.add_argument("--fwd-variant", default="auto", choices=["auto", "ws", "simple"])
+    ap.add_argument("--fwd-variant", default="auto", choices=["auto", "ws", "pp", "sv", "simple"])
     ap.add_argument("--index-locality", default="",
                     help="sparse MLA: also time index sets with this locality (comma list in [0, 1]; see "
                          "local_mix_indices), besides the random ones")

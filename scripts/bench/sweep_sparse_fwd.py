@@ -32,17 +32,26 @@ VARIANTS_64 = [
     ("sv 144/176/176", "_jit_fwd_sv", (1, (144, 176, 176))),
     ("sv 136/184/184", "_jit_fwd_sv", (1, (136, 184, 184))),
     ("sv 152/176/176", "_jit_fwd_sv", (1, (152, 176, 176))),
+    ("pp 216/216/72", "_jit_fwd_pp", (1, (216, 216, 72))),
+    ("pp 208/208/88", "_jit_fwd_pp", (1, (208, 208, 88))),
+    ("pp 224/208/72", "_jit_fwd_pp", (1, (224, 208, 72))),
+]
+VARIANTS_NOPE = [
+    ("ws 256/168/80 (default)", "_jit_fwd_ws", (64, 1, (256, 168, 80))),
+    ("pp 216/216/72", "_jit_fwd_pp", (1, (216, 216, 72))),
 ]
 VARIANTS_16_GROUPED = [
     ("ws grouped 256/168/80 (default)", "_jit_fwd_ws", (64, 4, (256, 168, 80))),
     ("ws grouped 240/168/80 (round 2)", "_jit_fwd_ws", (64, 4, (240, 168, 80))),
     ("sv grouped 144/176/176", "_jit_fwd_sv", (4, (144, 176, 176))),
+    ("pp grouped 216/216/72", "_jit_fwd_pp", (4, (216, 216, 72))),
 ]
 
 
 def kernels_to_build() -> list[tuple]:
     cases = [(FWD, f, (64, 576, 512, SCALE, *a)) for _, f, a in VARIANTS_64]
     cases += [(FWD, f, (16, 576, 512, SCALE, *a)) for _, f, a in VARIANTS_16_GROUPED]
+    cases += [(FWD, f, (64, 512, 512, SCALE, *a)) for _, f, a in VARIANTS_NOPE]
     return cases
 
 
@@ -58,23 +67,23 @@ def _compare(lines, label, ms, flops, out, lse, ref):
     lines.append(f"| {label} | {ms:.3f} | {flops / ms / 1e9:.0f} | {err_o} | {err_l} |")
 
 
-def section_fwd64(seq: int = 16384) -> list[str]:
-    """64 heads, random causal sets: the per-query kernels (one CTA per token)."""
+def section_fwd64(seq: int = 16384, d_qk: int = 576, variants=None) -> list[str]:
+    """64 heads, random causal sets: the per-query kernels (one CTA per token); ``d_qk`` 512: the NoPE latent."""
     from megatron_glm5.kernels._common import row_valid_len
 
     mod = importlib.import_module(FWD)
     g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(seq, 64, 576, device="cuda", dtype=torch.bfloat16, generator=g)
-    kv = torch.randn(seq, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+    q = torch.randn(seq, 64, d_qk, device="cuda", dtype=torch.bfloat16, generator=g)
+    kv = torch.randn(seq, d_qk, device="cuda", dtype=torch.bfloat16, generator=g)
     idx = causal_random_indices(seq, 2048, torch.device("cuda"))
     vlen = row_valid_len(idx)
-    flops = 2 * float(vlen.sum()) * 64 * (576 + 512)
-    lines = [f"S = {seq}, 64 heads, random causal top-2048 sets", "",
+    flops = 2 * float(vlen.sum()) * 64 * (d_qk + 512)
+    lines = [f"S = {seq}, 64 heads, d_qk {d_qk}, random causal top-2048 sets", "",
              "| variant | fwd ms | TFLOP/s | out max diff | lse max diff |", "|---|---|---|---|---|"]
     ref = None
-    for label, fac, args in VARIANTS_64:
+    for label, fac, args in variants or VARIANTS_64:
         try:
-            kern = getattr(mod, fac)()(64, 576, 512, SCALE, *args)
+            kern = getattr(mod, fac)()(64, d_qk, 512, SCALE, *args)
             ms = timed(lambda: kern(q, kv, idx, vlen))
             out, lse = kern(q, kv, idx, vlen)
         except Exception as err:  # report, go on
@@ -84,6 +93,11 @@ def section_fwd64(seq: int = 16384) -> list[str]:
         if ref is None:
             ref = (out, lse)
     return lines
+
+
+def section_nope64(seq: int = 16384) -> list[str]:
+    """64 heads, the NoPE latent of GLM-5.3-Flash (d_qk = d_v = 512)."""
+    return section_fwd64(seq, 512, VARIANTS_NOPE)
 
 
 def section_fwd16(seq: int = 16384) -> list[str]:
@@ -129,7 +143,7 @@ def section_gather(seq: int = 16384) -> list[str]:
     vlen = torch.full((seq,), 2048, device="cuda", dtype=torch.int32)
     flops = 2 * float(seq * 2048) * 64 * (576 + 512)
     lines = ["| variant | sets | fwd ms | TFLOP/s |", "|---|---|---|---|"]
-    for label, fac, args in (VARIANTS_64[0], VARIANTS_64[-1]):
+    for label, fac, args in (VARIANTS_64[0], VARIANTS_64[4], VARIANTS_64[5]):
         kern = getattr(mod, fac)()(64, 576, 512, SCALE, *args)
         for name, idx in (("random 2048 of all keys", rand), ("the same 2048 keys", same)):
             ms = timed(lambda: kern(q, kv, idx, vlen))

@@ -152,6 +152,34 @@ def test_fwd_sv_matches_reference_and_ws(heads, topk, t_len, d_qk):
     assert torch.equal(out, out_ws) and torch.equal(lse, lse_ws)
 
 
+@pytest.mark.parametrize("d_qk", [576, 512], ids=["glm5", "nope"])
+@pytest.mark.parametrize("heads,topk,t_len", [(64, 512, 1000), (128, 515, 1000), (48, 512, 1000), (64, 2048, 4096),
+                                              (64, 2048, 300)])
+def test_fwd_pp_matches_reference_and_ws(heads, topk, t_len, d_qk):
+    """The ping-pong forward (``variant="pp"``): two math warpgroups on alternate blocks, row maxima exchanged per
+    pair. The fp32 oracle's contract, and within bf16 rounding of ``ws`` (not bitwise: the even block's ``P`` is
+    rounded before the pair's final max is known). 515 slots end on a half-empty block pair; 2048 slots at T=300
+    leave most rows' last pairs fully masked (the per-row block count is the valid length, so some rows end on an odd
+    block); 2048 at T=4096 make 16 refills per stage half."""
+    g = torch.Generator(device="cuda").manual_seed(heads + d_qk + topk + 1)
+    q = torch.randn(t_len, heads, d_qk, device="cuda", dtype=torch.bfloat16, generator=g)
+    kv = torch.randn(t_len, d_qk, device="cuda", dtype=torch.bfloat16, generator=g)
+    idx = causal_random_indices(t_len, topk, "cuda", generator=g)
+    idx[7] = -1
+    out, lse = fwd_mod.sparse_mla_fwd_interface(q, kv, idx, SCALE, D_V, variant="pp")
+    out_ws, lse_ws = fwd_mod.sparse_mla_fwd_interface(q, kv, idx, SCALE, D_V, variant="ws")
+    out_ref, lse_ref = ref.sparse_mla(q.float(), kv.float(), idx, SCALE, D_V, chunk=256)
+    cos, lse_err = cosine(out, out_ref), check_lse(lse, lse_ref)
+    diff = (out.float() - out_ws.float()).abs().max().item()
+    ref_diff = (out_ws.float() - out_ref).abs().max().item()
+    print(f"fwd pp H={heads} K={topk} T={t_len} d_qk={d_qk}: cos={cos:.7f} lse_err={lse_err:.2e}; vs ws: out max "
+          f"diff {diff:.2e} (ws vs oracle {ref_diff:.2e}), lse max diff {check_lse(lse, lse_ws):.2e}")
+    assert torch.isfinite(out).all() and cos >= 0.9999 and lse_err < 2e-3
+    assert (out[7] == 0).all() and torch.isinf(lse[7]).all()
+    assert diff <= 2 ** -6 * out_ws.float().abs().max().item()
+    assert check_lse(lse, lse_ws) < 1e-4
+
+
 def _grouped_inputs(window: bool, seed: int, t_len: int = 1001, heads: int = 16, topk: int = 512):
     """Inputs of the grouped kernels' tests: T not a multiple of the group, row 7 all -1, random index sets (little
     sharing) or a sliding window (neighbours share almost every key)."""
@@ -163,11 +191,11 @@ def _grouped_inputs(window: bool, seed: int, t_len: int = 1001, heads: int = 16,
     return q, kv, idx
 
 
-@pytest.mark.parametrize("variant", ["ws", "sv"])
+@pytest.mark.parametrize("variant", ["ws", "sv", "pp"])
 @pytest.mark.parametrize("window", [False, True], ids=["random", "window"])
 def test_grouped_fwd_matches_reference_and_per_query_kernel(window, variant):
     """The grouped forward (4 queries x 16 heads per CTA over the union of their index sets) keeps the per-query
-    contract (inputs: ``_grouped_inputs``), with either schedule; ``sv`` bitwise equal to the grouped ``ws``."""
+    contract (inputs: ``_grouped_inputs``), with any schedule; ``sv`` bitwise equal to the grouped ``ws``."""
     q, kv, idx = _grouped_inputs(window, seed=3)
     out, lse = fwd_mod.sparse_mla_fwd_interface(q, kv, idx, SCALE, D_V, group=4, variant=variant)
     if variant == "sv":

@@ -66,6 +66,26 @@ def test_sparse_mla_rows_past_int32_offsets(t_len):
     assert torch.isfinite(kv.grad).all()
 
 
+def test_pp_forward_rows_past_int32_offsets_at_64_heads():
+    """The ping-pong forward (the default at 64 heads) at 262144 tokens: ``q`` / ``out`` element offsets pass 2^31 at
+    row 58255 and 2^33 near the end; forward only (q and out alone are 36 GB)."""
+    from megatron_glm5.kernels.sparse_mla_fwd import pick_fwd_variant, sparse_mla_fwd_interface
+
+    t_len, heads = 262144, 64
+    assert pick_fwd_variant(heads, D_QK, D_V) == "pp"
+    picked = [0, 2047, 58254, 58255, 116508, 116509, t_len - 1]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    q = torch.randn(t_len, heads, D_QK, device="cuda", dtype=torch.bfloat16, generator=g)
+    kv = torch.randn(t_len, D_QK, device="cuda", dtype=torch.bfloat16, generator=g)
+    idx = _strided_causal_indices(t_len, TOPK, g)
+    out, lse = sparse_mla_fwd_interface(q, kv, idx, SCALE, D_V)
+    rows = torch.tensor(picked, device="cuda")
+    out_ref, lse_ref = ref.sparse_mla(q[rows].float(), kv.float(), idx[rows], SCALE, D_V)
+    errs = dict(out=_err(out[rows], out_ref), lse=float((lse[rows] - lse_ref).abs().max()))
+    print(f"pp forward at T={t_len}, {heads} heads, rows {picked}: {errs}")
+    assert errs["out"] < 2e-2 and errs["lse"] < 1e-2
+
+
 @pytest.mark.parametrize("t_len", LENGTHS)
 def test_indexer_topk_rows_at_the_end(t_len):
     picked = _rows(t_len)
