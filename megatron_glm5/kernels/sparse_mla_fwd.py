@@ -197,6 +197,24 @@ def _fwd_macros(T, tile: _FwdTile, topk, t_len, scale_log2: float):
     return scores, online_softmax, load_q_tile, store_half, rescale_pv, mask
 
 
+def _alloc_q_and_stages(T, tile: _FwdTile, dh: int, d_tail: int):
+    """Shared buffers every warp-specialised forward holds: ``Q``'s left / right halves and RoPE tail, and two stages
+    of gathered KV rows, each ``(left, right, tail)``; the tails are None for a NoPE latent (every tail step is then
+    skipped at trace time). Called inside the kernel body (allocations in trace order, as if written there)."""
+    bf16 = T.bfloat16
+    block_h, bi = tile.block_h, tile.bi
+    q_l = T.alloc_shared([block_h, dh], bf16)
+    q_r = T.alloc_shared([block_h, dh], bf16)
+    q_t = T.alloc_shared([block_h, d_tail], bf16) if tile.has_tail else None
+    stages = []
+    for _ in range(2):
+        kv_l = T.alloc_shared([bi, dh], bf16)
+        kv_r = T.alloc_shared([bi, dh], bf16)
+        kt = T.alloc_shared([bi, d_tail], bf16) if tile.has_tail else None
+        stages.append((kv_l, kv_r, kt))
+    return q_l, q_r, q_t, stages[0], stages[1]
+
+
 @functools.cache
 def _jit_fwd_ws():
     tilelang, T = tilelang_modules()
@@ -267,16 +285,7 @@ def _jit_fwd_ws():
             Lse: T.Tensor([t_len, heads], f32),
         ):
             with T.Kernel(n_idx, n_hblk, threads=384) as (t, hb):
-                q_l = T.alloc_shared([block_h, dh], bf16)
-                q_r = T.alloc_shared([block_h, dh], bf16)
-                # no tail buffers (None) for a NoPE latent: every tail step below is skipped at trace time
-                q_t = T.alloc_shared([block_h, d_tail], bf16) if has_tail else None
-                kv0_l = T.alloc_shared([bi, dh], bf16)
-                kv0_r = T.alloc_shared([bi, dh], bf16)
-                kt0 = T.alloc_shared([bi, d_tail], bf16) if has_tail else None
-                kv1_l = T.alloc_shared([bi, dh], bf16)
-                kv1_r = T.alloc_shared([bi, dh], bf16)
-                kt1 = T.alloc_shared([bi, d_tail], bf16) if has_tail else None
+                q_l, q_r, q_t, (kv0_l, kv0_r, kt0), (kv1_l, kv1_r, kt1) = _alloc_q_and_stages(T, tile, dh, d_tail)
                 p_s = T.alloc_shared([block_h, bi], bf16)
                 alpha_s = T.alloc_shared([block_h], f32)
                 l_s = T.alloc_shared([block_h], f32)
@@ -454,15 +463,7 @@ def _jit_fwd_sv():
             Lse: T.Tensor([t_len, heads], f32),
         ):
             with T.Kernel(n_idx, n_hblk, threads=threads) as (t, hb):
-                q_l = T.alloc_shared([block_h, dh], bf16)
-                q_r = T.alloc_shared([block_h, dh], bf16)
-                q_t = T.alloc_shared([block_h, d_tail], bf16) if has_tail else None
-                kv0_l = T.alloc_shared([bi, dh], bf16)
-                kv0_r = T.alloc_shared([bi, dh], bf16)
-                kt0 = T.alloc_shared([bi, d_tail], bf16) if has_tail else None
-                kv1_l = T.alloc_shared([bi, dh], bf16)
-                kv1_r = T.alloc_shared([bi, dh], bf16)
-                kt1 = T.alloc_shared([bi, d_tail], bf16) if has_tail else None
+                q_l, q_r, q_t, (kv0_l, kv0_r, kt0), (kv1_l, kv1_r, kt1) = _alloc_q_and_stages(T, tile, dh, d_tail)
                 p0_s = kt0 if p_in_tail else T.alloc_shared([block_h, bi], bf16)
                 p1_s = kt1 if p_in_tail else T.alloc_shared([block_h, bi], bf16)
                 alpha0_s = T.alloc_shared([block_h], f32)
@@ -666,15 +667,7 @@ def _jit_fwd_pp():
             Lse: T.Tensor([t_len, heads], f32),
         ):
             with T.Kernel(n_idx, n_hblk, threads=threads) as (t, hb):
-                q_l = T.alloc_shared([block_h, dh], bf16)
-                q_r = T.alloc_shared([block_h, dh], bf16)
-                q_t = T.alloc_shared([block_h, d_tail], bf16) if has_tail else None
-                kv0_l = T.alloc_shared([bi, dh], bf16)
-                kv0_r = T.alloc_shared([bi, dh], bf16)
-                kt0 = T.alloc_shared([bi, d_tail], bf16) if has_tail else None
-                kv1_l = T.alloc_shared([bi, dh], bf16)
-                kv1_r = T.alloc_shared([bi, dh], bf16)
-                kt1 = T.alloc_shared([bi, d_tail], bf16) if has_tail else None
+                q_l, q_r, q_t, (kv0_l, kv0_r, kt0), (kv1_l, kv1_r, kt1) = _alloc_q_and_stages(T, tile, dh, d_tail)
                 p0_s = kt0 if p_in_tail else T.alloc_shared([block_h, bi], bf16)
                 p1_s = T.alloc_shared([block_h, bi], bf16)
                 sm0 = T.alloc_shared([block_h], f32)  # WG0 -> WG1: max(m, rowmax S0)

@@ -127,6 +127,20 @@ def test_fwd_matches_reference(heads, variant):
     assert (out[7] == 0).all() and torch.isinf(lse[7]).all()
 
 
+def _variant_against_ws(variant: str, heads: int, topk: int, t_len: int, d_qk: int, seed: int = 0):
+    """The ``(out, lse)`` pairs of a 64-row forward ``variant``, of ``ws`` and of the fp32 oracle, on random causal
+    sets with row 7 all -1."""
+    g = torch.Generator(device="cuda").manual_seed(heads + d_qk + topk + seed)
+    q = torch.randn(t_len, heads, d_qk, device="cuda", dtype=torch.bfloat16, generator=g)
+    kv = torch.randn(t_len, d_qk, device="cuda", dtype=torch.bfloat16, generator=g)
+    idx = causal_random_indices(t_len, topk, "cuda", generator=g)
+    idx[7] = -1
+    out, lse = fwd_mod.sparse_mla_fwd_interface(q, kv, idx, SCALE, D_V, variant=variant)
+    out_ws, lse_ws = fwd_mod.sparse_mla_fwd_interface(q, kv, idx, SCALE, D_V, variant="ws")
+    out_ref, lse_ref = ref.sparse_mla(q.float(), kv.float(), idx, SCALE, D_V, chunk=256)
+    return out, lse, out_ws, lse_ws, out_ref, lse_ref
+
+
 @pytest.mark.parametrize("d_qk", [576, 512], ids=["glm5", "nope"])
 @pytest.mark.parametrize("heads,topk,t_len", [(64, 512, 1000), (128, 515, 1000), (48, 512, 1000), (64, 2048, 4096)])
 def test_fwd_sv_matches_reference_and_ws(heads, topk, t_len, d_qk):
@@ -135,14 +149,7 @@ def test_fwd_sv_matches_reference_and_ws(heads, topk, t_len, d_qk):
     a stale rescale factor or a P tile overwritten early); 48 heads pad to a 64-row tile, 515 is an index width that
     is not a multiple of the block, 2048 slots make 16 refills per stage, the NoPE latent keeps P in tiles of its
     own."""
-    g = torch.Generator(device="cuda").manual_seed(heads + d_qk + topk)
-    q = torch.randn(t_len, heads, d_qk, device="cuda", dtype=torch.bfloat16, generator=g)
-    kv = torch.randn(t_len, d_qk, device="cuda", dtype=torch.bfloat16, generator=g)
-    idx = causal_random_indices(t_len, topk, "cuda", generator=g)
-    idx[7] = -1
-    out, lse = fwd_mod.sparse_mla_fwd_interface(q, kv, idx, SCALE, D_V, variant="sv")
-    out_ws, lse_ws = fwd_mod.sparse_mla_fwd_interface(q, kv, idx, SCALE, D_V, variant="ws")
-    out_ref, lse_ref = ref.sparse_mla(q.float(), kv.float(), idx, SCALE, D_V, chunk=256)
+    out, lse, out_ws, lse_ws, out_ref, lse_ref = _variant_against_ws("sv", heads, topk, t_len, d_qk, seed=0)
     cos, lse_err = cosine(out, out_ref), check_lse(lse, lse_ref)
     diff = (out.float() - out_ws.float()).abs().max().item()
     print(f"fwd sv H={heads} K={topk} T={t_len} d_qk={d_qk}: cos={cos:.7f} lse_err={lse_err:.2e}; vs ws: out max "
@@ -161,14 +168,7 @@ def test_fwd_pp_matches_reference_and_ws(heads, topk, t_len, d_qk):
     rounded before the pair's final max is known). 515 slots end on a half-empty block pair; 2048 slots at T=300
     leave most rows' last pairs fully masked (the per-row block count is the valid length, so some rows end on an odd
     block); 2048 at T=4096 make 16 refills per stage half."""
-    g = torch.Generator(device="cuda").manual_seed(heads + d_qk + topk + 1)
-    q = torch.randn(t_len, heads, d_qk, device="cuda", dtype=torch.bfloat16, generator=g)
-    kv = torch.randn(t_len, d_qk, device="cuda", dtype=torch.bfloat16, generator=g)
-    idx = causal_random_indices(t_len, topk, "cuda", generator=g)
-    idx[7] = -1
-    out, lse = fwd_mod.sparse_mla_fwd_interface(q, kv, idx, SCALE, D_V, variant="pp")
-    out_ws, lse_ws = fwd_mod.sparse_mla_fwd_interface(q, kv, idx, SCALE, D_V, variant="ws")
-    out_ref, lse_ref = ref.sparse_mla(q.float(), kv.float(), idx, SCALE, D_V, chunk=256)
+    out, lse, out_ws, lse_ws, out_ref, lse_ref = _variant_against_ws("pp", heads, topk, t_len, d_qk, seed=1)
     cos, lse_err = cosine(out, out_ref), check_lse(lse, lse_ref)
     diff = (out.float() - out_ws.float()).abs().max().item()
     ref_diff = (out_ws.float() - out_ref).abs().max().item()
