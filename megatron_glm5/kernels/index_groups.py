@@ -132,8 +132,8 @@ GROUPED_HEADS = 16  # the heads per rank the grouped kernels were measured at (4
 GROUPED_BWD_MIN_SHARING = 2.25
 # The most query tokens per call the grouped route takes. Measured with the ping-pong forward (H200, 16 heads,
 # forward + backward against the per-query kernels): 16K 1.02x / 1.66x on random / 90 %-local sets, 32K 1.00x /
-# 1.64x, 64K 0.98x / 1.60x; the step's extra memory over its inputs at 64K 1.50 GiB against 2.15 per-query (the
-# union is dropped after the forward). Past 64K the union build grows faster than the kernels (3.8 ms at 64K, 12.4
+# 1.64x, 64K 0.98x / 1.60x; one forward + backward's extra memory over its inputs at 64K 1.50 GiB against 2.15
+# per-query (with the ws forward; the union is dropped after the forward). Past 64K the union build grows faster than the kernels (3.8 ms at 64K, 12.4
 # at 128K): not measured, so per-query there (scripts/bench/RESULTS_kernels.md, round 2, fourth session).
 GROUPED_MAX_TOKENS = 65536
 

@@ -7,7 +7,8 @@ Four kernels, one contract (``pick_fwd_variant`` picks ``pp`` at 64 MMA rows per
 
 * ``pp`` (ping-pong; the default with more than 32 heads, or grouped): two math warpgroups own alternate 64-slot
   blocks and each half of ``d_v``, a producer warpgroup gathers; one warpgroup's softmax runs under the other's
-  GEMMs (FlashMLA's SM90 schedule; details in ``_jit_fwd_pp``). 1.12-1.14x ``ws`` at 64 heads and 16K tokens.
+  GEMMs (FlashMLA's SM90 schedule; details in ``_jit_fwd_pp``). 1.11-1.15x ``ws`` at 16K tokens (64 heads, NoPE,
+  grouped 16 heads).
 * ``ws`` (the default below 33 heads): warp-specialised, one CTA per (token, 64-head block). A producer
   warpgroup gathers the selected KV rows with ``cp.async`` into two shared-memory stages; consumer warpgroup 0 computes ``Q K^T`` over all ``d_qk``
   channels, the online softmax and ``P V`` for the left half of ``d_v``; consumer warpgroup 1 does ``P V`` for the
@@ -24,7 +25,7 @@ Four kernels, one contract (``pick_fwd_variant`` picks ``pp`` at 64 MMA rows per
   it and what it showed: ``scripts/bench/RESULTS_kernels.md``, round 2, third session).
 * ``simple`` (opt-in, ``variant="simple"``): one pipelined loop per CTA (token, head block); synchronous guarded
   16-byte gathers (TileLang does not turn a data-dependent, predicated gather into ``cp.async``), so gather and MMA
-  do not overlap and it is the slower of the two at long sequences (measurements: ``scripts/bench/RESULTS_kernels.md``).
+  do not overlap and it is the slowest at long sequences (measurements: ``scripts/bench/RESULTS_kernels.md``).
 
 Masking: a slot is valid iff ``0 <= idx < T_kv``. A row without a valid slot gives ``out = 0`` and ``lse = +inf``.
 The index width ``K`` is dynamic and need not be a multiple of the block (GLM-5.3-Flash's KPool gives 2051).
@@ -74,22 +75,25 @@ LAUNCH_REGS_384 = 65536 // 384 // 8 * 8
 def check_register_split(nreg: tuple[int, ...], directions: tuple[int, ...]) -> None:
     """Refuse a ``setmaxnreg`` split (registers per warpgroup, ``directions`` 1 = increase, 0 = decrease) that a
     384-thread CTA cannot honour."""
-    ok = len(nreg) == len(directions) == 3 and sum(nreg) <= 3 * LAUNCH_REGS_384
-    ok = ok and all(n % 8 == 0 and 24 <= n <= 256 for n in nreg)
-    ok = ok and all((n >= LAUNCH_REGS_384) if inc else (n <= LAUNCH_REGS_384) for n, inc in zip(nreg, directions))
-    if not ok:
-        kinds = ", ".join(">= %d" % LAUNCH_REGS_384 if inc else "<= %d" % LAUNCH_REGS_384 for inc in directions)
-        raise ValueError(f"nreg must be 3 multiples of 8 in [24, 256] ({kinds}) summing to <= "
-                         f"{3 * LAUNCH_REGS_384}, got {tuple(nreg)}")
+    nreg = tuple(nreg)
+    if len(nreg) != 3 or len(directions) != 3 or not all(n % 8 == 0 and 24 <= n <= 256 for n in nreg):
+        raise ValueError(f"nreg must be 3 multiples of 8 in [24, 256], got {nreg}")
+    if sum(nreg) > 3 * LAUNCH_REGS_384:
+        raise ValueError(f"nreg must sum to <= {3 * LAUNCH_REGS_384} (the CTA's registers), got {nreg}")
+    for wg, (n, inc) in enumerate(zip(nreg, directions)):
+        if inc and n < LAUNCH_REGS_384:
+            raise ValueError(f"nreg[{wg}] increases, so it must be >= {LAUNCH_REGS_384}, got {nreg}")
+        if not inc and n > LAUNCH_REGS_384:
+            raise ValueError(f"nreg[{wg}] decreases, so it must be <= {LAUNCH_REGS_384}, got {nreg}")
 
 
 @dataclass(frozen=True)
 class _FwdTile:
-    """Trace-time constants of one warp-specialised forward build (both schedules)."""
+    """Trace-time constants of one warp-specialised forward build (every schedule)."""
 
     block_h: int  # MMA rows per CTA
     bi: int  # index slots per block
-    threads: int
+    threads: int  # the threads that load Q (the whole CTA in ws / sv, the two math warpgroups in pp)
     rows: RowMap
     has_tail: bool
     wgmma: bool  # async wgmma (64 rows) or mma.sync
@@ -106,7 +110,7 @@ def _fwd_macros(T, tile: _FwdTile, topk, t_len, scale_log2: float):
       warpgroups is needed; -1 slots get -inf), overlapping the wait for the gathered rows, then ``Q K^T`` into it.
     * ``online_softmax(acc_s, m_i, m_prev, alpha, l_i, l_blk)``: running max, rescale factor, ``P = exp2(..)`` in
       ``acc_s`` and the running row sum.
-    * ``load_q_tile(...)``: 16 B vector loads of ``Q`` over all threads; padded heads (or queries past the last)
+    * ``load_q_tile(...)``: 16 B vector loads of ``Q`` over ``tile.threads`` threads; padded heads (or queries past the last)
       load as zeros and are never stored (P6).
     * ``store_half(...)``: a warpgroup's half of the normalised output.
     * ``rescale_pv(p_s, v_s, alpha_s, acc_o)``: a warpgroup's half of ``O`` rescaled, then plus ``P V``.
@@ -787,6 +791,9 @@ def _jit_fwd_pp():
                         T.copy(m1_new, m1)
                         exp_scores(s1, m1, l1, alpha1, l1_blk, o1, p1_r)
                         T.wgmma_gemm(p1_r, kv1_r, o1)  # own P from registers
+                        # P1's registers are read (stmatrix) while that wgmma reads them too: FlashMLA's order
+                        # ("faster"); the PTX ISA calls touching wgmma A registers before its wait undefined, so
+                        # moving this copy before the GEMM is the conservative alternative (not yet measured)
                         T.copy(p1_r, p1_s)
                         T.fence_proxy_async()
                         T.barrier_arrive(bar_p1)
@@ -969,8 +976,8 @@ def check_sparse_mla_args(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tens
 
 
 def pick_fwd_variant(heads: int, d_qk: int, d_v: int, variant: Variant = "auto") -> str:
-    """``auto`` picks ``pp``, the ping-pong forward, where a CTA has 64 MMA rows (more than 32 heads): 1.12-1.14x
-    ``ws`` at 64 heads and 16K tokens, GLM-5 and NoPE latents alike; ``ws`` below that (``pp`` needs two 64-row
+    """``auto`` picks ``pp``, the ping-pong forward, where a CTA has 64 MMA rows (more than 32 heads): 1.11-1.14x
+    ``ws`` at 64 heads and 16K tokens (NoPE and GLM-5 latents); ``ws`` below that (``pp`` needs two 64-row
     warpgroups). Measurements: ``scripts/bench/RESULTS_kernels.md``; ``tests/gpu/test_kernels_gpu.py`` covers all
     four variants."""
     if variant != "auto":
@@ -993,8 +1000,9 @@ def sparse_mla_fwd_interface(
     """Forward kernel call: ``(out [T, H, d_v] bf16, lse [T, H] fp32 natural log)``.
 
     ``valid_len`` (``row_valid_len(indices)``) may be passed in when the caller already has it. ``group`` != 1
-    (``pp`` by default, ``ws`` or ``sv``; 0: ``64 // H``): one CTA serves ``group`` consecutive queries over the union of their
-    index sets (``kernels.index_groups``; ``union``: a prebuilt ``group_union_indices(indices, group)``), same contract.
+    (``pp`` by default, ``ws`` or ``sv``; 0: ``64 // H``): one CTA serves ``group`` consecutive queries over the union
+    of their index sets (``kernels.index_groups``; ``union``: a prebuilt ``group_union_indices(indices, group)``),
+    same contract.
     The autograd path runs it with ``grouped=True`` (``MEGATRON_GLM5_GROUPED_SPARSE_MLA``, on by default); measured
     against the per-query kernel by ``scripts/bench/sweep_dsa_round2.py`` (sections ``grouped``, ``route``) and the
     schedules by ``scripts/bench/sweep_sparse_fwd.py``.

@@ -280,13 +280,13 @@ def bench_sparse(seq: int, heads: int, mcore: bool, det: bool, variant: str = "a
 
     row["ours_fwd_ms"] = timed(ours_fwd)
     row["ours_fwd_tflops"] = f_fwd / row["ours_fwd_ms"] / 1e9
-    # Kernel-only forward of both variants (valid_len precomputed), to see the wrapper overhead and which kernel wins.
+    # Kernel-only forward of each variant that fits (valid_len precomputed): the wrapper overhead, which kernel wins.
     from megatron_glm5.kernels._common import row_valid_len
     from megatron_glm5.kernels.sparse_mla_fwd import sparse_mla_fwd_interface
 
     vlen = row_valid_len(idx)
-    for v in ("ws", "pp", "simple"):
-        if variant in ("auto", v) and (v != "pp" or heads > 32):  # pp: 64-row tiles only
+    for v in ("ws", "pp", "sv", "simple"):
+        if (variant == v or (variant == "auto" and v != "sv")) and (v not in ("pp", "sv") or heads > 32):
             try:
                 row[f"fwd_{v}_kernel_ms"] = timed(
                     lambda v=v: sparse_mla_fwd_interface(q.detach(), kv.detach(), idx, SCALE, D_V, valid_len=vlen, variant=v)
@@ -649,7 +649,7 @@ def smoke(variant: str) -> int:
     from megatron_glm5.dsa import reference as ref
     from megatron_glm5.kernels import indexer_topk
     from megatron_glm5.kernels.sparse_mla_bwd import sparse_mla_autograd
-    from megatron_glm5.kernels.sparse_mla_fwd import sparse_mla_fwd_interface
+    from megatron_glm5.kernels.sparse_mla_fwd import pick_fwd_variant, sparse_mla_fwd_interface
 
     dev = torch.device("cuda")
     ok = True
@@ -658,7 +658,8 @@ def smoke(variant: str) -> int:
         kv = torch.randn(300, D_QK, device=dev, dtype=torch.bfloat16)
         idx = causal_random_indices(300, 256, dev)
         o_ref, l_ref = ref.sparse_mla(q.float(), kv.float(), idx, SCALE, D_V)
-        for v in ("simple", variant if variant != "auto" else "ws"):
+        forced = variant if variant != "auto" else pick_fwd_variant(heads, D_QK, D_V)
+        for v in ("simple", forced if forced in ("ws", "simple") or heads > 32 else "ws"):  # pp / sv: 64-row tiles
             t0 = time.time()
             o, l = sparse_mla_fwd_interface(q, kv, idx, SCALE, D_V, variant=v)
             torch.cuda.synchronize()
@@ -667,7 +668,7 @@ def smoke(variant: str) -> int:
             ok &= c > 0.9999
         qq, kk = q.clone().requires_grad_(), kv.clone().requires_grad_()
         g = torch.randn(300, heads, D_V, device=dev, dtype=torch.bfloat16)
-        sparse_mla_autograd(qq, kk, idx, SCALE, D_V, variant=variant)[0].backward(g)
+        sparse_mla_autograd(qq, kk, idx, SCALE, D_V, variant=variant if heads > 32 else "auto")[0].backward(g)
         qf, kf = q.float().requires_grad_(), kv.float().requires_grad_()
         ref.sparse_mla(qf, kf, idx, SCALE, D_V)[0].backward(g.float())
         c1, c2 = cosine(qq.grad, qf.grad), cosine(kk.grad, kf.grad)
@@ -746,7 +747,8 @@ def report(sparse_rows: list[dict], idx_rows: list[dict], notes: list[str], kpoo
         f_fwd = 2 * r["pairs"] * r["H"] * (D_QK + D_V)
         parts = [
             f"{v} {r[k]:.2f} ms = {f_fwd / r[k] / 1e9:.0f} TFLOP/s"
-            for v, k in (("ws", "fwd_ws_kernel_ms"), ("pp", "fwd_pp_kernel_ms"), ("simple", "fwd_simple_kernel_ms"))
+            for v, k in (("ws", "fwd_ws_kernel_ms"), ("pp", "fwd_pp_kernel_ms"), ("sv", "fwd_sv_kernel_ms"),
+                         ("simple", "fwd_simple_kernel_ms"))
             if k in r
         ]
         lines.append(f"- S={r['S']} H={r['H']}: " + "; ".join(parts))

@@ -39,7 +39,7 @@ def ptxas_report(module: str, getter: str, args: list, kwargs: dict, keep: str |
         path = os.path.join(keep or tmp, "kernel.cu")
         with open(path, "w") as f:
             f.write(src)
-        cmd = ["nvcc", "-cubin", "-arch=sm_90a", "-std=c++17", "-O3", "-Xptxas", "-v", "-w",
+        cmd = ["nvcc", "-cubin", "-arch=sm_90a", "-std=c++20", "-O3", "-Xptxas", "-v", "-w",
                "--expt-relaxed-constexpr", "-DNDEBUG", "-o", os.path.join(tmp, "k.cubin"), path]
         cmd += [f"-I{p}" for p in tilelang_includes()]
         res = subprocess.run(cmd, capture_output=True, text=True)

@@ -165,9 +165,9 @@ def test_fwd_sv_matches_reference_and_ws(heads, topk, t_len, d_qk):
 def test_fwd_pp_matches_reference_and_ws(heads, topk, t_len, d_qk):
     """The ping-pong forward (``variant="pp"``): two math warpgroups on alternate blocks, row maxima exchanged per
     pair. The fp32 oracle's contract, and within bf16 rounding of ``ws`` (not bitwise: the even block's ``P`` is
-    rounded before the pair's final max is known). 515 slots end on a half-empty block pair; 2048 slots at T=300
-    leave most rows' last pairs fully masked (the per-row block count is the valid length, so some rows end on an odd
-    block); 2048 at T=4096 make 16 refills per stage half."""
+    rounded before the pair's final max is known). 515 slots end on a half-empty block pair; at T=300 every row has
+    fewer valid slots than 2048 (the block pairs stop at the row's valid length, so rows of 1-64 valid slots walk
+    one pair whose odd block is fully masked); 2048 slots at T=4096 make 16 refills per stage half."""
     out, lse, out_ws, lse_ws, out_ref, lse_ref = _variant_against_ws("pp", heads, topk, t_len, d_qk, seed=1)
     cos, lse_err = cosine(out, out_ref), check_lse(lse, lse_ref)
     diff = (out.float() - out_ws.float()).abs().max().item()

@@ -3,7 +3,8 @@ H200 with ``mlp_chunks_for_training``) and 524288. Element offsets of ``q`` / ``
 262144 and 2^32 at 524288, those of the hidden-size RMSNorm ``[T, 6144]`` pass 2^31 past 349525 rows (its 32-bit row
 offsets faulted there), so the rows past those points are checked against the fp32 oracle: forward and ``dq`` of
 sparse MLA, the indexer's top-k sets, the RMSNorm's output and ``dx``, on the rows at the end of the sequence (the
-largest offsets) and a few at its start."""
+largest offsets) and a few at its start. At 64 heads the default forward is the ping-pong kernel: its output rows
+are checked past 2^31 element offsets of ``q`` and ``out`` and 2^33 of ``q`` at 262144 tokens (forward only)."""
 
 from __future__ import annotations
 
@@ -67,13 +68,14 @@ def test_sparse_mla_rows_past_int32_offsets(t_len):
 
 
 def test_pp_forward_rows_past_int32_offsets_at_64_heads():
-    """The ping-pong forward (the default at 64 heads) at 262144 tokens: ``q`` / ``out`` element offsets pass 2^31 at
-    row 58255 and 2^33 near the end; forward only (q and out alone are 36 GB)."""
+    """The ping-pong forward (the default at 64 heads) at 262144 tokens: element offsets of ``q`` pass 2^31 at row
+    58255 and 2^32 at 116509 (2^33 near the end), those of ``out`` 2^31 at row 65536; forward only (q and out alone
+    are 36 GB)."""
     from megatron_glm5.kernels.sparse_mla_fwd import pick_fwd_variant, sparse_mla_fwd_interface
 
     t_len, heads = 262144, 64
     assert pick_fwd_variant(heads, D_QK, D_V) == "pp"
-    picked = [0, 2047, 58254, 58255, 116508, 116509, t_len - 1]
+    picked = [0, 2047, 58254, 58255, 65535, 65536, 116508, 116509, t_len - 1]
     g = torch.Generator(device="cuda").manual_seed(1)
     q = torch.randn(t_len, heads, D_QK, device="cuda", dtype=torch.bfloat16, generator=g)
     kv = torch.randn(t_len, D_QK, device="cuda", dtype=torch.bfloat16, generator=g)
