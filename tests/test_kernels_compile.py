@@ -47,6 +47,9 @@ COMPILE_CASES = {
     "fwd_pp_glm": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_pp", (64, 576, 512, 1 / 16)),
     "fwd_pp_nope": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_pp", (64, 512, 512, 1 / 16)),
     "fwd_pp_grouped_glm": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_pp", (16, 576, 512, 1 / 16, 4)),
+    # experimental: the masks from the slot entries the producer records in shared memory
+    "fwd_pp_smem_mask_grouped_glm": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_pp",
+                                     (16, 576, 512, 1 / 16, 4, (216, 216, 72), True)),
     "fwd_simple_small": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_simple", (16, 192, 128, 0.125)),
     "bwd_small_deterministic": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (8, 192, 128, 0.125, True)),
     "bwd_glm": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (64, 576, 512, 1 / 16, False)),

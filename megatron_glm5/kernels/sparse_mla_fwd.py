@@ -110,8 +110,8 @@ def _fwd_macros(T, tile: _FwdTile, topk, t_len, scale_log2: float):
       warpgroups is needed; -1 slots get -inf), overlapping the wait for the gathered rows, then ``Q K^T`` into it.
     * ``online_softmax(acc_s, m_i, m_prev, alpha, l_i, l_blk)``: running max, rescale factor, ``P = exp2(..)`` in
       ``acc_s`` and the running row sum.
-    * ``load_q_tile(...)``: 16 B vector loads of ``Q`` over ``tile.threads`` threads; padded heads (or queries past the last)
-      load as zeros and are never stored (P6).
+    * ``load_q_tile(...)``: 16 B vector loads of ``Q`` over ``tile.threads`` threads; padded heads (or queries past
+      the last) load as zeros and are never stored (P6).
     * ``store_half(...)``: a warpgroup's half of the normalised output.
     * ``rescale_pv(p_s, v_s, alpha_s, acc_o)``: a warpgroup's half of ``O`` rescaled, then plus ``P V``.
     """
@@ -579,7 +579,7 @@ def _jit_fwd_pp():
         },
     )
     def sparse_mla_fwd_pp(heads: int, d_qk: int, d_v: int, softmax_scale: float, group: int = 1,
-                          nreg: tuple[int, int, int] = (216, 216, 72)):
+                          nreg: tuple[int, int, int] = (216, 216, 72), smem_mask: bool = False):
         """Ping-pong: two math warpgroups own alternate 64-slot blocks (WG0 the even ones in stage 0, WG1 the odd ones
         in stage 1) and each keeps half of ``d_v``; a producer warpgroup gathers. Per pair of blocks each math
         warpgroup computes ``Q K^T`` of its own block over all ``d_qk`` channels, and ``P V`` for its half of ``d_v``
@@ -602,6 +602,13 @@ def _jit_fwd_pp():
         only (heads > 32 per CTA, or ``group * heads == 64``); ``nreg``: registers of WG0 / WG1 / producer
         (:func:`check_register_split`). The math warpgroups alone load ``Q``, so the producer starts gathering at
         once (measured at parity with all 384 threads loading ``Q`` first, as ``ws`` does: 9.52 vs 9.54 ms).
+
+        ``smem_mask`` (experimental, not yet run on a GPU): the producer records each slot's entry (or -1) in shared
+        memory while it gathers the block's first half and signals it on a barrier of its own (plain arrivals:
+        ``cp.async`` completion does not order its generic stores), and the math warpgroups build their masks from
+        there instead of 32 index loads per thread per block (FlashMLA's producer publishes validity the same way).
+        The stage's index row is rewritten only after that stage half's ``free``, which its masking warpgroup
+        arrives after its mask.
         """
         block_h, n_hblk = (grouped_tile_rows(heads, group), 1) if group > 1 else head_block(heads)
         if block_h != 64:
@@ -660,6 +667,22 @@ def _jit_fwd_pp():
                                        commit=False, key_bits=key_bits, halves=(True, False))
         gather_r = latent_gather_macro(T, rows=bi, rows_per_pass=16, dh=dh, d_tail=d_tail, tail0=d_v,
                                        record_index=False, commit=False, key_bits=key_bits, halves=(False, True))
+        # smem_mask: the first half gathered of each stage's block also records the slots' entries
+        gather_l_rec = latent_gather_macro(T, rows=bi, rows_per_pass=16, dh=dh, d_tail=0, tail0=d_v,
+                                           record_index=True, commit=False, key_bits=key_bits, halves=(True, False))
+        gather_r_rec = latent_gather_macro(T, rows=bi, rows_per_pass=16, dh=dh, d_tail=d_tail, tail0=d_v,
+                                           record_index=True, commit=False, key_bits=key_bits, halves=(False, True))
+
+        @T.macro
+        def mask_from(idx_s, bar_mask, stage, parity, acc_s):
+            # the block's initial scores from the entries the producer recorded (-1: invalid slot)
+            T.barrier_wait(bar_mask[stage], parity)
+            for h, j in T.Parallel(block_h, bi):
+                e = idx_s[j]
+                if rows.group == 1:
+                    acc_s[h, j] = T.if_then_else(e >= 0, 0, -T.infinity(f32))
+                else:
+                    acc_s[h, j] = T.if_then_else((e >= 0) and rows.member(e, h), 0, -T.infinity(f32))
 
         @T.prim_func
         def main(
@@ -678,6 +701,8 @@ def _jit_fwd_pp():
                 sm1 = T.alloc_shared([block_h], f32)  # WG1 -> WG0: the pair's final max
                 sl0 = T.alloc_shared([block_h], f32)  # final row sums of each warpgroup's blocks
                 sl1 = T.alloc_shared([block_h], f32)
+                idx0_s = T.alloc_shared([bi], i32) if smem_mask else None  # stage 0's slot entries (smem_mask)
+                idx1_s = T.alloc_shared([bi], i32) if smem_mask else None
 
                 s0 = T.alloc_fragment([block_h, bi], f32)
                 s1 = T.alloc_fragment([block_h, bi], f32)
@@ -706,6 +731,7 @@ def _jit_fwd_pp():
                 bar_p0 = T.alloc_barrier(128)  # WG0 -> WG1: P of the even block (rescaled) in p0_s
                 bar_p1 = T.alloc_barrier(128)  # WG1 -> WG0: P of the odd block in p1_s
                 bar_l = T.alloc_barrier([128, 128])  # each warpgroup's final row sums are in smem
+                bar_mask = T.alloc_barrier([128, 128]) if smem_mask else None  # producer -> WG0 / WG1: idx0_s / idx1_s
 
                 h0 = hb * block_h
                 tx = T.get_thread_binding()
@@ -720,7 +746,10 @@ def _jit_fwd_pp():
                     T.fill(m0, -(2.0**30))  # finite start: a fully masked block gives exp2(-inf) = 0, never NaN
                     T.barrier_wait(bar_q, 0)
                     if n_pair > 0:
-                        mask(Idx, t, t_kv, 0, s0)
+                        if smem_mask:
+                            mask_from(idx0_s, bar_mask, 0, 0, s0)
+                        else:
+                            mask(Idx, t, t_kv, 0, s0)
                         qk_left(q_l, kv0_l, s0, bar_ready, 0, 0)
                         qk_right(q_r, q_t, kv0_r, kt0, s0, bar_ready, 1, 0)
                         T.wait_wgmma(0)
@@ -752,7 +781,10 @@ def _jit_fwd_pp():
                         T.fence_proxy_async()
                         T.wgmma_gemm(p1_s, kv1_l, o0)  # WG1's P from smem
                         if jp + 1 < n_pair:  # the next even block's scores, issued under this P V
-                            mask(Idx, t, t_kv, 2 * jp + 2, s0)
+                            if smem_mask:
+                                mask_from(idx0_s, bar_mask, 0, (jp + 1) & 1, s0)
+                            else:
+                                mask(Idx, t, t_kv, 2 * jp + 2, s0)
                             qk_left(q_l, kv0_l, s0, bar_ready, 0, (jp + 1) & 1)
                             T.wait_wgmma(1)
                             T.barrier_arrive(bar_free[2])  # stage 1 left half: read
@@ -776,7 +808,10 @@ def _jit_fwd_pp():
                     T.fill(m1, -(2.0**30))
                     T.barrier_wait(bar_q, 0)
                     for jp in T.serial(n_pair):
-                        mask(Idx, t, t_kv, 2 * jp + 1, s1)
+                        if smem_mask:
+                            mask_from(idx1_s, bar_mask, 1, jp & 1, s1)
+                        else:
+                            mask(Idx, t, t_kv, 2 * jp + 1, s1)
                         qk_right(q_r, q_t, kv1_r, kt1, s1, bar_ready, 3, jp & 1)
                         qk_left(q_l, kv1_l, s1, bar_ready, 2, jp & 1)
                         T.wait_wgmma(0)
@@ -821,10 +856,18 @@ def _jit_fwd_pp():
                     for jp in T.serial(n_pair):
                         free = (jp & 1) ^ 1
                         T.barrier_wait(bar_free[0], free)
-                        gather_l(KV, Idx, t, t_kv, topk, tx - 256, kv0_l, kv0_l, kt0, None, 2 * jp)
+                        if smem_mask:
+                            gather_l_rec(KV, Idx, t, t_kv, topk, tx - 256, kv0_l, kv0_l, kt0, idx0_s, 2 * jp)
+                            T.barrier_arrive(bar_mask[0])
+                        else:
+                            gather_l(KV, Idx, t, t_kv, topk, tx - 256, kv0_l, kv0_l, kt0, None, 2 * jp)
                         T.cp_async_barrier_noinc(bar_ready[0])
                         T.barrier_wait(bar_free[3], free)
-                        gather_r(KV, Idx, t, t_kv, topk, tx - 256, kv1_r, kv1_r, kt1, None, 2 * jp + 1)
+                        if smem_mask:
+                            gather_r_rec(KV, Idx, t, t_kv, topk, tx - 256, kv1_r, kv1_r, kt1, idx1_s, 2 * jp + 1)
+                            T.barrier_arrive(bar_mask[1])
+                        else:
+                            gather_r(KV, Idx, t, t_kv, topk, tx - 256, kv1_r, kv1_r, kt1, None, 2 * jp + 1)
                         T.cp_async_barrier_noinc(bar_ready[3])
                         T.barrier_wait(bar_free[1], free)
                         gather_r(KV, Idx, t, t_kv, topk, tx - 256, kv0_r, kv0_r, kt0, None, 2 * jp)

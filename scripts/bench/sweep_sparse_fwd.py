@@ -36,6 +36,7 @@ VARIANTS_64 = [
     ("pp 216/216/72", "_jit_fwd_pp", (1, (216, 216, 72))),
     ("pp 208/208/88", "_jit_fwd_pp", (1, (208, 208, 88))),
     ("pp 224/208/72", "_jit_fwd_pp", (1, (224, 208, 72))),
+    ("pp 216/216/72, mask from smem (experimental)", "_jit_fwd_pp", (1, (216, 216, 72), True)),
 ]
 VARIANTS_NOPE = [
     ("ws 256/168/80 (reference)", "_jit_fwd_ws", (64, 1, (256, 168, 80))),
@@ -46,6 +47,7 @@ VARIANTS_16_GROUPED = [
     ("ws grouped 240/168/80 (round 2)", "_jit_fwd_ws", (64, 4, (240, 168, 80))),
     ("sv grouped 144/176/176", "_jit_fwd_sv", (4, (144, 176, 176))),
     ("pp grouped 216/216/72", "_jit_fwd_pp", (4, (216, 216, 72))),
+    ("pp grouped, mask from smem (experimental)", "_jit_fwd_pp", (4, (216, 216, 72), True)),
 ]
 
 
