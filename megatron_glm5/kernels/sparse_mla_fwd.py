@@ -379,6 +379,19 @@ def _jit_fwd_ws():
     return sparse_mla_fwd_ws
 
 
+def _split_dims(name: str, heads: int, d_qk: int, d_v: int, group: int) -> tuple[int, int, int, bool, bool]:
+    """``(n_hblk, dh, d_tail, has_tail, p_in_tail)`` of a 64-row schedule that splits ``d_v`` between two warpgroups
+    (``sv``, ``pp``), after checking it applies: 64 MMA rows per CTA, ``d_v / 2`` and the tail multiples of 64.
+    ``p_in_tail``: a [64 heads, 64 slots] ``P`` tile fits a stage's RoPE-tail tile [64 slots, 64 channels] exactly."""
+    block_h, n_hblk = (grouped_tile_rows(heads, group), 1) if group > 1 else head_block(heads)
+    if block_h != 64:
+        raise ValueError(f"the {name} forward needs 64 MMA rows (heads > 32 or grouped), got {heads} heads")
+    dh, d_tail = d_v // 2, d_qk - d_v
+    if dh % 64 or d_tail % 64 or d_tail < 0:
+        raise ValueError(f"{name} kernel needs d_v/2 and d_qk-d_v >= 0 multiples of 64; got {d_v}, {d_qk}")
+    return n_hblk, dh, d_tail, d_tail > 0, d_tail == 64
+
+
 @functools.cache
 def _jit_fwd_sv():
     tilelang, T = tilelang_modules()
@@ -411,16 +424,9 @@ def _jit_fwd_sv():
         ``group * heads == 64``); ``nreg``: registers of WG0 / WG1 / WG2 (:func:`check_register_split`); 144 is the
         split the GPU tests ran (152 / 176 / 176 measured 1 % faster once, at 64 heads only).
         """
-        block_h, n_hblk = (grouped_tile_rows(heads, group), 1) if group > 1 else head_block(heads)
-        if block_h != 64:
-            raise ValueError(f"the sv forward needs 64 MMA rows (heads > 32 or grouped), got {heads} heads")
+        n_hblk, dh, d_tail, has_tail, p_in_tail = _split_dims("sv", heads, d_qk, d_v, group)
+        block_h = 64
         check_register_split(nreg, (0, 1, 1))  # WG0 decreases, WG1 and WG2 increase
-        dh = d_v // 2
-        d_tail = d_qk - d_v
-        has_tail = d_tail > 0
-        p_in_tail = d_tail == 64  # P [64 heads, 64 slots] fits the tail tile [64 slots, 64 channels] exactly
-        if dh % 64 or d_tail % 64 or d_tail < 0:
-            raise ValueError(f"sv kernel needs d_v/2 and d_qk-d_v >= 0 multiples of 64; got {d_v}, {d_qk}")
         scale_log2 = softmax_scale * LOG2E
         bi = 64
         threads = 384
@@ -610,16 +616,9 @@ def _jit_fwd_pp():
         The stage's index row is rewritten only after that stage half's ``free``, which its masking warpgroup
         arrives after its mask.
         """
-        block_h, n_hblk = (grouped_tile_rows(heads, group), 1) if group > 1 else head_block(heads)
-        if block_h != 64:
-            raise ValueError(f"the pp forward needs 64 MMA rows (heads > 32 or grouped), got {heads} heads")
+        n_hblk, dh, d_tail, has_tail, p_in_tail = _split_dims("pp", heads, d_qk, d_v, group)
+        block_h = 64
         check_register_split(nreg, (1, 1, 0))
-        dh = d_v // 2
-        d_tail = d_qk - d_v
-        has_tail = d_tail > 0
-        p_in_tail = d_tail == 64  # P [64 heads, 64 slots] fits the tail tile [64 slots, 64 channels] exactly
-        if dh % 64 or d_tail % 64 or d_tail < 0:
-            raise ValueError(f"pp kernel needs d_v/2 and d_qk-d_v >= 0 multiples of 64; got {d_v}, {d_qk}")
         scale_log2 = softmax_scale * LOG2E
         bi = 64
         threads = 384
