@@ -662,26 +662,30 @@ def _jit_fwd_pp():
         # Each gather call copies one half of a block's rows (the right one with the RoPE tail): 8 lanes per row,
         # 16 rows per pass of the producer's 128 threads, -1 slots zero-filled without a read (P1), completion
         # signalled by cp_async_barrier_noinc on the half's ready barrier (128 arrivals).
-        gather_l = latent_gather_macro(T, rows=bi, rows_per_pass=16, dh=dh, d_tail=0, tail0=d_v, record_index=False,
-                                       commit=False, key_bits=key_bits, halves=(True, False))
-        gather_r = latent_gather_macro(T, rows=bi, rows_per_pass=16, dh=dh, d_tail=d_tail, tail0=d_v,
-                                       record_index=False, commit=False, key_bits=key_bits, halves=(False, True))
-        # smem_mask: the first half gathered of each stage's block also records the slots' entries
-        gather_l_rec = latent_gather_macro(T, rows=bi, rows_per_pass=16, dh=dh, d_tail=0, tail0=d_v,
-                                           record_index=True, commit=False, key_bits=key_bits, halves=(True, False))
-        gather_r_rec = latent_gather_macro(T, rows=bi, rows_per_pass=16, dh=dh, d_tail=d_tail, tail0=d_v,
-                                           record_index=True, commit=False, key_bits=key_bits, halves=(False, True))
+        def half_gather(left: bool, record: bool):
+            return latent_gather_macro(T, rows=bi, rows_per_pass=16, dh=dh, d_tail=0 if left else d_tail, tail0=d_v,
+                                       record_index=record, commit=False, key_bits=key_bits,
+                                       halves=(left, not left))
+
+        gather_l, gather_r = half_gather(True, False), half_gather(False, False)
+        # the first half gathered of each stage's block (stage 0: left, stage 1: right); with smem_mask it also
+        # records the slots' entries (its index buffer is None otherwise)
+        first_gather = (half_gather(True, smem_mask), half_gather(False, smem_mask))
 
         @T.macro
-        def mask_from(idx_s, bar_mask, stage, parity, acc_s):
-            # the block's initial scores from the entries the producer recorded (-1: invalid slot)
-            T.barrier_wait(bar_mask[stage], parity)
-            for h, j in T.Parallel(block_h, bi):
-                e = idx_s[j]
-                if rows.group == 1:
-                    acc_s[h, j] = T.if_then_else(e >= 0, 0, -T.infinity(f32))
-                else:
-                    acc_s[h, j] = T.if_then_else((e >= 0) and rows.member(e, h), 0, -T.infinity(f32))
+        def block_mask(Idx, t, t_kv, blk, idx_s, bar_mask, stage, parity, acc_s):
+            # the block's initial scores: from the index row in L1, or (smem_mask) from the entries the producer
+            # recorded for this stage (-1: invalid slot)
+            if smem_mask:
+                T.barrier_wait(bar_mask[stage], parity)
+                for h, j in T.Parallel(block_h, bi):
+                    e = idx_s[j]
+                    if rows.group == 1:
+                        acc_s[h, j] = T.if_then_else(e >= 0, 0, -T.infinity(f32))
+                    else:
+                        acc_s[h, j] = T.if_then_else((e >= 0) and rows.member(e, h), 0, -T.infinity(f32))
+            else:
+                mask(Idx, t, t_kv, blk, acc_s)
 
         @T.prim_func
         def main(
@@ -745,10 +749,7 @@ def _jit_fwd_pp():
                     T.fill(m0, -(2.0**30))  # finite start: a fully masked block gives exp2(-inf) = 0, never NaN
                     T.barrier_wait(bar_q, 0)
                     if n_pair > 0:
-                        if smem_mask:
-                            mask_from(idx0_s, bar_mask, 0, 0, s0)
-                        else:
-                            mask(Idx, t, t_kv, 0, s0)
+                        block_mask(Idx, t, t_kv, 0, idx0_s, bar_mask, 0, 0, s0)
                         qk_left(q_l, kv0_l, s0, bar_ready, 0, 0)
                         qk_right(q_r, q_t, kv0_r, kt0, s0, bar_ready, 1, 0)
                         T.wait_wgmma(0)
@@ -780,10 +781,7 @@ def _jit_fwd_pp():
                         T.fence_proxy_async()
                         T.wgmma_gemm(p1_s, kv1_l, o0)  # WG1's P from smem
                         if jp + 1 < n_pair:  # the next even block's scores, issued under this P V
-                            if smem_mask:
-                                mask_from(idx0_s, bar_mask, 0, (jp + 1) & 1, s0)
-                            else:
-                                mask(Idx, t, t_kv, 2 * jp + 2, s0)
+                            block_mask(Idx, t, t_kv, 2 * jp + 2, idx0_s, bar_mask, 0, (jp + 1) & 1, s0)
                             qk_left(q_l, kv0_l, s0, bar_ready, 0, (jp + 1) & 1)
                             T.wait_wgmma(1)
                             T.barrier_arrive(bar_free[2])  # stage 1 left half: read
@@ -807,10 +805,7 @@ def _jit_fwd_pp():
                     T.fill(m1, -(2.0**30))
                     T.barrier_wait(bar_q, 0)
                     for jp in T.serial(n_pair):
-                        if smem_mask:
-                            mask_from(idx1_s, bar_mask, 1, jp & 1, s1)
-                        else:
-                            mask(Idx, t, t_kv, 2 * jp + 1, s1)
+                        block_mask(Idx, t, t_kv, 2 * jp + 1, idx1_s, bar_mask, 1, jp & 1, s1)
                         qk_right(q_r, q_t, kv1_r, kt1, s1, bar_ready, 3, jp & 1)
                         qk_left(q_l, kv1_l, s1, bar_ready, 2, jp & 1)
                         T.wait_wgmma(0)
@@ -855,18 +850,14 @@ def _jit_fwd_pp():
                     for jp in T.serial(n_pair):
                         free = (jp & 1) ^ 1
                         T.barrier_wait(bar_free[0], free)
+                        first_gather[0](KV, Idx, t, t_kv, topk, tx - 256, kv0_l, kv0_l, kt0, idx0_s, 2 * jp)
                         if smem_mask:
-                            gather_l_rec(KV, Idx, t, t_kv, topk, tx - 256, kv0_l, kv0_l, kt0, idx0_s, 2 * jp)
                             T.barrier_arrive(bar_mask[0])
-                        else:
-                            gather_l(KV, Idx, t, t_kv, topk, tx - 256, kv0_l, kv0_l, kt0, None, 2 * jp)
                         T.cp_async_barrier_noinc(bar_ready[0])
                         T.barrier_wait(bar_free[3], free)
+                        first_gather[1](KV, Idx, t, t_kv, topk, tx - 256, kv1_r, kv1_r, kt1, idx1_s, 2 * jp + 1)
                         if smem_mask:
-                            gather_r_rec(KV, Idx, t, t_kv, topk, tx - 256, kv1_r, kv1_r, kt1, idx1_s, 2 * jp + 1)
                             T.barrier_arrive(bar_mask[1])
-                        else:
-                            gather_r(KV, Idx, t, t_kv, topk, tx - 256, kv1_r, kv1_r, kt1, None, 2 * jp + 1)
                         T.cp_async_barrier_noinc(bar_ready[3])
                         T.barrier_wait(bar_free[1], free)
                         gather_r(KV, Idx, t, t_kv, topk, tx - 256, kv0_r, kv0_r, kt0, None, 2 * jp)
@@ -1069,14 +1060,10 @@ def sparse_mla_fwd_interface(
     kind = pick_fwd_variant(heads, d_qk, d_v, variant)
     if kind == "ws":
         kernel = _jit_fwd_ws()(heads, d_qk, d_v, float(softmax_scale))
-    elif kind == "sv":
+    elif kind in ("sv", "pp"):
         if head_block(heads)[0] != 64:
-            raise ValueError(f"variant 'sv' needs 64 MMA rows per CTA (more than 32 heads), got {heads} heads")
-        kernel = _jit_fwd_sv()(heads, d_qk, d_v, float(softmax_scale))
-    elif kind == "pp":
-        if head_block(heads)[0] != 64:
-            raise ValueError(f"variant 'pp' needs 64 MMA rows per CTA (more than 32 heads), got {heads} heads")
-        kernel = _jit_fwd_pp()(heads, d_qk, d_v, float(softmax_scale))
+            raise ValueError(f"variant {kind!r} needs 64 MMA rows per CTA (more than 32 heads), got {heads} heads")
+        kernel = (_jit_fwd_sv if kind == "sv" else _jit_fwd_pp)()(heads, d_qk, d_v, float(softmax_scale))
     elif kind == "simple":
         kernel = _jit_fwd_simple()(heads, d_qk, d_v, float(softmax_scale))
     else:

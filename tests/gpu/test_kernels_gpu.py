@@ -78,11 +78,11 @@ def causal_random_indices(t_len: int, topk: int, device, *, generator=None, star
     return ref.pad_topk(idx, topk).contiguous()
 
 
-def make_inputs(t_len: int, heads: int, topk: int, *, t_kv: int | None = None, seed: int = 0):
+def make_inputs(t_len: int, heads: int, topk: int, *, t_kv: int | None = None, seed: int = 0, d_qk: int = D_QK):
     g = torch.Generator(device="cuda").manual_seed(seed)
     t_kv = t_len if t_kv is None else t_kv
-    q = torch.randn(t_len, heads, D_QK, device="cuda", dtype=torch.bfloat16, generator=g)
-    kv = torch.randn(t_kv, D_QK, device="cuda", dtype=torch.bfloat16, generator=g)
+    q = torch.randn(t_len, heads, d_qk, device="cuda", dtype=torch.bfloat16, generator=g)
+    kv = torch.randn(t_kv, d_qk, device="cuda", dtype=torch.bfloat16, generator=g)
     idx = causal_random_indices(t_len, topk, "cuda", generator=g)
     return q, kv, idx
 
@@ -131,10 +131,7 @@ def test_fwd_matches_reference(heads, variant):
 def _variant_against_ws(variant: str, heads: int, topk: int, t_len: int, d_qk: int, seed: int = 0):
     """The ``(out, lse)`` pairs of a 64-row forward ``variant``, of ``ws`` and of the fp32 oracle, on random causal
     sets with row 7 all -1."""
-    g = torch.Generator(device="cuda").manual_seed(heads + d_qk + topk + seed)
-    q = torch.randn(t_len, heads, d_qk, device="cuda", dtype=torch.bfloat16, generator=g)
-    kv = torch.randn(t_len, d_qk, device="cuda", dtype=torch.bfloat16, generator=g)
-    idx = causal_random_indices(t_len, topk, "cuda", generator=g)
+    q, kv, idx = make_inputs(t_len, heads, topk, seed=heads + d_qk + topk + seed, d_qk=d_qk)
     idx[7] = -1
     out, lse = fwd_mod.sparse_mla_fwd_interface(q, kv, idx, SCALE, D_V, variant=variant)
     out_ws, lse_ws = fwd_mod.sparse_mla_fwd_interface(q, kv, idx, SCALE, D_V, variant="ws")
@@ -190,15 +187,8 @@ def test_fwd_pp_smem_mask_equals_pp(heads, d_qk, group, window):
     sliding window), T not a multiple of anything, an all -1 row."""
     from megatron_glm5.kernels.index_groups import grouped_rows
 
-    t_len, topk = 1001, 515
-    g = torch.Generator(device="cuda").manual_seed(heads + d_qk + group)
-    q = torch.randn(t_len, heads, d_qk, device="cuda", dtype=torch.bfloat16, generator=g)
-    kv = torch.randn(t_len, d_qk, device="cuda", dtype=torch.bfloat16, generator=g)
-    idx = causal_random_indices(t_len, topk, "cuda", generator=g)
-    if window:
-        keys = torch.arange(t_len, device="cuda")[:, None] - torch.arange(topk, device="cuda")[None]
-        idx = torch.where(keys >= 0, keys, -1).int()
-    idx[7] = -1
+    q, kv, idx = _grouped_inputs(window, heads + d_qk + group, heads=heads, topk=515, d_qk=d_qk)
+    t_len = q.shape[0]
     if group > 1:
         _, rows, lengths = grouped_rows(idx, heads, group, None, t_len)
     else:
@@ -211,10 +201,10 @@ def test_fwd_pp_smem_mask_equals_pp(heads, d_qk, group, window):
     assert (out[7] == 0).all() and torch.isinf(lse[7]).all()
 
 
-def _grouped_inputs(window: bool, seed: int, t_len: int = 1001, heads: int = 16, topk: int = 512):
+def _grouped_inputs(window: bool, seed: int, t_len: int = 1001, heads: int = 16, topk: int = 512, d_qk: int = D_QK):
     """Inputs of the grouped kernels' tests: T not a multiple of the group, row 7 all -1, random index sets (little
     sharing) or a sliding window (neighbours share almost every key)."""
-    q, kv, idx = make_inputs(t_len, heads, topk, seed=seed)
+    q, kv, idx = make_inputs(t_len, heads, topk, seed=seed, d_qk=d_qk)
     if window:
         keys = torch.arange(t_len, device="cuda")[:, None] - torch.arange(topk, device="cuda")[None]
         idx = torch.where(keys >= 0, keys, -1).int()
