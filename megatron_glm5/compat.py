@@ -81,6 +81,44 @@ def _probe_checkpoint_node() -> None:
         assert code.co_varnames and code.co_varnames[0] == "ctx", f"{code.co_name}: first argument is not ctx"
 
 
+_BLOCK_CHUNK = ("megatron.core.recompute", "checkpointed_forward.<locals>.custom.<locals>.custom_forward")
+
+
+def checkpoint_last_layer(node: Any) -> Any:
+    """The layer a megatron-core ``TransformerBlock`` full-recompute checkpoint ``node`` runs last, or None for any
+    other checkpoint (MTP's, a module's own). That chunk function (``recompute.checkpointed_forward``'s
+    ``custom_forward``) returns the last layer's output unchanged, and ``CheckpointFunction.backward`` uses the
+    recomputed output only as the root of its backward: so the last layer's recomputed output value is never read.
+    Read from the chunk function's closure (its block ``self`` and its ``end``)."""
+    fn = getattr(node, "run_function", None)
+    if fn is None or (getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)) != _BLOCK_CHUNK:
+        return None
+    cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
+    try:
+        return cells["self"].cell_contents.layers[cells["end"].cell_contents - 1]
+    except (KeyError, ValueError, IndexError, AttributeError):
+        return None
+
+
+@_hook("recompute.checkpointed_forward's chunk function: custom(start, end).custom_forward, closure self / end, "
+       "runs self.layers[start:end] and returns (hidden_states, context); CheckpointFunction keeps it as "
+       "run_function and backpropagates from the recomputed outputs", "core/split_recompute.py", MCORE)
+def _probe_checkpoint_last_layer() -> None:
+    import types
+
+    from megatron.core import recompute
+    from megatron.core.tensor_parallel.random import CheckpointFunction
+
+    custom = [c for c in recompute.checkpointed_forward.__code__.co_consts
+              if isinstance(c, types.CodeType) and c.co_name == "custom"]
+    assert len(custom) == 1, "checkpointed_forward has no nested custom(start, end)"
+    inner = [c for c in custom[0].co_consts if isinstance(c, types.CodeType) and c.co_name == "custom_forward"]
+    assert len(inner) == 1 and {"self", "end", "start"} <= set(inner[0].co_freevars), "custom_forward's closure"
+    assert inner[0].co_qualname == _BLOCK_CHUNK[1], inner[0].co_qualname
+    assert "run_function" in CheckpointFunction.forward.__code__.co_names
+    assert "backward" in CheckpointFunction.backward.__code__.co_names  # torch.autograd.backward(outputs, args)
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # 2. megatron-core's RouterReplay: the process-wide instance list and the router's replay slot (rl/replay.py, parity)
 # --------------------------------------------------------------------------------------------------------------------

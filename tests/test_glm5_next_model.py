@@ -194,14 +194,23 @@ def test_gradients_match_transformers(model_parallel, flash_checkpoint, hf_model
                                             recompute_num_layers=1),
                                        dict(recompute_granularity="full", recompute_method="uniform",
                                             recompute_num_layers=1, mlp_chunks_for_training=3),
+                                       dict(recompute_granularity="full", recompute_method="uniform",
+                                            recompute_num_layers=1, mlp_chunks_for_training=3, split="0"),
                                        dict(recompute_granularity="selective", recompute_modules=["mlp", "moe"])],
-                         ids=["full-uniform-1", "full-mlp-chunks-3", "selective-mlp-moe"])
-def test_recompute_gives_the_same_gradients(model_parallel, recompute):
+                         ids=["full-uniform-1", "full-mlp-chunks-3-split", "full-mlp-chunks-3-unsplit",
+                              "selective-mlp-moe"])
+def test_recompute_gives_the_same_gradients(model_parallel, monkeypatch, recompute):
     """Activation recompute over mHC layers (streams through megatron-core's checkpoint; KDA recomputed, DSA top-k
-    replayed) gives the no-recompute gradients; recomputing the input norms is refused with the remedy."""
+    replayed) gives the no-recompute gradients, with MLP chunks with and without the split recompute
+    (core/split_recompute.py); recomputing the input norms is refused with the remedy."""
+    from megatron_glm5 import fusions
     from megatron_glm5.model import build_model
     from megatron_glm5.glm5_next.testing import tiny_flash_config
     from megatron_glm5.model import default_cpu_policy
+
+    recompute = dict(recompute)
+    split = recompute.pop("split", "1")
+    monkeypatch.setenv(fusions.SPLIT_RECOMPUTE_ENV, split)
 
     arch = parse_glm5_next_config({"model_type": "glm5_next", **tiny_flash_config()["text_config"]})
     torch.manual_seed(0)
@@ -219,11 +228,15 @@ def test_recompute_gives_the_same_gradients(model_parallel, recompute):
         model(ids, pos, None, labels=ids).sum().backward()
         grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
     assert set(grads[0]) == set(grads[1])
+    # the split runs the whole mHC MLP half in chunks: the few-element mHC / KDA parameters' gradients (scale, base,
+    # A_log, dt_bias) are sums over tokens that cancel, in another order (fp64 copies: both within 6e-7)
+    bound = 1e-5 if chunks > 1 and split == "1" else 1e-6
     for n, g in grads[0].items():
-        assert ((grads[1][n] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item() <= 1e-6, n
+        assert ((grads[1][n] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item() <= bound, n
     if chunks > 1:  # the first pass runs each mHC layer's MLP whole (no graph); then, layer by layer in backward
-        n_layers = len(other.decoder.layers)  # order, the recompute's 2 + 1 chunks and the 2 recomputed again
-        assert any(".mlp_hc." in n for n in grads[0])
-        assert calls == [False] * n_layers + [False, False, True, True, True] * n_layers, str(calls)
+        n_layers = len(other.decoder.layers)  # order: split, the 3 chunks with gradients; unsplit, the recompute's
+        assert any(".mlp_hc." in n for n in grads[0])  # 2 + 1 chunks and the 2 recomputed again
+        per_layer = [True, True, True] if split == "1" else [False, False, True, True, True]
+        assert calls == [False] * n_layers + per_layer * n_layers, str(calls)
     with pytest.raises(NotImplementedError, match="recompute of the input layernorm"):
         build_model(arch, default_cpu_policy(recompute_granularity="selective", recompute_modules=["layernorm"]))

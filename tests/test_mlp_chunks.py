@@ -1,19 +1,29 @@
-"""The MLP recomputed in sequence chunks inside full-layer recompute (megatron_glm5.core.mlp_chunks): gradients and
-the expert-bias token counts equal the unchunked recompute's, each parameter's gradient is accumulated once per
-backward (megatron-core DDP's hook contract), the MLP runs the expected number of times with and without a graph, and
-settings whose math depends on the whole sequence are refused."""
+"""The MLP recomputed in sequence chunks inside full-layer recompute (megatron_glm5.core.mlp_chunks), with and without
+the recompute split at the attention / MLP boundary (megatron_glm5.core.split_recompute): gradients and the
+expert-bias token counts equal the unchunked recompute's, each parameter's gradient is accumulated once per backward
+(megatron-core DDP's hook contract), the MLP and the attention run the expected number of times with and without a
+graph and in the expected order, the split is used only where the recomputed output is never read, and settings whose
+math depends on the whole sequence are refused."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from megatron_glm5 import fusions
 from megatron_glm5.config import parse_hf_config
 from megatron_glm5.model import build_model, default_cpu_policy
 from megatron_glm5.testing import tiny_glm52_config
 
 SEQ = 48
 FULL = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+
+
+@pytest.fixture(params=["split", "unsplit"])
+def split(request, monkeypatch):
+    """MEGATRON_GLM5_SPLIT_RECOMPUTE on (the default) and off; read when the layers are built."""
+    monkeypatch.setenv(fusions.SPLIT_RECOMPUTE_ENV, "1" if request.param == "split" else "0")
+    return request.param == "split"
 
 
 def _build(chunks: int, backend: str = "tilelang", **policy):
@@ -38,7 +48,7 @@ def _routers(model):
 
 @pytest.mark.parametrize("chunks,seq", [(2, SEQ), (3, SEQ), (4, 47)], ids=["2", "3", "4-uneven"])
 @pytest.mark.parametrize("backend", ["megatron", "tilelang"])
-def test_chunked_recompute_matches_unchunked(model_parallel, chunks, seq, backend):
+def test_chunked_recompute_matches_unchunked(model_parallel, split, chunks, seq, backend):
     _, reference = _build(1, backend)
     _, model = _build(chunks, backend)
     model.load_state_dict(reference.state_dict())
@@ -59,7 +69,7 @@ def test_chunked_recompute_matches_unchunked(model_parallel, chunks, seq, backen
 
 
 @pytest.mark.parametrize("chunks,seq,sizes", [(3, SEQ, [16, 16, 16]), (4, 46, [12, 12, 12, 10])])
-def test_each_gradient_accumulated_once_and_mlp_call_count(model_parallel, chunks, seq, sizes):
+def test_each_gradient_accumulated_once_and_mlp_call_count(model_parallel, split, chunks, seq, sizes):
     """The recompute runs torch.chunk's pieces, the ones megatron-core's own branch ran in the first pass."""
     arch, model = _build(chunks)
     model.train()
@@ -67,15 +77,74 @@ def test_each_gradient_accumulated_once_and_mlp_call_count(model_parallel, chunk
     for name, p in model.named_parameters():
         p.register_post_accumulate_grad_hook(lambda p, name=name: accumulated.__setitem__(
             name, accumulated.get(name, 0) + 1))
-    mlp = model.decoder.layers[1].mlp  # an MoE layer
-    calls = []
-    mlp.register_forward_pre_hook(lambda mod, args: calls.append((args[0].shape[0], torch.is_grad_enabled())))
+    layer = model.decoder.layers[1]  # an MoE layer
+    mtp_layer = model.mtp.layers[0].mtp_model_layer
+    calls, mtp_calls = [], []
+    layer.mlp.register_forward_pre_hook(lambda mod, args: calls.append(("mlp", args[0].shape[0],
+                                                                        torch.is_grad_enabled())))
+    layer.self_attention.register_forward_pre_hook(lambda mod, args: calls.append(("attn", torch.is_grad_enabled())))
+    mtp_layer.mlp.register_forward_pre_hook(lambda mod, args: mtp_calls.append((args[0].shape[0],
+                                                                                torch.is_grad_enabled())))
     _step(model, 2, seq)
     assert accumulated and set(accumulated.values()) == {1}, "a parameter's gradient was accumulated twice"
-    # first pass: megatron-core's chunks (no graph); recompute: n - 1 chunks without a graph, the last with one;
-    # backward: the n - 1 first chunks again with gradients
-    assert calls == [(s, False) for s in sizes] + [(s, False) for s in sizes[:-1]] + [(sizes[-1], True)] \
+    first_pass = [("attn", False)] + [("mlp", s, False) for s in sizes]  # megatron-core's chunks, no graph
+    if split:
+        # recompute: no graph and no MLP run; backward: every chunk with gradients, then the attention half
+        assert calls == first_pass + [("mlp", s, True) for s in sizes] + [("attn", True)]
+    else:
+        # recompute: the attention, n - 1 chunks without a graph, the last with one; backward: the n - 1 first
+        # chunks again with gradients
+        assert calls == first_pass + [("attn", True)] + [("mlp", s, False) for s in sizes[:-1]] \
+            + [("mlp", sizes[-1], True)] + [("mlp", s, True) for s in sizes[:-1]]
+    # the MTP layer's checkpoint is not a block chunk: never split
+    assert mtp_calls == [(s, False) for s in sizes] + [(s, False) for s in sizes[:-1]] + [(sizes[-1], True)] \
         + [(s, True) for s in sizes[:-1]]
+
+
+def test_split_only_for_the_last_layer_of_a_checkpoint_chunk(model_parallel, split):
+    """With two layers per checkpoint the first layer's recomputed output feeds the second: it is recomputed as
+    without the split, and only the chunk's last layer is split. Gradients equal the unchunked recompute's."""
+    raw = tiny_glm52_config(num_nextn_predict_layers=0)  # megatron-core requires recompute_num_layers=1 with MTP
+    arch = parse_hf_config(raw)
+    models = []
+    for chunks in (1, 3):
+        torch.manual_seed(0)
+        models.append(build_model(arch, default_cpu_policy(**{**FULL, "recompute_num_layers": 2},
+                                                           mlp_chunks_for_training=chunks), backend="tilelang"))
+    reference, model = models
+    model.load_state_dict(reference.state_dict())
+    assert len(model.decoder.layers) == 4
+    runs: dict[int, list] = {}
+    for layer in model.decoder.layers:
+        layer.mlp.register_forward_pre_hook(
+            lambda mod, args, n=layer.layer_number: runs.setdefault(n, []).append(torch.is_grad_enabled()))
+    for m in (reference, model):
+        m.train()
+    # the first pass's MLP GEMMs run in chunks here (megatron-core's branch): the loss may move in the last bit
+    torch.testing.assert_close(_step(model, 4), _step(reference, 4), rtol=1e-6, atol=0)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if q.grad is not None:
+            err = (p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-12)
+            assert err <= 1e-5, f"{name}: {err:.2e}"
+    # chunk's first layer (1, 3): 3 first-pass chunks, 2 without a graph and 1 with one in the recompute, 2 again
+    # in the backward; the chunk's last layer (2, 4), split: 3 first-pass chunks, 3 with gradients in the backward
+    unsplit = [False] * 3 + [False, False, True] + [True] * 2
+    for number in (1, 3):
+        assert runs[number] == unsplit, number
+    for number in (2, 4):
+        assert runs[number] == ([False] * 3 + [True] * 3 if split else unsplit), number
+
+
+def test_no_split_with_dropout(model_parallel, split):
+    """Dropout's random streams would move between the halves: such a layer recomputes as without the split."""
+    _, model = _build(2)
+    model.decoder.layers[1].config.hidden_dropout = 0.1  # what split_applies reads (the modules keep their 0.0)
+    grads = []
+    layer = model.decoder.layers[1]
+    layer.mlp.register_forward_pre_hook(lambda mod, args: grads.append(torch.is_grad_enabled()))
+    model.train()
+    _step(model, 5)
+    assert grads == [False, False, False, True, True]
 
 
 @pytest.mark.parametrize("setting,match", [

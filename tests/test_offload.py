@@ -76,8 +76,10 @@ def _assert_bitwise(got, expected):
         (FULL_2, 0, [1, 3]),  # megatron-core requires recompute_num_layers=1 with MTP
         (BLOCK_1, 1, [1, 2, 3, 4]),
         (SELECTIVE, 1, [1, 2, 3, 4]),
+        (dict(FULL_1, mlp_chunks_for_training=2), 1, [1, 2, 3, 4]),  # the split recompute keeps each MLP input too
     ],
-    ids=["no-recompute", "full-uniform-1", "full-uniform-2", "full-block-1", "selective-core_attn"],
+    ids=["no-recompute", "full-uniform-1", "full-uniform-2", "full-block-1", "selective-core_attn",
+         "full-uniform-1-split"],
 )
 def test_offload_is_bitwise_and_moves_layer_inputs(model_parallel, indexer_calls, recompute, mtp, chunk_first_layers):
     raw, arch, reference, model = _pair("megatron", recompute, num_nextn_predict_layers=mtp)

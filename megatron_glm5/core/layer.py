@@ -40,6 +40,7 @@ slower.
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from typing import Optional
 
 import torch
@@ -47,12 +48,16 @@ from megatron.core.tensor_parallel.random import is_checkpointing
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import deprecate_inference_params
 
-from .. import compat, offload
+from .. import compat, fusions, offload
 from ..compat import checkpoint_node as _checkpoint_node
 from ..device_check import check_on_device
+from . import split_recompute
 from .mlp_chunks import check_chunkable, forward_mlp_in_chunks
 
 _STASH = "_glm5_dsa_topk"  # attribute of the checkpoint node: {layer module: (topk, fingerprint)}
+# (layer, its stash entry) while a split recompute (core/split_recompute.py) re-runs that layer's attention half in
+# the backward, where the checkpoint's node is no longer found on the stack (the entry was taken in its forward)
+_SPLIT_REPLAY: ContextVar[Optional[tuple]] = ContextVar("glm5_split_topk_replay", default=None)
 FINGERPRINT_GROUPS = 64
 FINGERPRINT_RTOL = 2e-2  # per group, relative to the group's sum of |x|
 
@@ -99,11 +104,18 @@ def stash_topk(layer: torch.nn.Module, topk: torch.Tensor, attn_input: torch.Ten
     return True
 
 
+def take_topk_entry(layer: torch.nn.Module) -> Optional[tuple]:
+    """The ``(held top-k, fingerprint)`` this layer stashed in the first pass of the checkpoint being recomputed, or
+    None."""
+    node = _checkpoint_node()
+    return getattr(node, _STASH, {}).pop(layer, None) if node is not None else None
+
+
 def replayed_topk(layer: torch.nn.Module, attn_input: torch.Tensor, layer_number: int) -> Optional[torch.Tensor]:
     """The top-k this layer stashed in the first pass of the checkpoint being recomputed (None if there is none:
     the caller then runs the indexer again)."""
-    node = _checkpoint_node()
-    entry = getattr(node, _STASH, {}).pop(layer, None) if node is not None else None
+    split = _SPLIT_REPLAY.get()
+    entry = split[1] if split is not None and split[0] is layer else take_topk_entry(layer)
     if entry is None:
         return None
     held, fp = entry
@@ -167,6 +179,8 @@ class DSADecoderLayer(TransformerLayer):
         super().__init__(*args, **kwargs)
         self.activation_offload = activation_offload
         self.is_dsa = hasattr(self.self_attention, "computes_topk")
+        # the recompute split at the attention / MLP boundary (core/split_recompute.py), with mlp_chunks_for_training
+        self.split_recompute = fusions.enabled(fusions.SPLIT_RECOMPUTE_ENV)
         if self.recompute_input_layernorm or self.config.cpu_offloading:
             raise NotImplementedError(
                 f"{self.family_title} layers do not support recompute of the input layernorm or CPU offloading yet"
@@ -185,6 +199,10 @@ class DSADecoderLayer(TransformerLayer):
         in a forward that builds a graph, the checkpoint chunk's window in the first pass of full recompute (what
         the checkpoint keeps: the chunk's layer input and incoming top-k, plus the top-k kept for the replay), none
         in the recompute (what it saves is used at once) or without gradients."""
+        if not args and in_recompute(self.training) and self.split_recompute:
+            kept = split_recompute.take_mlp_input(self)  # kept by this layer's first pass on this checkpoint
+            if kept is not None:
+                return self._split_recompute(kept, kwargs)
         settings = self.activation_offload
         if settings is None or not self.training or in_recompute(True):
             return super().forward(*args, **kwargs)
@@ -204,10 +222,36 @@ class DSADecoderLayer(TransformerLayer):
         with window:
             return super().forward(*args, **kwargs)
 
+    def _split_recompute(self, kept: tuple, kwargs: dict):
+        """This layer's recompute split at the attention / MLP boundary (:mod:`megatron_glm5.core.split_recompute`):
+        ``(placeholder output, incoming context)``; both are only backpropagated from, never read."""
+        entry = take_topk_entry(self) if self.is_dsa and self.self_attention.computes_topk else None
+
+        def attention(x: torch.Tensor) -> torch.Tensor:
+            token = _SPLIT_REPLAY.set((self, entry))
+            try:
+                return self._forward_attention(**{**kwargs, "hidden_states": x})[0]
+            finally:
+                _SPLIT_REPLAY.reset(token)
+
+        out = split_recompute.split_layer_recompute(self, kept, kwargs, attention, self._mlp_half)
+        return out, kwargs.get("context")
+
+    def _keep_for_split(self, hidden_states: torch.Tensor, inference_context, packed_seq_params) -> None:
+        """In a checkpoint's first pass, keep the MLP half's input where the recompute will be split."""
+        if (self.split_recompute and inference_context is None and in_first_pass(self.training)
+                and split_recompute.split_applies(self, packed_seq_params)):
+            split_recompute.keep_mlp_input(self, hidden_states)
+
+    def _mlp_half(self, hidden_states: torch.Tensor, padding_mask) -> torch.Tensor:
+        """The MLP half, unchunked, on a sequence chunk of its input (a split recompute's backward)."""
+        return forward_mlp_in_chunks(self, hidden_states, padding_mask, None, chunks=1)
+
     def _forward_mlp(self, hidden_states: torch.Tensor, inference_context=None, padding_mask=None,
                      packed_seq_params=None):
         """megatron-core's MLP half; in the recompute of a layer with ``mlp_chunks_for_training > 1``, the MLP
         in sequence chunks recomputed again in the backward (:mod:`megatron_glm5.core.mlp_chunks`)."""
+        self._keep_for_split(hidden_states, inference_context, packed_seq_params)
         if self.config.mlp_chunks_for_training > 1 and inference_context is None and in_recompute(self.training):
             return forward_mlp_in_chunks(self, hidden_states, padding_mask, packed_seq_params)
         return super()._forward_mlp(hidden_states, inference_context=inference_context, padding_mask=padding_mask,

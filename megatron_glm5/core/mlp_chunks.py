@@ -64,6 +64,39 @@ def check_chunkable(config) -> None:
                          f"chunks under full recompute) cannot be combined with: {', '.join(problems)}")
 
 
+def chunk_sizes(length: int, chunks: int) -> list[int]:
+    """``torch.chunk``'s piece sizes of ``length`` rows in ``chunks`` (as megatron-core's branch runs them in the
+    checkpoint's first pass: same GEMM shapes)."""
+    return [c.shape[0] for c in torch.empty(length, 0).chunk(max(1, min(chunks, length)), 0)]
+
+
+def backward_chunks(run: Callable[[int, torch.Tensor], torch.Tensor], sizes: list[int], x: torch.Tensor,
+                    dy: torch.Tensor, params: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list]:
+    """Run each chunk of ``x`` (dim 0, ``sizes``) again with gradients, one at a time, and backpropagate its part of
+    ``dy``: returns ``dx`` and the gradients of ``params`` summed over the chunks (in fp32 when there are several;
+    ``None`` where no chunk used a parameter; a weight whose GEMM adds to ``main_grad`` itself passes the first
+    chunk's placeholder on)."""
+    several = len(sizes) > 1
+    dx = torch.empty_like(x)
+    sums: list[Optional[torch.Tensor]] = [None] * len(params)
+    for i, (xi, dyi, dxi) in enumerate(zip(x.split(sizes, 0), dy.split(sizes, 0), dx.split(sizes, 0))):
+        xi = xi.detach().requires_grad_(True)
+        with torch.enable_grad():
+            yi = run(i, xi)
+        grads = torch.autograd.grad(yi, (xi, *params), dyi, allow_unused=True)
+        dxi.copy_(grads[0])
+        del yi
+        for j, (p, g) in enumerate(zip(params, grads[1:])):
+            if g is None:
+                continue
+            if sums[j] is None:
+                placeholder = getattr(p, "grad_added_to_main_grad", False)
+                sums[j] = g.float() if several and not placeholder else g
+            elif not getattr(p, "grad_added_to_main_grad", False):
+                sums[j].add_(g)
+    return dx, sums
+
+
 class _ChunkRecompute(torch.autograd.Function):
     """``cat(run(i, x_i))`` over the chunks ``x_i`` of ``x`` (dim 0, ``sizes``) without a graph; the backward runs
     each chunk again with gradients and returns ``dx`` and the summed gradients of ``params`` (module docstring)."""
@@ -78,25 +111,7 @@ class _ChunkRecompute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         (x,) = ctx.saved_tensors
-        params, several = ctx.params, len(ctx.sizes) > 1
-        dx = torch.empty_like(x)
-        sums: list[Optional[torch.Tensor]] = [None] * len(params)
-        for i, (xi, dyi, dxi) in enumerate(zip(x.split(ctx.sizes, 0), dy.split(ctx.sizes, 0),
-                                               dx.split(ctx.sizes, 0))):
-            xi = xi.detach().requires_grad_(True)
-            with torch.enable_grad():
-                yi = ctx.run(i, xi)
-            grads = torch.autograd.grad(yi, (xi, *params), dyi, allow_unused=True)
-            dxi.copy_(grads[0])
-            del yi
-            for j, (p, g) in enumerate(zip(params, grads[1:])):
-                if g is None:
-                    continue
-                if sums[j] is None:
-                    placeholder = getattr(p, "grad_added_to_main_grad", False)
-                    sums[j] = g.float() if several and not placeholder else g
-                elif not getattr(p, "grad_added_to_main_grad", False):
-                    sums[j].add_(g)
+        dx, sums = backward_chunks(ctx.run, ctx.sizes, x, dy, ctx.params)
         return (None, None, dx, *sums)
 
 
@@ -105,8 +120,7 @@ def chunked_mlp(mlp: torch.nn.Module, x: torch.Tensor, chunks: int,
     """``mlp`` on ``x`` (``[s, b, h]``) in ``chunks`` pieces along ``s``: all but the last recomputed in the backward
     (module docstring). ``padding_mask`` (``[b, s]``) is split with ``x``. Returns ``(output, None)``, megatron-core's
     ``(output, bias)`` pair (a bias is refused by :func:`check_chunkable`)."""
-    # torch.chunk's pieces, as megatron-core's branch ran them in the checkpoint's first pass: same GEMM shapes
-    sizes = [c.shape[0] for c in x.chunk(max(1, min(chunks, x.shape[0])), 0)]
+    sizes = chunk_sizes(x.shape[0], chunks)
     masks: Sequence[Optional[torch.Tensor]] = (
         padding_mask.split(sizes, 1) if padding_mask is not None else [None] * len(sizes))
 
@@ -124,16 +138,19 @@ def chunked_mlp(mlp: torch.nn.Module, x: torch.Tensor, chunks: int,
     return torch.cat([first, run(len(sizes) - 1, last)], 0), None
 
 
-def forward_mlp_in_chunks(layer, hidden_states: torch.Tensor, padding_mask, packed_seq_params) -> torch.Tensor:
+def forward_mlp_in_chunks(layer, hidden_states: torch.Tensor, padding_mask, packed_seq_params,
+                          chunks: Optional[int] = None) -> torch.Tensor:
     """megatron-core's ``TransformerLayer._forward_mlp`` (pre-MLP norm, MoE un-flattening, MLP, bias-dropout-add)
-    with the MLP run by :func:`chunked_mlp`; used by :class:`~megatron_glm5.core.layer.DSADecoderLayer` in the
-    recompute of a layer."""
+    with the MLP run by :func:`chunked_mlp` in ``chunks`` pieces (default ``mlp_chunks_for_training``); used by
+    :class:`~megatron_glm5.core.layer.DSADecoderLayer` in the recompute of a layer, and with ``chunks=1`` on each
+    chunk of a split recompute (:mod:`megatron_glm5.core.split_recompute`)."""
     pre = layer._forward_pre_mlp_layernorm(hidden_states)
     pre, residual = pre if isinstance(pre, tuple) else (pre, hidden_states)
     if layer.config.fp32_residual_connection:
         residual = residual.float()
     pre, padding_mask, mbs = layer._maybe_unflatten_for_moe(pre, padding_mask, packed_seq_params)
-    out, bias = chunked_mlp(layer.mlp, pre, layer.config.mlp_chunks_for_training, padding_mask)
+    chunks = layer.config.mlp_chunks_for_training if chunks is None else chunks
+    out, bias = chunked_mlp(layer.mlp, pre, chunks, padding_mask)
     if mbs is not None:
         out = layer._maybe_reflatten_from_moe(out, packed_seq_params, mbs)
     return layer._forward_post_mlp((out, bias), residual)

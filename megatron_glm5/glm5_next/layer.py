@@ -67,12 +67,24 @@ class GLM5NextTransformerLayer(DSADecoderLayer):
         if self.mlp_hc is None:
             return super()._forward_mlp(hidden_states, inference_context, padding_mask=padding_mask,
                                         packed_seq_params=packed_seq_params)
+        self._keep_for_split(hidden_states, inference_context, packed_seq_params)
+        chunks = self.config.mlp_chunks_for_training > 1 and inference_context is None and in_recompute(self.training)
+        return self._mhc_mlp(hidden_states, padding_mask, packed_seq_params, chunks)
+
+    def _mlp_half(self, hidden_states, padding_mask):
+        """The MLP half, unchunked, on a sequence chunk of its input (a split recompute's backward)."""
+        if self.mlp_hc is None:
+            return super()._mlp_half(hidden_states, padding_mask)
+        return self._mhc_mlp(hidden_states, padding_mask, None, chunks=False)
+
+    def _mhc_mlp(self, hidden_states, padding_mask, packed_seq_params, chunks: bool):
+        """The MLP inside the mHC streams; ``chunks``: in sequence chunks (:mod:`megatron_glm5.core.mlp_chunks`)."""
         post, comb, u = self.mlp_hc(hidden_states)
         x = self.pre_mlp_layernorm(u)
         x, padding_mask, mbs = self._maybe_unflatten_for_moe(x, padding_mask, packed_seq_params)
         if self.recompute_mlp:
             out, bias = tensor_parallel.checkpoint(functools.partial(self.mlp, padding_mask=padding_mask), False, x)
-        elif self.config.mlp_chunks_for_training > 1 and inference_context is None and in_recompute(self.training):
+        elif chunks:
             out, bias = chunked_mlp(self.mlp, x, self.config.mlp_chunks_for_training, padding_mask)
         else:
             out, bias = self.mlp(x, padding_mask=padding_mask)
