@@ -257,9 +257,9 @@ def test_experts_module_accumulates_micro_batches_into_main_grad(model_parallel,
     # the expert linears refuse the flag without apex when built (the grouped path never calls them)
     monkeypatch.setattr(layers, "_grad_accum_fusion_available", True)
     switch = "MEGATRON_GLM5_GROUPED_WGRAD_ACCUMULATION"
-    monkeypatch.setenv(switch, "0")  # experimental: off by default, and off when asked
+    monkeypatch.setenv(switch, "0")  # off when asked
     assert not _standalone_experts(_experts_config(gradient_accumulation_fusion=True)).accumulate_wgrad
-    monkeypatch.setenv(switch, "1")
+    monkeypatch.delenv(switch)  # on by default (issue 23, round 6)
     fused = _standalone_experts(_experts_config(gradient_accumulation_fusion=True))
     plain = _standalone_experts(_experts_config())
     assert fused.accumulate_wgrad and not plain.accumulate_wgrad

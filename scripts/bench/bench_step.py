@@ -131,10 +131,10 @@ VARIANTS = {
                 "(a) with grouped-GEMM experts, empty experts' weight gradients zeroed by a masked pass over every "
                 "expert's (round 3; the Triton kernel is the default since round 4)",
                 (("MEGATRON_GLM5_ZERO_GROUPS_KERNEL", "0"),)),
-        Variant("tilelang-grouped-wgrad-accum", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
-                "(a) with grouped-GEMM experts whose weight gradients are added to `main_grad` in one launch per "
-                "grouped GEMM (experimental; the default hands DDP's hook one gradient per expert)",
-                (("MEGATRON_GLM5_GROUPED_WGRAD_ACCUMULATION", "1"),)),
+        Variant("tilelang-grouped-per-expert-wgrad", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
+                "(a) with grouped-GEMM experts whose weight gradients go to DDP's hook one per expert (16 adds per "
+                "grouped GEMM after a zeroing pass; the one-launch accumulation is the default since round 6)",
+                (("MEGATRON_GLM5_GROUPED_WGRAD_ACCUMULATION", "0"),)),
     )
 }
 DEFAULT_VARIANTS = "tilelang,mcore-kernels,tilelang-grouped"
