@@ -23,6 +23,11 @@ a placeholder, and the first chunk's is passed on as it is. The cost in memory: 
 MLP's parameter gradients or placeholders (routed experts: ``grouped_mm``'s bf16 ``[E, N, K]``) are held once, and
 with 3 or more chunks also the fp32 sums of those that are not placeholders.
 
+Where the layer's recomputed output is never read (the last layer of a megatron-core block checkpoint), the
+recompute is split at the attention / MLP boundary instead (:mod:`megatron_glm5.core.split_recompute`): no third MLP
+forward, and the attention half's tensors are not alive during the MLP's backward. This module's path serves the
+other layers (MTP's, the earlier layers of a multi-layer chunk) and ``MEGATRON_GLM5_SPLIT_RECOMPUTE=0``.
+
 The math per token is unchanged; what depends on the whole sequence or on random numbers is refused
 (:func:`check_chunkable`), and so is RL routing replay (:mod:`megatron_glm5.rl.replay`: one routing record per router
 and micro-batch). The chunks are ``torch.chunk``'s, as in megatron-core's branch. The router counts tokens for the
