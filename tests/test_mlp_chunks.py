@@ -135,6 +135,30 @@ def test_split_only_for_the_last_layer_of_a_checkpoint_chunk(model_parallel, spl
         assert runs[number] == ([False] * 3 + [True] * 3 if split else unsplit), number
 
 
+@pytest.mark.parametrize("min_tokens,sizes", [(32, [16, 16, 16]), (1000, [48])], ids=["3-of-4", "1-of-4"])
+def test_chunks_by_length(model_parallel, monkeypatch, min_tokens, sizes):
+    """MEGATRON_GLM5_MLP_CHUNKS_BY_LENGTH: at most one chunk per MIN_CHUNK_TOKENS tokens (2 x 48 here), in the first
+    pass and in the split's backward alike; gradients unchanged."""
+    from megatron_glm5.core import split_recompute
+
+    monkeypatch.setenv(fusions.MLP_CHUNKS_BY_LENGTH_ENV, "1")
+    monkeypatch.setattr(split_recompute, "MIN_CHUNK_TOKENS", min_tokens)
+    _, reference = _build(1)
+    _, model = _build(4)
+    model.load_state_dict(reference.state_dict())
+    calls = []
+    model.decoder.layers[1].mlp.register_forward_pre_hook(
+        lambda mod, args: calls.append((args[0].shape[0], torch.is_grad_enabled())))
+    for m in (reference, model):
+        m.train()
+    torch.testing.assert_close(_step(model, 6), _step(reference, 6), rtol=1e-6, atol=0)
+    assert calls == [(s, False) for s in sizes] + [(s, True) for s in sizes]
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if q.grad is not None:
+            err = (p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-12)
+            assert err <= 1e-5, f"{name}: {err:.2e}"
+
+
 def test_no_split_with_dropout(model_parallel, split):
     """Dropout's random streams would move between the halves: such a layer recomputes as without the split."""
     _, model = _build(2)

@@ -181,6 +181,8 @@ class DSADecoderLayer(TransformerLayer):
         self.is_dsa = hasattr(self.self_attention, "computes_topk")
         # the recompute split at the attention / MLP boundary (core/split_recompute.py), with mlp_chunks_for_training
         self.split_recompute = fusions.enabled(fusions.SPLIT_RECOMPUTE_ENV)
+        # experimental: the split's chunk count from each call's length (split_recompute.split_chunks)
+        self.chunks_by_length = fusions.enabled(fusions.MLP_CHUNKS_BY_LENGTH_ENV)
         if self.recompute_input_layernorm or self.config.cpu_offloading:
             raise NotImplementedError(
                 f"{self.family_title} layers do not support recompute of the input layernorm or CPU offloading yet"
@@ -237,11 +239,13 @@ class DSADecoderLayer(TransformerLayer):
         out = split_recompute.split_layer_recompute(self, kept, kwargs, attention, self._mlp_half)
         return out, kwargs.get("context")
 
-    def _keep_for_split(self, hidden_states: torch.Tensor, inference_context, packed_seq_params) -> None:
-        """In a checkpoint's first pass, keep the MLP half's input where the recompute will be split."""
+    def _keep_for_split(self, hidden_states: torch.Tensor, inference_context, packed_seq_params) -> bool:
+        """In a checkpoint's first pass, keep the MLP half's input where the recompute will be split (True then)."""
         if (self.split_recompute and inference_context is None and in_first_pass(self.training)
                 and split_recompute.split_applies(self, packed_seq_params)):
             split_recompute.keep_mlp_input(self, hidden_states)
+            return True
+        return False
 
     def _mlp_half(self, hidden_states: torch.Tensor, padding_mask) -> torch.Tensor:
         """The MLP half, unchunked, on a sequence chunk of its input (a split recompute's backward)."""
@@ -251,7 +255,10 @@ class DSADecoderLayer(TransformerLayer):
                      packed_seq_params=None):
         """megatron-core's MLP half; in the recompute of a layer with ``mlp_chunks_for_training > 1``, the MLP
         in sequence chunks recomputed again in the backward (:mod:`megatron_glm5.core.mlp_chunks`)."""
-        self._keep_for_split(hidden_states, inference_context, packed_seq_params)
+        if self._keep_for_split(hidden_states, inference_context, packed_seq_params) and self.chunks_by_length:
+            # the first pass in the split's own chunk count (megatron-core's branch would run mlp_chunks_for_training)
+            return forward_mlp_in_chunks(self, hidden_states, padding_mask, packed_seq_params,
+                                         chunks=split_recompute.split_chunks(self, hidden_states))
         if self.config.mlp_chunks_for_training > 1 and inference_context is None and in_recompute(self.training):
             return forward_mlp_in_chunks(self, hidden_states, padding_mask, packed_seq_params)
         return super()._forward_mlp(hidden_states, inference_context=inference_context, padding_mask=padding_mask,

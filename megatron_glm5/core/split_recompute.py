@@ -40,6 +40,9 @@ from .. import compat, offload
 from .mlp_chunks import backward_chunks, chunk_sizes
 
 _STASH = "_glm5_split_mlp_input"  # attribute of the checkpoint node: {layer module: held MLP-half input}
+# MEGATRON_GLM5_MLP_CHUNKS_BY_LENGTH: fewest tokens per chunk. The chunks only pay where the MoE's activations are a
+# large part of the peak; at 16K tokens on the GLM-5 slice 4 chunks of 4096 cost +9.1 % (issue 23, round 6)
+MIN_CHUNK_TOKENS = 16384
 
 
 def split_applies(layer, packed_seq_params) -> bool:
@@ -53,6 +56,17 @@ def split_applies(layer, packed_seq_params) -> bool:
     return compat.checkpoint_last_layer(compat.checkpoint_node()) is layer
 
 
+def split_chunks(layer, hidden_states: torch.Tensor) -> int:
+    """How many chunks the split runs the MLP half in for this call: ``mlp_chunks_for_training``, or with
+    ``layer.chunks_by_length`` (``MEGATRON_GLM5_MLP_CHUNKS_BY_LENGTH``, experimental) at most one per
+    :data:`MIN_CHUNK_TOKENS` tokens (``[s, b, ...]``: ``s * b``), and at least one."""
+    chunks = layer.config.mlp_chunks_for_training
+    if getattr(layer, "chunks_by_length", False):
+        tokens = hidden_states.shape[0] * (hidden_states.shape[1] if hidden_states.dim() > 2 else 1)
+        chunks = max(1, min(chunks, tokens // MIN_CHUNK_TOKENS))
+    return chunks
+
+
 def keep_mlp_input(layer, hidden_states: torch.Tensor) -> None:
     """First pass: keep the MLP half's input on the running checkpoint's node for the split recompute."""
     node = compat.checkpoint_node()
@@ -60,12 +74,13 @@ def keep_mlp_input(layer, hidden_states: torch.Tensor) -> None:
     if stash is None:
         stash = {}
         setattr(node, _STASH, stash)
-    stash[layer] = (offload.hold(hidden_states), hidden_states.shape, hidden_states.dtype)
+    stash[layer] = (offload.hold(hidden_states), hidden_states.shape, hidden_states.dtype,
+                    split_chunks(layer, hidden_states))
 
 
 def take_mlp_input(layer) -> Optional[tuple]:
-    """Recompute: ``(held MLP-half input, its shape, its dtype)`` as this layer kept it in the first pass of the
-    running checkpoint, or None."""
+    """Recompute: ``(held MLP-half input, its shape, its dtype, chunks)`` as this layer kept it in the first pass of
+    the running checkpoint, or None."""
     node = compat.checkpoint_node()
     return getattr(node, _STASH, {}).pop(layer, None) if node is not None else None
 
@@ -128,9 +143,9 @@ def split_layer_recompute(layer, kept: tuple, kwargs: dict, attention: Callable[
     :func:`take_mlp_input`'s; ``kwargs`` the layer call's (megatron-core's chunk function passes keywords only);
     ``attention(x)`` recomputes the attention half from the layer input ``x``; ``mlp_half(h_i, mask_i)`` runs the MLP
     half, unchunked, on a chunk of its input."""
-    held_input, shape, dtype = kept
+    held_input, shape, dtype, chunks = kept
     x = kwargs["hidden_states"]
-    sizes = chunk_sizes(shape[0], layer.config.mlp_chunks_for_training)
+    sizes = chunk_sizes(shape[0], chunks)
     padding_mask = kwargs.get("padding_mask")
     masks = padding_mask.split(sizes, 1) if padding_mask is not None else [None] * len(sizes)
     params = tuple(p for p in layer.parameters() if p.requires_grad)
