@@ -58,11 +58,12 @@ environment variable read when a module or block spec is built (``0`` or ``1``; 
   split at the attention / MLP boundary (:mod:`megatron_glm5.core.split_recompute`): the MLP half is backpropagated
   in chunks from its kept input before the attention half is recomputed, so the backward's peak is the larger half's
   instead of their sum and the MLP is not computed a third time; one more hidden-state-sized tensor per layer is kept
-  from the forward to the backward (offloaded with the layer inputs when activation offload is on). Not a kernel:
-  the schedule of a recompute.
+  from the forward to the backward per micro-batch in flight (offloaded with the layer inputs when activation offload
+  is on; under pipeline parallelism the split is used only with offload). Not a kernel: the schedule of a recompute.
 * ``MEGATRON_GLM5_MLP_CHUNKS_BY_LENGTH`` (experimental, off: not yet measured on a GPU) - with the split recompute,
   each call runs at most one MLP chunk per ``split_recompute.MIN_CHUNK_TOKENS`` (16384) tokens, in its first pass
-  too: short sequences, which fit anyway, then do not pay for small chunk GEMMs (+9.1 % at 16K with 4 chunks).
+  too (mHC layers run that pass whole, as before): short sequences, which fit anyway, then do not pay for small chunk
+  GEMMs (+9.1 % at 16K with 4 chunks). Not under expert parallelism (an expert group's ranks must agree).
 * ``MEGATRON_GLM5_FUSED_ADAM`` - megatron-core's torch-fallback Adam
   (no TE / apex ``FusedAdam``) with torch's ``fused=True`` (:func:`megatron_glm5.optim_fusions.use_fused_adam`,
   through :func:`megatron_glm5.compat.route_fused_adam`).

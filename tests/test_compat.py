@@ -21,7 +21,7 @@ def test_probe_passes_on_installed_versions(hook):
     hook.probe()
 
 
-def test_nineteen_hooks_cover_the_design_list():
+def test_the_hooks_cover_the_design_list():
     assert len(compat.HOOKS) == 20
     assert compat.check_all() == []
 

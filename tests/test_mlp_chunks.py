@@ -68,6 +68,20 @@ def test_chunked_recompute_matches_unchunked(model_parallel, split, chunks, seq,
     assert all(int(a.sum()) > 0 for a, _ in counts)
 
 
+def test_block_recompute_method(model_parallel, split):
+    """recompute_method="block" checkpoints one layer per chunk too: same gradients with chunks (split or not)."""
+    _, reference = _build(1, recompute_method="block", recompute_num_layers=4)
+    _, model = _build(2, recompute_method="block", recompute_num_layers=4)
+    model.load_state_dict(reference.state_dict())
+    for m in (reference, model):
+        m.train()
+    torch.testing.assert_close(_step(model, 8), _step(reference, 8), rtol=1e-6, atol=0)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if q.grad is not None:
+            err = (p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-12)
+            assert err <= 1e-5, f"{name}: {err:.2e}"
+
+
 @pytest.mark.parametrize("chunks,seq,sizes", [(3, SEQ, [16, 16, 16]), (4, 46, [12, 12, 12, 10])])
 def test_each_gradient_accumulated_once_and_mlp_call_count(model_parallel, split, chunks, seq, sizes):
     """The recompute runs torch.chunk's pieces, the ones megatron-core's own branch ran in the first pass."""
@@ -159,16 +173,42 @@ def test_chunks_by_length(model_parallel, monkeypatch, min_tokens, sizes):
             assert err <= 1e-5, f"{name}: {err:.2e}"
 
 
-def test_no_split_with_dropout(model_parallel, split):
-    """Dropout's random streams would move between the halves: such a layer recomputes as without the split."""
+@pytest.mark.parametrize("where", ["hidden_dropout", "mlp_dropout"])
+def test_no_split_with_dropout(model_parallel, split, where):
+    """Dropout's random streams would move between the halves and the chunks recomputed in the backward (outside the
+    checkpoint's RNG restore): a layer with hidden dropout recomputes unsplit; one with a dropout inside its MLP (as
+    LoRA attaches after the build) runs megatron-core's branch, every chunk with its graph in the recompute."""
     _, model = _build(2)
-    model.decoder.layers[1].config.hidden_dropout = 0.1  # what split_applies reads (the modules keep their 0.0)
-    grads = []
     layer = model.decoder.layers[1]
-    layer.mlp.register_forward_pre_hook(lambda mod, args: grads.append(torch.is_grad_enabled()))
+    if where == "hidden_dropout":
+        layer.hidden_dropout = 0.1  # the bias-dropout-add's probability (the config's was read at the build)
+    else:
+        layer.mlp.lora_like_dropout = torch.nn.Dropout(0.1)  # registered, never called: only its presence counts
+    calls = []
+    layer.mlp.register_forward_pre_hook(lambda mod, args: calls.append(("mlp", torch.is_grad_enabled())))
+    layer.self_attention.register_forward_pre_hook(lambda mod, args: calls.append(("attn", torch.is_grad_enabled())))
     model.train()
     _step(model, 5)
-    assert grads == [False, False, False, True, True]
+    first = [("attn", False), ("mlp", False), ("mlp", False)]
+    if where == "hidden_dropout":  # round 4's chunked recompute
+        assert calls == first + [("attn", True), ("mlp", False), ("mlp", True), ("mlp", True)]
+    else:
+        assert calls == first + [("attn", True), ("mlp", True), ("mlp", True)]
+
+
+def test_mlp_gradients_reach_ddp_before_the_attention_half_is_recomputed(model_parallel):
+    """The split's MLP half hands its parameter gradients on (DDP's hooks run) and frees them before the attention
+    half's recompute starts."""
+    _, model = _build(2)
+    layer = model.decoder.layers[1]
+    events = []
+    layer.pre_mlp_layernorm.weight.register_post_accumulate_grad_hook(lambda p: events.append("mlp grad"))
+    layer.input_layernorm.weight.register_post_accumulate_grad_hook(lambda p: events.append("attention grad"))
+    layer.self_attention.register_forward_pre_hook(
+        lambda mod, args: events.append("attention recompute") if torch.is_grad_enabled() else None)
+    model.train()
+    _step(model, 7)
+    assert events == ["mlp grad", "attention recompute", "attention grad"]
 
 
 @pytest.mark.parametrize("setting,match", [

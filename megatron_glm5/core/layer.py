@@ -52,11 +52,12 @@ from .. import compat, fusions, offload
 from ..compat import checkpoint_node as _checkpoint_node
 from ..device_check import check_on_device
 from . import split_recompute
-from .mlp_chunks import check_chunkable, forward_mlp_in_chunks
+from .mlp_chunks import check_chunkable, forward_mlp_in_chunks, random_modules
 
 _STASH = "_glm5_dsa_topk"  # attribute of the checkpoint node: {layer module: (topk, fingerprint)}
 # (layer, its stash entry) while a split recompute (core/split_recompute.py) re-runs that layer's attention half in
-# the backward, where the checkpoint's node is no longer found on the stack (the entry was taken in its forward)
+# the backward: the split takes the entry off the node in the recompute's forward (the frame walk finds the node
+# there, as in every recompute), so the deferred attention half is handed it explicitly
 _SPLIT_REPLAY: ContextVar[Optional[tuple]] = ContextVar("glm5_split_topk_replay", default=None)
 FINGERPRINT_GROUPS = 64
 FINGERPRINT_RTOL = 2e-2  # per group, relative to the group's sum of |x|
@@ -200,7 +201,8 @@ class DSADecoderLayer(TransformerLayer):
         """megatron-core's layer forward, inside this call's offload window when offload is on: a window of its own
         in a forward that builds a graph, the checkpoint chunk's window in the first pass of full recompute (what
         the checkpoint keeps: the chunk's layer input and incoming top-k, plus the top-k kept for the replay), none
-        in the recompute (what it saves is used at once) or without gradients."""
+        in the recompute (what it saves is used at once) or without gradients. In the recompute of a layer whose
+        first pass kept its MLP input, the split recompute instead (:mod:`megatron_glm5.core.split_recompute`)."""
         if not args and in_recompute(self.training) and self.split_recompute:
             kept = split_recompute.take_mlp_input(self)  # kept by this layer's first pass on this checkpoint
             if kept is not None:
@@ -224,9 +226,10 @@ class DSADecoderLayer(TransformerLayer):
         with window:
             return super().forward(*args, **kwargs)
 
-    def _split_recompute(self, kept: tuple, kwargs: dict):
+    def _split_recompute(self, kept: "split_recompute.Kept", kwargs: dict):
         """This layer's recompute split at the attention / MLP boundary (:mod:`megatron_glm5.core.split_recompute`):
-        ``(placeholder output, incoming context)``; both are only backpropagated from, never read."""
+        ``(placeholder output, incoming context)``: the output is only backpropagated from (its value is never
+        read); the int top-k context is filtered out by megatron-core's checkpoint backward."""
         entry = take_topk_entry(self) if self.is_dsa and self.self_attention.computes_topk else None
 
         def attention(x: torch.Tensor) -> torch.Tensor:
@@ -241,11 +244,17 @@ class DSADecoderLayer(TransformerLayer):
 
     def _keep_for_split(self, hidden_states: torch.Tensor, inference_context, packed_seq_params) -> bool:
         """In a checkpoint's first pass, keep the MLP half's input where the recompute will be split (True then)."""
-        if (self.split_recompute and inference_context is None and in_first_pass(self.training)
-                and split_recompute.split_applies(self, packed_seq_params)):
-            split_recompute.keep_mlp_input(self, hidden_states)
-            return True
-        return False
+        if not (self.split_recompute and inference_context is None and in_first_pass(self.training)):
+            return False
+        node = _checkpoint_node()
+        if node is None or not split_recompute.split_applies(self, node, packed_seq_params):
+            return False
+        split_recompute.keep_mlp_input(self, node, hidden_states)
+        return True
+
+    def mlp_half_modules(self) -> list[torch.nn.Module]:
+        """The modules of the MLP half (their parameters' gradients come from it in a split recompute)."""
+        return [self.pre_mlp_layernorm, self.mlp]
 
     def _mlp_half(self, hidden_states: torch.Tensor, padding_mask) -> torch.Tensor:
         """The MLP half, unchunked, on a sequence chunk of its input (a split recompute's backward)."""
@@ -259,7 +268,8 @@ class DSADecoderLayer(TransformerLayer):
             # the first pass in the split's own chunk count (megatron-core's branch would run mlp_chunks_for_training)
             return forward_mlp_in_chunks(self, hidden_states, padding_mask, packed_seq_params,
                                          chunks=split_recompute.split_chunks(self, hidden_states))
-        if self.config.mlp_chunks_for_training > 1 and inference_context is None and in_recompute(self.training):
+        if (self.config.mlp_chunks_for_training > 1 and inference_context is None and in_recompute(self.training)
+                and not random_modules(self.mlp)):
             return forward_mlp_in_chunks(self, hidden_states, padding_mask, packed_seq_params)
         return super()._forward_mlp(hidden_states, inference_context=inference_context, padding_mask=padding_mask,
                                     packed_seq_params=packed_seq_params)

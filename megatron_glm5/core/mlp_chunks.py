@@ -26,10 +26,12 @@ with 3 or more chunks also the fp32 sums of those that are not placeholders.
 Where the layer's recomputed output is never read (the last layer of a megatron-core block checkpoint), the
 recompute is split at the attention / MLP boundary instead (:mod:`megatron_glm5.core.split_recompute`): no third MLP
 forward, and the attention half's tensors are not alive during the MLP's backward. This module's path serves the
-other layers (MTP's, the earlier layers of a multi-layer chunk) and ``MEGATRON_GLM5_SPLIT_RECOMPUTE=0``.
+other layers (MTP's, the earlier layers of a multi-layer chunk, pipeline stages without offload, packed batches the
+MoE un-flattens) and ``MEGATRON_GLM5_SPLIT_RECOMPUTE=0``.
 
 The math per token is unchanged; what depends on the whole sequence or on random numbers is refused
-(:func:`check_chunkable`), and so is RL routing replay (:mod:`megatron_glm5.rl.replay`: one routing record per router
+(:func:`check_chunkable`); a layer with dropout in its MLP at run time (LoRA's dropout is attached after the build)
+runs megatron-core's branch instead (:func:`random_modules`), and so is RL routing replay (:mod:`megatron_glm5.rl.replay`: one routing record per router
 and micro-batch). The chunks are ``torch.chunk``'s, as in megatron-core's branch. The router counts tokens for the
 expert bias only where gradients are enabled: once per recomputed chunk in the backward and once for the last chunk,
 so once per token in all, as without chunks.
@@ -67,6 +69,15 @@ def check_chunkable(config) -> None:
     if problems:
         raise ValueError(f"mlp_chunks_for_training={config.mlp_chunks_for_training} (the MLP recomputed in sequence "
                          f"chunks under full recompute) cannot be combined with: {', '.join(problems)}")
+
+
+def random_modules(module: torch.nn.Module) -> list[str]:
+    """What draws random numbers in ``module`` (dropout with ``p > 0``: a layer's ``hidden_dropout``, LoRA's
+    dropout): a chunk recomputed in the backward runs outside the checkpoint's RNG restore and would draw other
+    masks, so such a module is not chunked there."""
+    found = [f"hidden_dropout={module.hidden_dropout}"] if getattr(module, "hidden_dropout", 0.0) else []
+    found += [name for name, m in module.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+    return found
 
 
 def chunk_sizes(length: int, chunks: int) -> list[int]:

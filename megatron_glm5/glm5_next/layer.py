@@ -21,7 +21,7 @@ from megatron.core import tensor_parallel
 from megatron.core.utils import make_viewless_tensor
 
 from ..core.layer import DSADecoderLayer, in_recompute
-from ..core.mlp_chunks import chunked_mlp
+from ..core.mlp_chunks import chunked_mlp, random_modules
 from .mhc import HyperConnection, expand_streams
 from .swiglu import check_clamped_swiglu_modules
 
@@ -68,8 +68,12 @@ class GLM5NextTransformerLayer(DSADecoderLayer):
             return super()._forward_mlp(hidden_states, inference_context, padding_mask=padding_mask,
                                         packed_seq_params=packed_seq_params)
         self._keep_for_split(hidden_states, inference_context, packed_seq_params)
-        chunks = self.config.mlp_chunks_for_training > 1 and inference_context is None and in_recompute(self.training)
+        chunks = (self.config.mlp_chunks_for_training > 1 and inference_context is None
+                  and in_recompute(self.training) and not random_modules(self.mlp))
         return self._mhc_mlp(hidden_states, padding_mask, packed_seq_params, chunks)
+
+    def mlp_half_modules(self):
+        return super().mlp_half_modules() + ([self.mlp_hc] if self.mlp_hc is not None else [])
 
     def _mlp_half(self, hidden_states, padding_mask):
         """The MLP half, unchunked, on a sequence chunk of its input (a split recompute's backward)."""
