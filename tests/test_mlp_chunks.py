@@ -42,6 +42,14 @@ def _step(model, seed: int, seq: int = SEQ):
     return loss.detach()
 
 
+def _assert_grads_close(model, reference, rtol: float = 1e-5) -> None:
+    """Every gradient of ``model`` within ``rtol`` (of its largest element) of ``reference``'s."""
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        if q.grad is not None:
+            err = (p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-12)
+            assert err <= rtol, f"{name}: {err:.2e}"
+
+
 def _routers(model):
     return [m for n, m in model.named_modules() if n.endswith("mlp.router")]
 
@@ -76,10 +84,7 @@ def test_block_recompute_method(model_parallel, split):
     for m in (reference, model):
         m.train()
     torch.testing.assert_close(_step(model, 8), _step(reference, 8), rtol=1e-6, atol=0)
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        if q.grad is not None:
-            err = (p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-12)
-            assert err <= 1e-5, f"{name}: {err:.2e}"
+    _assert_grads_close(model, reference)
 
 
 @pytest.mark.parametrize("chunks,seq,sizes", [(3, SEQ, [16, 16, 16]), (4, 46, [12, 12, 12, 10])])
@@ -136,10 +141,7 @@ def test_split_only_for_the_last_layer_of_a_checkpoint_chunk(model_parallel, spl
         m.train()
     # the first pass's MLP GEMMs run in chunks here (megatron-core's branch): the loss may move in the last bit
     torch.testing.assert_close(_step(model, 4), _step(reference, 4), rtol=1e-6, atol=0)
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        if q.grad is not None:
-            err = (p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-12)
-            assert err <= 1e-5, f"{name}: {err:.2e}"
+    _assert_grads_close(model, reference)
     # chunk's first layer (1, 3): 3 first-pass chunks, 2 without a graph and 1 with one in the recompute, 2 again
     # in the backward; the chunk's last layer (2, 4), split: 3 first-pass chunks, 3 with gradients in the backward
     unsplit = [False] * 3 + [False, False, True] + [True] * 2
@@ -167,10 +169,7 @@ def test_chunks_by_length(model_parallel, monkeypatch, min_tokens, sizes):
         m.train()
     torch.testing.assert_close(_step(model, 6), _step(reference, 6), rtol=1e-6, atol=0)
     assert calls == [(s, False) for s in sizes] + [(s, True) for s in sizes]
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        if q.grad is not None:
-            err = (p.grad - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-12)
-            assert err <= 1e-5, f"{name}: {err:.2e}"
+    _assert_grads_close(model, reference)
 
 
 @pytest.mark.parametrize("where", ["hidden_dropout", "mlp_dropout"])
