@@ -252,6 +252,12 @@ class DSADecoderLayer(TransformerLayer):
         split_recompute.keep_mlp_input(self, node, hidden_states)
         return True
 
+    def _chunks_in_recompute(self, inference_context) -> bool:
+        """Run the MLP in chunks recomputed again in the backward (:mod:`megatron_glm5.core.mlp_chunks`): in a
+        layer's recompute with ``mlp_chunks_for_training > 1``, unless the MLP draws random numbers."""
+        return (self.config.mlp_chunks_for_training > 1 and inference_context is None
+                and in_recompute(self.training) and not random_modules(self.mlp))
+
     def mlp_half_modules(self) -> list[torch.nn.Module]:
         """The modules of the MLP half (their parameters' gradients come from it in a split recompute)."""
         return [self.pre_mlp_layernorm, self.mlp]
@@ -268,8 +274,7 @@ class DSADecoderLayer(TransformerLayer):
             # the first pass in the split's own chunk count (megatron-core's branch would run mlp_chunks_for_training)
             return forward_mlp_in_chunks(self, hidden_states, padding_mask, packed_seq_params,
                                          chunks=split_recompute.split_chunks(self, hidden_states))
-        if (self.config.mlp_chunks_for_training > 1 and inference_context is None and in_recompute(self.training)
-                and not random_modules(self.mlp)):
+        if self._chunks_in_recompute(inference_context):
             return forward_mlp_in_chunks(self, hidden_states, padding_mask, packed_seq_params)
         return super()._forward_mlp(hidden_states, inference_context=inference_context, padding_mask=padding_mask,
                                     packed_seq_params=packed_seq_params)

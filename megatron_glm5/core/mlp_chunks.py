@@ -30,9 +30,9 @@ other layers (MTP's, the earlier layers of a multi-layer chunk, pipeline stages 
 MoE un-flattens) and ``MEGATRON_GLM5_SPLIT_RECOMPUTE=0``.
 
 The math per token is unchanged; what depends on the whole sequence or on random numbers is refused
-(:func:`check_chunkable`); a layer with dropout in its MLP at run time (LoRA's dropout is attached after the build)
-runs megatron-core's branch instead (:func:`random_modules`), and so is RL routing replay (:mod:`megatron_glm5.rl.replay`: one routing record per router
-and micro-batch). The chunks are ``torch.chunk``'s, as in megatron-core's branch. The router counts tokens for the
+(:func:`check_chunkable`), and so is RL routing replay (:mod:`megatron_glm5.rl.replay`: one routing record per router
+and micro-batch). An MLP with a dropout at run time (LoRA's is attached after the build) runs megatron-core's branch
+in the recompute instead (:func:`random_modules`). The chunks are ``torch.chunk``'s, as in megatron-core's branch. The router counts tokens for the
 expert bias only where gradients are enabled: once per recomputed chunk in the backward and once for the last chunk,
 so once per token in all, as without chunks.
 """

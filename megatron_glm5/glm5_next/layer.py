@@ -20,8 +20,8 @@ import functools
 from megatron.core import tensor_parallel
 from megatron.core.utils import make_viewless_tensor
 
-from ..core.layer import DSADecoderLayer, in_recompute
-from ..core.mlp_chunks import chunked_mlp, random_modules
+from ..core.layer import DSADecoderLayer
+from ..core.mlp_chunks import chunked_mlp
 from .mhc import HyperConnection, expand_streams
 from .swiglu import check_clamped_swiglu_modules
 
@@ -68,9 +68,8 @@ class GLM5NextTransformerLayer(DSADecoderLayer):
             return super()._forward_mlp(hidden_states, inference_context, padding_mask=padding_mask,
                                         packed_seq_params=packed_seq_params)
         self._keep_for_split(hidden_states, inference_context, packed_seq_params)
-        chunks = (self.config.mlp_chunks_for_training > 1 and inference_context is None
-                  and in_recompute(self.training) and not random_modules(self.mlp))
-        return self._mhc_mlp(hidden_states, padding_mask, packed_seq_params, chunks)
+        return self._mhc_mlp(hidden_states, padding_mask, packed_seq_params,
+                             self._chunks_in_recompute(inference_context))
 
     def mlp_half_modules(self):
         return super().mlp_half_modules() + ([self.mlp_hc] if self.mlp_hc is not None else [])
