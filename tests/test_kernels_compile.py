@@ -50,6 +50,9 @@ COMPILE_CASES = {
     # experimental: the masks from the slot entries the producer records in shared memory
     "fwd_pp_smem_mask_grouped_glm": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_pp",
                                      (16, 576, 512, 1 / 16, 4, (216, 216, 72), True)),
+    # experimental: WG1's P stored to shared memory before its own P V GEMM reads the registers
+    "fwd_pp_p1_first_glm": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_pp",
+                            (64, 576, 512, 1 / 16, 1, (216, 216, 72), False, True)),
     "fwd_simple_small": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_simple", (16, 192, 128, 0.125)),
     "bwd_small_deterministic": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (8, 192, 128, 0.125, True)),
     "bwd_glm": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (64, 576, 512, 1 / 16, False)),

@@ -585,7 +585,8 @@ def _jit_fwd_pp():
         },
     )
     def sparse_mla_fwd_pp(heads: int, d_qk: int, d_v: int, softmax_scale: float, group: int = 1,
-                          nreg: tuple[int, int, int] = (216, 216, 72), smem_mask: bool = False):
+                          nreg: tuple[int, int, int] = (216, 216, 72), smem_mask: bool = False,
+                          p1_copy_first: bool = False):
         """Ping-pong: two math warpgroups own alternate 64-slot blocks (WG0 the even ones in stage 0, WG1 the odd ones
         in stage 1) and each keeps half of ``d_v``; a producer warpgroup gathers. Per pair of blocks each math
         warpgroup computes ``Q K^T`` of its own block over all ``d_qk`` channels, and ``P V`` for its half of ``d_v``
@@ -615,6 +616,10 @@ def _jit_fwd_pp():
         there instead of 32 index loads per thread per block (FlashMLA's producer publishes validity the same way).
         The stage's index row is rewritten only after that stage half's ``free``, which its masking warpgroup
         arrives after its mask.
+
+        ``p1_copy_first`` (experimental): WG1 stores its ``P`` to shared memory and signals WG0 before its own
+        ``P V`` wgmma reads those registers (the default order, FlashMLA's, copies while that wgmma is in flight,
+        which the PTX ISA leaves undefined).
         """
         n_hblk, dh, d_tail, has_tail, p_in_tail = _split_dims("pp", heads, d_qk, d_v, group)
         block_h = 64
@@ -819,13 +824,17 @@ def _jit_fwd_pp():
                             alpha1[h] = T.exp2((m1[h] - m1_new[h]) * scale_log2)
                         T.copy(m1_new, m1)
                         exp_scores(s1, m1, l1, alpha1, l1_blk, o1, p1_r)
+                        if p1_copy_first:  # P1 to smem (and WG0 told) before the GEMM reads its registers
+                            T.copy(p1_r, p1_s)
+                            T.fence_proxy_async()
+                            T.barrier_arrive(bar_p1)
                         T.wgmma_gemm(p1_r, kv1_r, o1)  # own P from registers
-                        # P1's registers are read (stmatrix) while that wgmma reads them too: FlashMLA's order
-                        # ("faster"); the PTX ISA calls touching wgmma A registers before its wait undefined, so
-                        # moving this copy before the GEMM is the conservative alternative (not yet measured)
-                        T.copy(p1_r, p1_s)
-                        T.fence_proxy_async()
-                        T.barrier_arrive(bar_p1)
+                        if not p1_copy_first:
+                            # P1's registers are read (stmatrix) while that wgmma reads them too: FlashMLA's order;
+                            # the PTX ISA calls touching wgmma A registers before its wait undefined
+                            T.copy(p1_r, p1_s)
+                            T.fence_proxy_async()
+                            T.barrier_arrive(bar_p1)
                         T.barrier_wait(bar_p0, jp & 1)
                         T.fence_proxy_async()
                         T.wgmma_gemm(p0_s, kv0_r, o1)  # WG0's P from smem

@@ -37,10 +37,13 @@ VARIANTS_64 = [
     ("pp 208/208/88", "_jit_fwd_pp", (1, (208, 208, 88))),
     ("pp 224/208/72", "_jit_fwd_pp", (1, (224, 208, 72))),
     ("pp 216/216/72, mask from smem (experimental)", "_jit_fwd_pp", (1, (216, 216, 72), True)),
+    ("pp 216/216/72, P1 stored before its GEMM (experimental)", "_jit_fwd_pp", (1, (216, 216, 72), False, True)),
+    ("pp 216/216/72, both", "_jit_fwd_pp", (1, (216, 216, 72), True, True)),
 ]
 VARIANTS_NOPE = [
     ("ws 256/168/80 (reference)", "_jit_fwd_ws", (64, 1, (256, 168, 80))),
     ("pp 216/216/72", "_jit_fwd_pp", (1, (216, 216, 72))),
+    ("pp 216/216/72, both (experimental)", "_jit_fwd_pp", (1, (216, 216, 72), True, True)),
 ]
 VARIANTS_16_GROUPED = [
     ("ws grouped 256/168/80 (reference)", "_jit_fwd_ws", (64, 4, (256, 168, 80))),
@@ -48,6 +51,8 @@ VARIANTS_16_GROUPED = [
     ("sv grouped 144/176/176", "_jit_fwd_sv", (4, (144, 176, 176))),
     ("pp grouped 216/216/72", "_jit_fwd_pp", (4, (216, 216, 72))),
     ("pp grouped, mask from smem (experimental)", "_jit_fwd_pp", (4, (216, 216, 72), True)),
+    ("pp grouped, P1 stored before its GEMM (experimental)", "_jit_fwd_pp", (4, (216, 216, 72), False, True)),
+    ("pp grouped, both", "_jit_fwd_pp", (4, (216, 216, 72), True, True)),
 ]
 
 

@@ -178,13 +178,16 @@ def test_fwd_pp_matches_reference_and_ws(heads, topk, t_len, d_qk):
     assert check_lse(lse, lse_ws) < 1e-4
 
 
+@pytest.mark.parametrize("options", [dict(smem_mask=True), dict(p1_copy_first=True),
+                                     dict(smem_mask=True, p1_copy_first=True)], ids=["smem_mask", "p1_first", "both"])
 @pytest.mark.parametrize("heads,d_qk,group,window", [(64, 576, 1, False), (128, 576, 1, False), (64, 512, 1, False),
                                                      (16, 576, 4, False), (16, 576, 4, True)])
-def test_fwd_pp_smem_mask_equals_pp(heads, d_qk, group, window):
-    """The experimental ``pp`` with ``smem_mask`` (masks from the slot entries the producer records in shared memory)
-    gives bitwise the default ``pp``'s output: the same masks, the same GEMMs and softmax; a difference is a protocol
-    bug (an index row rewritten before its warpgroup masked, a stale phase). Per-query and grouped (random sets and a
-    sliding window), T not a multiple of anything, an all -1 row."""
+def test_fwd_pp_options_equal_pp(heads, d_qk, group, window, options):
+    """The experimental ``pp`` options give bitwise the default ``pp``'s output: ``smem_mask`` (masks from the slot
+    entries the producer records in shared memory) and ``p1_copy_first`` (WG1's ``P`` stored before its own GEMM) change
+    where a value comes from or when it is copied, not the GEMMs or the softmax; a difference is a protocol bug (an
+    index row rewritten before its warpgroup masked, a stale phase). Per-query and grouped (random sets and a sliding
+    window), T not a multiple of anything, an all -1 row."""
     from megatron_glm5.kernels.index_groups import grouped_rows
 
     q, kv, idx = _grouped_inputs(window, heads + d_qk + group, heads=heads, topk=515, d_qk=d_qk)
@@ -194,7 +197,7 @@ def test_fwd_pp_smem_mask_equals_pp(heads, d_qk, group, window):
     else:
         rows, lengths = idx, row_valid_len(idx)
     base = fwd_mod._jit_fwd_pp()(heads, d_qk, D_V, SCALE, group)
-    smem = fwd_mod._jit_fwd_pp()(heads, d_qk, D_V, SCALE, group, (216, 216, 72), True)
+    smem = fwd_mod._jit_fwd_pp()(heads, d_qk, D_V, SCALE, group, (216, 216, 72), **options)
     out, lse = base(q, kv, rows, lengths)
     out_s, lse_s = smem(q, kv, rows, lengths)
     assert torch.equal(out, out_s) and torch.equal(lse, lse_s)
