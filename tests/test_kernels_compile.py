@@ -47,12 +47,14 @@ COMPILE_CASES = {
     "fwd_pp_glm": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_pp", (64, 576, 512, 1 / 16)),
     "fwd_pp_nope": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_pp", (64, 512, 512, 1 / 16)),
     "fwd_pp_grouped_glm": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_pp", (16, 576, 512, 1 / 16, 4)),
-    # experimental: the masks from the slot entries the producer records in shared memory
-    "fwd_pp_smem_mask_grouped_glm": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_pp",
-                                     (16, 576, 512, 1 / 16, 4, (216, 216, 72), True)),
-    # experimental: WG1's P stored to shared memory before its own P V GEMM reads the registers
-    "fwd_pp_p1_first_glm": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_pp",
-                            (64, 576, 512, 1 / 16, 1, (216, 216, 72), False, True)),
+    # the pp options off (both on by default): masks from the index row in L1, WG1's P copied under its GEMM
+    "fwd_pp_neither_grouped_glm": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_pp",
+                                   (16, 576, 512, 1 / 16, 4, (216, 216, 72), False, False)),
+    # experimental: dKV chunks staged over the KV stage and added by sm90 bulk reductions
+    "bwd_bulk_glm": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (16, 576, 512, 1 / 16, False, 32, 0, False,
+                                                                         0, 1, "bulk")),
+    "bwd_bulk_grouped_nope": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (16, 512, 512, 1 / 16, False, 32,
+                                                                                  0, False, 0, 4, "bulk")),
     "fwd_simple_small": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_simple", (16, 192, 128, 0.125)),
     "bwd_small_deterministic": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (8, 192, 128, 0.125, True)),
     "bwd_glm": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (64, 576, 512, 1 / 16, False)),
@@ -196,6 +198,20 @@ def test_sparse_mla_fwd_variants_and_register_splits():
         _jit_fwd_pp()(64, 576, 512, 1 / 16, 1, (160, 176, 168))
     with pytest.raises(ValueError, match="64 MMA rows"):
         _jit_fwd_pp()(32, 576, 512, 1 / 16)
+
+
+def test_sparse_mla_bwd_bulk_dkv_refuses_what_it_cannot_stage():
+    """The bulk dKV reduction stages a ``[block_s, d_v / dkv_split]`` fp32 chunk in half a KV stage (``d_v / 4`` fp32
+    per row) with a thread per slot row; anything else is refused at build time, before any GPU, naming the sizes."""
+    pytest.importorskip("tilelang")
+    from megatron_glm5.kernels.sparse_mla_bwd import _jit_bwd
+
+    with pytest.raises(ValueError, match="dkv_reduce must be 'atomic' or 'bulk'"):
+        _jit_bwd()(16, 576, 512, 1 / 16, False, dkv_reduce="tma")
+    with pytest.raises(ValueError, match="d_v=128, dkv_split=2"):  # small latents: 64-wide chunks, 32-float halves
+        _jit_bwd()(16, 192, 128, 1 / 8, False, dkv_reduce="bulk")
+    with pytest.raises(ValueError, match="dkv_split=2"):  # 256-wide chunks do not fit a 128-float half
+        _jit_bwd()(16, 576, 512, 1 / 16, False, dkv_split=2, dkv_reduce="bulk")
 
 
 def test_sparse_mla_head_dims():

@@ -17,6 +17,19 @@ T_ = TypeVar("T_")
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
+# sm90 bulk reduction (PTX ``cp.reduce.async.bulk ... add.f32``): the copy engine adds ``bytes`` of fp32 from shared
+# memory into global memory at L2, in one operation per row instead of one atomic per element pair. A kernel declares
+# it with ``T.import_source(BULK_ADD_F32_SRC)`` and calls ``glm5_bulk_add_f32(smem, gmem, bytes)`` (16 B aligned
+# addresses, ``bytes`` a multiple of 16); the writes into ``smem`` need ``fence.proxy.async`` and a barrier first,
+# and ``smem`` may be rewritten only after ``cp.async.bulk.wait_group.read`` in the issuing thread.
+BULK_ADD_F32_SRC = r"""
+__device__ __forceinline__ void glm5_bulk_add_f32(float* smem, float* gmem, int bytes) {
+  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+               :: "l"(gmem), "r"(s), "r"(bytes) : "memory");
+}
+"""
+
 # OUT_IDX_NOTE: factories give ``out_idx`` as non-negative positions. With tilelang 0.1.15: after a
 # factory's first kernel ran, later kernels of the same factory missed TileLang's disk cache when ``out_idx`` was
 # negative (the logged ``out_idx`` had been normalised to positions), so each further shape recompiled (~10 s);

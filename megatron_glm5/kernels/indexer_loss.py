@@ -78,6 +78,7 @@ from typing import Literal
 import torch
 
 from megatron_glm5.kernels._common import (
+    BULK_ADD_F32_SRC,
     check_tensor,
     multiprocessor_count,
     next_power_of_2,
@@ -93,15 +94,6 @@ GLUE_CHUNK_BYTES = 64 << 20  # per [rows, K] fp32 temporary of the torch loss gl
 DETERMINISTIC_PARTIAL_BYTES = 2 << 30  # the deterministic backward's per-chunk partial dki buffer
 MAX_INDEX_HEADS = 64
 BwdImpl = Literal["ours", "mcore"]
-# sm90 bulk reduction (PTX ``cp.reduce.async.bulk ... add.f32``): the copy engine adds ``bytes`` of fp32 from shared
-# memory into global memory at L2, in one operation per row instead of one atomic per element pair.
-BULK_ADD_F32_SRC = r"""
-__device__ __forceinline__ void glm5_bulk_add_f32(float* smem, float* gmem, int bytes) {
-  unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-               :: "l"(gmem), "r"(s), "r"(bytes) : "memory");
-}
-"""
 DK_REDUCE = ("atomic", "bulk")  # how the non-deterministic index backward adds dki (module docstring, kernel 3)
 
 

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_glm5.kernels._common import (
+    BULK_ADD_F32_SRC,
     LOG2E,
     cdiv,
     multiprocessor_count,
@@ -70,6 +71,15 @@ from megatron_glm5.kernels.sparse_mla_fwd import (
 )
 
 DETERMINISTIC_PARTIAL_BYTES = 2 << 30  # budget for the per-chunk partial dKV buffer
+
+# The bulk dKV reduction's raw staging (``_jit_bwd(dkv_reduce="bulk")``): fp32 at float offsets from a shared buffer's
+# first element, past TileLang's (swizzled) layout of that buffer.
+STAGE_SRC = r"""
+__device__ __forceinline__ void glm5_st_f32(void* base, int off, float v) { static_cast<float*>(base)[off] = v; }
+__device__ __forceinline__ void glm5_bulk_add_f32_at(void* base, int off, float* gmem, int bytes) {
+  glm5_bulk_add_f32(static_cast<float*>(base) + off, gmem, bytes);
+}
+"""
 
 # The grouped backward's CTA row tiles: 64 (4 queries at 16 heads, the autograd route's) and, experimental, 32
 # (2 queries): the 64-row tile's dQ accumulator spills at 256 threads (255 registers, 348 bytes), the 32-row one does
@@ -142,6 +152,7 @@ def _jit_bwd():
         with_target: bool = False,
         dkv_split: int = 0,
         group: int = 1,
+        dkv_reduce: str = "atomic",
     ):
         """Main backward kernel. ``deterministic`` switches the dKV epilogue from atomics to partial-buffer stores;
         ``dkv_split``: dKV column chunks (0: automatic); ``group`` > 1 (atomic dKV only): one CTA per ``group``
@@ -151,6 +162,14 @@ def _jit_bwd():
         ``with_target`` also writes ``Tgt[hb, t, k] = sum_{h in head block hb} P[h, t, k]`` (the sparse indexer
         loss's unnormalised target, from the ``P`` this kernel forms anyway; slots of skipped blocks are left as the
         caller's zeros).
+
+        ``dkv_reduce`` (atomic dKV only): ``"atomic"``, float2 atomics straight from the MMA fragments, or
+        ``"bulk"`` (experimental): each dKV chunk staged in shared memory over the block's own KV stage (free once
+        the dQ GEMMs have read it, so no extra shared memory and no lost occupancy), then one sm90 bulk reduction
+        (``cp.reduce.async.bulk ... add.f32``) per slot row and chunk: ~4.5 copy-engine operations per slot instead
+        of ~290 float2 atomics. Staged rows are rotated by ``8 * (row % 4)`` floats (fragment stores without bank
+        conflicts; each row then goes out as two bulk copies). Needs ``d_v / dkv_split <= d_v / 4`` (the stage's
+        halves hold ``d_v / 4`` fp32 per row) and ``block_s <= threads``.
 
         Grid ``(n_rows, head blocks)``; row ``bx`` is token ``row0 + bx`` (the deterministic path runs in chunks).
         """
@@ -176,6 +195,14 @@ def _jit_bwd():
             raise ValueError(f"bwd kernel needs d_v/2, d_qk-d_v >= 0 multiples of 64, block_s % (threads/8) == 0 and "
                              f"d_v / dkv_split a multiple of 64 dividing d_v/2; got d_v={d_v}, d_qk={d_qk}, "
                              f"block_s={bs}, threads={threads}, dkv_split={dkv_split}")
+        if dkv_reduce not in ("atomic", "bulk"):
+            raise ValueError(f"dkv_reduce must be 'atomic' or 'bulk', got {dkv_reduce!r}")
+        bulk = dkv_reduce == "bulk" and not deterministic
+        stage_w = dh // 2  # fp32 per row of one stage half viewed as the dKV staging buffer
+        if bulk and (dc > stage_w or d_tail > stage_w or bs > threads):
+            raise ValueError(f"the bulk dKV reduction stages a [block_s, d_v/dkv_split] fp32 chunk in half a KV stage "
+                             f"([block_s, d_v/4] fp32) with a thread per slot row; got d_v={d_v}, dkv_split={dkv_split}, "
+                             f"d_tail={d_tail}, block_s={bs}, threads={threads}")
         scale_log2 = softmax_scale * LOG2E
         t_len = T.dynamic("t_len")
         t_kv = T.dynamic("t_kv")
@@ -224,10 +251,34 @@ def _jit_bwd():
                         T.atomic_add(dKV[idx_s[j] & key_mask, col0 + d], acc[j, d])
 
         @T.macro
+        def bulk_chunk(dKV, acc, idx_s, stage, col0, width):
+            # acc [bs, width] -> stage (a KV stage half as raw fp32 [bs, stage_w], rows rotated by 8 * (row % 4)
+            # floats) -> one or two bulk adds per valid row
+            tx = T.get_thread_binding()
+            base = T.access_ptr(stage[0, 0], "rw", bs * stage_w)
+            for j, d in T.Parallel(bs, width):
+                T.call_extern("handle", "glm5_st_f32", base, j * stage_w + (d + (j % 4) * 8) % width, acc[j, d])
+            T.fence_proxy_async()  # generic-proxy writes -> visible to the bulk copy engine
+            if tx < bs:
+                T.tma_store_wait(0)  # the previous chunk's adds have read the other stage half
+            T.sync_threads()
+            if tx < bs:
+                entry = idx_s[tx]
+                if entry >= 0:
+                    key = entry if group == 1 else entry & key_mask
+                    rot = (tx % 4) * 8
+                    T.call_extern("handle", "glm5_bulk_add_f32_at", base, tx * stage_w + rot,
+                                  T.access_ptr(dKV[key, col0], "rw", width - rot), (width - rot) * 4)
+                    if rot > 0:
+                        T.call_extern("handle", "glm5_bulk_add_f32_at", base, tx * stage_w,
+                                      T.access_ptr(dKV[key, col0 + width - rot], "rw", rot), rot * 4)
+                T.tma_store_arrive()
+
+        @T.macro
         def block_step(
             kv_l, kv_r, kt, idx_s, blk, bx, hb, dKV,
             q_l, q_r, q_t, do_l, do_r, p_s, ds_s, lse_s, delta_s,
-            acc_p, acc_dp, acc_dq_l, acc_dq_r, acc_dq_t, acc_dkv, acc_dkv_t, Tgt, tsum, t,
+            acc_p, acc_dp, acc_dq_l, acc_dq_r, acc_dq_t, acc_dkv, acc_dkv_t, Tgt, tsum, t, st_l, st_r,
         ):  # fmt: skip
             if group == 1:
                 for h, j in T.Parallel(block_h, bs):
@@ -257,16 +308,29 @@ def _jit_bwd():
             if has_tail:
                 T.gemm(ds_s, kt, acc_dq_t, policy=T.GemmWarpPolicy.FullCol)
             # dKV = dS^T Q + P^T dO, ``dc`` columns of d_v at a time (keeps the fp32 accumulator at [block_s, dc]).
+            # With bulk adds the chunks are staged alternately over this block's KV stage halves (st_l / st_r,
+            # fp32 views), which every warp's dQ GEMMs above must have read first.
             for c, half, c0 in dkv_chunks:  # trace-time loop
                 src_q = (q_l, q_r)[half]
                 src_do = (do_l, do_r)[half]
                 T.gemm(ds_s, src_q[:, c0 : c0 + dc], acc_dkv, transpose_A=True, clear_accum=True,
                        policy=T.GemmWarpPolicy.FullCol)
                 T.gemm(p_s, src_do[:, c0 : c0 + dc], acc_dkv, transpose_A=True, policy=T.GemmWarpPolicy.FullCol)
-                scatter(dKV, acc_dkv, idx_s, bx, hb, blk, c * dc, dc)
+                if bulk:
+                    if c == 0:
+                        T.sync_threads()
+                    bulk_chunk(dKV, acc_dkv, idx_s, (st_l, st_r)[c % 2], c * dc, dc)
+                else:
+                    scatter(dKV, acc_dkv, idx_s, bx, hb, blk, c * dc, dc)
             if has_tail:
                 T.gemm(ds_s, q_t, acc_dkv_t, transpose_A=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
-                scatter(dKV, acc_dkv_t, idx_s, bx, hb, blk, d_v, d_tail)
+                if bulk:
+                    bulk_chunk(dKV, acc_dkv_t, idx_s, (st_l, st_r)[dkv_split % 2], d_v, d_tail)
+                else:
+                    scatter(dKV, acc_dkv_t, idx_s, bx, hb, blk, d_v, d_tail)
+            if bulk:  # the stage is gathered into again after the caller's barrier: its adds must have read it
+                if T.get_thread_binding() < bs:
+                    T.tma_store_wait(0)
 
         @T.prim_func
         def main(
@@ -310,6 +374,11 @@ def _jit_bwd():
                 acc_dkv = T.alloc_fragment([bs, dc], f32)
                 acc_dkv_t = T.alloc_fragment([bs, d_tail], f32) if has_tail else None
                 tsum = T.alloc_fragment([bs], f32) if with_target else None
+                # bulk dKV: each stage's halves are the staging buffers, addressed raw from their first element
+                # (their GEMM layout is swizzled; a staged row must be contiguous for its bulk copy)
+                st0, st1 = (kv0_l, kv0_r), (kv1_l, kv1_r)
+                if bulk:
+                    T.import_source(BULK_ADD_F32_SRC + STAGE_SRC)
 
                 tx = T.get_thread_binding()
                 t = RowOffset[0] + bx
@@ -346,7 +415,7 @@ def _jit_bwd():
                     block_step(
                         kv0_l, kv0_r, kt0, idx0, 2 * ip, bx, hb, dKV,
                         q_l, q_r, q_t, do_l, do_r, p_s, ds_s, lse_s, delta_s,
-                        acc_p, acc_dp, acc_dq_l, acc_dq_r, acc_dq_t, acc_dkv, acc_dkv_t, Tgt, tsum, t,
+                        acc_p, acc_dp, acc_dq_l, acc_dq_r, acc_dq_t, acc_dkv, acc_dkv_t, Tgt, tsum, t, *st0,
                     )  # fmt: skip
                     T.sync_threads()
                     if 2 * ip + 1 < n_blk:
@@ -360,7 +429,7 @@ def _jit_bwd():
                         block_step(
                             kv1_l, kv1_r, kt1, idx1, 2 * ip + 1, bx, hb, dKV,
                             q_l, q_r, q_t, do_l, do_r, p_s, ds_s, lse_s, delta_s,
-                            acc_p, acc_dp, acc_dq_l, acc_dq_r, acc_dq_t, acc_dkv, acc_dkv_t, Tgt, tsum, t,
+                            acc_p, acc_dp, acc_dq_l, acc_dq_r, acc_dq_t, acc_dkv, acc_dkv_t, Tgt, tsum, t, *st1,
                         )  # fmt: skip
                         T.sync_threads()
 
@@ -433,6 +502,12 @@ def _jit_dkv_reduce():
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def bulk_dkv_supported(d_v: int) -> bool:
+    """Whether the backward's bulk dKV reduction can stage this latent's chunks (``d_v / dkv_split`` fp32 per row
+    in half a KV stage, ``d_v / 4``): ``d_v`` of 512 or more (GLM-5 and the NoPE latent)."""
+    return d_v >= 512
+
+
 def deterministic_chunk_rows(topk: int, heads: int, d_qk: int, device: torch.device) -> int:
     """Tokens per deterministic chunk: the partial buffer stays near ``DETERMINISTIC_PARTIAL_BYTES``, and a chunk
     is a whole number of waves of one CTA per SM when it is larger than one wave."""
@@ -458,6 +533,7 @@ def sparse_mla_bwd_interface(
     with_target: bool = False,
     group: int = 1,
     union: tuple[torch.Tensor, torch.Tensor] | None = None,
+    dkv_reduce: str = "atomic",
 ) -> tuple[torch.Tensor, ...]:
     """Backward kernel calls: ``(dq [T, H, d_qk] bf16, dkv [T_kv, d_qk] bf16)`` from the saved ``out`` and ``lse``;
     with ``with_target`` also the unnormalised head sum of ``P`` over the selected slots, fp32 ``[T, K]`` (0 on
@@ -466,7 +542,8 @@ def sparse_mla_bwd_interface(
     ``grad_lse`` (fp32 ``[T, H]``) adds the gradient flowing into the returned LSE (``dS += P * grad_lse``).
     ``group`` != 1 (atomic dKV, no target; 0: ``64 // H``; ``32 // H`` experimental): one CTA per ``group``
     consecutive queries over the union of their index sets, as the grouped forward (``union``: a prebuilt
-    ``group_union_indices`` of the same group).
+    ``group_union_indices`` of the same group). ``dkv_reduce`` (atomic dKV): ``"atomic"`` or ``"bulk"``
+    (experimental, ``_jit_bwd``'s bulk reductions; ``d_v`` of 256 or more).
     """
     check_sparse_mla_args(q, kv, indices, d_v)
     t_len, heads, d_qk = q.shape
@@ -501,8 +578,10 @@ def sparse_mla_bwd_interface(
 
     delta = _jit_delta()(heads, d_v)(out, grad_out, grad_lse)
     dq = torch.empty_like(q)
-    grouped = {"group": group} if group != 1 else {}  # the per-query kernel keeps its precompiled cache key
-    kernel = _jit_bwd()(heads, d_qk, d_v, scale, deterministic, with_target=with_target, **grouped)
+    extra = {"group": group} if group != 1 else {}  # the per-query kernel keeps its precompiled cache key
+    if dkv_reduce != "atomic" and not deterministic:
+        extra["dkv_reduce"] = dkv_reduce
+    kernel = _jit_bwd()(heads, d_qk, d_v, scale, deterministic, with_target=with_target, **extra)
     def outputs(dkv_acc: torch.Tensor) -> tuple[torch.Tensor, ...]:
         grads = (dq, dkv_acc.to(kv.dtype))
         return grads + ((target[0] if n_hblk == 1 else target.sum(0)),) if with_target else grads
@@ -565,11 +644,12 @@ class SparseMLAFunction(torch.autograd.Function):
         ``grouped=True``: at 16 heads and up to 64K tokens (``index_groups.grouped_group``) the forward runs the
         grouped kernel (one CTA per 4 neighbouring queries over the union of their sets) and the backward too where
         those sets share enough keys (``GROUPED_BWD_MIN_SHARING``, measured in the forward); same contract, other
-        rounding.
+        rounding. ``bulk_dkv=True``: the atomic backward adds dKV by bulk reductions where ``bulk_dkv_supported``.
     """
 
     @staticmethod
-    def forward(ctx, q, kv, indices, softmax_scale, d_v, deterministic, variant, target_box=None, grouped=False):  # noqa: D102
+    def forward(ctx, q, kv, indices, softmax_scale, d_v, deterministic, variant, target_box=None, grouped=False,  # noqa: D102
+                bulk_dkv=False):
         valid_len = row_valid_len(indices)
         group = grouped_group(q.shape[1], deterministic=deterministic, with_target=target_box is not None,
                               tokens=q.shape[0])
@@ -588,6 +668,7 @@ class SparseMLAFunction(torch.autograd.Function):
         ctx.d_v = d_v
         ctx.deterministic = deterministic
         ctx.target_box = target_box
+        ctx.dkv_reduce = "bulk" if bulk_dkv and bulk_dkv_supported(d_v) else "atomic"
         return out, lse
 
     @staticmethod
@@ -611,11 +692,12 @@ class SparseMLAFunction(torch.autograd.Function):
             valid_len=valid_len,
             deterministic=ctx.deterministic,
             with_target=box is not None,
+            dkv_reduce=ctx.dkv_reduce,
             **grouped,
         )
         if box is not None:
             box.target = grads[2]
-        return grads[0], grads[1], None, None, None, None, None, None, None
+        return grads[0], grads[1], None, None, None, None, None, None, None, None
 
 
 def sparse_mla_autograd(
@@ -629,7 +711,8 @@ def sparse_mla_autograd(
     variant: Variant = "auto",
     target_box: AttentionTargetBox | None = None,
     grouped: bool = False,
+    bulk_dkv: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable ``(out, lse)``; see ``SparseMLAFunction`` for the contract."""
     return SparseMLAFunction.apply(q, kv, indices, float(softmax_scale), int(d_v), bool(deterministic), variant,
-                                   target_box, bool(grouped))
+                                   target_box, bool(grouped), bool(bulk_dkv))

@@ -585,8 +585,8 @@ def _jit_fwd_pp():
         },
     )
     def sparse_mla_fwd_pp(heads: int, d_qk: int, d_v: int, softmax_scale: float, group: int = 1,
-                          nreg: tuple[int, int, int] = (216, 216, 72), smem_mask: bool = False,
-                          p1_copy_first: bool = False):
+                          nreg: tuple[int, int, int] = (216, 216, 72), smem_mask: bool = True,
+                          p1_copy_first: bool = True):
         """Ping-pong: two math warpgroups own alternate 64-slot blocks (WG0 the even ones in stage 0, WG1 the odd ones
         in stage 1) and each keeps half of ``d_v``; a producer warpgroup gathers. Per pair of blocks each math
         warpgroup computes ``Q K^T`` of its own block over all ``d_qk`` channels, and ``P V`` for its half of ``d_v``
@@ -610,16 +610,15 @@ def _jit_fwd_pp():
         (:func:`check_register_split`). The math warpgroups alone load ``Q``, so the producer starts gathering at
         once (measured at parity with all 384 threads loading ``Q`` first, as ``ws`` does: 9.52 vs 9.54 ms).
 
-        ``smem_mask`` (experimental, not yet run on a GPU): the producer records each slot's entry (or -1) in shared
-        memory while it gathers the block's first half and signals it on a barrier of its own (plain arrivals:
-        ``cp.async`` completion does not order its generic stores), and the math warpgroups build their masks from
-        there instead of 32 index loads per thread per block (FlashMLA's producer publishes validity the same way).
-        The stage's index row is rewritten only after that stage half's ``free``, which its masking warpgroup
-        arrives after its mask.
-
-        ``p1_copy_first`` (experimental): WG1 stores its ``P`` to shared memory and signals WG0 before its own
-        ``P V`` wgmma reads those registers (the default order, FlashMLA's, copies while that wgmma is in flight,
-        which the PTX ISA leaves undefined).
+        ``smem_mask`` (default): the producer records each slot's entry (or -1) in shared memory while it gathers the
+        block's first half and signals it on a barrier of its own (plain arrivals: ``cp.async`` completion does not
+        order its generic stores), and the math warpgroups build their masks from there instead of 32 index loads
+        per thread per block (FlashMLA's producer publishes validity the same way). The stage's index row is
+        rewritten only after that stage half's ``free``, which its masking warpgroup arrives after its mask.
+        ``p1_copy_first`` (default): WG1 stores its ``P`` to shared memory and signals WG0 before its own ``P V``
+        wgmma reads those registers (FlashMLA's order copies while that wgmma is in flight, which the PTX ISA leaves
+        undefined). Both are bitwise equal to the kernel without them; together 1.09x at 64 heads, 1.15x grouped at
+        16 heads (16K tokens, H200: ``scripts/bench/RESULTS_kernels.md``, fifth session).
         """
         n_hblk, dh, d_tail, has_tail, p_in_tail = _split_dims("pp", heads, d_qk, d_v, group)
         block_h = 64

@@ -55,8 +55,11 @@ OUR_KERNELS = (
     + [("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_pp", (h, d, d_v, SCALE))  # the default at 64 MMA rows
        for h in (48, 64, 128) for d, d_v in ((D_QK, D_V), (512, 512))]
     + [("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_pp", (16, D_QK, D_V, SCALE, 4))]  # grouped
-    + [("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_pp", (h, d, D_V, SCALE, g, (216, 216, 72), True))
-       for h, d, g in ((64, D_QK, 1), (128, D_QK, 1), (64, 512, 1), (16, D_QK, 4))]  # experimental smem_mask
+    + [("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_pp", (h, d, D_V, SCALE, g, (216, 216, 72), *opts))
+       for h, d, g in ((64, D_QK, 1), (128, D_QK, 1), (64, 512, 1), (16, D_QK, 4))
+       for opts in ((False, True), (True, False), (False, False))]  # the pp options off, for their tests
+    + [("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (h, d, D_V, SCALE, False, 32, 0, False, 0, g, "bulk"))
+       for h, d, g in ((16, D_QK, 1), (64, D_QK, 1), (128, D_QK, 1), (64, 512, 1), (16, D_QK, 4))]  # bulk dKV
     + [("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_ws", (h, 512, 512, SCALE)) for h in (48, 128)]
     + [("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (16, D_QK, D_V, SCALE, False, 32, 0, False, 0, 2))]
     + [("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (16, D_QK, D_V, SCALE, False, 32, 0, False, 0, 4))]

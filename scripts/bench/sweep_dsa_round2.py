@@ -47,7 +47,9 @@ LOGITS_VARIANTS = [(128, 2, 256, 4, True), (128, 2, 256, 4, False), (64, 2, 256,
 # the logits kernel without warp specialisation (_jit_logits_plain): (block_n, threads, min_blocks)
 PLAIN_VARIANTS = [(128, 256, 2), (64, 256, 3), (128, 128, 2)]
 SELECT_VARIANTS = [(256, 0), (512, 0), (512, 3), (1024, 0)]  # (threads, min_blocks: 0 = 2048 // threads); default first
-BWD_VARIANTS = {64: [(32, 0, 4), (32, 0, 2)], 16: [(32, 0, 4), (32, 0, 2)]}  # (block_s, threads, dkv_split)
+# (block_s, threads, dkv_split, dkv_reduce); the default first
+BWD_VARIANTS = {64: [(32, 0, 4, "atomic"), (32, 0, 4, "bulk"), (32, 0, 2, "atomic")],
+                16: [(32, 0, 4, "atomic"), (32, 0, 4, "bulk"), (32, 0, 2, "atomic")]}
 
 
 def kernels_to_build() -> list[tuple]:
@@ -60,7 +62,11 @@ def kernels_to_build() -> list[tuple]:
               (BWD, "_jit_bwd", (16, 576, 512, SCALE, False, 32, 0, False, 0, 2)),
               (BWD, "_jit_bwd", (16, 576, 512, SCALE, False, 32, 0, False, 0, 4))]
     for h, variants in BWD_VARIANTS.items():
-        cases += [(BWD, "_jit_bwd", (h, 576, 512, SCALE, False, bs, th, False, sp)) for bs, th, sp in variants]
+        cases += [(BWD, "_jit_bwd", (h, 576, 512, SCALE, False, bs, th, False, sp, 1, red))
+                  for bs, th, sp, red in variants]
+    cases += [(BWD, "_jit_bwd", (16, 576, 512, SCALE, False, 32, 0, False, 0, 4, "bulk")),
+              (BWD, "_jit_bwd", (64, 512, 512, SCALE, False, 32, 0, False, 0, 1, "bulk")),
+              (BWD, "_jit_bwd", (64, 512, 512, SCALE, False))]
         cases += [(BWD, "_jit_delta", (h, 512))]
     return cases
 
@@ -303,7 +309,8 @@ def section_bwd(seq: int = 16384) -> list[str]:
     from megatron_glm5.kernels._common import row_valid_len
     from megatron_glm5.kernels.sparse_mla_fwd import sparse_mla_fwd_interface
 
-    lines = ["| S | H | block_s | threads | dkv_split | bwd ms | TFLOP/s | dq err | dkv err |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| S | H | block_s | threads | dkv_split | dKV add | bwd ms | TFLOP/s | dq err | dkv err |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for h, variants in BWD_VARIANTS.items():
         g = torch.Generator(device="cuda").manual_seed(h)
         q = torch.randn(seq, h, 576, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -316,8 +323,8 @@ def section_bwd(seq: int = 16384) -> list[str]:
         pairs = float(vlen.sum())
         flops = 2 * pairs * h * (3 * 576 + 2 * 512)
         ref = None
-        for bs, th, sp in variants:
-            kern = bm._jit_bwd()(h, 576, 512, SCALE, False, bs, th, False, sp)
+        for bs, th, sp, red in variants:
+            kern = bm._jit_bwd()(h, 576, 512, SCALE, False, bs, th, False, sp, 1, red)
             dq = torch.empty_like(q)
             dkv = torch.zeros(seq, 576, device="cuda")
             row0 = torch.zeros(1, dtype=torch.int32, device="cuda")
@@ -330,7 +337,7 @@ def section_bwd(seq: int = 16384) -> list[str]:
             try:
                 ms = timed(run)
             except Exception as err:  # e.g. too much shared memory: report, go on
-                lines.append(f"| {seq} | {h} | {bs} | {th or 'auto'} | {sp} | FAILED {err!r} |||| "[:300])
+                lines.append(f"| {seq} | {h} | {bs} | {th or 'auto'} | {sp} | {red} | FAILED {err!r} |||| "[:300])
                 continue
             run()
             if ref is None:
@@ -339,8 +346,49 @@ def section_bwd(seq: int = 16384) -> list[str]:
             else:
                 eq = f"{float((dq.float() - ref[0]).abs().max() / ref[0].abs().max()):.1e}"
                 ekv = f"{float((dkv - ref[1]).abs().max() / ref[1].abs().max()):.1e}"
-            lines.append(f"| {seq} | {h} | {bs} | {th or 'auto'} | {sp} | {ms:.2f} | {flops / ms / 1e9:.0f} | {eq} | {ekv} |")
+            lines.append(f"| {seq} | {h} | {bs} | {th or 'auto'} | {sp} | {red} | {ms:.2f} | {flops / ms / 1e9:.0f} | {eq} "
+                         f"| {ekv} |")
         del q, kv, idx, do, out, lse, delta
+        torch.cuda.empty_cache()
+    return lines
+
+
+def section_bwd_bulk(seq: int = 16384) -> list[str]:
+    """The bulk dKV reduction (``dkv_reduce="bulk"``) against the float2 atomics through the interface: NoPE at 64
+    heads, and the grouped backward (4 queries x 16 heads) on random and 90 %-local sets."""
+    from bench_dsa_kernels import local_mix_indices
+
+    from megatron_glm5.kernels._common import row_valid_len
+    from megatron_glm5.kernels.index_groups import group_union_indices
+    from megatron_glm5.kernels.sparse_mla_bwd import sparse_mla_bwd_interface
+    from megatron_glm5.kernels.sparse_mla_fwd import sparse_mla_fwd_interface
+
+    lines = ["| case | atomic ms | bulk ms | speed-up | dq equal | dkv max diff (of max) |", "|---|---|---|---|---|---|"]
+    dev = torch.device("cuda")
+    for name, h, d_qk, group, loc in (("NoPE 64 heads", 64, 512, 1, None), ("grouped 16 heads, random", 16, 576, 4, None),
+                                      ("grouped 16 heads, local 0.9", 16, 576, 4, 0.9)):
+        g = torch.Generator(device="cuda").manual_seed(11)
+        q = torch.randn(seq, h, d_qk, device="cuda", dtype=torch.bfloat16, generator=g)
+        kv = torch.randn(seq, d_qk, device="cuda", dtype=torch.bfloat16, generator=g)
+        do = torch.randn(seq, h, 512, device="cuda", dtype=torch.bfloat16, generator=g)
+        idx = causal_random_indices(seq, 2048, dev) if loc is None else local_mix_indices(seq, 2048, dev, loc)
+        vlen = row_valid_len(idx)
+        out, lse = sparse_mla_fwd_interface(q, kv, idx, SCALE, 512, valid_len=vlen)
+        kw = dict(valid_len=vlen) if group == 1 else dict(group=group, union=group_union_indices(idx, group,
+                                                                                                  key_bound=seq))
+        res = {}
+        for red in ("atomic", "bulk"):
+            try:
+                ms = timed(lambda: sparse_mla_bwd_interface(q, kv, out, lse, do, idx, SCALE, 512, dkv_reduce=red, **kw))
+                res[red] = (ms, *sparse_mla_bwd_interface(q, kv, out, lse, do, idx, SCALE, 512, dkv_reduce=red, **kw))
+            except Exception as err:
+                lines.append(f"| {name} ({red}) | FAILED {err!r} |||||"[:300])
+        if len(res) == 2:
+            (a_ms, dq_a, dkv_a), (b_ms, dq_b, dkv_b) = res["atomic"], res["bulk"]
+            ekv = float((dkv_b.float() - dkv_a.float()).abs().max() / dkv_a.float().abs().max())
+            lines.append(f"| {name} | {a_ms:.2f} | {b_ms:.2f} | {a_ms / b_ms:.2f} | {bool(torch.equal(dq_a, dq_b))} "
+                         f"| {ekv:.1e} |")
+        del q, kv, do, idx, vlen, out, lse, kw, res
         torch.cuda.empty_cache()
     return lines
 

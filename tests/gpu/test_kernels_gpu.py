@@ -178,16 +178,17 @@ def test_fwd_pp_matches_reference_and_ws(heads, topk, t_len, d_qk):
     assert check_lse(lse, lse_ws) < 1e-4
 
 
-@pytest.mark.parametrize("options", [dict(smem_mask=True), dict(p1_copy_first=True),
-                                     dict(smem_mask=True, p1_copy_first=True)], ids=["smem_mask", "p1_first", "both"])
+@pytest.mark.parametrize("options", [dict(smem_mask=False), dict(p1_copy_first=False),
+                                     dict(smem_mask=False, p1_copy_first=False)],
+                         ids=["l1_mask", "p1_under_gemm", "neither"])
 @pytest.mark.parametrize("heads,d_qk,group,window", [(64, 576, 1, False), (128, 576, 1, False), (64, 512, 1, False),
                                                      (16, 576, 4, False), (16, 576, 4, True)])
 def test_fwd_pp_options_equal_pp(heads, d_qk, group, window, options):
-    """The experimental ``pp`` options give bitwise the default ``pp``'s output: ``smem_mask`` (masks from the slot
-    entries the producer records in shared memory) and ``p1_copy_first`` (WG1's ``P`` stored before its own GEMM) change
-    where a value comes from or when it is copied, not the GEMMs or the softmax; a difference is a protocol bug (an
-    index row rewritten before its warpgroup masked, a stale phase). Per-query and grouped (random sets and a sliding
-    window), T not a multiple of anything, an all -1 row."""
+    """The ``pp`` options give bitwise the same output on or off: ``smem_mask`` (masks from the slot entries the
+    producer records in shared memory, else from the index row in L1) and ``p1_copy_first`` (WG1's ``P`` stored
+    before its own GEMM, else while it runs) change where a value comes from or when it is copied, not the GEMMs or
+    the softmax; a difference is a protocol bug (an index row rewritten before its warpgroup masked, a stale phase).
+    Per-query and grouped (random sets and a sliding window), T not a multiple of anything, an all -1 row."""
     from megatron_glm5.kernels.index_groups import grouped_rows
 
     q, kv, idx = _grouped_inputs(window, heads + d_qk + group, heads=heads, topk=515, d_qk=d_qk)
@@ -356,6 +357,31 @@ def test_bwd_matches_reference(heads, deterministic):
     assert cq >= 0.999 and ckv >= 0.999
     assert eq <= SCALED_ERR_BOUND and ekv <= SCALED_ERR_BOUND
     assert (q.grad[3] == 0).all()
+
+
+@pytest.mark.parametrize("heads,d_qk,group,t_len", [(64, 576, 1, 1500), (16, 576, 1, 1500), (128, 576, 1, 300),
+                                                     (64, 512, 1, 700), (16, 576, 4, 1001)])
+def test_bwd_bulk_dkv_matches_atomic_and_reference(heads, d_qk, group, t_len):
+    """The experimental bulk dKV reduction (chunks staged over the block's KV stage, one ``cp.reduce.async.bulk`` per
+    slot row): dq bitwise the atomic path's (the staging must not disturb the stage a later block gathers into), dkv
+    the atomic path's up to fp32 summation order, and both against the fp32 oracle per element. Per-query at 16 / 64 /
+    128 heads (two head blocks), NoPE, grouped; T below and above top-k; an all -1 row."""
+    topk = 512
+    q, kv, idx = make_inputs(t_len, heads, topk, seed=20 + heads + group, d_qk=d_qk)
+    idx[3] = -1
+    g = torch.Generator(device="cuda").manual_seed(6)
+    grad_out = torch.randn(t_len, heads, D_V, device="cuda", dtype=torch.bfloat16, generator=g)
+    out, lse = fwd_mod.sparse_mla_fwd_interface(q, kv, idx, SCALE, D_V)
+    kw = {"group": group} if group > 1 else {}
+    dq_a, dkv_a = bwd_mod.sparse_mla_bwd_interface(q, kv, out, lse, grad_out, idx, SCALE, D_V, **kw)
+    dq_b, dkv_b = bwd_mod.sparse_mla_bwd_interface(q, kv, out, lse, grad_out, idx, SCALE, D_V, dkv_reduce="bulk", **kw)
+    _, _, dq_ref, dkv_ref = reference_fwd_bwd(q, kv, idx, grad_out)
+    diff = scaled_err(dkv_b, dkv_a.float())
+    print(f"bwd bulk dKV H={heads} d_qk={d_qk} group={group} T={t_len}: vs atomic dkv {diff:.2e} of the max; vs the "
+          f"oracle dq {scaled_err(dq_b, dq_ref):.2e} dkv {scaled_err(dkv_b, dkv_ref):.2e}")
+    assert torch.equal(dq_a, dq_b)
+    assert torch.isfinite(dkv_b).all() and diff <= 2 ** -7
+    assert scaled_err(dkv_b, dkv_ref) <= SCALED_ERR_BOUND and (dq_b[3] == 0).all()
 
 
 def test_bwd_glm_shape_and_lse_gradient():
