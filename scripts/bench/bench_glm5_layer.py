@@ -92,20 +92,33 @@ def measure(build, seq: int, heads: int) -> tuple[float, float]:
     return ms, peak
 
 
-def _ours_per_query(heads: int):
-    """The ``tilelang`` backend with ``MEGATRON_GLM5_GROUPED_SPARSE_MLA=0``: the per-query sparse-MLA kernels only
-    (the grouped route is the default; the variable is read when the attention is built)."""
-    from megatron_glm5.fusions import GROUPED_SPARSE_MLA_ENV
-
-    old = os.environ.get(GROUPED_SPARSE_MLA_ENV)
-    os.environ[GROUPED_SPARSE_MLA_ENV] = "0"
+def _ours_with(env: str, value: str, heads: int):
+    """The ``tilelang`` backend built with the switch ``env`` set to ``value`` (switches are read when the attention
+    is built), the variable restored afterwards."""
+    old = os.environ.get(env)
+    os.environ[env] = value
     try:
         return _ours("tilelang", heads)
     finally:
         if old is None:
-            del os.environ[GROUPED_SPARSE_MLA_ENV]
+            del os.environ[env]
         else:
-            os.environ[GROUPED_SPARSE_MLA_ENV] = old
+            os.environ[env] = old
+
+
+def _ours_per_query(heads: int):
+    """``MEGATRON_GLM5_GROUPED_SPARSE_MLA=0``: the per-query sparse-MLA kernels only (the grouped route is the
+    default)."""
+    from megatron_glm5.fusions import GROUPED_SPARSE_MLA_ENV
+
+    return _ours_with(GROUPED_SPARSE_MLA_ENV, "0", heads)
+
+
+def _ours_bulk_dkv(heads: int):
+    """``MEGATRON_GLM5_BULK_DKV=1``: the sparse-MLA backward adds dKV by bulk reductions (experimental)."""
+    from megatron_glm5.fusions import BULK_DKV_ENV
+
+    return _ours_with(BULK_DKV_ENV, "1", heads)
 
 
 def main() -> None:
@@ -124,6 +137,7 @@ def main() -> None:
         ("megatron-glm5 `megatron` backend (mcore TileLang kernels)", lambda h: _ours("megatron", h)),
         ("megatron-glm5 `tilelang` backend (our kernels, the default routes)", lambda h: _ours("tilelang", h)),
         ("megatron-glm5 `tilelang` backend, per-query sparse MLA only", _ours_per_query),
+        ("megatron-glm5 `tilelang` backend, bulk dKV reductions (`MEGATRON_GLM5_BULK_DKV=1`)", _ours_bulk_dkv),
     ):
         try:
             ms, peak = measure(build, args.seq, args.heads)
