@@ -64,10 +64,10 @@ def kernels_to_build() -> list[tuple]:
     for h, variants in BWD_VARIANTS.items():
         cases += [(BWD, "_jit_bwd", (h, 576, 512, SCALE, False, bs, th, False, sp, 1, red))
                   for bs, th, sp, red in variants]
+        cases += [(BWD, "_jit_delta", (h, 512))]
     cases += [(BWD, "_jit_bwd", (16, 576, 512, SCALE, False, 32, 0, False, 0, 4, "bulk")),
               (BWD, "_jit_bwd", (64, 512, 512, SCALE, False, 32, 0, False, 0, 1, "bulk")),
               (BWD, "_jit_bwd", (64, 512, 512, SCALE, False))]
-        cases += [(BWD, "_jit_delta", (h, 512))]
     return cases
 
 
