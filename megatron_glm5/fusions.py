@@ -64,10 +64,6 @@ environment variable read when a module or block spec is built (``0`` or ``1``; 
   each call runs at most one MLP chunk per ``split_recompute.MIN_CHUNK_TOKENS`` (16384) tokens, in its first pass
   too (mHC layers run that pass whole, as before): short sequences, which fit anyway, then do not pay for small chunk
   GEMMs (+9.1 % at 16K with 4 chunks). Not under expert parallelism (an expert group's ranks must agree).
-* ``MEGATRON_GLM5_BULK_DKV`` (experimental, off until measured) - the ``tilelang`` attention's sparse-MLA backward
-  adds ``dkv`` with one sm90 bulk reduction per slot row and 128-column chunk, staged over the block's own KV
-  stage, instead of float2 atomics straight from the MMA fragments (``kernels.sparse_mla_bwd._jit_bwd``,
-  ``dkv_reduce="bulk"``); the same values up to fp32 summation order.
 * ``MEGATRON_GLM5_FUSED_ADAM`` - megatron-core's torch-fallback Adam
   (no TE / apex ``FusedAdam``) with torch's ``fused=True`` (:func:`megatron_glm5.optim_fusions.use_fused_adam`,
   through :func:`megatron_glm5.compat.route_fused_adam`).
@@ -109,13 +105,12 @@ GROUPED_SPARSE_MLA_ENV = "MEGATRON_GLM5_GROUPED_SPARSE_MLA"
 GROUPED_WGRAD_ACCUMULATION_ENV = "MEGATRON_GLM5_GROUPED_WGRAD_ACCUMULATION"
 SPLIT_RECOMPUTE_ENV = "MEGATRON_GLM5_SPLIT_RECOMPUTE"
 MLP_CHUNKS_BY_LENGTH_ENV = "MEGATRON_GLM5_MLP_CHUNKS_BY_LENGTH"
-BULK_DKV_ENV = "MEGATRON_GLM5_BULK_DKV"
 _log = logging.getLogger("megatron_glm5")
 _logged: set[str] = set()
 _DEFAULTS = {FUSED_RMSNORM_ENV: "1", FUSED_SWIGLU_ENV: "1", FUSED_MOE_PERMUTE_ENV: "1", FUSED_GRAD_NORM_ENV: "1",
              FUSED_ROPE_ENV: "1", FUSED_WGRAD_ENV: "1", FUSED_ADAM_ENV: "1", MOE_DEVICE_COUNTS_ENV: "1",
              ZERO_GROUPS_KERNEL_ENV: "1", GROUPED_SPARSE_MLA_ENV: "1", GROUPED_WGRAD_ACCUMULATION_ENV: "1",
-             SPLIT_RECOMPUTE_ENV: "1", MLP_CHUNKS_BY_LENGTH_ENV: "0", BULK_DKV_ENV: "0"}
+             SPLIT_RECOMPUTE_ENV: "1", MLP_CHUNKS_BY_LENGTH_ENV: "0"}
 
 
 def enabled(env: str) -> bool:

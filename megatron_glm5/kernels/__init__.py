@@ -71,7 +71,6 @@ def sparse_mla_with_lse(
     deterministic: bool = False,
     target_box: Optional[AttentionTargetBox] = None,
     grouped: bool = False,
-    bulk_dkv: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse absorbed-MLA attention, differentiable in ``q`` and ``kv`` (and through ``lse``).
 
@@ -84,12 +83,10 @@ def sparse_mla_with_lse(
         target_box: the backward also stores the unnormalised head-summed probabilities ``[T, K]`` fp32 there.
         grouped: at 16 heads, neighbouring queries share one kernel program over the union of their index sets
             (``kernels.index_groups``); faster where their sets overlap.
-        bulk_dkv: the atomic backward adds dkv by sm90 bulk reductions where it can stage them (``d_v`` >= 512);
-            same values up to fp32 summation order.
     Returns: ``out [T, H, d_v]`` bf16 and natural-log ``lse [T, H]`` fp32 (+inf, out 0 on rows without an index).
     """
     return sparse_mla_autograd(q, kv, indices, softmax_scale, d_v, deterministic=deterministic, target_box=target_box,
-                               grouped=grouped, bulk_dkv=bulk_dkv)
+                               grouped=grouped)
 
 
 def sparse_mla(

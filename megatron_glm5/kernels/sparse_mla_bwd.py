@@ -308,8 +308,8 @@ def _jit_bwd():
             if has_tail:
                 T.gemm(ds_s, kt, acc_dq_t, policy=T.GemmWarpPolicy.FullCol)
             # dKV = dS^T Q + P^T dO, ``dc`` columns of d_v at a time (keeps the fp32 accumulator at [block_s, dc]).
-            # With bulk adds the chunks are staged alternately over this block's KV stage halves (st_l / st_r,
-            # fp32 views), which every warp's dQ GEMMs above must have read first.
+            # With bulk adds the chunks are staged alternately over this block's KV stage halves (st_l / st_r, as raw
+            # fp32), which every warp's dQ GEMMs above must have read first.
             for c, half, c0 in dkv_chunks:  # trace-time loop
                 src_q = (q_l, q_r)[half]
                 src_do = (do_l, do_r)[half]
@@ -502,12 +502,6 @@ def _jit_dkv_reduce():
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def bulk_dkv_supported(d_v: int) -> bool:
-    """Whether the backward's bulk dKV reduction can stage this latent's chunks (``d_v / dkv_split`` fp32 per row
-    in half a KV stage, ``d_v / 4``): ``d_v`` of 512 or more (GLM-5 and the NoPE latent)."""
-    return d_v >= 512
-
-
 def deterministic_chunk_rows(topk: int, heads: int, d_qk: int, device: torch.device) -> int:
     """Tokens per deterministic chunk: the partial buffer stays near ``DETERMINISTIC_PARTIAL_BYTES``, and a chunk
     is a whole number of waves of one CTA per SM when it is larger than one wave."""
@@ -644,12 +638,11 @@ class SparseMLAFunction(torch.autograd.Function):
         ``grouped=True``: at 16 heads and up to 64K tokens (``index_groups.grouped_group``) the forward runs the
         grouped kernel (one CTA per 4 neighbouring queries over the union of their sets) and the backward too where
         those sets share enough keys (``GROUPED_BWD_MIN_SHARING``, measured in the forward); same contract, other
-        rounding. ``bulk_dkv=True``: the atomic backward adds dKV by bulk reductions where ``bulk_dkv_supported``.
+        rounding.
     """
 
     @staticmethod
-    def forward(ctx, q, kv, indices, softmax_scale, d_v, deterministic, variant, target_box=None, grouped=False,  # noqa: D102
-                bulk_dkv=False):
+    def forward(ctx, q, kv, indices, softmax_scale, d_v, deterministic, variant, target_box=None, grouped=False):  # noqa: D102
         valid_len = row_valid_len(indices)
         group = grouped_group(q.shape[1], deterministic=deterministic, with_target=target_box is not None,
                               tokens=q.shape[0])
@@ -668,7 +661,6 @@ class SparseMLAFunction(torch.autograd.Function):
         ctx.d_v = d_v
         ctx.deterministic = deterministic
         ctx.target_box = target_box
-        ctx.dkv_reduce = "bulk" if bulk_dkv and bulk_dkv_supported(d_v) else "atomic"
         return out, lse
 
     @staticmethod
@@ -692,12 +684,11 @@ class SparseMLAFunction(torch.autograd.Function):
             valid_len=valid_len,
             deterministic=ctx.deterministic,
             with_target=box is not None,
-            dkv_reduce=ctx.dkv_reduce,
             **grouped,
         )
         if box is not None:
             box.target = grads[2]
-        return grads[0], grads[1], None, None, None, None, None, None, None, None
+        return grads[0], grads[1], None, None, None, None, None, None, None
 
 
 def sparse_mla_autograd(
@@ -711,8 +702,7 @@ def sparse_mla_autograd(
     variant: Variant = "auto",
     target_box: AttentionTargetBox | None = None,
     grouped: bool = False,
-    bulk_dkv: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable ``(out, lse)``; see ``SparseMLAFunction`` for the contract."""
     return SparseMLAFunction.apply(q, kv, indices, float(softmax_scale), int(d_v), bool(deterministic), variant,
-                                   target_box, bool(grouped), bool(bulk_dkv))
+                                   target_box, bool(grouped))

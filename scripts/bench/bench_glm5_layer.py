@@ -114,13 +114,6 @@ def _ours_per_query(heads: int):
     return _ours_with(GROUPED_SPARSE_MLA_ENV, "0", heads)
 
 
-def _ours_bulk_dkv(heads: int):
-    """``MEGATRON_GLM5_BULK_DKV=1``: the sparse-MLA backward adds dKV by bulk reductions (experimental)."""
-    from megatron_glm5.fusions import BULK_DKV_ENV
-
-    return _ours_with(BULK_DKV_ENV, "1", heads)
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--seq", type=int, default=16384)
@@ -137,7 +130,6 @@ def main() -> None:
         ("megatron-glm5 `megatron` backend (mcore TileLang kernels)", lambda h: _ours("megatron", h)),
         ("megatron-glm5 `tilelang` backend (our kernels, the default routes)", lambda h: _ours("tilelang", h)),
         ("megatron-glm5 `tilelang` backend, per-query sparse MLA only", _ours_per_query),
-        ("megatron-glm5 `tilelang` backend, bulk dKV reductions (`MEGATRON_GLM5_BULK_DKV=1`)", _ours_bulk_dkv),
     ):
         try:
             ms, peak = measure(build, args.seq, args.heads)
