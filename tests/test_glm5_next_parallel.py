@@ -1,5 +1,6 @@
 """GLM-5.3-Flash across 2 gloo processes (torchrun, CPU): TP=2 + sequence parallelism and EP=2 give the
-single-process loss (1e-6 relative) and gradients (1e-5 of each parameter's largest), on the tiny model with every
+single-process loss (1e-6 relative) and gradients (1e-5 of each parameter's largest; 1e-4 for the mHC scale / base
+and KDA ``A_log`` / ``dt_bias``, token sums that cancel), on the tiny model with every
 kind of layer (KDA / full DSA / shared DSA / KDA, dense and MoE, mHC, MTP) at 48 tokens (> index_topk 16). Under
 TP the KDA heads, their convolution / ``A_log`` / ``dt_bias`` are split, the shared low-rank projections, the KDA
 output norm and the mHC parameters are summed over TP as sequence-parallel parameters. The ``tilelang`` backend's
@@ -55,17 +56,21 @@ def test_parallel_matches_single_process(reference, gloo_world, tmp_path, tp, ep
                                   f"{tp=} {ep=} {backend}")
 
 
+CANCELLING = ("hc.scale", "hc.base", "A_log", "dt_bias")  # gradient names: few-element token sums that cancel
+
+
 def assert_matches_single_process(losses, ref_loss, raw, grads_dir, ref_grads, label: str) -> None:
-    """Every rank's loss within 1e-6 of the single process's, every gradient within 1e-5 of its tensor's scale; a
-    gradient of at most 64 entries (mHC scale / base, KDA A_log: token sums that cancel, so fp32 reordering across
-    ranks shows relative to their own small max: up to 2.2e-5 measured with torch 2.14.1) within 1e-4."""
+    """Every rank's loss within 1e-6 of the single process's, every gradient within 1e-5 of its tensor's scale; the
+    mHC scale / base and KDA ``A_log`` / ``dt_bias`` (``CANCELLING``: few-element token sums that cancel, so fp32
+    reordering across ranks shows relative to their own small max: up to 2.2e-5 measured with torch 2.14.1) within
+    1e-4."""
     for loss in losses:
         assert abs(loss - ref_loss) <= 1e-6 * abs(ref_loss), f"loss {loss} vs single-process {ref_loss}"
     errors = grad_errors(load_sharded_grads(raw, str(grads_dir)), ref_grads)
     print(f"{label}: loss rel diff {max(abs(x - ref_loss) for x in losses) / abs(ref_loss):.1e}, "
           f"max grad rel diff {max(errors.values()):.1e}")
-    bad = {n: f"{e:.2e}" for n, e in errors.items() if e > (1e-4 if ref_grads[n].numel() <= 64 else 1e-5)}
-    assert not bad, f"max |grad diff| / max |grad| above 1e-5 (1e-4 for <= 64 entries): {bad}"
+    bad = {n: f"{e:.2e}" for n, e in errors.items() if e > (1e-4 if n.endswith(CANCELLING) else 1e-5)}
+    assert not bad, f"max |grad diff| / max |grad| above 1e-5 (1e-4 for {CANCELLING}): {bad}"
 
 
 KDA, DSA = "linear_attention", "indexed_attention"

@@ -93,6 +93,8 @@ def _compile_one(case: str) -> tuple[str, int, str]:
     module, getter, args = COMPILE_CASES[case]
     kernel = getattr(importlib.import_module(module), getter)()(*args)
     src = kernel.get_kernel_source()
+    if "bulk" in case:  # an option silently dropped would still build: its bulk copies must be in the source
+        assert "glm5_bulk_add_f32_at(" in src, case
     return case, len(src), "__global__" if "__global__" in src else ""
 
 
@@ -162,6 +164,10 @@ def test_sparse_mla_interface_rejects_unsupported_dims_and_bwd_shapes():
         sparse_mla_bwd_interface(q, kv, out, lse, out[:4].contiguous(), idx, 1 / 16)
     with pytest.raises(ValueError, match="lse"):
         sparse_mla_bwd_interface(q, kv, out, lse.double(), out, idx, 1 / 16)
+    with pytest.raises(ValueError, match="dkv_reduce must be 'atomic' or 'bulk'"):
+        sparse_mla_bwd_interface(q, kv, out, lse, out, idx, 1 / 16, dkv_reduce="tma")
+    with pytest.raises(ValueError, match="not with deterministic=True"):
+        sparse_mla_bwd_interface(q, kv, out, lse, out, idx, 1 / 16, deterministic=True, dkv_reduce="bulk")
 
 
 def test_sparse_mla_fwd_variants_and_register_splits():

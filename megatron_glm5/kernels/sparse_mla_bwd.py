@@ -167,10 +167,12 @@ def _jit_bwd():
         ``"bulk"`` (experimental, measured slower: the GLM-5 layer 72.5 vs 58.7 ms): each dKV chunk staged in shared
         memory over the block's own KV stage (free once the dQ GEMMs have read it, so no extra shared memory and no
         lost occupancy), then sm90 bulk reductions (``cp.reduce.async.bulk ... add.f32``) per slot row and chunk
-        instead of float2 atomics. Staged rows are rotated by ``8 * (row % 4)`` floats (fragment stores without
-        bank conflicts; each row then goes out as two bulk copies). It pays six CTA barriers per block and one warp
-        issuing every copy, where the atomics leave all warps' registers at once. Needs ``d_v / dkv_split <=
-        d_v / 4`` (the stage's halves hold ``d_v / 4`` fp32 per row) and ``block_s <= threads``.
+        instead of float2 atomics. Staged rows are rotated by ``8 * (row % 4)`` floats (scalar fragment stores with
+        at most 2-way bank conflicts instead of 4-way on float2; a row with a rotation goes out as two bulk copies:
+        280 copies per 32-slot block for GLM-5). It pays about ten CTA barriers per block (with those TileLang's
+        sync pass adds) and one warp issuing every copy, where the atomics leave all warps' registers at once.
+        Needs ``d_v / dkv_split`` and the RoPE tail at most ``d_v / 4`` (a stage half holds ``d_v / 4`` fp32 per
+        row) and ``block_s <= threads``.
 
         Grid ``(n_rows, head blocks)``; row ``bx`` is token ``row0 + bx`` (the deterministic path runs in chunks).
         """
@@ -201,9 +203,9 @@ def _jit_bwd():
         bulk = dkv_reduce == "bulk" and not deterministic
         stage_w = dh // 2  # fp32 per row of one stage half viewed as the dKV staging buffer
         if bulk and (dc > stage_w or d_tail > stage_w or bs > threads):
-            raise ValueError(f"the bulk dKV reduction stages a [block_s, d_v/dkv_split] fp32 chunk in half a KV stage "
-                             f"([block_s, d_v/4] fp32) with a thread per slot row; got d_v={d_v}, dkv_split={dkv_split}, "
-                             f"d_tail={d_tail}, block_s={bs}, threads={threads}")
+            raise ValueError(f"the bulk dKV reduction stages a [block_s, d_v/dkv_split] fp32 chunk in half a KV "
+                             f"stage ([block_s, d_v/4] fp32) with a thread per slot row; got d_v={d_v}, "
+                             f"dkv_split={dkv_split}, d_tail={d_tail}, block_s={bs}, threads={threads}")
         scale_log2 = softmax_scale * LOG2E
         t_len = T.dynamic("t_len")
         t_kv = T.dynamic("t_kv")
@@ -256,7 +258,7 @@ def _jit_bwd():
             # acc [bs, width] -> stage (a KV stage half as raw fp32 [bs, stage_w], rows rotated by 8 * (row % 4)
             # floats) -> one or two bulk adds per valid row
             tx = T.get_thread_binding()
-            base = T.access_ptr(stage[0, 0], "rw", bs * stage_w)
+            base = T.access_ptr(stage[0, 0], "rw", bs * dh)  # the whole half: [bs, dh] bf16 = [bs, stage_w] fp32
             for j, d in T.Parallel(bs, width):
                 T.call_extern("handle", "glm5_st_f32", base, j * stage_w + (d + (j % 4) * 8) % width, acc[j, d])
             T.fence_proxy_async()  # generic-proxy writes -> visible to the bulk copy engine
@@ -538,9 +540,13 @@ def sparse_mla_bwd_interface(
     ``group`` != 1 (atomic dKV, no target; 0: ``64 // H``; ``32 // H`` experimental): one CTA per ``group``
     consecutive queries over the union of their index sets, as the grouped forward (``union``: a prebuilt
     ``group_union_indices`` of the same group). ``dkv_reduce`` (atomic dKV): ``"atomic"`` or ``"bulk"``
-    (experimental, ``_jit_bwd``'s bulk reductions; ``d_v`` of 256 or more).
+    (experimental, measured slower; ``_jit_bwd``'s bulk reductions; ``d_v`` of 512 or more, not deterministic).
     """
     check_sparse_mla_args(q, kv, indices, d_v)
+    if dkv_reduce not in ("atomic", "bulk"):
+        raise ValueError(f"dkv_reduce must be 'atomic' or 'bulk', got {dkv_reduce!r}")
+    if dkv_reduce == "bulk" and deterministic:
+        raise ValueError("dkv_reduce='bulk' adds dKV in a varying order: not with deterministic=True")
     t_len, heads, d_qk = q.shape
     t_kv = kv.shape[0]
     for name, t, shape, dtype in (

@@ -7,8 +7,8 @@ Four kernels, one contract (``pick_fwd_variant`` picks ``pp`` at 64 MMA rows per
 
 * ``pp`` (ping-pong; the default with more than 32 heads, or grouped): two math warpgroups own alternate 64-slot
   blocks and each half of ``d_v``, a producer warpgroup gathers; one warpgroup's softmax runs under the other's
-  GEMMs (FlashMLA's SM90 schedule; details in ``_jit_fwd_pp``). 1.11-1.15x ``ws`` at 16K tokens (64 heads, NoPE,
-  grouped 16 heads).
+  GEMMs (FlashMLA's SM90 schedule; details in ``_jit_fwd_pp``). About 1.22x ``ws`` at 16K tokens (64 heads, GLM-5
+  and NoPE latents), 1.3x grouped at 16 heads.
 * ``ws`` (the default below 33 heads): warp-specialised, one CTA per (token, 64-head block). A producer
   warpgroup gathers the selected KV rows with ``cp.async`` into two shared-memory stages; consumer warpgroup 0 computes ``Q K^T`` over all ``d_qk``
   channels, the online softmax and ``P V`` for the left half of ``d_v``; consumer warpgroup 1 does ``P V`` for the
@@ -617,8 +617,8 @@ def _jit_fwd_pp():
         rewritten only after that stage half's ``free``, which its masking warpgroup arrives after its mask.
         ``p1_copy_first`` (default): WG1 stores its ``P`` to shared memory and signals WG0 before its own ``P V``
         wgmma reads those registers (FlashMLA's order copies while that wgmma is in flight, which the PTX ISA leaves
-        undefined). Both are bitwise equal to the kernel without them; together 1.09x at 64 heads, 1.15x grouped at
-        16 heads (16K tokens, H200: ``scripts/bench/RESULTS_kernels.md``, fifth session).
+        undefined). Both are bitwise equal to the kernel without them; together 1.09x at 64 heads, 1.14-1.16x grouped
+        at 16 heads (16K tokens, H200: ``scripts/bench/RESULTS_kernels.md``, fifth session).
         """
         n_hblk, dh, d_tail, has_tail, p_in_tail = _split_dims("pp", heads, d_qk, d_v, group)
         block_h = 64

@@ -10,8 +10,11 @@ Sections (each prints one markdown table; ``--out`` also writes them):
   per SM); outputs compared bitwise with the default's.
 * ``select``: the top-k select at 8K / 32K / 64K: threads and the CTAs per SM its registers leave room for; every
   variant's output must equal the default's (the selection is exact, so any difference is a bug).
-* ``bwd``: the sparse-MLA backward at 16K, 64 and 16 heads: ``block_s`` / threads / ``dkv_split``; gradients compared
-  with the current default's (max error over the tensor's max magnitude).
+* ``bwd``: the sparse-MLA backward at 16K, 64 and 16 heads: ``block_s`` / threads / ``dkv_split`` / ``dkv_reduce``
+  (float2 atomics or bulk reductions); gradients compared with the current default's (max error over the tensor's
+  max magnitude).
+* ``bwd_bulk``: the bulk dKV reduction against the atomics through the interface: NoPE at 64 heads, the grouped
+  backward on random and 90 %-local sets.
 * ``union``: the union build of the grouped kernels (``kernels.index_groups``) at 4 / 8 warps against the torch
   oracle, at 16K and 64K, bitwise compared.
 * ``route``: the autograd route (forward + backward, union builds included) with ``grouped`` off and on.
@@ -346,8 +349,8 @@ def section_bwd(seq: int = 16384) -> list[str]:
             else:
                 eq = f"{float((dq.float() - ref[0]).abs().max() / ref[0].abs().max()):.1e}"
                 ekv = f"{float((dkv - ref[1]).abs().max() / ref[1].abs().max()):.1e}"
-            lines.append(f"| {seq} | {h} | {bs} | {th or 'auto'} | {sp} | {red} | {ms:.2f} | {flops / ms / 1e9:.0f} | {eq} "
-                         f"| {ekv} |")
+            lines.append(f"| {seq} | {h} | {bs} | {th or 'auto'} | {sp} | {red} | {ms:.2f} "
+                         f"| {flops / ms / 1e9:.0f} | {eq} | {ekv} |")
         del q, kv, idx, do, out, lse, delta
         torch.cuda.empty_cache()
     return lines
@@ -363,10 +366,12 @@ def section_bwd_bulk(seq: int = 16384) -> list[str]:
     from megatron_glm5.kernels.sparse_mla_bwd import sparse_mla_bwd_interface
     from megatron_glm5.kernels.sparse_mla_fwd import sparse_mla_fwd_interface
 
-    lines = ["| case | atomic ms | bulk ms | speed-up | dq equal | dkv max diff (of max) |", "|---|---|---|---|---|---|"]
+    lines = ["| case | atomic ms | bulk ms | speed-up | dq equal | dkv max diff (of max) |",
+             "|---|---|---|---|---|---|"]
     dev = torch.device("cuda")
-    for name, h, d_qk, group, loc in (("NoPE 64 heads", 64, 512, 1, None), ("grouped 16 heads, random", 16, 576, 4, None),
-                                      ("grouped 16 heads, local 0.9", 16, 576, 4, 0.9)):
+    cases = (("NoPE 64 heads", 64, 512, 1, None), ("grouped 16 heads, random", 16, 576, 4, None),
+             ("grouped 16 heads, local 0.9", 16, 576, 4, 0.9))
+    for name, h, d_qk, group, loc in cases:
         g = torch.Generator(device="cuda").manual_seed(11)
         q = torch.randn(seq, h, d_qk, device="cuda", dtype=torch.bfloat16, generator=g)
         kv = torch.randn(seq, d_qk, device="cuda", dtype=torch.bfloat16, generator=g)
