@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from megatron_glm5.glm5_next.config import parse_glm5_next_config
-from tests.glm5_next_fixtures import HIDDEN, hf_grads_as_mcore, hf_layer_state, hf_text_config, load_from_hf, \
-    mcore_config, randomize, rel_diff, tiny_raw
+from tests.glm5_next_fixtures import CANCELLING, CANCELLING_RTOL, HIDDEN, hf_grads_as_mcore, hf_layer_state, \
+    hf_text_config, load_from_hf, mcore_config, randomize, rel_diff, tiny_raw
 
 TOL = 1e-5
 # Whole-model gradients: both sides are fp32 with different summation orders through 4 layers x 2 mHC sublayers
@@ -29,9 +29,6 @@ TOL = 1e-5
 # alone agrees within TOL (test_mhc_decoder_layer_matches_transformers, tests/test_glm5_next_kda.py). For scale:
 # transformers' own fp32 gradients differ from its fp64 ones by up to 4e-4 on this model.
 GRAD_RTOL = 1e-4
-# The few-element mHC / KDA parameters whose gradients are token sums that cancel (names ending so): compared at
-# CANCELLING_RTOL of their own max where two fp32 paths add in different orders.
-CANCELLING, CANCELLING_RTOL = ("hc.scale", "hc.base", "A_log", "dt_bias"), 1e-4
 SEQ = 80
 KDA, DSA = "linear_attention", "indexed_attention"
 RAW = tiny_raw(layer_types=[KDA, DSA, DSA, KDA], indexer_types=["full", "full", "shared", "full"],

@@ -218,6 +218,8 @@ def test_sparse_mla_bwd_bulk_dkv_refuses_what_it_cannot_stage():
         _jit_bwd()(16, 192, 128, 1 / 8, False, dkv_reduce="bulk")
     with pytest.raises(ValueError, match="dkv_split=2"):  # 256-wide chunks do not fit a 128-float half
         _jit_bwd()(16, 576, 512, 1 / 16, False, dkv_split=2, dkv_reduce="bulk")
+    with pytest.raises(ValueError, match="not with deterministic=True"):  # the partial-buffer path has no atomics
+        _jit_bwd()(16, 576, 512, 1 / 16, True, dkv_reduce="bulk")
 
 
 def test_sparse_mla_head_dims():

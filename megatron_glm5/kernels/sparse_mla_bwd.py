@@ -200,7 +200,9 @@ def _jit_bwd():
                              f"block_s={bs}, threads={threads}, dkv_split={dkv_split}")
         if dkv_reduce not in ("atomic", "bulk"):
             raise ValueError(f"dkv_reduce must be 'atomic' or 'bulk', got {dkv_reduce!r}")
-        bulk = dkv_reduce == "bulk" and not deterministic
+        bulk = dkv_reduce == "bulk"
+        if bulk and deterministic:
+            raise ValueError("dkv_reduce='bulk' adds dKV in a varying order: not with deterministic=True")
         stage_w = dh // 2  # fp32 per row of one stage half viewed as the dKV staging buffer
         if bulk and (dc > stage_w or d_tail > stage_w or bs > threads):
             raise ValueError(f"the bulk dKV reduction stages a [block_s, d_v/dkv_split] fp32 chunk in half a KV "
@@ -281,7 +283,7 @@ def _jit_bwd():
         def block_step(
             kv_l, kv_r, kt, idx_s, blk, bx, hb, dKV,
             q_l, q_r, q_t, do_l, do_r, p_s, ds_s, lse_s, delta_s,
-            acc_p, acc_dp, acc_dq_l, acc_dq_r, acc_dq_t, acc_dkv, acc_dkv_t, Tgt, tsum, t, st_l, st_r,
+            acc_p, acc_dp, acc_dq_l, acc_dq_r, acc_dq_t, acc_dkv, acc_dkv_t, Tgt, tsum, t,
         ):  # fmt: skip
             if group == 1:
                 for h, j in T.Parallel(block_h, bs):
@@ -311,8 +313,9 @@ def _jit_bwd():
             if has_tail:
                 T.gemm(ds_s, kt, acc_dq_t, policy=T.GemmWarpPolicy.FullCol)
             # dKV = dS^T Q + P^T dO, ``dc`` columns of d_v at a time (keeps the fp32 accumulator at [block_s, dc]).
-            # With bulk adds the chunks are staged alternately over this block's KV stage halves (st_l / st_r, as raw
-            # fp32), which every warp's dQ GEMMs above must have read first.
+            # With bulk adds the chunks are staged alternately over this block's KV stage halves (kv_l / kv_r as raw
+            # fp32: their GEMM layout is swizzled, a staged row must be contiguous), which every warp's dQ GEMMs above
+            # must have read first.
             for c, half, c0 in dkv_chunks:  # trace-time loop
                 src_q = (q_l, q_r)[half]
                 src_do = (do_l, do_r)[half]
@@ -322,13 +325,13 @@ def _jit_bwd():
                 if bulk:
                     if c == 0:
                         T.sync_threads()
-                    bulk_chunk(dKV, acc_dkv, idx_s, (st_l, st_r)[c % 2], c * dc, dc)
+                    bulk_chunk(dKV, acc_dkv, idx_s, (kv_l, kv_r)[c % 2], c * dc, dc)
                 else:
                     scatter(dKV, acc_dkv, idx_s, bx, hb, blk, c * dc, dc)
             if has_tail:
                 T.gemm(ds_s, q_t, acc_dkv_t, transpose_A=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
                 if bulk:
-                    bulk_chunk(dKV, acc_dkv_t, idx_s, (st_l, st_r)[dkv_split % 2], d_v, d_tail)
+                    bulk_chunk(dKV, acc_dkv_t, idx_s, (kv_l, kv_r)[dkv_split % 2], d_v, d_tail)
                 else:
                     scatter(dKV, acc_dkv_t, idx_s, bx, hb, blk, d_v, d_tail)
             if bulk:  # the stage is gathered into again after the caller's barrier: its adds must have read it
@@ -377,9 +380,6 @@ def _jit_bwd():
                 acc_dkv = T.alloc_fragment([bs, dc], f32)
                 acc_dkv_t = T.alloc_fragment([bs, d_tail], f32) if has_tail else None
                 tsum = T.alloc_fragment([bs], f32) if with_target else None
-                # bulk dKV: each stage's halves are the staging buffers, addressed raw from their first element
-                # (their GEMM layout is swizzled; a staged row must be contiguous for its bulk copy)
-                st0, st1 = (kv0_l, kv0_r), (kv1_l, kv1_r)
                 if bulk:
                     T.import_source(BULK_ADD_F32_SRC + STAGE_SRC)
 
@@ -418,7 +418,7 @@ def _jit_bwd():
                     block_step(
                         kv0_l, kv0_r, kt0, idx0, 2 * ip, bx, hb, dKV,
                         q_l, q_r, q_t, do_l, do_r, p_s, ds_s, lse_s, delta_s,
-                        acc_p, acc_dp, acc_dq_l, acc_dq_r, acc_dq_t, acc_dkv, acc_dkv_t, Tgt, tsum, t, *st0,
+                        acc_p, acc_dp, acc_dq_l, acc_dq_r, acc_dq_t, acc_dkv, acc_dkv_t, Tgt, tsum, t,
                     )  # fmt: skip
                     T.sync_threads()
                     if 2 * ip + 1 < n_blk:
@@ -432,7 +432,7 @@ def _jit_bwd():
                         block_step(
                             kv1_l, kv1_r, kt1, idx1, 2 * ip + 1, bx, hb, dKV,
                             q_l, q_r, q_t, do_l, do_r, p_s, ds_s, lse_s, delta_s,
-                            acc_p, acc_dp, acc_dq_l, acc_dq_r, acc_dq_t, acc_dkv, acc_dkv_t, Tgt, tsum, t, *st1,
+                            acc_p, acc_dp, acc_dq_l, acc_dq_r, acc_dq_t, acc_dkv, acc_dkv_t, Tgt, tsum, t,
                         )  # fmt: skip
                         T.sync_threads()
 
@@ -580,7 +580,7 @@ def sparse_mla_bwd_interface(
     delta = _jit_delta()(heads, d_v)(out, grad_out, grad_lse)
     dq = torch.empty_like(q)
     extra = {"group": group} if group != 1 else {}  # the per-query kernel keeps its precompiled cache key
-    if dkv_reduce != "atomic" and not deterministic:
+    if dkv_reduce != "atomic":
         extra["dkv_reduce"] = dkv_reduce
     kernel = _jit_bwd()(heads, d_qk, d_v, scale, deterministic, with_target=with_target, **extra)
     def outputs(dkv_acc: torch.Tensor) -> tuple[torch.Tensor, ...]:

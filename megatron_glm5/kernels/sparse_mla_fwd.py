@@ -677,6 +677,13 @@ def _jit_fwd_pp():
         first_gather = (half_gather(True, smem_mask), half_gather(False, smem_mask))
 
         @T.macro
+        def publish_p1(p1_r, p1_s, bar_p1):
+            # WG1's P (bf16 registers) to shared memory for WG0's MMA, then WG0 told
+            T.copy(p1_r, p1_s)
+            T.fence_proxy_async()  # generic smem writes, read next by the tensor cores (async proxy)
+            T.barrier_arrive(bar_p1)
+
+        @T.macro
         def block_mask(Idx, t, t_kv, blk, idx_s, bar_mask, stage, parity, acc_s):
             # the block's initial scores: from the index row in L1, or (smem_mask) from the entries the producer
             # recorded for this stage (-1: invalid slot)
@@ -824,16 +831,12 @@ def _jit_fwd_pp():
                         T.copy(m1_new, m1)
                         exp_scores(s1, m1, l1, alpha1, l1_blk, o1, p1_r)
                         if p1_copy_first:  # P1 to smem (and WG0 told) before the GEMM reads its registers
-                            T.copy(p1_r, p1_s)
-                            T.fence_proxy_async()
-                            T.barrier_arrive(bar_p1)
+                            publish_p1(p1_r, p1_s, bar_p1)
                         T.wgmma_gemm(p1_r, kv1_r, o1)  # own P from registers
                         if not p1_copy_first:
                             # P1's registers are read (stmatrix) while that wgmma reads them too: FlashMLA's order;
                             # the PTX ISA calls touching wgmma A registers before its wait undefined
-                            T.copy(p1_r, p1_s)
-                            T.fence_proxy_async()
-                            T.barrier_arrive(bar_p1)
+                            publish_p1(p1_r, p1_s, bar_p1)
                         T.barrier_wait(bar_p0, jp & 1)
                         T.fence_proxy_async()
                         T.wgmma_gemm(p0_s, kv0_r, o1)  # WG0's P from smem

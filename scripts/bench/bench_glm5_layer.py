@@ -92,26 +92,20 @@ def measure(build, seq: int, heads: int) -> tuple[float, float]:
     return ms, peak
 
 
-def _ours_with(env: str, value: str, heads: int):
-    """The ``tilelang`` backend built with the switch ``env`` set to ``value`` (switches are read when the attention
-    is built), the variable restored afterwards."""
-    old = os.environ.get(env)
-    os.environ[env] = value
+def _ours_per_query(heads: int):
+    """The ``tilelang`` backend with ``MEGATRON_GLM5_GROUPED_SPARSE_MLA=0``: the per-query sparse-MLA kernels only
+    (the grouped route is the default; the variable is read when the attention is built)."""
+    from megatron_glm5.fusions import GROUPED_SPARSE_MLA_ENV
+
+    old = os.environ.get(GROUPED_SPARSE_MLA_ENV)
+    os.environ[GROUPED_SPARSE_MLA_ENV] = "0"
     try:
         return _ours("tilelang", heads)
     finally:
         if old is None:
-            del os.environ[env]
+            del os.environ[GROUPED_SPARSE_MLA_ENV]
         else:
-            os.environ[env] = old
-
-
-def _ours_per_query(heads: int):
-    """``MEGATRON_GLM5_GROUPED_SPARSE_MLA=0``: the per-query sparse-MLA kernels only (the grouped route is the
-    default)."""
-    from megatron_glm5.fusions import GROUPED_SPARSE_MLA_ENV
-
-    return _ours_with(GROUPED_SPARSE_MLA_ENV, "0", heads)
+            os.environ[GROUPED_SPARSE_MLA_ENV] = old
 
 
 def main() -> None:
