@@ -569,6 +569,41 @@ def route_grad_norm(l2_norm: Callable) -> bool:
     return is_patched(clip_grads, "l2_norm_impl")
 
 
+def route_multi_tensor_scale(scale: Callable) -> bool:
+    """Make megatron-core's optimizer (``_multi_tensor_copy_this_to_that``: the main -> model parameter copies after
+    each step) and gradient clip call ``scale`` (``amp_C.multi_tensor_scale``'s signature) where they would call
+    their own fallback, ``utils.local_multi_tensor_scale`` (no apex / TE: a product into a temporary and a copy, two
+    kernels per tensor). Leaves apex's or TE's kernel alone. Returns whether a fallback is replaced."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    install_patches(tuple((module, "multi_tensor_scale_impl", scale) for module in (optimizer, clip_grads)
+                          if module.multi_tensor_scale_impl is utils.local_multi_tensor_scale))
+    return multi_tensor_scale_routed()
+
+
+def multi_tensor_scale_routed() -> bool:
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    return any(is_patched(module, "multi_tensor_scale_impl") for module in (optimizer, clip_grads))
+
+
+@_hook("optimizer.optimizer: _multi_tensor_copy_this_to_that and optimizer.clip_grads: clip_grad_by_total_norm_fp32 "
+       "call multi_tensor_scale_impl (utils.local_multi_tensor_scale without apex / TE) through "
+       "multi_tensor_applier(op, noop_flag, [src, dst], scale)", "fusions.py", MCORE)
+def _probe_multi_tensor_scale() -> None:
+    import inspect
+
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    assert "multi_tensor_scale_impl" in optimizer._multi_tensor_copy_this_to_that.__code__.co_names
+    assert "multi_tensor_scale_impl" in clip_grads.clip_grad_by_total_norm_fp32.__code__.co_names
+    assert list(inspect.signature(utils.local_multi_tensor_scale).parameters) == [
+        "chunk_size", "noop_flag", "tensor_lists", "scale"]
+    assert hasattr(optimizer, "multi_tensor_scale_impl") and hasattr(clip_grads, "multi_tensor_scale_impl")
+
+
 def grad_norm_routed() -> bool:
     from megatron.core.optimizer import clip_grads
 

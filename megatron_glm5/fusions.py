@@ -15,6 +15,10 @@ environment variable read when a module or block spec is built (``0`` or ``1``; 
   one torch kernel and one host sync per gradient tensor, 162 syncs per step of the GLM-5 slice) as torch's foreach
   norm, left on the device (:func:`multi_tensor_l2_norm`; megatron-core reads the total once, as before). Routed
   through :func:`megatron_glm5.compat.route_grad_norm`; apex's and TE's kernels are left alone.
+* ``MEGATRON_GLM5_FUSED_MULTI_TENSOR_SCALE`` - megatron-core's multi-tensor scale without apex / TE
+  (``local_multi_tensor_scale``: ``dst.copy_(src * scale)``, a product into a temporary and a copy per tensor), used
+  for the main -> model parameter copies after every optimizer step and for the gradient clip, as torch's foreach ops
+  (:func:`multi_tensor_scale`, bitwise equal). Routed through :func:`megatron_glm5.compat.route_multi_tensor_scale`.
 * ``MEGATRON_GLM5_FUSED_ROPE`` - the ``tilelang`` attention's four RoPE + concatenations (query, latent keys, indexer
   query and key) as one Triton kernel each way (:mod:`megatron_glm5.kernels.rope_cat`, :func:`rope_cat`; bitwise
   equal to the torch expressions on the GPU).
@@ -60,10 +64,12 @@ environment variable read when a module or block spec is built (``0`` or ``1``; 
   instead of their sum and the MLP is not computed a third time; one more hidden-state-sized tensor per layer is kept
   from the forward to the backward per micro-batch in flight (offloaded with the layer inputs when activation offload
   is on; under pipeline parallelism the split is used only with offload). Not a kernel: the schedule of a recompute.
-* ``MEGATRON_GLM5_MLP_CHUNKS_BY_LENGTH`` (experimental, off: not yet measured on a GPU) - with the split recompute,
-  each call runs at most one MLP chunk per ``split_recompute.MIN_CHUNK_TOKENS`` (16384) tokens, in its first pass
-  too (mHC layers run that pass whole, as before): short sequences, which fit anyway, then do not pay for small chunk
-  GEMMs (+9.1 % at 16K with 4 chunks). Not under expert parallelism (an expert group's ranks must agree).
+* ``MEGATRON_GLM5_MLP_CHUNKS_BY_LENGTH`` - with the split recompute, each call runs at most one MLP chunk per
+  ``split_recompute.MIN_CHUNK_TOKENS`` (16384) tokens, in its first pass too (mHC layers run that pass whole, as
+  before): short sequences, which fit anyway, then do not pay for small chunk GEMMs. H200, GLM-5 slice, full
+  recompute, 4 chunks: +9.1 / +3.4 / +1.5 % over no chunks at 16K / 32K / 64K before, -0.2 / +0.2 / +0.1 % with it
+  (+3.5 / +3.2 / +1.9 % with activation offload); 458752 tokens still train. Not under expert parallelism (an expert
+  group's ranks must agree).
 * ``MEGATRON_GLM5_FUSED_ADAM`` - megatron-core's torch-fallback Adam
   (no TE / apex ``FusedAdam``) with torch's ``fused=True`` (:func:`megatron_glm5.optim_fusions.use_fused_adam`,
   through :func:`megatron_glm5.compat.route_fused_adam`).
@@ -97,6 +103,7 @@ FUSED_SWIGLU_ENV = "MEGATRON_GLM5_FUSED_SWIGLU"
 FUSED_MOE_PERMUTE_ENV = "MEGATRON_GLM5_FUSED_MOE_PERMUTE"
 FUSED_GRAD_NORM_ENV = "MEGATRON_GLM5_FUSED_GRAD_NORM"
 FUSED_ROPE_ENV = "MEGATRON_GLM5_FUSED_ROPE"
+FUSED_MULTI_TENSOR_SCALE_ENV = "MEGATRON_GLM5_FUSED_MULTI_TENSOR_SCALE"
 FUSED_WGRAD_ENV = "MEGATRON_GLM5_FUSED_WGRAD_ACCUMULATION"
 FUSED_ADAM_ENV = "MEGATRON_GLM5_FUSED_ADAM"
 MOE_DEVICE_COUNTS_ENV = "MEGATRON_GLM5_MOE_DEVICE_COUNTS"
@@ -110,7 +117,7 @@ _logged: set[str] = set()
 _DEFAULTS = {FUSED_RMSNORM_ENV: "1", FUSED_SWIGLU_ENV: "1", FUSED_MOE_PERMUTE_ENV: "1", FUSED_GRAD_NORM_ENV: "1",
              FUSED_ROPE_ENV: "1", FUSED_WGRAD_ENV: "1", FUSED_ADAM_ENV: "1", MOE_DEVICE_COUNTS_ENV: "1",
              ZERO_GROUPS_KERNEL_ENV: "1", GROUPED_SPARSE_MLA_ENV: "1", GROUPED_WGRAD_ACCUMULATION_ENV: "1",
-             SPLIT_RECOMPUTE_ENV: "1", MLP_CHUNKS_BY_LENGTH_ENV: "0"}
+             SPLIT_RECOMPUTE_ENV: "1", MLP_CHUNKS_BY_LENGTH_ENV: "1", FUSED_MULTI_TENSOR_SCALE_ENV: "1"}
 
 
 def enabled(env: str) -> bool:
@@ -202,6 +209,22 @@ def multi_tensor_l2_norm(chunk_size: int, noop_flag, tensor_lists, per_tensor: b
     return total.float().reshape(1), None
 
 
+def multi_tensor_scale(chunk_size: int, noop_flag, tensor_lists, scale: float) -> None:
+    """megatron-core's ``local_multi_tensor_scale`` (``amp_C.multi_tensor_scale``'s contract: ``dst = src * scale``
+    cast to ``dst``'s dtype, for ``tensor_lists = [srcs, dsts]``; ``noop_flag`` unused, as there) with torch's foreach
+    ops and the same result bit for bit: in place (the gradient clip) one ``_foreach_mul_``; a copy at scale 1 (the
+    main -> model parameters: ``src * 1`` is ``src``) one casting ``_foreach_copy_``; otherwise both."""
+    src, dst = list(tensor_lists[0]), list(tensor_lists[1])
+    if not src:
+        return
+    if all(s is d for s, d in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    elif scale == 1.0:
+        torch._foreach_copy_(dst, src)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
 def install_fusions() -> dict[str, bool]:
     """Route megatron-core's MLP SwiGLU, gradient-norm fallback, MoE permutation, weight-gradient accumulation and
     torch-fallback Adam through this module (each unless its switch says ``0``); called by
@@ -211,6 +234,8 @@ def install_fusions() -> dict[str, bool]:
         compat.route_mlp_swiglu(bias_swiglu_impl, weighted_bias_swiglu_impl)
     if enabled(FUSED_GRAD_NORM_ENV):
         compat.route_grad_norm(multi_tensor_l2_norm)
+    if enabled(FUSED_MULTI_TENSOR_SCALE_ENV):
+        compat.route_multi_tensor_scale(multi_tensor_scale)
     if enabled(FUSED_MOE_PERMUTE_ENV):
         compat.route_moe_permute(permute, unpermute)
         if enabled(MOE_DEVICE_COUNTS_ENV):
@@ -220,7 +245,8 @@ def install_fusions() -> dict[str, bool]:
     if enabled(FUSED_ADAM_ENV):
         compat.route_fused_adam(use_fused_adam)
     routed = {"swiglu": compat.mlp_swiglu_routed(), "moe_permute": compat.moe_permute_routed(),
-              "grad_norm": compat.grad_norm_routed(), "wgrad_accumulation": compat.wgrad_accumulation_routed(),
+              "grad_norm": compat.grad_norm_routed(), "multi_tensor_scale": compat.multi_tensor_scale_routed(),
+              "wgrad_accumulation": compat.wgrad_accumulation_routed(),
               "adam": compat.fused_adam_routed(), "moe_device_counts": compat.dispatch_postprocess_routed()}
     own = {"RMSNorm": enabled(FUSED_RMSNORM_ENV), "RoPE": enabled(FUSED_ROPE_ENV)}
     message = ("megatron-glm5 fusions (Triton kernels where Triton runs): "

@@ -7,6 +7,8 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -225,6 +227,11 @@ def test_classify_rules():
     # the DDP wrapper's forward encloses the whole model: it decides nothing
     assert c("nvjet_x", ["megatron/core/distributed/distributed_data_parallel.py(321): forward"]) == "other GEMMs"
     assert c("nvjet_x", ["nn.Module: GLMSparseAttention_0"]) == "other GEMMs"  # its up_v einsum, not the kernel
+    # the experts' weight gradients added into DDP's main_grad by our kernel: DDP's adds, moved
+    assert c("accumulate_groups_kernel", ["triton/backends/nvidia/driver.py(700): __call__",
+                                          "megatron_glm5/kernels/grouped_wgrad_accum.py(72): accumulate_groups",
+                                          "megatron_glm5/moe/grouped_experts.py(160): backward"]
+             ) == "optimizer + grad buffers"
 
 
 def test_trace_breakdown_on_a_synthetic_step(tmp_path):
@@ -283,6 +290,13 @@ if slow > 1 and os.environ.get("BENCH_TEST_FAIL"):
 for i in range(1, n + 1):
     print(_iteration_line(i, n, 700.0 * slow + (i % 2), 227.0 / slow, 8.5 - 0.1 * i))
 print(_memory_line(n, 60000.0 * slow))
+if os.environ.get("GLM5_HOST_TIMERS_OUT"):  # --host-timers: bench_step's sitecustomize installed host_timers
+    import time
+    import host_timers
+    step = host_timers._timed("train_step", lambda: None)
+    norm = host_timers._timed("get_grad_norm_fp32", lambda: time.sleep(0.002))
+    for _ in range(n):
+        step(); norm(); norm()
 if "--profile" in argv:
     d = os.path.join(get("--tensorboard-dir"), "..", "torch_profile")
     os.makedirs(d, exist_ok=True)
@@ -323,6 +337,36 @@ def test_main_writes_the_report(fake_runs, tmp_path):
         "step.md", "step.json", "bench_step_tilelang.log", "bench_step_mcore-kernels.log",
         "bench_step_tilelang_profile.log", "bench_step_mcore-kernels_profile.log",
         "bench_step_tilelang_trace.json.gz", "bench_step_mcore-kernels_trace.json.gz"])
+
+
+def test_host_timers_reach_the_report(fake_runs, tmp_path):
+    """``--host-timers``: each timed run loads host_timers through a sitecustomize, its record (iterations past
+    --skip) is read back and tabled per variant."""
+    assert bs.main([*fake_runs, "--no-profile", "--host-timers"]) == 0
+    report = (tmp_path / "out" / "step.md").read_text()
+    assert "Host time of Megatron's step phases, `tilelang`" in report
+    row = next(line for line in report.splitlines() if line.startswith("| `get_grad_norm_fp32` |"))
+    calls, ms_per_iteration = row.split("|")[2:4]
+    assert float(calls) == 2.0 and 4.0 <= float(ms_per_iteration) < 50.0  # two 2 ms sleeps per iteration
+    record = json.loads((tmp_path / "out" / "bench_step_tilelang_host_timers.jsonl").read_text().splitlines()[0])
+    assert record["iterations"] == 4 and len(record["calls"]["train_step"]) == 4
+
+
+def test_host_timers_patch_megatron_on_import(tmp_path):
+    """The import hook wraps a target module's functions (and methods) when it is first imported, before other
+    modules bind them by name, so megatron-core's own callers reach the timed versions."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(f"import sys\nsys.path.insert(0, {str(Path(bs.__file__).parent)!r})\n"
+                                           "import host_timers\nhost_timers.install()\n")
+    code = ("import sys, megatron.core.distributed as d, megatron.core.optimizer.optimizer as o\n"
+            "f = sys.modules['megatron.core.distributed.finalize_model_grads']\n"
+            "print(all(hasattr(x, '__wrapped__') for x in (d.finalize_model_grads, f._update_router_expert_bias,"
+            " o.get_grad_norm_fp32, o.MixedPrecisionOptimizer.step)))\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "True"
 
 
 def test_main_fails_naming_the_variant_and_its_log(fake_runs, tmp_path, monkeypatch, capsys):

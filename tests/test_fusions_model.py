@@ -102,3 +102,46 @@ def test_grad_norm_fallback_is_routed_and_equals_megatron_cores_expression(monke
     finally:
         compat.remove_patches(((clip_grads, "l2_norm_impl", None),))
     assert clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm
+
+
+def test_multi_tensor_scale_is_bitwise_megatron_fallback_and_routed(monkeypatch):
+    """``fusions.multi_tensor_scale`` (foreach) against megatron-core's ``local_multi_tensor_scale`` bit for bit: the
+    clip (in place), the main -> model copy (fp32 -> bf16 at scale 1, through megatron-core's own
+    ``_multi_tensor_copy_this_to_that`` once routed) and a scaled copy; an empty list is a no-op."""
+    import torch
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    from megatron_glm5 import compat, fusions
+
+    g = torch.Generator().manual_seed(0)
+    src = [torch.randn(n, generator=g) * s for n, s in ((1000, 1.0), (37, 50.0), (1, 3e4), (4096, 1e-3))]
+    src[0][:3] = torch.tensor([float("inf"), -0.0, 1e-40])  # non-finite, signed zero, subnormal
+    flag = torch.zeros(1, dtype=torch.int)
+
+    def both(make_dst, scale, in_place=False):
+        outs = []
+        for fn in (utils.local_multi_tensor_scale, fusions.multi_tensor_scale):
+            a = [t.clone() for t in src]
+            b = a if in_place else make_dst()
+            fn(2048 * 32, flag, [a, b], scale)
+            outs.append(b)
+        return outs
+
+    for ref, got in (both(None, 0.37, in_place=True),
+                     both(lambda: [torch.empty_like(t, dtype=torch.bfloat16) for t in src], 1.0),
+                     both(lambda: [torch.empty_like(t) for t in src], 0.25)):
+        assert all(torch.equal(x, y) and x.dtype == y.dtype for x, y in zip(got, ref))
+    fusions.multi_tensor_scale(2048 * 32, flag, [[], []], 0.5)
+
+    monkeypatch.delenv(fusions.FUSED_MULTI_TENSOR_SCALE_ENV, raising=False)
+    try:
+        assert fusions.install_fusions()["multi_tensor_scale"]
+        assert optimizer.multi_tensor_scale_impl is clip_grads.multi_tensor_scale_impl is fusions.multi_tensor_scale
+        model = [torch.empty_like(t, dtype=torch.bfloat16) for t in src]
+        optimizer._multi_tensor_copy_this_to_that(this=src, that=model, overflow_buf=flag)
+        assert all(torch.equal(m, t.to(torch.bfloat16)) for m, t in zip(model, src))
+    finally:
+        compat.remove_patches(((optimizer, "multi_tensor_scale_impl", None),
+                               (clip_grads, "multi_tensor_scale_impl", None)))
+    assert optimizer.multi_tensor_scale_impl is utils.local_multi_tensor_scale

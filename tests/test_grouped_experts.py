@@ -249,6 +249,43 @@ def test_weight_gradients_returned_without_main_grad():
     assert all(torch.equal(a, b) for a, b in zip(got, want)) and not w[0].grad_added_to_main_grad
 
 
+def test_stacked_views_co_located_weights_and_copies_otherwise():
+    """``co_locate`` keeps each parameter (object, attributes, values) and puts them back to back; ``stacked`` then
+    views that storage (no copy; in-place updates show through) and equals ``torch.stack``. Out of order, swapped
+    out (as the distributed optimizer's buffer does) or differently shaped weights get a copy."""
+    w = [torch.nn.Parameter(torch.randn(6, 4)) for _ in range(3)]
+    for p in w:
+        p.allreduce = False
+    before = [p.detach().clone() for p in w]
+    ids = [id(p) for p in w]
+    assert ge.co_locate(w)
+    assert [id(p) for p in w] == ids and all(p.allreduce is False for p in w)
+    assert all(torch.equal(p, b) for p, b in zip(w, before))
+    view = ge.stacked(w)
+    assert torch.equal(view, torch.stack(w)) and view.data_ptr() == w[0].data_ptr()
+    with torch.no_grad():
+        w[2].add_(1.0)  # an optimizer step, in place
+    assert torch.equal(ge.stacked(w)[2], w[2])
+    for weights in (w[::-1], w[:1] + w[2:]):  # wrong order; a gap
+        copy = ge.stacked(weights)
+        assert torch.equal(copy, torch.stack(weights)) and copy.data_ptr() != w[0].data_ptr()
+    w[1].data = w[1].detach().clone()  # moved out of the block
+    copy = ge.stacked(w)
+    assert torch.equal(copy, torch.stack(w)) and copy.data_ptr() != w[0].data_ptr()
+    assert not ge.co_locate([torch.nn.Parameter(torch.zeros(2, 2)), torch.nn.Parameter(torch.zeros(2, 3))])
+    meta = [torch.nn.Parameter(torch.empty(2, 2, device="meta")) for _ in range(2)]
+    assert not ge.co_locate(meta)
+
+
+def test_experts_module_co_locates_its_weights(model_parallel):
+    """The built module's fc1 / fc2 weights are one storage each, so its grouped GEMMs read them without a copy."""
+    experts = _standalone_experts(_experts_config())
+    for name in ("linear_fc1", "linear_fc2"):
+        weights = [getattr(e, name).weight for e in experts.local_experts]
+        assert ge.stacked(weights).data_ptr() == weights[0].data_ptr(), name
+        assert weights[0].untyped_storage().nbytes() == len(weights) * weights[0].nbytes, name
+
+
 def test_experts_module_accumulates_micro_batches_into_main_grad(model_parallel, monkeypatch):
     """``TorchGroupedMLP`` with ``gradient_accumulation_fusion``: two micro-batches (one with empty experts) leave in
     ``main_grad`` exactly what DDP's per-expert adds of the unfused path leave."""

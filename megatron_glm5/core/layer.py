@@ -182,7 +182,7 @@ class DSADecoderLayer(TransformerLayer):
         self.is_dsa = hasattr(self.self_attention, "computes_topk")
         # the recompute split at the attention / MLP boundary (core/split_recompute.py), with mlp_chunks_for_training
         self.split_recompute = fusions.enabled(fusions.SPLIT_RECOMPUTE_ENV)
-        # experimental: the split's chunk count from each call's length (split_recompute.split_chunks)
+        # the split's chunk count from each call's length (split_recompute.split_chunks; on by default)
         self.chunks_by_length = fusions.enabled(fusions.MLP_CHUNKS_BY_LENGTH_ENV)
         if self.recompute_input_layernorm or self.config.cpu_offloading:
             raise NotImplementedError(

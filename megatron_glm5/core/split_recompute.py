@@ -68,7 +68,7 @@ def split_applies(layer, node, packed_seq_params) -> bool:
 
 def split_chunks(layer, hidden_states: torch.Tensor) -> int:
     """How many chunks the split runs the MLP half in for this call: ``mlp_chunks_for_training``, or with
-    ``layer.chunks_by_length`` (``MEGATRON_GLM5_MLP_CHUNKS_BY_LENGTH``, experimental) at most one per
+    ``layer.chunks_by_length`` (``MEGATRON_GLM5_MLP_CHUNKS_BY_LENGTH``, on by default) at most one per
     :data:`MIN_CHUNK_TOKENS` tokens (``[s, b, ...]``: ``s * b``), and at least one. Not by length under expert
     parallelism: the ranks of an expert group may hold different lengths and must run as many MoE calls."""
     chunks = layer.config.mlp_chunks_for_training

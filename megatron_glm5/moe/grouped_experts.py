@@ -85,6 +85,36 @@ def _aligned(dims: Sequence[int], dtype: torch.dtype) -> bool:
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def co_locate(weights: Sequence[torch.nn.Parameter]) -> bool:
+    """Move equally shaped parameters into one ``[E, *shape]`` storage, back to back in list order, so that
+    :func:`stacked` can view them instead of copying (called once, at build time, before DDP or an optimizer sees
+    the parameters; each keeps its object, attributes and values). Meta tensors are left alone. Returns whether the
+    weights were moved."""
+    w0 = weights[0]
+    if w0.device.type == "meta" or any(w.shape != w0.shape or w.dtype != w0.dtype or w.device != w0.device
+                                       for w in weights):
+        return False
+    block = torch.empty((len(weights), *w0.shape), dtype=w0.dtype, device=w0.device)
+    with torch.no_grad():
+        for e, w in enumerate(weights):
+            block[e].copy_(w)
+            w.data = block[e]
+    return True
+
+
+def stacked(weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack(weights)``, as a view where the weights lie back to back in list order in one storage (as
+    :func:`co_locate` left them; checked at every call, since a later ``.data`` swap, e.g. megatron-core's distributed
+    optimizer putting the parameters into its flat buffer, moves them), else as a copy."""
+    w0 = weights[0]
+    n, ptr, off = w0.numel(), w0.untyped_storage().data_ptr(), w0.storage_offset()
+    for e, w in enumerate(weights):
+        if (w.shape != w0.shape or w.dtype != w0.dtype or not w.is_contiguous()
+                or w.untyped_storage().data_ptr() != ptr or w.storage_offset() != off + e * n):
+            return torch.stack(weights)
+    return w0.as_strided((len(weights), *w0.shape), (n, *w0.stride()), off)
+
+
 def _zero_empty_groups(dw: torch.Tensor, empty, kernel: bool = False) -> torch.Tensor:
     """Zero the weight gradients of zero-token experts: ``empty`` is a tuple of indices (host counts: only those
     slices are written) or a bool ``[E]`` device mask (device counts, no sync: one masked pass over ``dw``, or with
@@ -123,8 +153,9 @@ def _empty_mask(empty, groups: int, device: torch.device) -> torch.Tensor:
 class _GroupedLinear(torch.autograd.Function):
     """``y[offs[e-1]:offs[e]] = x[offs[e-1]:offs[e]] @ weights[e]^T`` for ``E`` weights ``[N, K]`` (``nn.Linear``
     layout). ``x``: ``[T, K]``, rows sorted by expert; ``offs``: int32 ``[E]`` row ends, ``offs[-1] == T``; ``empty``:
-    the zero-token experts (see :func:`_zero_empty_groups`). Returns ``[T, N]``. The stacked ``[E, N, K]`` copy of the
-    weights is made again in backward instead of being saved (module docstring). With ``accumulate`` and DDP's
+    the zero-token experts (see :func:`_zero_empty_groups`). Returns ``[T, N]``. The weights as one ``[E, N, K]``
+    tensor: a view where :class:`TorchGroupedMLP` co-located them, else a copy made again in backward instead of
+    being saved (:func:`stacked`). With ``accumulate`` and DDP's
     ``main_grad`` on every weight (:func:`_main_grads`) the weight gradients are added to ``main_grad`` in one launch
     (:mod:`megatron_glm5.kernels.grouped_wgrad_accum`) and autograd gets placeholders, as megatron-core's linear
     layers do under ``gradient_accumulation_fusion``."""
@@ -137,7 +168,7 @@ class _GroupedLinear(torch.autograd.Function):
         ctx.empty, ctx.zero_kernel, ctx.accumulate = empty, zero_kernel, accumulate
         if x.shape[0] == 0:  # a rank with no tokens: grouped_mm rejects an empty contraction in backward
             return x.new_empty(0, weights[0].shape[0])
-        return _grouped_mm(x, torch.stack(weights).transpose(1, 2), offs=offs)
+        return _grouped_mm(x, stacked(weights).transpose(1, 2), offs=offs)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
@@ -152,7 +183,7 @@ class _GroupedLinear(torch.autograd.Function):
             return dx, None, None, None, None, *dws
         dy = dy.contiguous()
         if need_x:
-            dx = _grouped_mm(dy, torch.stack(weights), offs=offs)  # [T, K]
+            dx = _grouped_mm(dy, stacked(weights), offs=offs)  # [T, K]
         if need_w:
             dw = _grouped_mm(dy.t(), x, offs=offs)  # [E, N, K]: per group dy_e^T @ x_e
             mains = _main_grads(weights) if ctx.accumulate else None
@@ -212,6 +243,9 @@ class TorchGroupedMLP(SequentialMLP):
         self.fused_swiglu = enabled(FUSED_SWIGLU_ENV)
         self.zero_groups_kernel = enabled(ZERO_GROUPS_KERNEL_ENV)
         self.accumulate_wgrad = bool(cfg.gradient_accumulation_fusion) and enabled(GROUPED_WGRAD_ACCUMULATION_ENV)
+        # one [E, N, K] storage per linear, so the grouped GEMMs view the weights instead of stacking them per call
+        for name in ("linear_fc1", "linear_fc2"):
+            co_locate([getattr(e, name).weight for e in self.local_experts])
 
     def extra_repr(self) -> str:
         return f"num_local_experts={self.num_local_experts}, impl={self.impl!r}"

@@ -131,6 +131,10 @@ VARIANTS = {
                 "(a) with grouped-GEMM experts, empty experts' weight gradients zeroed by a masked pass over every "
                 "expert's (round 3; the Triton kernel is the default since round 4)",
                 (("MEGATRON_GLM5_ZERO_GROUPS_KERNEL", "0"),)),
+        Variant("tilelang-grouped-local-scale", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
+                "(a) with grouped-GEMM experts, megatron-core's no-apex multi-tensor scale (a product and a copy per "
+                "tensor for the main -> model parameter copies; the foreach route is the default since round 7)",
+                (("MEGATRON_GLM5_FUSED_MULTI_TENSOR_SCALE", "0"),)),
         Variant("tilelang-grouped-per-expert-wgrad", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
                 "(a) with grouped-GEMM experts whose weight gradients go to DDP's hook one per expert (16 adds per "
                 "grouped GEMM after a zeroing pass; the one-launch accumulation is the default since round 6)",
@@ -452,7 +456,8 @@ _REGIONS = [
     ("dispatch", re.compile(r"moe/token_dispatcher\.py|moe/router\.py|moe/moe_utils\.py|nn\.Module: TopKRouter"
                             r"|moe_layer\.py\(\d+\): (route|preprocess|dispatch|combine|postprocess"
                             r"|router_and_preprocess)\b")),
-    ("optimizer", re.compile(r"megatron/core/optimizer/|torch/optim/|clip_grads|AccumulateGrad"
+    # the routed experts' weight gradients added into DDP's main_grad (kernels/grouped_wgrad_accum.py): DDP's adds
+    ("optimizer", re.compile(r"megatron/core/optimizer/|torch/optim/|clip_grads|AccumulateGrad|grouped_wgrad_accum"
                              r"|param_and_grad_buffer\.py|distributed_data_parallel\.py\(\d+\): (?!forward)"
                              r"|finalize_model_grads")),
 ]
@@ -764,6 +769,26 @@ def make_shim() -> Path:
     return d
 
 
+def _host_timers():
+    """scripts/bench/host_timers.py (this script is also imported as a module, without its folder on the path)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("host_timers", Path(__file__).resolve().parent / "host_timers.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def host_timers_env(env: dict[str, str], out: Path, skip: int) -> dict[str, str]:
+    """Environment of a run timed by ``host_timers.py``: a ``sitecustomize`` that installs it, first on the path."""
+    site = Path(tempfile.mkdtemp(prefix="bench_step_timers_"))
+    (site / "sitecustomize.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(Path(__file__).resolve().parent)!r})\n"
+        "import host_timers\nhost_timers.install()\n")
+    return {"PYTHONPATH": os.pathsep.join([str(site), env["PYTHONPATH"]]), "GLM5_HOST_TIMERS_OUT": str(out),
+            "GLM5_HOST_TIMERS_SKIP": str(skip)}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -859,6 +884,7 @@ class VariantResult:
     profile: RunResult | None = None
     breakdown: Breakdown | None = None
     trace_path: str = ""
+    host_timers: dict | None = None  # host_timers.py's record of the timed run (--host-timers)
 
     def stats(self, skip: int) -> dict[str, float]:
         its = self.main.log.steady(skip) if self.main else []
@@ -898,7 +924,14 @@ def run_variant_main(vr: VariantResult, args, env, log_dir: Path) -> None:
     log_path = log_dir / f"bench_step_{vr.variant.name}.log"
     cmd = torchrun_cmd(args.python, args.mlm, free_port(), vr.argv)
     print(f"[bench_step] {vr.variant.name}: {args.iters} iterations -> {log_path}", flush=True)
-    rc, secs = run_logged(cmd, {**env, **dict(vr.variant.env)}, log_path, args.timeout)
+    timers_path = log_dir / f"bench_step_{vr.variant.name}_host_timers.jsonl"
+    extra_env = {}
+    if args.host_timers:
+        timers_path.unlink(missing_ok=True)
+        extra_env = host_timers_env(env, timers_path, args.skip)
+    rc, secs = run_logged(cmd, {**env, **dict(vr.variant.env), **extra_env}, log_path, args.timeout)
+    if args.host_timers and timers_path.exists():
+        vr.host_timers = json.loads(timers_path.read_text().splitlines()[0])  # rank 0
     log = parse_log(log_path.read_text(errors="replace"))
     vr.main = RunResult("main", cmd, str(log_path), rc, secs, log,
                         check_run("main", vr.variant.name, rc, log, args.iters, log_path))
@@ -1088,6 +1121,11 @@ def render_report(results: list[VariantResult], *, skip: int, meta: dict[str, An
                               f"`{r.variant.name}` (per step; the profiler's Python tracing inflates host time):", "",
                           "| source | gaps | idle ms |", "|---|---|---|"]
                 lines += [f"| `{_md(src)}` | {n} | {ms:.2f} |" for src, n, ms in r.breakdown.idle]
+    for r in results:
+        if r.host_timers:
+            lines += ["", f"Host time of Megatron's step phases, `{r.variant.name}` (timed run, `--host-timers`: "
+                          f"perf_counter around each function, no sync added; iterations past {skip}):", ""]
+            lines += _host_timers().table(r.host_timers)
     files = [Path(p).name for r in results for p in (r.main.log_path if r.main else "",
                                                      r.profile.log_path if r.profile else "", r.trace_path) if p]
     lines += ["", "Logs and traces (next to this file): " + ", ".join(f"`{f}`" for f in files) + "."]
@@ -1141,6 +1179,8 @@ def parse_args(argv: list[str] | None = None):
                         "--extra-args=--moe-grouped-gemm (a lone flag after a space reads as an option)")
     p.add_argument("--profile-step", type=int, default=5, help="iteration the profiled run records (default 5)")
     p.add_argument("--no-profile", action="store_true", help="skip the profiled runs")
+    p.add_argument("--host-timers", action="store_true",
+                   help="time Megatron's step phases on the host in the timed runs (scripts/bench/host_timers.py)")
     p.add_argument("--profile-variants", default=None,
                    help="comma-separated subset of --variants that get a profiled run (default: all of them)")
     p.add_argument("--out", default="bench_step.md",

@@ -1,0 +1,112 @@
+"""Host wall time of megatron-core's / Megatron-LM's step phases, without a profiler (``bench_step.py --host-timers``).
+
+The profiler's Python tracing inflates host time several-fold, so the optimizer phase's idle GPU gaps (issue 23) are
+timed here with ``time.perf_counter`` around the functions themselves: no device sync is added, so each number is the
+host time the call takes, which the GPU sees as idle wherever nothing is queued ahead of it (after Megatron-LM's loss
+check, which waits for the GPU).
+
+Loaded through a ``sitecustomize`` that ``bench_step.py`` writes (``install()``): each target module is patched right
+after it is first imported, before other modules bind its functions by name. At exit each rank appends one JSON line
+per run to ``$GLM5_HOST_TIMERS_OUT``: ``{name: [ms of each call in iterations past $GLM5_HOST_TIMERS_SKIP]}`` plus
+the iteration count.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+
+# module -> attributes ("Class.method" for methods) whose calls are timed
+TARGETS: dict[str, tuple[str, ...]] = {
+    "megatron.training.training": ("train_step", "training_log"),
+    "megatron.core.pipeline_parallel.schedules": ("forward_backward_no_pipelining",),
+    "megatron.core.distributed.finalize_model_grads": (
+        "finalize_model_grads", "_update_router_expert_bias", "reset_model_temporary_tensors"),
+    "megatron.core.distributed.distributed_data_parallel": ("DistributedDataParallel.zero_grad_buffer",),
+    "megatron.core.optimizer.clip_grads": ("get_grad_norm_fp32", "clip_grad_by_total_norm_fp32"),
+    "megatron.core.optimizer.optimizer": (
+        "MegatronOptimizer._filter_grads_for_norm", "MegatronOptimizer.clip_grad_norm",
+        "MixedPrecisionOptimizer.step", "MixedPrecisionOptimizer.prepare_grads",
+        "MixedPrecisionOptimizer.step_with_ready_grads", "Float16OptimizerWithFloat16Params.zero_grad",
+        "Float16OptimizerWithFloat16Params._copy_model_grads_to_main_grads",
+        "Float16OptimizerWithFloat16Params._copy_main_params_to_model_params"),
+    "megatron.core.rerun_state_machine": ("RerunStateMachine.validate_result",),
+}
+ITERATION = "train_step"  # each call starts an iteration
+
+_calls: dict[str, list[float]] = defaultdict(list)
+_iteration = [0]
+
+
+def _timed(name: str, fn):
+    skip = int(os.environ.get("GLM5_HOST_TIMERS_SKIP", "3"))
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if name == ITERATION:
+            _iteration[0] += 1
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if _iteration[0] > skip:
+                _calls[name].append((time.perf_counter() - t0) * 1e3)
+
+    return wrapper
+
+
+def _patch(module) -> None:
+    for target in TARGETS[module.__name__]:
+        owner, _, attr = target.rpartition(".")
+        obj = getattr(module, owner) if owner else module
+        setattr(obj, attr, _timed(target, getattr(obj, attr)))
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Patches each module of :data:`TARGETS` right after it executes."""
+
+    def find_spec(self, name, path, target=None):
+        if name not in TARGETS:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return None
+        execute = spec.loader.exec_module
+
+        def exec_module(module):
+            execute(module)
+            _patch(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def _dump() -> None:
+    out = os.environ.get("GLM5_HOST_TIMERS_OUT")
+    if not out or not _calls:
+        return
+    skip = int(os.environ.get("GLM5_HOST_TIMERS_SKIP", "3"))
+    record = {"iterations": max(0, _iteration[0] - skip), "calls": dict(_calls)}
+    with open(out, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def install() -> None:
+    sys.meta_path.insert(0, _Finder())
+    atexit.register(_dump)
+
+
+def table(record: dict) -> list[str]:
+    """Markdown rows: per function, calls and host ms per iteration (inclusive of what it calls)."""
+    n = max(1, record["iterations"])
+    rows = ["| function (inclusive) | calls / iteration | host ms / iteration | ms / call |", "|---|---|---|---|"]
+    for name, ms in sorted(record["calls"].items(), key=lambda kv: -sum(kv[1])):
+        rows.append(f"| `{name}` | {len(ms) / n:.1f} | {sum(ms) / n:.2f} | {sum(ms) / len(ms):.3f} |")
+    return rows
