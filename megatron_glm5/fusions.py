@@ -213,12 +213,20 @@ def multi_tensor_scale(chunk_size: int, noop_flag, tensor_lists, scale: float) -
     """megatron-core's ``local_multi_tensor_scale`` (``amp_C.multi_tensor_scale``'s contract: ``dst = src * scale``
     cast to ``dst``'s dtype, for ``tensor_lists = [srcs, dsts]``; ``noop_flag`` unused, as there) with torch's foreach
     ops and the same result bit for bit: in place (the gradient clip) one ``_foreach_mul_``; a copy at scale 1 (the
-    main -> model parameters: ``src * 1`` is ``src``) one casting ``_foreach_copy_``; otherwise both."""
+    main -> model parameters: ``src * 1`` is ``src``) one casting ``_foreach_copy_``; otherwise both. ``scale``: a
+    Python number (megatron-core's callers). Lists that alias one another only in part take the per-pair loop, whose
+    order the result then depends on."""
     src, dst = list(tensor_lists[0]), list(tensor_lists[1])
-    if not src:
+    n = min(len(src), len(dst))  # zip's pairing, as the fallback
+    src, dst = src[:n], dst[:n]
+    if not n:
         return
-    if all(s is d for s, d in zip(src, dst)):
+    same = [s is d for s, d in zip(src, dst)]
+    if all(same):
         torch._foreach_mul_(dst, scale)
+    elif any(same) or {id(t) for t in src} & {id(t) for t in dst}:
+        for s, d in zip(src, dst):
+            d.copy_(s * scale)
     elif scale == 1.0:
         torch._foreach_copy_(dst, src)
     else:

@@ -483,12 +483,23 @@ class MergedWeights:
     exporters that stream a model's sharded state dict box by box (one box's delta at a time)."""
 
     def __init__(self, model):
-        self._by_storage: dict[int, LoraLinear] = {}
+        # several weights may share one storage (TorchGroupedMLP co-locates its experts' weights): a list per storage
+        self._by_storage: dict[int, list[LoraLinear]] = {}
         for m in lora_modules(model):
-            self._by_storage[m.weight.untyped_storage().data_ptr()] = m
+            self._by_storage.setdefault(m.weight.untyped_storage().data_ptr(), []).append(m)
+
+    def _owner(self, t: torch.Tensor) -> LoraLinear | None:
+        """The adapted linear whose weight's elements include ``t``'s first element."""
+        if t.device.type == "meta":
+            return None
+        off = t.storage_offset()
+        for m in self._by_storage.get(t.untyped_storage().data_ptr(), ()):
+            if m.weight.storage_offset() <= off < m.weight.storage_offset() + m.weight.numel():
+                return m
+        return None
 
     def __call__(self, t: torch.Tensor) -> torch.Tensor:
-        m = self._by_storage.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
+        m = self._owner(t)
         if m is None:
             return t
         w = m.weight

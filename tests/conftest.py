@@ -11,8 +11,9 @@ import os
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # megatron's jit_fuser is torch.compile: slow and useless on CPU
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # the tests' sequences are far below split_recompute.MIN_CHUNK_TOKENS: chunk counts by length (the default) would run
-# every MLP whole, so the chunked paths are tested at the counts asked for; test_chunks_by_length turns the rule on
-os.environ.setdefault("MEGATRON_GLM5_MLP_CHUNKS_BY_LENGTH", "0")
+# every MLP whole, so the chunked paths are tested at the counts asked for (forced: an exported 1 would make them
+# compare whole against whole); test_chunks_by_length turns the rule on
+os.environ["MEGATRON_GLM5_MLP_CHUNKS_BY_LENGTH"] = "0"
 
 import pytest
 import torch

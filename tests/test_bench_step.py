@@ -8,6 +8,7 @@ import gzip
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -354,19 +355,21 @@ def test_host_timers_reach_the_report(fake_runs, tmp_path):
 
 def test_host_timers_patch_megatron_on_import(tmp_path):
     """The import hook wraps a target module's functions (and methods) when it is first imported, before other
-    modules bind them by name, so megatron-core's own callers reach the timed versions."""
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(f"import sys\nsys.path.insert(0, {str(Path(bs.__file__).parent)!r})\n"
-                                           "import host_timers\nhost_timers.install()\n")
+    modules bind them by name, so megatron-core's own callers reach the timed versions; every target exists in the
+    pinned megatron-core; a sitecustomize the generated one shadows still runs."""
+    env, site = bs.host_timers_env({"PYTHONPATH": os.environ.get("PYTHONPATH", "")}, tmp_path / "t.jsonl", 0)
+    (tmp_path / "theirs").mkdir()  # a sitecustomize the generated one shadows: it still runs
+    (tmp_path / "theirs" / "sitecustomize.py").write_text("import builtins\nbuiltins.GLM5_THEIRS = True\n")
     code = ("import sys, megatron.core.distributed as d, megatron.core.optimizer.optimizer as o\n"
             "f = sys.modules['megatron.core.distributed.finalize_model_grads']\n"
             "print(all(hasattr(x, '__wrapped__') for x in (d.finalize_model_grads, f._update_router_expert_bias,"
-            " o.get_grad_norm_fp32, o.MixedPrecisionOptimizer.step)))\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+            " o.get_grad_norm_fp32, o.ChainedOptimizer.step)), GLM5_THEIRS)\n")
+    env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join([env["PYTHONPATH"], str(tmp_path / "theirs")])}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip().splitlines()[-1] == "True"
+    assert out.stdout.strip().splitlines()[-1] == "True True"
+    assert "not timed" not in out.stderr
+    shutil.rmtree(site)
 
 
 def test_main_fails_naming_the_variant_and_its_log(fake_runs, tmp_path, monkeypatch, capsys):

@@ -133,6 +133,12 @@ def test_multi_tensor_scale_is_bitwise_megatron_fallback_and_routed(monkeypatch)
                      both(lambda: [torch.empty_like(t) for t in src], 0.25)):
         assert all(torch.equal(x, y) and x.dtype == y.dtype for x, y in zip(got, ref))
     fusions.multi_tensor_scale(2048 * 32, flag, [[], []], 0.5)
+    # lists aliasing each other in part: the per-pair order, as megatron-core's loop
+    x, y, z = (torch.full((3,), v) for v in (1.0, 2.0, 3.0))
+    ref = [t.clone() for t in (x, y, z)]
+    utils.local_multi_tensor_scale(0, flag, [[ref[0], ref[1]], [ref[1], ref[2]]], 0.25)
+    fusions.multi_tensor_scale(0, flag, [[x, y], [y, z]], 0.25)
+    assert all(torch.equal(a, b) for a, b in zip((x, y, z), ref))
 
     monkeypatch.delenv(fusions.FUSED_MULTI_TENSOR_SCALE_ENV, raising=False)
     try:

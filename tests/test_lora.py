@@ -331,10 +331,16 @@ def test_merged_export_equals_base_plus_lora(checkpoint, backend, model_parallel
     assert diff <= 2e-5 and moved > 0.1  # 1e-5 parity plus the fp32 rounding moved into the merged weights
 
 
-def test_merged_export_equals_peft(checkpoint, model_parallel, tmp_path):
-    """A peft-representable adapter: transformers on our merged export = transformers + peft, within 1e-5 (relative)."""
+@pytest.mark.parametrize("experts", ["sequential", "grouped"])
+def test_merged_export_equals_peft(checkpoint, model_parallel, tmp_path, experts):
+    """A peft-representable adapter: transformers on our merged export = transformers + peft, within 1e-5 (relative);
+    also with TorchGroupedMLP, whose experts' weights share one storage per linear (each expert's delta must reach
+    its own rows)."""
+    from megatron_glm5.model import default_cpu_policy
+
     raw, path = checkpoint
-    model = from_hf_pretrained(path)
+    policy = default_cpu_policy(moe_grouped_gemm="on") if experts == "grouped" else None
+    model = from_hf_pretrained(path, policy=policy)
     add_lora(model, LoraConfig(4, 8, init_lora_weights=False))
     bridge.export_peft_adapter(model, tmp_path / "adapter")
     bridge.export_hf(model, tmp_path / "merged", merge_lora=True)

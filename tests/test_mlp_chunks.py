@@ -151,6 +151,13 @@ def test_split_only_for_the_last_layer_of_a_checkpoint_chunk(model_parallel, spl
         assert runs[number] == ([False] * 3 + [True] * 3 if split else unsplit), number
 
 
+def test_chunks_by_length_is_the_default(model_parallel, monkeypatch):
+    """Without the switch in the environment the layers count chunks by length (the test session forces it off)."""
+    monkeypatch.delenv(fusions.MLP_CHUNKS_BY_LENGTH_ENV)
+    _, model = _build(4)
+    assert all(layer.chunks_by_length for layer in model.decoder.layers)
+
+
 @pytest.mark.parametrize("min_tokens,sizes", [(32, [16, 16, 16]), (1000, [48])], ids=["3-of-4", "1-of-4"])
 def test_chunks_by_length(model_parallel, monkeypatch, min_tokens, sizes):
     """MEGATRON_GLM5_MLP_CHUNKS_BY_LENGTH: at most one chunk per MIN_CHUNK_TOKENS tokens (2 x 48 here), in the first

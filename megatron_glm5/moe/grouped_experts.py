@@ -2,10 +2,10 @@
 
 Without Transformer Engine megatron-core 0.19.2 runs routed experts through ``SequentialMLP`` (a host sync and a
 Python loop over experts); :class:`TorchGroupedMLP` *is* a ``SequentialMLP`` (same submodules, parameter names and
-checkpoints) whose ``forward`` runs two ``grouped_mm`` over the stacked expert weights, with a fallback to the
-per-expert loop where ``grouped_mm`` cannot run (logged once per reason). Expert TP, router probabilities, why the
-weights are stacked per call, zero-token experts, DDP's parameter-gather hooks, the paths and what is refused:
-``docs/design/grouped_experts.md``.
+checkpoints) whose ``forward`` runs two ``grouped_mm`` over the expert weights as one ``[E, N, K]`` tensor (a view:
+the module keeps each linear's expert weights in one storage), with a fallback to the per-expert loop where
+``grouped_mm`` cannot run (logged once per reason). Expert TP, router probabilities, how the weights reach the GEMM,
+zero-token experts, DDP's parameter-gather hooks, the paths and what is refused: ``docs/design/grouped_experts.md``.
 """
 
 from __future__ import annotations
@@ -111,6 +111,9 @@ def stacked(weights: Sequence[torch.Tensor]) -> torch.Tensor:
     for e, w in enumerate(weights):
         if (w.shape != w0.shape or w.dtype != w0.dtype or not w.is_contiguous()
                 or w.untyped_storage().data_ptr() != ptr or w.storage_offset() != off + e * n):
+            _log_once("megatron-glm5 MoE experts: the expert weights are not back to back in one storage (e.g. "
+                      "megatron-core's distributed optimizer or a CPU-initialised model moved them), so the grouped "
+                      "GEMMs stack a copy of them per call")
             return torch.stack(weights)
     return w0.as_strided((len(weights), *w0.shape), (n, *w0.stride()), off)
 

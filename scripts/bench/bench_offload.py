@@ -182,6 +182,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_offload.py needs a CUDA device")
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+    from megatron_glm5 import fusions
     from megatron_glm5.parallel import destroy_model_parallel, initialize_model_parallel
 
     budget = _host_budget_gb(args.host_budget_gb)
@@ -246,7 +247,9 @@ def main() -> None:
         "",
         f"GLM-5-shaped slice (hidden 6144, 16 heads, 4 MoE layers of 16 experts top-8 width 2048 + shared, indexer "
         f"32x128 top-k 2048, IndexShare [F,S,F,S], vocab 1024), bf16, `{args.backend}` backend, recompute "
-        f"{args.recompute}, MLP chunks {args.mlp_chunks}, batch 1, one fwd+bwd per size; PYTORCH_CUDA_ALLOC_CONF="
+        f"{args.recompute}, MLP chunks {args.mlp_chunks} "
+        f"(by length: {fusions.enabled(fusions.MLP_CHUNKS_BY_LENGTH_ENV)}), "
+        f"batch 1, one fwd+bwd per size; PYTORCH_CUDA_ALLOC_CONF="
         f"{os.environ.get('PYTORCH_CUDA_ALLOC_CONF', 'unset')}; host budget for offload {budget:.0f} GB.",
         "",
         "| tokens | no offload: peak GB | offload: peak GB | offload: host GB |",

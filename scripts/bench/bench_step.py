@@ -779,14 +779,29 @@ def _host_timers():
     return module
 
 
-def host_timers_env(env: dict[str, str], out: Path, skip: int) -> dict[str, str]:
-    """Environment of a run timed by ``host_timers.py``: a ``sitecustomize`` that installs it, first on the path."""
+_TIMERS_SITE = """\
+import importlib.machinery, importlib.util, os, sys
+_spec = importlib.util.spec_from_file_location("host_timers", {path!r})
+_module = importlib.util.module_from_spec(_spec)
+sys.modules["host_timers"] = _module
+_spec.loader.exec_module(_module)
+_module.install()
+# the sitecustomize this one shadows, if any
+_here = os.path.dirname(os.path.abspath(__file__))
+_next = importlib.machinery.PathFinder.find_spec("sitecustomize", [p for p in sys.path if os.path.abspath(p) != _here])
+if _next is not None and _next.loader is not None:
+    _next.loader.exec_module(importlib.util.module_from_spec(_next))
+"""
+
+
+def host_timers_env(env: dict[str, str], out: Path, skip: int) -> tuple[dict[str, str], Path]:
+    """Environment of a run timed by ``host_timers.py`` (a ``sitecustomize`` that loads and installs it, first on the
+    path), and that ``sitecustomize``'s folder (the caller removes it)."""
     site = Path(tempfile.mkdtemp(prefix="bench_step_timers_"))
     (site / "sitecustomize.py").write_text(
-        f"import sys\nsys.path.insert(0, {str(Path(__file__).resolve().parent)!r})\n"
-        "import host_timers\nhost_timers.install()\n")
-    return {"PYTHONPATH": os.pathsep.join([str(site), env["PYTHONPATH"]]), "GLM5_HOST_TIMERS_OUT": str(out),
-            "GLM5_HOST_TIMERS_SKIP": str(skip)}
+        _TIMERS_SITE.format(path=str(Path(__file__).resolve().parent / "host_timers.py")))
+    return ({"PYTHONPATH": os.pathsep.join([str(site), env["PYTHONPATH"]]), "GLM5_HOST_TIMERS_OUT": str(out),
+             "GLM5_HOST_TIMERS_SKIP": str(skip)}, site)
 
 
 def free_port() -> int:
@@ -925,13 +940,17 @@ def run_variant_main(vr: VariantResult, args, env, log_dir: Path) -> None:
     cmd = torchrun_cmd(args.python, args.mlm, free_port(), vr.argv)
     print(f"[bench_step] {vr.variant.name}: {args.iters} iterations -> {log_path}", flush=True)
     timers_path = log_dir / f"bench_step_{vr.variant.name}_host_timers.jsonl"
-    extra_env = {}
+    extra_env, site = {}, None
     if args.host_timers:
         timers_path.unlink(missing_ok=True)
-        extra_env = host_timers_env(env, timers_path, args.skip)
-    rc, secs = run_logged(cmd, {**env, **dict(vr.variant.env), **extra_env}, log_path, args.timeout)
+        extra_env, site = host_timers_env(env, timers_path, args.skip)
+    try:
+        rc, secs = run_logged(cmd, {**env, **dict(vr.variant.env), **extra_env}, log_path, args.timeout)
+    finally:
+        if site is not None:
+            shutil.rmtree(site, ignore_errors=True)
     if args.host_timers and timers_path.exists():
-        vr.host_timers = json.loads(timers_path.read_text().splitlines()[0])  # rank 0
+        vr.host_timers = json.loads(timers_path.read_text().splitlines()[0])  # first rank to exit
     log = parse_log(log_path.read_text(errors="replace"))
     vr.main = RunResult("main", cmd, str(log_path), rc, secs, log,
                         check_run("main", vr.variant.name, rc, log, args.iters, log_path))

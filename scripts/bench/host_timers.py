@@ -5,10 +5,11 @@ timed here with ``time.perf_counter`` around the functions themselves: no device
 host time the call takes, which the GPU sees as idle wherever nothing is queued ahead of it (after Megatron-LM's loss
 check, which waits for the GPU).
 
-Loaded through a ``sitecustomize`` that ``bench_step.py`` writes (``install()``): each target module is patched right
-after it is first imported, before other modules bind its functions by name. At exit each rank appends one JSON line
-per run to ``$GLM5_HOST_TIMERS_OUT``: ``{name: [ms of each call in iterations past $GLM5_HOST_TIMERS_SKIP]}`` plus
-the iteration count.
+Loaded through a ``sitecustomize`` that ``bench_step.py`` writes (``install()``; it then runs the ``sitecustomize``
+it shadows, if any): each target module is patched right after it is first imported, before other modules bind its
+functions by name. At exit each rank appends one JSON line to ``$GLM5_HOST_TIMERS_OUT``: ``{name: [ms of each call
+in iterations past $GLM5_HOST_TIMERS_SKIP]}`` plus the iteration count. Inclusive times of host calls: what the GPU
+sees as idle is at most this (a call may run while queued kernels keep the GPU busy).
 """
 
 from __future__ import annotations
@@ -32,8 +33,7 @@ TARGETS: dict[str, tuple[str, ...]] = {
     "megatron.core.distributed.distributed_data_parallel": ("DistributedDataParallel.zero_grad_buffer",),
     "megatron.core.optimizer.clip_grads": ("get_grad_norm_fp32", "clip_grad_by_total_norm_fp32"),
     "megatron.core.optimizer.optimizer": (
-        "MegatronOptimizer._filter_grads_for_norm", "MegatronOptimizer.clip_grad_norm",
-        "MixedPrecisionOptimizer.step", "MixedPrecisionOptimizer.prepare_grads",
+        "MegatronOptimizer._filter_grads_for_norm", "ChainedOptimizer.step", "MixedPrecisionOptimizer.prepare_grads",
         "MixedPrecisionOptimizer.step_with_ready_grads", "Float16OptimizerWithFloat16Params.zero_grad",
         "Float16OptimizerWithFloat16Params._copy_model_grads_to_main_grads",
         "Float16OptimizerWithFloat16Params._copy_main_params_to_model_params"),
@@ -63,10 +63,15 @@ def _timed(name: str, fn):
 
 
 def _patch(module) -> None:
+    """Wrap the module's targets; one that moved (another release) is reported and skipped, never fatal."""
     for target in TARGETS[module.__name__]:
         owner, _, attr = target.rpartition(".")
-        obj = getattr(module, owner) if owner else module
-        setattr(obj, attr, _timed(target, getattr(obj, attr)))
+        obj = getattr(module, owner, None) if owner else module
+        fn = vars(obj).get(attr) if obj is not None else None
+        if not callable(fn):  # also refuses staticmethod / classmethod objects (their wrapping would change them)
+            print(f"[host_timers] {module.__name__}.{target}: not a plain function here, not timed", file=sys.stderr)
+            continue
+        setattr(obj, attr, _timed(target, fn))
 
 
 class _Finder(importlib.abc.MetaPathFinder):

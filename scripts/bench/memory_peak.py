@@ -356,6 +356,7 @@ def main() -> None:
     from bench_offload import build, step
     from report import emit
 
+    from megatron_glm5 import fusions
     from megatron_glm5.parallel import destroy_model_parallel, initialize_model_parallel
 
     initialize_model_parallel()
@@ -364,8 +365,8 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     lines = [f"## Peak GPU memory by source ({datetime.date.today()}, commit {commit or 'n/a'}, "
              f"{torch.cuda.get_device_name(0)}, recompute {args.recompute}, backend {args.backend}, "
-             f"offload {'on' if args.offload else 'off'}, MLP chunks {args.mlp_chunks}; bench_offload.py's slice, one "
-             "fwd+bwd)", ""]
+             f"offload {'on' if args.offload else 'off'}, MLP chunks {args.mlp_chunks} (by length: "
+             f"{fusions.enabled(fusions.MLP_CHUNKS_BY_LENGTH_ENV)}); bench_offload.py's slice, one fwd+bwd)", ""]
     for seq in args.seqs:
         if args.cycles:
             lines += cycles(model, seq)
