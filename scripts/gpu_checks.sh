@@ -16,7 +16,9 @@
 # the gather-sum MoE permutation vs its oracle and megatron-core's, and its speed), rope_cat
 # (tests/gpu/test_rope_cat_gpu.py: the fused RoPE + concatenation vs its oracle, and its speed), optim_fusions
 # (tests/gpu/test_optim_fusions_gpu.py: weight-gradient accumulation and fused Adam vs their oracles, and speed),
-# zero_groups (tests/gpu/test_zero_groups_gpu.py: the zero-groups kernel vs masked_fill, and speed), grouped_wgrad_accum
+# zero_groups (tests/gpu/test_zero_groups_gpu.py: the zero-groups kernel vs masked_fill, and speed), mask_ranges
+# (tests/gpu/test_mask_ranges_gpu.py: the dense mask's key ranges in one Triton pass vs the torch passes, and speed),
+# grouped_wgrad_accum
 # (tests/gpu/test_grouped_wgrad_accum_gpu.py: expert weight gradients into main_grad in one launch vs DDP's adds),
 # grouped_route (the kernel tests with the grouped sparse MLA, the default route, also in their own autograd calls),
 # per_query_route (the backend and RL GPU tests with MEGATRON_GLM5_GROUPED_SPARSE_MLA=0: the per-query kernels the
@@ -46,6 +48,7 @@ for step in "$@"; do
     rms_norm) run rms_norm 120 python3 -m pytest tests/gpu/test_rms_norm_gpu.py -q -s -p no:cacheprovider ;;
     swiglu) run swiglu 120 python3 -m pytest tests/gpu/test_swiglu_gpu.py -q -s -p no:cacheprovider ;;
     moe_permute) run moe_permute 120 python3 -m pytest tests/gpu/test_moe_permute_gpu.py -q -s -p no:cacheprovider ;;
+    mask_ranges) run mask_ranges 120 python3 -m pytest tests/gpu/test_mask_ranges_gpu.py -q -s -p no:cacheprovider ;;
     zero_groups) run zero_groups 120 python3 -m pytest tests/gpu/test_zero_groups_gpu.py -q -s -p no:cacheprovider ;;
     grouped_wgrad_accum) run grouped_wgrad_accum 120 python3 -m pytest tests/gpu/test_grouped_wgrad_accum_gpu.py -q -s -p no:cacheprovider ;;
     optim_fusions) run optim_fusions 120 python3 -m pytest tests/gpu/test_optim_fusions_gpu.py -q -s -p no:cacheprovider ;;

@@ -44,8 +44,10 @@ def test_key_ranges_in_several_passes_equal_one_pass(monkeypatch):
     docs[0, :, 17:, :17] = True
     docs[1, :, :, :5] = True
     one = masks._ranges(docs, s, 2)
-    monkeypatch.setattr(masks, "ROW_CHUNK", 7)
-    monkeypatch.setattr(masks, "CHUNK_ELEMENTS", 2 * 7 * s)  # 7 rows per pass: 6 passes, the last one short
+    from megatron_glm5.kernels import mask_ranges
+
+    monkeypatch.setattr(mask_ranges, "ROW_CHUNK", 7)
+    monkeypatch.setattr(mask_ranges, "CHUNK_ELEMENTS", 2 * 7 * s)  # 7 rows per pass: 6 passes, the last one short
     several = masks._ranges(docs, s, 2)
     assert all(torch.equal(a, b) for a, b in zip(one, several))
     assert one[0][0, 20].item() == 17 and one[0][1, 3].item() == 3  # a document start; a padded row's empty range

@@ -14,7 +14,8 @@ Conventions: a ``bool`` mask is True where attention is *blocked* (megatron-core
 additive (blocked where negative, e.g. ``-inf``, as HF builds them). Shape ``[B, 1, s, s]`` or ``[B, s, s]`` with
 ``B`` the batch or 1 (broadcast).
 
-Cost: one pass over the mask, in row chunks, per distinct mask: every layer of a forward (and the recompute of its
+Cost: one pass over the mask (:mod:`megatron_glm5.kernels.mask_ranges`: torch in row chunks, or one Triton kernel
+with ``MEGATRON_GLM5_MASK_RANGES_KERNEL=1``), per distinct mask: every layer of a forward (and the recompute of its
 checkpoints, which see detached views of the same storage) reuses the ranges of the first layer (:func:`key_ranges`
 memoises by storage, shape and in-place version).
 """
@@ -25,16 +26,12 @@ import weakref
 
 import torch
 
+from .. import fusions
 from ..device_check import check_on_device
+from ..kernels.mask_ranges import mask_ranges, mask_ranges_reference
 
-ROW_CHUNK = 1024  # at least this many query rows per pass over the mask
-CHUNK_ELEMENTS = 1 << 26  # at most this many mask elements per pass (more rows when the sequence is short)
 _MEMO_SIZE = 8
 _memo: dict[tuple, tuple[weakref.ref, int, tuple[torch.Tensor, torch.Tensor]]] = {}
-
-
-def _blocked(mask: torch.Tensor) -> torch.Tensor:
-    return mask if mask.dtype == torch.bool else mask < 0
 
 
 def _ranges(mask: torch.Tensor, seqlen: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,23 +44,9 @@ def _ranges(mask: torch.Tensor, seqlen: int, batch: int) -> tuple[torch.Tensor, 
             f"attention_mask must be [b, 1, s, s] or [b, s, s] with b in (1, {batch}) and s = {seqlen} (the full "
             f"sequence), got {tuple(mask.shape)}"
         )
-    rows = torch.arange(seqlen, device=mask.device)
-    starts = torch.empty(mask.shape[0], seqlen, dtype=torch.int64, device=mask.device)
-    ends = torch.empty_like(starts)
-    ok = torch.ones((), dtype=torch.bool, device=mask.device)
-    # each pass is ~20 kernels over a [B, rows, s] slice: one pass up to 8K tokens (issue 23: fewer launches per step)
-    chunk = max(ROW_CHUNK, CHUNK_ELEMENTS // max(1, mask.shape[0] * seqlen))
-    for r0 in range(0, seqlen, chunk):
-        r1 = min(seqlen, r0 + chunk)
-        allowed = ~_blocked(mask[:, r0:r1])  # [B, c, s]
-        count = allowed.sum(-1)  # [B, c]
-        first = allowed.to(torch.uint8).argmax(-1)
-        last = seqlen - 1 - allowed.flip(-1).to(torch.uint8).argmax(-1)
-        t = rows[r0:r1]
-        empty = count == 0
-        ok &= (empty | ((last - first + 1 == count) & (last <= t))).all()
-        starts[:, r0:r1] = torch.where(empty, t, first)
-        ends[:, r0:r1] = torch.where(empty, t, last + 1)
+    # the Triton kernel (one pass) where enabled and it takes the mask, else the torch passes it is checked against
+    ranges = mask_ranges if fusions.enabled(fusions.MASK_RANGES_KERNEL_ENV) else mask_ranges_reference
+    starts, ends, ok = ranges(mask)
     check_on_device(
         ok,
         "attention_mask: every row must allow one contiguous range of keys at or before the query (causal, "

@@ -135,6 +135,9 @@ VARIANTS = {
                 "(a) with grouped-GEMM experts, megatron-core's no-apex multi-tensor scale (a product and a copy per "
                 "tensor for the main -> model parameter copies; the foreach route is the default since round 7)",
                 (("MEGATRON_GLM5_FUSED_MULTI_TENSOR_SCALE", "0"),)),
+        Variant("tilelang-grouped-mask-kernel", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
+                "(a) with grouped-GEMM experts and the experimental one-pass mask-ranges kernel "
+                "(`MEGATRON_GLM5_MASK_RANGES_KERNEL=1`)", (("MEGATRON_GLM5_MASK_RANGES_KERNEL", "1"),)),
         Variant("tilelang-grouped-per-expert-wgrad", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
                 "(a) with grouped-GEMM experts whose weight gradients go to DDP's hook one per expert (16 adds per "
                 "grouped GEMM after a zeroing pass; the one-launch accumulation is the default since round 6)",
