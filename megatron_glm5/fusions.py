@@ -227,10 +227,9 @@ def multi_tensor_scale(chunk_size: int, noop_flag, tensor_lists, scale: float) -
     src, dst = src[:n], dst[:n]
     if not n:
         return
-    same = [s is d for s, d in zip(src, dst)]
-    if all(same):
+    if all(s is d for s, d in zip(src, dst)):
         torch._foreach_mul_(dst, scale)
-    elif any(same) or {id(t) for t in src} & {id(t) for t in dst}:
+    elif {id(t) for t in src} & {id(t) for t in dst}:
         for s, d in zip(src, dst):
             d.copy_(s * scale)
     elif scale == 1.0:

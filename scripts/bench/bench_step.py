@@ -772,16 +772,6 @@ def make_shim() -> Path:
     return d
 
 
-def _host_timers():
-    """scripts/bench/host_timers.py (this script is also imported as a module, without its folder on the path)."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("host_timers", Path(__file__).resolve().parent / "host_timers.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 _TIMERS_SITE = """\
 import importlib.machinery, importlib.util, os, sys
 _spec = importlib.util.spec_from_file_location("host_timers", {path!r})
@@ -795,6 +785,15 @@ _next = importlib.machinery.PathFinder.find_spec("sitecustomize", [p for p in sy
 if _next is not None and _next.loader is not None:
     _next.loader.exec_module(importlib.util.module_from_spec(_next))
 """
+
+
+def host_timers_table(record: dict) -> list[str]:
+    """Markdown rows of one ``host_timers.py`` record: per function, calls and host ms per iteration (inclusive)."""
+    n = max(1, record["iterations"])
+    rows = ["| function (inclusive) | calls / iteration | host ms / iteration | ms / call |", "|---|---|---|---|"]
+    for name, ms in sorted(record["calls"].items(), key=lambda kv: -sum(kv[1])):
+        rows.append(f"| `{name}` | {len(ms) / n:.1f} | {sum(ms) / n:.2f} | {sum(ms) / len(ms):.3f} |")
+    return rows
 
 
 def host_timers_env(env: dict[str, str], out: Path, skip: int) -> tuple[dict[str, str], Path]:
@@ -1147,7 +1146,7 @@ def render_report(results: list[VariantResult], *, skip: int, meta: dict[str, An
         if r.host_timers:
             lines += ["", f"Host time of Megatron's step phases, `{r.variant.name}` (timed run, `--host-timers`: "
                           f"perf_counter around each function, no sync added; iterations past {skip}):", ""]
-            lines += _host_timers().table(r.host_timers)
+            lines += host_timers_table(r.host_timers)
     files = [Path(p).name for r in results for p in (r.main.log_path if r.main else "",
                                                      r.profile.log_path if r.profile else "", r.trace_path) if p]
     lines += ["", "Logs and traces (next to this file): " + ", ".join(f"`{f}`" for f in files) + "."]

@@ -2,7 +2,7 @@
 
 The profiler's Python tracing inflates host time several-fold, so the optimizer phase's idle GPU gaps (issue 23) are
 timed here with ``time.perf_counter`` around the functions themselves: no device sync is added, so each number is the
-host time the call takes, which the GPU sees as idle wherever nothing is queued ahead of it (after Megatron-LM's loss
+host time the call takes, which the GPU sees as idle wherever nothing is queued ahead of it (after DDP's gradient
 check, which waits for the GPU).
 
 Loaded through a ``sitecustomize`` that ``bench_step.py`` writes (``install()``; it then runs the ``sitecustomize``
@@ -40,14 +40,13 @@ TARGETS: dict[str, tuple[str, ...]] = {
     "megatron.core.rerun_state_machine": ("RerunStateMachine.validate_result",),
 }
 ITERATION = "train_step"  # each call starts an iteration
+SKIP = int(os.environ.get("GLM5_HOST_TIMERS_SKIP", "3"))  # iterations not recorded (warm-up)
 
 _calls: dict[str, list[float]] = defaultdict(list)
 _iteration = [0]
 
 
 def _timed(name: str, fn):
-    skip = int(os.environ.get("GLM5_HOST_TIMERS_SKIP", "3"))
-
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         if name == ITERATION:
@@ -56,7 +55,7 @@ def _timed(name: str, fn):
         try:
             return fn(*args, **kwargs)
         finally:
-            if _iteration[0] > skip:
+            if _iteration[0] > SKIP:
                 _calls[name].append((time.perf_counter() - t0) * 1e3)
 
     return wrapper
@@ -97,8 +96,7 @@ def _dump() -> None:
     out = os.environ.get("GLM5_HOST_TIMERS_OUT")
     if not out or not _calls:
         return
-    skip = int(os.environ.get("GLM5_HOST_TIMERS_SKIP", "3"))
-    record = {"iterations": max(0, _iteration[0] - skip), "calls": dict(_calls)}
+    record = {"iterations": max(0, _iteration[0] - SKIP), "calls": dict(_calls)}
     with open(out, "a") as f:
         f.write(json.dumps(record) + "\n")
 
@@ -107,11 +105,3 @@ def install() -> None:
     sys.meta_path.insert(0, _Finder())
     atexit.register(_dump)
 
-
-def table(record: dict) -> list[str]:
-    """Markdown rows: per function, calls and host ms per iteration (inclusive of what it calls)."""
-    n = max(1, record["iterations"])
-    rows = ["| function (inclusive) | calls / iteration | host ms / iteration | ms / call |", "|---|---|---|---|"]
-    for name, ms in sorted(record["calls"].items(), key=lambda kv: -sum(kv[1])):
-        rows.append(f"| `{name}` | {len(ms) / n:.1f} | {sum(ms) / n:.2f} | {sum(ms) / len(ms):.3f} |")
-    return rows
