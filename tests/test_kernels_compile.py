@@ -71,6 +71,10 @@ COMPILE_CASES = {
     "indexer_logits_plain_glm": ("megatron_glm5.kernels.indexer_topk", "_jit_logits_plain", (32, 128)),
     "topk_select_small": ("megatron_glm5.kernels.indexer_topk", "_jit_select", (64,)),
     "topk_select_glm": ("megatron_glm5.kernels.indexer_topk", "_jit_select", (2048,)),
+    # the select with one score load in flight per thread (the default loads 4 before binning them)
+    "topk_select_batch1": ("megatron_glm5.kernels.indexer_topk", "_jit_select", (2048, 256, 0, 1)),
+    # 11-bit score digits: three radix rounds over the score, a 2048-bin histogram searched 8 bins per thread
+    "topk_select_digits11": ("megatron_glm5.kernels.indexer_topk", "_jit_select", (2048, 256, 0, 4, 11)),
     # KPool (GLM-5.3-Flash): the same indexer kernel scores the pool keys, top-(index_topk // P) = 512 pools
     "topk_select_kpool": ("megatron_glm5.kernels.indexer_topk", "_jit_select", (512,)),
     # sparse indexer KL loss (5 kernels, ~20-30 s each cold on 2 cores): index scores at GLM-5's 32 x 128, the
@@ -220,6 +224,14 @@ def test_sparse_mla_bwd_bulk_dkv_refuses_what_it_cannot_stage():
         _jit_bwd()(16, 576, 512, 1 / 16, False, dkv_split=2, dkv_reduce="bulk")
     with pytest.raises(ValueError, match="not with deterministic=True"):  # the partial-buffer path has no atomics
         _jit_bwd()(16, 576, 512, 1 / 16, True, dkv_reduce="bulk")
+
+
+def test_topk_select_refuses_bad_batch_and_digit_bits():
+    pytest.importorskip("tilelang")
+    with pytest.raises(ValueError, match="batch >= 1, got 0"):
+        indexer_mod._jit_select()(2048, batch=0)
+    with pytest.raises(ValueError, match="8 <= digit_bits <= 12, got 13"):
+        indexer_mod._jit_select()(2048, digit_bits=13)
 
 
 def test_sparse_mla_head_dims():

@@ -20,10 +20,12 @@ Two kernels per query chunk of ``C`` rows; the only large temporary is the chunk
    is taken whole (usually after 2-3 of the 4 score digits; index digits only run when equal scores straddle the
    boundary), the histogram's suffix sums by a warp-shuffle scan. The selected keys are collected with
    ballot-compacted writes and bitonic-sorted in shared memory. -0.0 is folded into +0.0 so that equal scores compare
-   equal, as in the reference's ``torch.sort``. The kernel is bound by the latency of its passes and barriers, so
-   it is sized for residency: 256 threads, registers capped for 8 CTAs per SM (measured on H200: a row kept in
-   shared memory, or a two-pass select with a candidate list, each left fewer CTAs per SM and ran 1.2-1.9x slower;
-   ``scripts/bench/RESULTS_kernels.md``, round 2).
+   equal, as in the reference's ``torch.sort``. It is sized for residency: 256 threads, registers capped for 8 CTAs
+   per SM (measured on H200: a row kept in shared memory, or a two-pass select with a candidate list, each left
+   fewer CTAs per SM and ran 1.2-1.9x slower), and each thread loads 4 scores before binning them (one load at a
+   time made every pass a chain of dependent loads: 8.89 -> 8.05 ms at 32K). With that it is issue-bound (ncu:
+   SM 80.7 % at 95 % occupancy): the instructions per score and pass are what is left
+   (``scripts/bench/RESULTS_kernels.md``, round 2, first and sixth sessions).
 
 Provenance: the logits kernel's shape (keys as M, ``block_q = 128 // heads``, reshape + head reduction on the
 fragment) follows megatron-core 0.19.2 ``ops/tilelang_indexer_fwd.py`` / tile-ai/tilelang
@@ -155,18 +157,22 @@ def _jit_logits_plain():
             tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
         },
     )
-    def indexer_logits_plain(heads: int, dim: int, block_n: int = 128, threads: int = 128, min_blocks: int = 2):
+    def indexer_logits_plain(heads: int, dim: int, block_n: int = 128, threads: int = 128, min_blocks: int = 2,
+                             block_q: int = 0):
         """The logits kernel's contract (``indexer_logits``, exact products) without warp specialisation: every
         thread loads key tiles with predicated ``cp.async`` (zero-fill past ``T_kv``) into two stages by hand, and
         registers are capped for ``min_blocks`` CTAs per SM, so one CTA's epilogue (ReLU, weights, head sum, store)
         runs while another's GEMM holds the tensor cores; the specialised kernel is one CTA per SM whose epilogue
-        does not overlap its next GEMM. The interface's kernel where the shape allows (:func:`logits_kernel`)."""
-        block_q = max(1, 128 // heads)
+        does not overlap its next GEMM. The interface's kernel where the shape allows (:func:`logits_kernel`).
+        ``block_q``: queries per CTA (0: ``128 // heads``); each key tile is read from L2 once per CTA, so more
+        queries per CTA read fewer key bytes (8 at 32 heads: a ``[block_n, 256]`` accumulator)."""
+        block_q = block_q or max(1, 128 // heads)
         n_cols = block_q * heads
         chunks = dim // 8  # 16-byte cp.async pieces per key row
-        if not plain_logits_fits(heads, dim, block_n, threads):
-            raise ValueError(f"plain logits kernel needs (128 // heads) * heads % 16 == 0, dim % 64 == 0 and the tile "
-                             f"split evenly over the threads; got heads={heads}, dim={dim}, threads={threads}")
+        if not plain_logits_fits(heads, dim, block_n, threads) or n_cols % 16:
+            raise ValueError(f"plain logits kernel needs block_q * heads % 16 == 0, dim % 64 == 0 and the tile "
+                             f"split evenly over the threads; got heads={heads}, dim={dim}, threads={threads}, "
+                             f"block_q={block_q}")
         rows_per_pass = threads // chunks
         t_len = T.dynamic("t_len")
         t_kv = T.dynamic("t_kv")
@@ -261,24 +267,43 @@ def _jit_select():
     tilelang, T = tilelang_modules()
 
     @tilelang.jit
-    def topk_select(topk: int, threads: int = 256, min_blocks: int = 0):
+    def topk_select(topk: int, threads: int = 256, min_blocks: int = 0, batch: int = 4, digit_bits: int = 8):
         """Exact top-``topk`` of ``Logits[r, starts[t]:ends[t]]`` per row, sorted, ties to the lower index.
 
         ``min_blocks`` (0: as many as the SM's 2048 threads allow): CTAs per SM the registers must leave room for.
         The select is bound by the latency of its passes and barriers, not by bandwidth, so resident CTAs matter
         most (measured: keeping the row in shared memory, or a two-pass select with a candidate list, cost CTAs
-        per SM and were slower)."""
+        per SM and were slower). ``batch``: scores each thread loads before it bins any of them, per pass over the
+        row (1: one load in flight per thread, each pass a chain of dependent load -> bin steps). ``digit_bits``:
+        width of the score's radix digits (8: four rounds over the score word; 11: three, 11 + 11 + 10, with a
+        2048-bin histogram searched by 256 threads of 8 bins each), so fewer passes over the row usually reach the
+        bucket that holds the k-th key; the index word's digits stay 8 bits (they run only on exact ties)."""
         blocks = min_blocks or max(1, 2048 // threads)
         sort_n = next_power_of_2(max(topk, 2))
         if threads % 32 or threads < 256:
             raise ValueError(f"topk_select needs threads >= 256 and a multiple of 32, got {threads}")
+        if batch < 1:
+            raise ValueError(f"topk_select needs batch >= 1, got {batch}")
+        span = threads * batch  # row elements per iteration of a pass
+        if not 8 <= digit_bits <= 12:
+            raise ValueError(f"topk_select needs 8 <= digit_bits <= 12, got {digit_bits}")
+        # Radix rounds, high digit first: (word, shift, bits); "h" the score word, "l" the ~index word.
+        rounds = []
+        rem = 32
+        while rem > 0:
+            b = min(digit_bits, rem)
+            rem -= b
+            rounds.append(("h", rem, b))
+        n_score = len(rounds)
+        rounds += [("l", sh, 8) for sh in (24, 16, 8, 0)]
+        hist_n = 1 << digit_bits  # 256 bins for 8-bit digits
+        per_thread = hist_n // 256  # bins each of the first 256 threads searches
         t_len = T.dynamic("t_len")
         t_kv = T.dynamic("t_kv")
         n_rows = T.dynamic("n_rows")
         f32, i32, u32 = T.float32, T.int32, T.uint32
         n_sort_pairs = sort_n // 2
-        # A Python list expands at trace time (compile-time round numbers); range() would become a TIR loop.
-        rounds = list(range(8))
+        # ``rounds`` is a Python list: it expands at trace time (compile-time digits); range() would be a TIR loop.
         log_sort = sort_n.bit_length() - 1
 
         @T.prim_func
@@ -291,7 +316,7 @@ def _jit_select():
         ):
             with T.Kernel(n_rows, threads=threads) as bx:
                 T.annotate_min_blocks_per_sm(blocks)
-                hist = T.alloc_shared([256], i32)
+                hist = T.alloc_shared([hist_n], i32)
                 wsum = T.alloc_shared([8], i32)
                 # st: 0 prefix_hi, 1 prefix_lo, 2 remaining need, 3 done, 5 digit, 6 above, 7 bucket,
                 #     8 threshold_hi, 9 threshold_lo
@@ -310,6 +335,8 @@ def _jit_select():
                 peers = T.alloc_var(u32)
                 ballot = T.alloc_var(u32)
                 pos = T.alloc_var(i32)
+                raw = T.alloc_local([batch], u32)
+                run = T.alloc_var(i32)
 
                 tx = T.get_thread_binding()
                 lane = tx % 32
@@ -317,7 +344,7 @@ def _jit_select():
                 s0 = T.max(T.min(Starts[t], t_kv), 0)
                 e0 = T.max(T.min(Ends[t], t_kv), s0)
                 n = e0 - s0
-                n_it = T.ceildiv(n, threads)
+                n_it = T.ceildiv(n, span)
 
                 if tx == 0:
                     st[0] = T.uint32(0)
@@ -329,53 +356,65 @@ def _jit_select():
                     st[9] = T.uint32(0)
                 T.sync_threads()
 
-                for r in rounds:
+                for r, (word, shift, bits) in enumerate(rounds):
                     if st[3] == T.uint32(0):
-                        if tx < 256:
-                            hist[tx] = 0
+                        for hz in T.unroll(-(-hist_n // threads)):
+                            if hz * threads + tx < hist_n:
+                                hist[hz * threads + tx] = 0
                         T.sync_threads()
                         ph = st[0]
                         pl = st[1]
                         for it in T.serial(n_it):
-                            j = s0 + it * threads + tx
-                            # Order-preserving uint32 of the fp32 score (larger float -> larger key), -0.0 folded into
-                            # +0.0 (statements, so the generated code does not repeat subexpressions).
-                            uk = T.reinterpret(Logits[bx, T.min(j, t_kv - 1)], u32)
-                            if (uk & T.uint32(0x7FFFFFFF)) == T.uint32(0):
-                                uk = T.uint32(0)
-                            if (uk & T.uint32(0x80000000)) != T.uint32(0):
-                                kh = ~uk
-                            else:
-                                kh = uk | T.uint32(0x80000000)
-                            # The low word ~index makes every key distinct and prefers the lower index.
-                            kl = T.uint32(0xFFFFFFFF) - T.cast(j, u32)
-                            dg = 256
-                            if j < e0:
-                                if r == 0:
-                                    dg = T.cast(kh >> T.uint32(24), i32)
-                                elif r < 4:
-                                    if (kh >> T.uint32(32 - 8 * r)) == ph:
-                                        dg = T.cast((kh >> T.uint32(24 - 8 * r)) & T.uint32(0xFF), i32)
-                                elif r == 4:
-                                    if kh == ph:
-                                        dg = T.cast(kl >> T.uint32(24), i32)
+                            for v in T.unroll(batch):  # all loads first: ``batch`` in flight per thread
+                                j = s0 + it * span + v * threads + tx
+                                raw[v] = T.reinterpret(Logits[bx, T.min(j, t_kv - 1)], u32)
+                            for v in T.unroll(batch):
+                                j = s0 + it * span + v * threads + tx
+                                # Order-preserving uint32 of the fp32 score (larger float -> larger key), -0.0
+                                # folded into +0.0 (statements, so the generated code does not repeat subexpressions).
+                                uk = raw[v]
+                                if (uk & T.uint32(0x7FFFFFFF)) == T.uint32(0):
+                                    uk = T.uint32(0)
+                                if (uk & T.uint32(0x80000000)) != T.uint32(0):
+                                    kh = ~uk
                                 else:
-                                    if kh == ph and (kl >> T.uint32(64 - 8 * r)) == pl:
-                                        dg = T.cast((kl >> T.uint32(24 - 8 * (r - 4))) & T.uint32(0xFF), i32)
-                            if r == 0:
-                                # Every element lands in the first histogram, often in a few bins (scores share
-                                # their exponent): aggregate per warp, one shared atomic per distinct digit.
-                                peers = T.match_any_sync(dg)
-                                if dg < 256 and lane == T.__ffs(T.cast(peers, i32)) - 1:
-                                    T.atomic_add(hist[dg], T.cast(T.popcount(peers), i32))
-                            elif dg < 256:
-                                # Later rounds only see the few elements that still match the prefix.
-                                T.atomic_add(hist[dg], 1)
+                                    kh = uk | T.uint32(0x80000000)
+                                # The low word ~index makes every key distinct and prefers the lower index.
+                                kl = T.uint32(0xFFFFFFFF) - T.cast(j, u32)
+                                dg = hist_n  # no digit: the key left the prefix (or the row)
+                                mask = T.uint32((1 << bits) - 1)
+                                if j < e0:
+                                    if r == 0:
+                                        dg = T.cast(kh >> T.uint32(shift), i32)
+                                    elif word == "h":
+                                        if (kh >> T.uint32(shift + bits)) == ph:
+                                            dg = T.cast((kh >> T.uint32(shift)) & mask, i32)
+                                    elif r == n_score:
+                                        if kh == ph:
+                                            dg = T.cast(kl >> T.uint32(shift), i32)
+                                    else:
+                                        if kh == ph and (kl >> T.uint32(shift + bits)) == pl:
+                                            dg = T.cast((kl >> T.uint32(shift)) & mask, i32)
+                                if r == 0:
+                                    # Every element lands in the first histogram, often in a few bins (scores share
+                                    # their exponent): aggregate per warp, one shared atomic per distinct digit.
+                                    peers = T.match_any_sync(dg)
+                                    if dg < hist_n and lane == T.__ffs(T.cast(peers, i32)) - 1:
+                                        T.atomic_add(hist[dg], T.cast(T.popcount(peers), i32))
+                                elif dg < hist_n:
+                                    # Later rounds only see the few elements that still match the prefix.
+                                    T.atomic_add(hist[dg], 1)
                         T.sync_threads()
                         # The bucket holding the need-th largest key: suffix sums of the histogram, a warp-shuffle
-                        # scan per 32 bins plus the totals of the warps above.
+                        # scan per 32 threads plus the totals of the warps above; each of the first 256 threads owns
+                        # ``per_thread`` consecutive bins (one for 8-bit digits).
                         if tx < 256:
-                            mine = hist[tx]
+                            if per_thread == 1:
+                                mine = hist[tx]
+                            else:
+                                mine = 0
+                                for gi in T.unroll(per_thread):
+                                    mine = mine + hist[tx * per_thread + gi]
                             suffix = mine
                             for d in T.unroll(5):
                                 above = T.shfl_down(suffix, 1 << d)
@@ -390,32 +429,34 @@ def _jit_select():
                                 if w > tx // 32:
                                     above = above + wsum[w]
                             need = T.cast(st[2], i32)
-                            if above < need and above + mine >= need:
-                                st[5] = T.cast(tx, u32)
-                                st[6] = T.cast(above, u32)
-                                st[7] = T.cast(mine, u32)
+                            if per_thread == 1:
+                                if above < need and above + mine >= need:
+                                    st[5] = T.cast(tx, u32)
+                                    st[6] = T.cast(above, u32)
+                                    st[7] = T.cast(mine, u32)
+                            else:  # walk this thread's bins from the highest down
+                                run = above
+                                for gi in T.unroll(per_thread):
+                                    bin_ = tx * per_thread + (per_thread - 1 - gi)
+                                    if run < need and run + hist[bin_] >= need:
+                                        st[5] = T.cast(bin_, u32)
+                                        st[6] = T.cast(run, u32)
+                                        st[7] = T.cast(hist[bin_], u32)
+                                    run = run + hist[bin_]
                         T.sync_threads()
                         if tx == 0:
                             b = st[5]
                             need_new = st[2] - st[6]
                             st[2] = need_new
-                            if r < 4:
-                                st[0] = (st[0] << T.uint32(8)) | b
-                            else:
-                                st[1] = (st[1] << T.uint32(8)) | b
                             # Threshold = prefix padded with zeros: select keys >= it.
-                            if r < 3:
-                                st[8] = st[0] << T.uint32(24 - 8 * r)
+                            if word == "h":
+                                st[0] = (st[0] << T.uint32(bits)) | b
+                                st[8] = st[0] << T.uint32(shift)
                                 st[9] = T.uint32(0)
-                            elif r == 3:
-                                st[8] = st[0]
-                                st[9] = T.uint32(0)
-                            elif r < 7:
-                                st[8] = st[0]
-                                st[9] = st[1] << T.uint32(24 - 8 * (r - 4))
                             else:
+                                st[1] = (st[1] << T.uint32(bits)) | b
                                 st[8] = st[0]
-                                st[9] = st[1]
+                                st[9] = st[1] << T.uint32(shift)
                             if st[7] == need_new:
                                 st[3] = T.uint32(1)
                         T.sync_threads()
@@ -424,25 +465,30 @@ def _jit_select():
                 th = st[8]
                 tl_ = st[9]
                 for it in T.serial(n_it):
-                    j = s0 + it * threads + tx
-                    # Same key as in the rounds above.
-                    uk = T.reinterpret(Logits[bx, T.min(j, t_kv - 1)], u32)
-                    if (uk & T.uint32(0x7FFFFFFF)) == T.uint32(0):
-                        uk = T.uint32(0)
-                    if (uk & T.uint32(0x80000000)) != T.uint32(0):
-                        kh = ~uk
-                    else:
-                        kh = uk | T.uint32(0x80000000)
-                    kl = T.uint32(0xFFFFFFFF) - T.cast(j, u32)
-                    sel = (j < e0) and ((kh > th) or (kh == th and kl >= tl_))
-                    ballot = T.cast(T.ballot_sync(sel), u32)
-                    if lane == 0:
-                        base = T.atomic_add(cnt_s[0], T.cast(T.popcount(ballot), i32), return_prev=True)
-                    base = T.shfl_sync(base, 0)
-                    pos = base + T.cast(T.popcount(ballot & ((T.uint32(1) << T.cast(lane, u32)) - T.uint32(1))), i32)
-                    if sel and pos < sort_n:
-                        key_h[pos] = kh
-                        key_l[pos] = kl
+                    for v in T.unroll(batch):
+                        j = s0 + it * span + v * threads + tx
+                        raw[v] = T.reinterpret(Logits[bx, T.min(j, t_kv - 1)], u32)
+                    for v in T.unroll(batch):
+                        j = s0 + it * span + v * threads + tx
+                        # Same key as in the rounds above.
+                        uk = raw[v]
+                        if (uk & T.uint32(0x7FFFFFFF)) == T.uint32(0):
+                            uk = T.uint32(0)
+                        if (uk & T.uint32(0x80000000)) != T.uint32(0):
+                            kh = ~uk
+                        else:
+                            kh = uk | T.uint32(0x80000000)
+                        kl = T.uint32(0xFFFFFFFF) - T.cast(j, u32)
+                        sel = (j < e0) and ((kh > th) or (kh == th and kl >= tl_))
+                        ballot = T.cast(T.ballot_sync(sel), u32)
+                        if lane == 0:
+                            base = T.atomic_add(cnt_s[0], T.cast(T.popcount(ballot), i32), return_prev=True)
+                        base = T.shfl_sync(base, 0)
+                        below = ballot & ((T.uint32(1) << T.cast(lane, u32)) - T.uint32(1))
+                        pos = base + T.cast(T.popcount(below), i32)
+                        if sel and pos < sort_n:
+                            key_h[pos] = kh
+                            key_l[pos] = kl
                 T.sync_threads()
                 count = T.min(cnt_s[0], sort_n)
                 for it in T.serial(T.ceildiv(sort_n, threads)):

@@ -47,12 +47,20 @@ BWD = "megatron_glm5.kernels.sparse_mla_bwd"
 # (block_n, num_stages, threads, block_q, exact_products); the default first
 LOGITS_VARIANTS = [(128, 2, 256, 4, True), (128, 2, 256, 4, False), (64, 2, 256, 4, True), (64, 3, 256, 4, True),
                    (128, 3, 256, 4, True)]
-# the logits kernel without warp specialisation (_jit_logits_plain): (block_n, threads, min_blocks)
-PLAIN_VARIANTS = [(128, 256, 2), (64, 256, 3), (128, 128, 2)]
-SELECT_VARIANTS = [(256, 0), (512, 0), (512, 3), (1024, 0)]  # (threads, min_blocks: 0 = 2048 // threads); default first
+# the logits kernel without warp specialisation (_jit_logits_plain): (block_n, threads, min_blocks[, block_q]);
+# the interface's default first
+PLAIN_VARIANTS = [(128, 128, 2), (64, 128, 2, 8), (128, 256, 1, 8), (64, 256, 2, 8), (128, 256, 2)]
+# (threads, min_blocks: 0 = 2048 // threads, batch: scores loaded per thread before binning[, digit_bits: the score
+# digits' width, 8 by default]); one load in flight first (the kernel before batching)
+SELECT_VARIANTS = [(256, 0, 1), (256, 0, 2), (256, 0, 4), (256, 0, 8), (256, 4, 8), (256, 0, 4, 11), (256, 0, 8, 11),
+                   (256, 0, 4, 12)]
 # (block_s, threads, dkv_split, dkv_reduce); the default first
 BWD_VARIANTS = {64: [(32, 0, 4, "atomic"), (32, 0, 4, "bulk"), (32, 0, 2, "atomic")],
                 16: [(32, 0, 4, "atomic"), (32, 0, 4, "bulk"), (32, 0, 2, "atomic")]}
+
+
+# sections whose kernels are known by factory name (the others build the whole list)
+SECTION_KERNELS = {"select": {"_jit_select"}, "logits": {"_jit_logits", "_jit_logits_plain"}}
 
 
 def kernels_to_build() -> list[tuple]:
@@ -128,7 +136,8 @@ def section_logits(seq: int = 32768, check_seq: int = 5000) -> list[str]:
     cbuf = torch.empty(check_seq, check_seq, device="cuda")
     causal = torch.ones(check_seq, check_seq, dtype=torch.bool, device="cuda").tril()
     lines = [f"| logits (S={seq}): ws (block_n, stages, threads, block_q, exact) or plain (block_n, threads, "
-             f"min CTAs per SM) | ms | TFLOP/s (causal pairs) | bitwise equal to the first at {check_seq} tokens |",
+             f"min CTAs per SM[, queries per CTA]) | ms | TFLOP/s (causal pairs) "
+             f"| bitwise equal to the first at {check_seq} tokens |",
              "|---|---|---|---|"]
     ref = None
     variants = [("ws", v) for v in LOGITS_VARIANTS] + [("plain", v) for v in PLAIN_VARIANTS]
@@ -282,8 +291,9 @@ def section_route(seq: int = 16384, heads: int = 16, localities=(None, 0.5, 0.9,
 
 def section_select(seqs=(8192, 32768, 65536)) -> list[str]:
     im = importlib.import_module(IDX)
-    lines = ["| S | threads | min CTAs per SM | select ms (all chunks) | equal to the first variant |",
-             "|---|---|---|---|---|"]
+    lines = ["| S | threads | min CTAs per SM | batch | digit bits | select ms (all chunks) "
+             "| equal to the first variant |",
+             "|---|---|---|---|---|---|---|"]
     for seq in seqs:
         q, k, w, starts, ends = indexer_inputs(seq)
         rows = im.logits_chunk_rows(seq, 4)
@@ -301,7 +311,8 @@ def section_select(seqs=(8192, 32768, 65536)) -> list[str]:
             ms = timed(lambda: [sk(b, starts, ends, o, out) for o, b in bufs])
             same = "-" if ref is None else str(bool(torch.equal(out, ref)))
             ref = out.clone() if ref is None else ref
-            lines.append(f"| {seq} | {v[0]} | {v[1] or 2048 // v[0]} | {ms:.2f} | {same} |")
+            bits = v[3] if len(v) > 3 else 8
+            lines.append(f"| {seq} | {v[0]} | {v[1] or 2048 // v[0]} | {v[2]} | {bits} | {ms:.2f} | {same} |")
         del bufs
         torch.cuda.empty_cache()
     return lines
@@ -404,7 +415,12 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    if args.workers and not build_in_parallel(kernels_to_build(), args.workers):
+    wanted = set(args.sections.split(","))
+    cases = kernels_to_build()
+    if wanted <= set(SECTION_KERNELS):  # only these sections: build only their kernels
+        getters = set().union(*(SECTION_KERNELS[w] for w in wanted))
+        cases = [c for c in cases if c[1] in getters]
+    if args.workers and not build_in_parallel(cases, args.workers):
         print("some kernels failed to build (see above); the sections that need them will fail", flush=True)
     sections = {k[len("section_"):]: v for k, v in globals().items() if k.startswith("section_")}
     run_sweep_sections(args.sections, sections, args.out)

@@ -578,6 +578,37 @@ def test_indexer_topk_short_rows_pad_with_minus_one():
     assert mismatched == 0
 
 
+@pytest.mark.parametrize("batch,digit_bits", [(1, 8), (2, 8), (8, 8), (4, 11), (1, 11), (4, 12)])
+def test_select_variants_match_the_default_bitwise(batch, digit_bits):
+    """The select's ``batch`` (scores loaded per thread before binning) changes only when loads are issued and
+    ``digit_bits`` only how many radix rounds reach the k-th key: every variant gives the same rows bitwise, on scores
+    with many exact ties, ranges that start off any alignment, rows shorter than one iteration's span and rows
+    shorter than top-k."""
+    idx_mod = importlib.import_module("megatron_glm5.kernels.indexer_topk")
+    g = torch.Generator(device="cuda").manual_seed(61)
+    n_rows, t_kv, topk = 700, 9000, 2048
+    logits = (torch.randn(n_rows, t_kv, device="cuda", generator=g) * 8).round() / 8  # few distinct values
+    logits[::7] = logits[::7].neg()
+    starts = torch.randint(0, 3000, (n_rows,), device="cuda", dtype=torch.int32, generator=g)
+    lengths = torch.randint(0, 6000, (n_rows,), device="cuda", dtype=torch.int32, generator=g)
+    lengths[::5] = torch.randint(0, 300, (lengths[::5].numel(),), device="cuda", dtype=torch.int32, generator=g)
+    ends = (starts + lengths).clamp(max=t_kv).int()
+    row0 = torch.zeros(1, dtype=torch.int32, device="cuda")
+    outs = {}
+    for key in ((4, 8), (batch, digit_bits)):  # (4, 8): the interface's default
+        out = torch.full((n_rows, topk), -7, dtype=torch.int32, device="cuda")
+        idx_mod._jit_select()(topk, batch=key[0], digit_bits=key[1])(logits, starts, ends, row0, out)
+        outs[key] = out
+    assert torch.equal(outs[(batch, digit_bits)], outs[(4, 8)])
+    # and the contract itself on the default: in range, then -1, sorted by score with ties to the lower index
+    for r in range(0, n_rows, 97):
+        s, e = int(starts[r]), int(ends[r])
+        vals = logits[r, s:e].double()
+        order = sorted(range(e - s), key=lambda i: (-float(vals[i]), i))[:topk]
+        expect = [s + i for i in order] + [-1] * (topk - len(order))
+        assert outs[(4, 8)][r].tolist() == expect, f"row {r}"
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # NoPE latent (GLM-5.3-Flash): d_qk == d_v == 512, KPool top-k width index_topk + P - 1 = 2051
 # --------------------------------------------------------------------------------------------------------------------
