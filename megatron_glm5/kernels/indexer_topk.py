@@ -306,6 +306,12 @@ def _jit_select():
         # ``rounds`` is a Python list: it expands at trace time (compile-time digits); range() would be a TIR loop.
         log_sort = sort_n.bit_length() - 1
 
+        @T.macro
+        def load_scores(Logits, raw, bx, it, s0, t_kv, tx):
+            # all loads first: ``batch`` in flight per thread (clamped, so unconditional; j >= e0 is masked later)
+            for v in T.unroll(batch):
+                raw[v] = T.reinterpret(Logits[bx, T.min(s0 + it * span + v * threads + tx, t_kv - 1)], u32)
+
         @T.prim_func
         def main(
             Logits: T.Tensor([n_rows, t_kv], f32),
@@ -365,9 +371,7 @@ def _jit_select():
                         ph = st[0]
                         pl = st[1]
                         for it in T.serial(n_it):
-                            for v in T.unroll(batch):  # all loads first: ``batch`` in flight per thread
-                                j = s0 + it * span + v * threads + tx
-                                raw[v] = T.reinterpret(Logits[bx, T.min(j, t_kv - 1)], u32)
+                            load_scores(Logits, raw, bx, it, s0, t_kv, tx)
                             for v in T.unroll(batch):
                                 j = s0 + it * span + v * threads + tx
                                 # Order-preserving uint32 of the fp32 score (larger float -> larger key), -0.0
@@ -465,9 +469,7 @@ def _jit_select():
                 th = st[8]
                 tl_ = st[9]
                 for it in T.serial(n_it):
-                    for v in T.unroll(batch):
-                        j = s0 + it * span + v * threads + tx
-                        raw[v] = T.reinterpret(Logits[bx, T.min(j, t_kv - 1)], u32)
+                    load_scores(Logits, raw, bx, it, s0, t_kv, tx)
                     for v in T.unroll(batch):
                         j = s0 + it * span + v * threads + tx
                         # Same key as in the rounds above.
