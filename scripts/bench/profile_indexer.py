@@ -1,7 +1,7 @@
 """One launch of the indexer's logits kernel or its top-k select at a given shape, for a profiler (issue #22: what
 bounds each of the two kernels behind ``indexer_topk_interface``). Only the launch of interest runs inside
 ``cudaProfilerStart/Stop``, so ``--profile-from-start off`` picks it without launch counting. The launch is the last
-query chunk of the interface's chunking (its longest causal rows), after a warm-up run of every chunk.
+query chunk of the interface's chunking (its longest causal rows), after one warm-up launch of both kernels on it.
 
     ncu --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --profile-from-start off \\
         python scripts/bench/profile_indexer.py --kernel logits --seq 32768

@@ -60,7 +60,7 @@ BWD_VARIANTS = {64: [(32, 0, 4, "atomic"), (32, 0, 4, "bulk"), (32, 0, 2, "atomi
 
 
 # sections whose kernels are known by factory name (the others build the whole list)
-SECTION_KERNELS = {"select": {"_jit_select"}, "logits": {"_jit_logits", "_jit_logits_plain"}}
+SECTION_KERNELS = {"select": {"_jit_select", "_jit_logits"}, "logits": {"_jit_logits", "_jit_logits_plain"}}
 
 
 def kernels_to_build() -> list[tuple]:

@@ -583,30 +583,34 @@ def test_select_variants_match_the_default_bitwise(batch, digit_bits):
     """The select's ``batch`` (scores loaded per thread before binning) changes only when loads are issued and
     ``digit_bits`` only how many radix rounds reach the k-th key: every variant gives the same rows bitwise, on scores
     with many exact ties, ranges that start off any alignment, rows shorter than one iteration's span and rows
-    shorter than top-k."""
+    shorter or longer than top-k, run in two chunks as the interface runs them (the second at a row offset)."""
     idx_mod = importlib.import_module("megatron_glm5.kernels.indexer_topk")
     g = torch.Generator(device="cuda").manual_seed(61)
-    n_rows, t_kv, topk = 700, 9000, 2048
+    n_rows, t_kv, topk, split = 700, 9000, 2048, 350
     logits = (torch.randn(n_rows, t_kv, device="cuda", generator=g) * 8).round() / 8  # few distinct values
     logits[::7] = logits[::7].neg()
     starts = torch.randint(0, 3000, (n_rows,), device="cuda", dtype=torch.int32, generator=g)
     lengths = torch.randint(0, 6000, (n_rows,), device="cuda", dtype=torch.int32, generator=g)
     lengths[::5] = torch.randint(0, 300, (lengths[::5].numel(),), device="cuda", dtype=torch.int32, generator=g)
-    ends = (starts + lengths).clamp(max=t_kv).int()
-    row0 = torch.zeros(1, dtype=torch.int32, device="cuda")
+    ends = (starts + lengths).int()
     outs = {}
     for key in ((4, 8), (batch, digit_bits)):  # (4, 8): the interface's default
+        kernel = idx_mod._jit_select()(topk, batch=key[0], digit_bits=key[1])
         out = torch.full((n_rows, topk), -7, dtype=torch.int32, device="cuda")
-        idx_mod._jit_select()(topk, batch=key[0], digit_bits=key[1])(logits, starts, ends, row0, out)
+        for r0, r1 in ((0, split), (split, n_rows)):  # chunk rows r0..r1: Logits row bx is token r0 + bx
+            kernel(logits[r0:r1], starts, ends, torch.full((1,), r0, dtype=torch.int32, device="cuda"), out)
         outs[key] = out
     assert torch.equal(outs[(batch, digit_bits)], outs[(4, 8)])
     # and the contract itself on the default: in range, then -1, sorted by score with ties to the lower index
-    for r in range(0, n_rows, 97):
+    checked = []
+    for r in range(0, n_rows, 47):
         s, e = int(starts[r]), int(ends[r])
-        vals = logits[r, s:e].double()
-        order = sorted(range(e - s), key=lambda i: (-float(vals[i]), i))[:topk]
+        vals = logits[r, s:e].tolist()
+        order = sorted(range(e - s), key=lambda i: (-vals[i], i))[:topk]
         expect = [s + i for i in order] + [-1] * (topk - len(order))
         assert outs[(4, 8)][r].tolist() == expect, f"row {r}"
+        checked.append(e - s)
+    assert min(checked) < topk < max(checked), checked  # both kinds of row were checked
 
 
 # --------------------------------------------------------------------------------------------------------------------
