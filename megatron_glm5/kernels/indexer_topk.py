@@ -42,7 +42,7 @@ import functools
 
 import torch
 
-from megatron_glm5.kernels._common import check_tensor, next_power_of_2, tilelang_modules
+from megatron_glm5.kernels._common import cdiv, check_tensor, next_power_of_2, tilelang_modules
 
 LOGITS_CHUNK_BYTES = 1 << 30
 
@@ -271,9 +271,8 @@ def _jit_select():
         """Exact top-``topk`` of ``Logits[r, starts[t]:ends[t]]`` per row, sorted, ties to the lower index.
 
         ``min_blocks`` (0: as many as the SM's 2048 threads allow): CTAs per SM the registers must leave room for.
-        The select is bound by the latency of its passes and barriers, not by bandwidth, so resident CTAs matter
-        most (measured: keeping the row in shared memory, or a two-pass select with a candidate list, cost CTAs
-        per SM and were slower). ``batch``: scores each thread loads before it bins any of them, per pass over the
+        Resident CTAs matter most, not bandwidth (measured: keeping the row in shared memory, or a two-pass select
+        with a candidate list, cost CTAs per SM and were slower; 4 CTAs with ``batch=8`` too). ``batch``: scores each thread loads before it bins any of them, per pass over the
         row (1: one load in flight per thread, each pass a chain of dependent load -> bin steps). ``digit_bits``:
         width of the score's radix digits (8: four rounds over the score word; 11: three, 11 + 11 + 10, with a
         2048-bin histogram searched by 256 threads of 8 bins each; 12: 12 + 12 + 8), so fewer passes over the row
@@ -289,7 +288,8 @@ def _jit_select():
         span = threads * batch  # row elements per iteration of a pass
         if digit_bits not in (8, 11, 12):  # 9 and 10 leave four score rounds, as 8 does: nothing saved
             raise ValueError(f"topk_select needs digit_bits 8, 11 or 12, got {digit_bits}")
-        # Radix rounds, high digit first: (word, shift, bits); "h" the score word, "l" the ~index word.
+        # Radix rounds, high digit first: (word, shift, bits); "h" the score word, "l" the ~index word. A Python list:
+        # it expands at trace time (compile-time digits); range() would become a TIR loop.
         rounds = []
         rem = 32
         while rem > 0:
@@ -305,7 +305,6 @@ def _jit_select():
         n_rows = T.dynamic("n_rows")
         f32, i32, u32 = T.float32, T.int32, T.uint32
         n_sort_pairs = sort_n // 2
-        # ``rounds`` is a Python list: it expands at trace time (compile-time digits); range() would be a TIR loop.
         log_sort = sort_n.bit_length() - 1
 
         @T.macro
@@ -366,7 +365,7 @@ def _jit_select():
 
                 for r, (word, shift, bits) in enumerate(rounds):
                     if st[3] == T.uint32(0):
-                        for hz in T.unroll(-(-hist_n // threads)):
+                        for hz in T.unroll(cdiv(hist_n, threads)):
                             if hz * threads + tx < hist_n:
                                 hist[hz * threads + tx] = 0
                         T.sync_threads()
