@@ -570,8 +570,8 @@ def route_grad_norm(l2_norm: Callable) -> bool:
 
 
 def route_multi_tensor_scale(scale: Callable) -> bool:
-    """Make megatron-core's optimizer (``_multi_tensor_copy_this_to_that``: the main -> model parameter copies after
-    each step) and gradient clip call ``scale`` (``amp_C.multi_tensor_scale``'s signature) where they would call
+    """Make megatron-core's gradient clip and optimizer (``_multi_tensor_copy_this_to_that``: the main -> model
+    parameter copies after each step, with an overflow buffer, i.e. fp16 only; bf16 copies tensor by tensor) call ``scale`` (``amp_C.multi_tensor_scale``'s signature) where they would call
     their own fallback, ``utils.local_multi_tensor_scale`` (no apex / TE: a product into a temporary and a copy, two
     kernels per tensor). Leaves apex's or TE's kernel alone. Returns whether a fallback is replaced."""
     from megatron.core import utils
@@ -841,6 +841,132 @@ def _probe_dispatcher_state() -> None:
     assert not issubclass(MoETokenDispatcher, torch.nn.Module)
     assert "local_probs" in unpatched(MoEAllGatherTokenDispatcher, "dispatch_postprocess").__code__.co_names
     assert "probs" in MoEAlltoAllTokenDispatcher.dispatch_preprocess.__code__.co_names
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 17. megatron-core's per-step module walks in finalize_model_grads (finalize_walks.py); torch's global registration
+#     hooks
+# --------------------------------------------------------------------------------------------------------------------
+
+_WALKS = ("_update_router_expert_bias", "reset_model_temporary_tensors")
+_registration_hooks: list = []
+
+
+def route_finalize_walks(update_router_expert_bias: Callable, reset_model_temporary_tensors: Callable,
+                         model_changed: Callable[..., None]) -> bool:
+    """Make megatron-core's ``finalize_model_grads`` call ``update_router_expert_bias(original, model, config, ...)``
+    and ``reset_model_temporary_tensors(original, config, model)`` (``original``: megatron-core's function), and call
+    ``model_changed(module, name, value)`` whenever any module, buffer or parameter is registered or assigned again
+    (torch's global registration hooks; the hooks return None: the value is kept).
+    Returns whether the route is installed."""
+    fmg = _finalize_module()
+    if not any(is_patched(fmg, name) for name in _WALKS):
+        originals = {name: getattr(fmg, name) for name in _WALKS}
+
+        def update(model, config, *args, **kwargs):
+            return update_router_expert_bias(originals[_WALKS[0]], model, config, *args, **kwargs)
+
+        def reset(config, model):
+            return reset_model_temporary_tensors(originals[_WALKS[1]], config, model)
+
+        from torch.nn.modules import module as torch_module
+
+        with _patch_lock:
+            if not _registration_hooks:
+                for register in (torch_module.register_module_module_registration_hook,
+                                 torch_module.register_module_buffer_registration_hook,
+                                 torch_module.register_module_parameter_registration_hook):
+                    _registration_hooks.append(register(model_changed))
+        install_patches(((fmg, _WALKS[0], update), (fmg, _WALKS[1], reset)))
+    return finalize_walks_routed()
+
+
+def _finalize_module() -> Any:
+    import importlib
+
+    # the package re-exports the function of the module's name: the module itself by its full name
+    return importlib.import_module("megatron.core.distributed.finalize_model_grads")
+
+
+def finalize_walks_routed() -> bool:
+    fmg = _finalize_module()
+    return all(is_patched(fmg, name) for name in _WALKS)
+
+
+@_hook("distributed.finalize_model_grads: finalize_model_grads calls the module globals _update_router_expert_bias"
+       "(model, config, tp_dp_cp_group) and reset_model_temporary_tensors(config, model), each walking "
+       "get_attr_wrapped_model(chunk, 'modules')() for expert_bias / reset_global_aux_loss_tracker / qb_beta_accum; "
+       "torch.nn.modules.module's global module / buffer / parameter registration hooks", "finalize_walks.py",
+       f"{MCORE} / {TORCH}")
+def _probe_finalize_walks() -> None:
+    import inspect
+
+    from torch.nn.modules import module as torch_module
+
+    fmg = _finalize_module()
+    assert set(_WALKS) <= set(fmg.finalize_model_grads.__code__.co_names)
+    update, reset = (unpatched(fmg, name) for name in _WALKS)
+    assert list(inspect.signature(update).parameters)[:2] == ["model", "config"]
+    assert list(inspect.signature(reset).parameters) == ["config", "model"]
+    for fn in (update, reset):
+        names = set(fn.__code__.co_names) | set(fn.__code__.co_consts)
+        assert "get_attr_wrapped_model" in names and "modules" in names, names
+    assert {"expert_bias"} <= set(update.__code__.co_consts)
+    assert {"expert_bias", "reset_global_aux_loss_tracker", "qb_beta_accum"} <= set(reset.__code__.co_consts)
+    for name in ("register_module_module_registration_hook", "register_module_buffer_registration_hook",
+                 "register_module_parameter_registration_hook"):
+        assert callable(getattr(torch_module, name))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 18. megatron-core's gradient clip without apex / TE: the norm left on the device, the clip applied by torch's fused
+#     Adam (optimizer.clip_grads.multi_tensor_scale_tensor_impl, optimizer.optimizer.clip_grad_by_total_norm_fp32;
+#     torch.optim.Adam's grad_scale attribute)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def route_device_grad_clip(scale_tensor: Callable, clip: Callable) -> bool:
+    """Where megatron-core has no tensor-scale kernel (no apex / TE), give it ``scale_tensor``
+    (``multi_tensor_scale_tensor``'s signature: ``get_grad_norm_fp32`` then returns the norm as a device tensor, with
+    no host sync) and make its optimizers call ``clip(original, parameters, max_norm, total_norm,
+    use_decoupled_grad)`` for ``clip_grad_by_total_norm_fp32``. Returns whether the route is installed."""
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    if clip_grads.multi_tensor_scale_tensor_impl is None and not is_patched(optimizer, "clip_grad_by_total_norm_fp32"):
+        original = clip_grads.clip_grad_by_total_norm_fp32
+
+        def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
+            return clip(original, parameters, max_norm, total_norm, use_decoupled_grad)
+
+        install_patches(((clip_grads, "multi_tensor_scale_tensor_impl", scale_tensor),
+                         (optimizer, "clip_grad_by_total_norm_fp32", clip_grad_by_total_norm_fp32)))
+    return device_grad_clip_routed()
+
+
+def device_grad_clip_routed() -> bool:
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    return is_patched(optimizer, "clip_grad_by_total_norm_fp32") and is_patched(clip_grads,
+                                                                                 "multi_tensor_scale_tensor_impl")
+
+
+@_hook("optimizer.clip_grads: get_grad_norm_fp32 keeps the norm a tensor when multi_tensor_scale_tensor_impl is set "
+       "(None without apex / TE); optimizer.optimizer: ChainedOptimizer.step and MegatronOptimizer.clip_grad_norm "
+       "call the module global clip_grad_by_total_norm_fp32(params, max_norm, total_norm, use_decoupled_grad); "
+       "torch.optim.Adam.step reads the optimizer's grad_scale attribute", "fusions.py, "
+       "optim_fusions.py", f"{MCORE} / {TORCH}")
+def _probe_device_grad_clip() -> None:
+    import inspect
+
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    assert hasattr(clip_grads, "multi_tensor_scale_tensor_impl")
+    assert "multi_tensor_scale_tensor_impl" in clip_grads.get_grad_norm_fp32.__code__.co_names
+    clip = unpatched(optimizer, "clip_grad_by_total_norm_fp32")
+    assert list(inspect.signature(clip).parameters) == ["parameters", "max_norm", "total_norm", "use_decoupled_grad"]
+    for fn in (optimizer.ChainedOptimizer.step, optimizer.MegatronOptimizer.clip_grad_norm):
+        assert "clip_grad_by_total_norm_fp32" in inspect.unwrap(fn).__code__.co_names
+    assert "grad_scale" in inspect.getsource(torch.optim.Adam.step)
 
 
 def check_all() -> list[str]:

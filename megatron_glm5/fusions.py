@@ -17,12 +17,28 @@ environment variable read when a module or block spec is built (``0`` or ``1``; 
   through :func:`megatron_glm5.compat.route_grad_norm`; apex's and TE's kernels are left alone.
 * ``MEGATRON_GLM5_FUSED_MULTI_TENSOR_SCALE`` - megatron-core's multi-tensor scale without apex / TE
   (``local_multi_tensor_scale``: ``dst.copy_(src * scale)``, a product into a temporary and a copy per tensor), used
-  for the main -> model parameter copies after every optimizer step and for the gradient clip, as torch's foreach ops
-  (:func:`multi_tensor_scale`, bitwise equal). Routed through :func:`megatron_glm5.compat.route_multi_tensor_scale`.
-* ``MEGATRON_GLM5_MASK_RANGES_KERNEL`` (experimental, off: CPU-tested in Triton's interpreter, not yet run on a
-  GPU) - the dense attention mask's per-row key ranges (:mod:`megatron_glm5.dsa.masks`) in one Triton pass
-  (:mod:`megatron_glm5.kernels.mask_ranges`) instead of about 25 torch kernels per micro-batch (2.35 ms per step of
-  the GLM-5 slice at 8K tokens); element for element equal to the torch passes. Read at each call.
+  for the gradient clip and the fp16 main -> model parameter copies, as torch's foreach ops (:func:`multi_tensor_scale`,
+  bitwise equal). Routed through :func:`megatron_glm5.compat.route_multi_tensor_scale`. bf16 training's main -> model
+  copies do not use it: megatron-core copies them one ``copy_`` per tensor, and one foreach copy instead was measured
+  no faster (issue 23, round 8).
+* ``MEGATRON_GLM5_DEVICE_GRAD_CLIP`` (experimental, off) - with the fused Adam below, megatron-core's gradient norm
+  stays on the device (it ends in a host sync without apex / TE) and the clip is applied by torch's fused Adam kernel
+  as its ``grad_scale`` (:func:`megatron_glm5.optim_fusions.clip_in_fused_adam`): the host queues the step while the
+  norm is computed, and no separate pass scales the gradients. Bit for bit the same step when the norm is below the
+  clip; a clipped gradient within one fp32 rounding. Off because the fused kernel, given a ``grad_scale``, writes
+  every unscaled gradient back: H200, GLM-5 slice, the Adam kernels 19.7 -> 23.0 ms per step, more than the host
+  time it saves where the norm stays below the clip. Where most steps clip, it replaces megatron-core's scale pass
+  (a read and a write of every gradient) by that one write. Routed through
+  :func:`megatron_glm5.compat.route_device_grad_clip`.
+* ``MEGATRON_GLM5_CACHED_ROUTER_WALKS`` - megatron-core's two per-step walks over every module after the backward
+  (router expert-bias update, temporary-tensor reset) over the router modules only, found once
+  (:mod:`megatron_glm5.finalize_walks`; megatron-core's own functions, same result). H200, GLM-5 slice: 2.95 -> 0.69
+  ms of host time per step, at a point where the GPU has nothing queued. Routed through
+  :func:`megatron_glm5.compat.route_finalize_walks`.
+* ``MEGATRON_GLM5_MASK_RANGES_KERNEL`` - the dense attention mask's per-row key ranges
+  (:mod:`megatron_glm5.dsa.masks`) in one Triton pass (:mod:`megatron_glm5.kernels.mask_ranges`) instead of about 25
+  torch kernels per micro-batch; element for element equal to the torch passes. H200: 56 vs 1148 us per
+  ``[1, 8192, 8192]`` bool mask, 147 vs 4343 at 16K; the GLM-5 slice's step 464.4 -> 462.0 ms. Read at each call.
 * ``MEGATRON_GLM5_FUSED_ROPE`` - the ``tilelang`` attention's four RoPE + concatenations (query, latent keys, indexer
   query and key) as one Triton kernel each way (:mod:`megatron_glm5.kernels.rope_cat`, :func:`rope_cat`; bitwise
   equal to the torch expressions on the GPU).
@@ -88,7 +104,7 @@ import os
 
 import torch
 
-from megatron_glm5 import compat
+from megatron_glm5 import compat, finalize_walks
 from megatron_glm5.kernels.moe_permute import (
     expert_rows,
     moe_permute_supported,
@@ -100,7 +116,7 @@ from megatron_glm5.kernels.rope_cat import rope_cat_reference, rope_cat_supporte
 from megatron_glm5.kernels.rope_cat import rope_cat as _rope_cat_kernel
 from megatron_glm5.kernels.swiglu import swiglu, swiglu_supported, weighted_swiglu
 from megatron_glm5.moe_dispatch import dispatch_postprocess
-from megatron_glm5.optim_fusions import WGRAD_ACCUMULATION, use_fused_adam
+from megatron_glm5.optim_fusions import WGRAD_ACCUMULATION, clip_in_fused_adam, use_fused_adam
 
 FUSED_RMSNORM_ENV = "MEGATRON_GLM5_FUSED_RMSNORM"
 FUSED_SWIGLU_ENV = "MEGATRON_GLM5_FUSED_SWIGLU"
@@ -109,6 +125,8 @@ FUSED_GRAD_NORM_ENV = "MEGATRON_GLM5_FUSED_GRAD_NORM"
 FUSED_ROPE_ENV = "MEGATRON_GLM5_FUSED_ROPE"
 FUSED_MULTI_TENSOR_SCALE_ENV = "MEGATRON_GLM5_FUSED_MULTI_TENSOR_SCALE"
 MASK_RANGES_KERNEL_ENV = "MEGATRON_GLM5_MASK_RANGES_KERNEL"
+DEVICE_GRAD_CLIP_ENV = "MEGATRON_GLM5_DEVICE_GRAD_CLIP"
+CACHED_ROUTER_WALKS_ENV = "MEGATRON_GLM5_CACHED_ROUTER_WALKS"
 FUSED_WGRAD_ENV = "MEGATRON_GLM5_FUSED_WGRAD_ACCUMULATION"
 FUSED_ADAM_ENV = "MEGATRON_GLM5_FUSED_ADAM"
 MOE_DEVICE_COUNTS_ENV = "MEGATRON_GLM5_MOE_DEVICE_COUNTS"
@@ -123,7 +141,7 @@ _DEFAULTS = {FUSED_RMSNORM_ENV: "1", FUSED_SWIGLU_ENV: "1", FUSED_MOE_PERMUTE_EN
              FUSED_ROPE_ENV: "1", FUSED_WGRAD_ENV: "1", FUSED_ADAM_ENV: "1", MOE_DEVICE_COUNTS_ENV: "1",
              ZERO_GROUPS_KERNEL_ENV: "1", GROUPED_SPARSE_MLA_ENV: "1", GROUPED_WGRAD_ACCUMULATION_ENV: "1",
              SPLIT_RECOMPUTE_ENV: "1", MLP_CHUNKS_BY_LENGTH_ENV: "1", FUSED_MULTI_TENSOR_SCALE_ENV: "1",
-             MASK_RANGES_KERNEL_ENV: "0"}
+             MASK_RANGES_KERNEL_ENV: "1", DEVICE_GRAD_CLIP_ENV: "0", CACHED_ROUTER_WALKS_ENV: "1"}
 
 
 def enabled(env: str) -> bool:
@@ -215,14 +233,17 @@ def multi_tensor_l2_norm(chunk_size: int, noop_flag, tensor_lists, per_tensor: b
     return total.float().reshape(1), None
 
 
-def multi_tensor_scale(chunk_size: int, noop_flag, tensor_lists, scale: float) -> None:
+def multi_tensor_scale(chunk_size: int, noop_flag, tensor_lists, scale: float | torch.Tensor) -> None:
     """megatron-core's ``local_multi_tensor_scale`` (``amp_C.multi_tensor_scale``'s contract: ``dst = src * scale``
     cast to ``dst``'s dtype, for ``tensor_lists = [srcs, dsts]``; ``noop_flag`` unused, as there) with torch's foreach
     ops and the same result bit for bit: in place (the gradient clip) one ``_foreach_mul_``; a copy at scale 1 (the
     main -> model parameters: ``src * 1`` is ``src``) one casting ``_foreach_copy_``; otherwise both. ``scale``: a
-    Python number (megatron-core's callers). Lists that alias one another only in part take the per-pair loop, whose
-    order the result then depends on."""
+    Python number (megatron-core's callers), or a one-element fp32 tensor (``multi_tensor_scale_tensor``'s contract:
+    never read on the host). Lists that alias one another only in part take the per-pair loop, whose order the result
+    then depends on."""
     src, dst = list(tensor_lists[0]), list(tensor_lists[1])
+    if isinstance(scale, torch.Tensor):
+        scale = scale.reshape(())  # the foreach ops take a tensor scale as 0-dim
     n = min(len(src), len(dst))  # zip's pairing, as the fallback
     src, dst = src[:n], dst[:n]
     if not n:
@@ -232,7 +253,7 @@ def multi_tensor_scale(chunk_size: int, noop_flag, tensor_lists, scale: float) -
     elif {id(t) for t in src} & {id(t) for t in dst}:
         for s, d in zip(src, dst):
             d.copy_(s * scale)
-    elif scale == 1.0:
+    elif not isinstance(scale, torch.Tensor) and scale == 1.0:
         torch._foreach_copy_(dst, src)
     else:
         torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
@@ -257,10 +278,17 @@ def install_fusions() -> dict[str, bool]:
         compat.route_wgrad_accumulation(WGRAD_ACCUMULATION)
     if enabled(FUSED_ADAM_ENV):
         compat.route_fused_adam(use_fused_adam)
+        if enabled(DEVICE_GRAD_CLIP_ENV) and enabled(FUSED_GRAD_NORM_ENV):
+            compat.route_device_grad_clip(multi_tensor_scale, clip_in_fused_adam)
+    if enabled(CACHED_ROUTER_WALKS_ENV):
+        compat.route_finalize_walks(finalize_walks.update_router_expert_bias,
+                                    finalize_walks.reset_model_temporary_tensors, finalize_walks.model_changed)
     routed = {"swiglu": compat.mlp_swiglu_routed(), "moe_permute": compat.moe_permute_routed(),
               "grad_norm": compat.grad_norm_routed(), "multi_tensor_scale": compat.multi_tensor_scale_routed(),
               "wgrad_accumulation": compat.wgrad_accumulation_routed(),
-              "adam": compat.fused_adam_routed(), "moe_device_counts": compat.dispatch_postprocess_routed()}
+              "adam": compat.fused_adam_routed(), "device_grad_clip": compat.device_grad_clip_routed(),
+              "router_walks": compat.finalize_walks_routed(),
+              "moe_device_counts": compat.dispatch_postprocess_routed()}
     own = {"RMSNorm": enabled(FUSED_RMSNORM_ENV), "RoPE": enabled(FUSED_ROPE_ENV)}
     message = ("megatron-glm5 fusions (Triton kernels where Triton runs): "
                + ", ".join(f"{k} {'fused' if v else 'torch'}" for k, v in own.items()) + ", "

@@ -324,7 +324,7 @@ def test_main_writes_the_report(fake_runs, tmp_path):
     assert bs.main(fake_runs) == 0
     out = tmp_path / "out"
     report = (out / "step.md").read_text()
-    assert "Fake GPU" in report and "| `tilelang`: (a) our TileLang kernels | 700.5 ± 0.6 |" in report
+    assert "Fake GPU" in report and "| `tilelang`: (a) our TileLang kernels | 700.5 ± 0.6; 700.5; 701.0 (#5) |" in report
     assert "| 1.25x |" in report and "| 1.00x |" in report  # speed vs mcore-kernels
     assert "| 6 | 7.9000 | 7.9000 |" in report  # loss per iteration
     assert "| expert GEMMs (routed) | 0.1 (" in report and "Top kernels, `mcore-kernels`" in report

@@ -1,7 +1,7 @@
 """Package dependencies are one-way.
 
 * The layers, lowest first (:data:`RANKS`): kernels and the floor (``compat``, ``device_check``, ``version``, the
-  fusions routed into megatron-core: ``fusions``, ``optim_fusions``, ``moe_dispatch``) <-
+  fusions and routes into megatron-core: ``fusions``, ``optim_fusions``, ``moe_dispatch``, ``finalize_walks``) <-
   ``dsa`` (and ``moe``) <- ``core`` (with the mechanisms its layer base carries: ``offload``, ``cpu``, ``providers``)
   <- the families (``families.py``, ``glm5/``, ``glm5_next/``) <- model / pretrain / rl / LoRA (and the public
   re-export modules) <- ``bridge`` <- the command line (``bridge/cli.py``, ``bridge/demo.py``). A file imports only
@@ -35,7 +35,7 @@ REMOVED_CIRCLES = (
 RANKS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("floor", ("megatron_glm5/kernels/", "megatron_glm5/compat.py", "megatron_glm5/device_check.py",
                "megatron_glm5/version.py", "megatron_glm5/fusions.py", "megatron_glm5/optim_fusions.py",
-               "megatron_glm5/moe_dispatch.py", "megatron_glm5/__init__.py")),
+               "megatron_glm5/moe_dispatch.py", "megatron_glm5/finalize_walks.py", "megatron_glm5/__init__.py")),
     ("dsa", ("megatron_glm5/dsa/", "megatron_glm5/moe/")),
     ("core", ("megatron_glm5/core/", "megatron_glm5/offload.py", "megatron_glm5/cpu.py", "megatron_glm5/providers.py",
               "megatron_glm5/parallel.py")),

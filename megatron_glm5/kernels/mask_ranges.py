@@ -11,7 +11,8 @@ where negative), any strides. Returns ``(starts, ends, ok)``: int64 ``[B, s]`` (
 the query. Oracle: :func:`mask_ranges_reference` (torch, in row chunks), which runs where the kernel does not take
 the mask; the two are equal element for element.
 
-Experimental (``MEGATRON_GLM5_MASK_RANGES_KERNEL``, off): CPU-tested in Triton's interpreter, not yet run on a GPU.
+Switch: ``MEGATRON_GLM5_MASK_RANGES_KERNEL`` (on; GPU test ``tests/gpu/test_mask_ranges_gpu.py``: 56 vs 1148 us at
+8K tokens on the H200).
 """
 
 from __future__ import annotations

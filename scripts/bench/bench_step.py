@@ -135,9 +135,15 @@ VARIANTS = {
                 "(a) with grouped-GEMM experts, megatron-core's no-apex multi-tensor scale (a product and a copy per "
                 "tensor for the main -> model parameter copies; the foreach route is the default since round 7)",
                 (("MEGATRON_GLM5_FUSED_MULTI_TENSOR_SCALE", "0"),)),
-        Variant("tilelang-grouped-mask-kernel", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
-                "(a) with grouped-GEMM experts and the experimental one-pass mask-ranges kernel "
-                "(`MEGATRON_GLM5_MASK_RANGES_KERNEL=1`)", (("MEGATRON_GLM5_MASK_RANGES_KERNEL", "1"),)),
+        Variant("tilelang-grouped-mask-torch", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
+                "(a) with grouped-GEMM experts, the dense mask's key ranges by the torch passes (the one-pass "
+                "Triton kernel is the default since round 8)", (("MEGATRON_GLM5_MASK_RANGES_KERNEL", "0"),)),
+        Variant("tilelang-grouped-adam-clip", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
+                "(a) with grouped-GEMM experts and the experimental gradient clip in the fused Adam (the norm kept on "
+                "the device; `MEGATRON_GLM5_DEVICE_GRAD_CLIP=1`)", (("MEGATRON_GLM5_DEVICE_GRAD_CLIP", "1"),)),
+        Variant("tilelang-grouped-module-walks", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
+                "(a) with grouped-GEMM experts, megatron-core's per-step walks over every module for the routers "
+                "(the cached router list is the default since round 8)", (("MEGATRON_GLM5_CACHED_ROUTER_WALKS", "0"),)),
         Variant("tilelang-grouped-per-expert-wgrad", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
                 "(a) with grouped-GEMM experts whose weight gradients go to DDP's hook one per expert (16 adds per "
                 "grouped GEMM after a zeroing pass; the one-launch accumulation is the default since round 6)",
@@ -905,7 +911,8 @@ class VariantResult:
 
     def stats(self, skip: int) -> dict[str, float]:
         its = self.main.log.steady(skip) if self.main else []
-        ms = [float(it[MS_KEY]) for it in its if isinstance(it.get(MS_KEY), float)]
+        timed = [(float(it[MS_KEY]), it["iteration"]) for it in its if isinstance(it.get(MS_KEY), float)]
+        ms = [t for t, _ in timed]
         tf = [float(it[TFLOPS_KEY]) for it in its if isinstance(it.get(TFLOPS_KEY), float)]
         m, sd = mean_std(ms)
         tokens = self.shape.seq * self.shape.global_batch
@@ -915,6 +922,9 @@ class VariantResult:
         peak = self.main.log.peak_allocated_mb if self.main else None
         return {
             "iters": len(ms), "ms_mean": m, "ms_std": sd, "tokens_per_s": tokens / (m / 1000.0) if ms else math.nan,
+            # a run's slowest iteration moves the mean and sd far (round 8: one ~700 ms iteration in 25)
+            "ms_median": statistics.median(ms) if ms else math.nan,
+            "ms_max": max(timed)[0] if timed else math.nan, "slowest_iteration": max(timed)[1] if timed else -1,
             "tflops_megatron": statistics.fmean(tf) if tf else math.nan,
             "tflops_ours": ours / (m / 1000.0) / 1e12 if ms else math.nan,
             "tflop_per_iter_megatron": mcore_tflop, "tflop_per_iter_ours": ours / 1e12,
@@ -958,7 +968,8 @@ def run_variant_main(vr: VariantResult, args, env, log_dir: Path) -> None:
                         check_run("main", vr.variant.name, rc, log, args.iters, log_path))
     st = vr.stats(args.skip)
     print(f"[bench_step] {vr.variant.name}: rc={rc} in {secs:.0f} s; {st['ms_mean']:.1f} +- {st['ms_std']:.1f} "
-          f"ms/iter, peak {st['peak_gib']:.1f} GiB", flush=True)
+          f"ms/iter (median {st['ms_median']:.1f}, slowest {st['ms_max']:.1f} at #{st['slowest_iteration']}), "
+          f"peak {st['peak_gib']:.1f} GiB", flush=True)
 
 
 def run_variant_profile(vr: VariantResult, args, env, log_dir: Path) -> None:
@@ -1070,7 +1081,7 @@ def render_report(results: list[VariantResult], *, skip: int, meta: dict[str, An
         + ", ".join(f"{r.variant.name} {_f(stats[r.variant.name]['tflop_per_iter_megatron'])} T" for r in results)
         + f". Means over iterations {skip + 1}-{meta['iters']}.",
         "",
-        "| variant | ms / iteration | tokens/s | TFLOP/s (Megatron's count) | TFLOP/s (our count) | peak allocated GiB "
+        "| variant | ms / iteration (mean ± sd; median; slowest, its iteration) | tokens/s | TFLOP/s (Megatron's count) | TFLOP/s (our count) | peak allocated GiB "
         f"| speed vs {baseline(stats)} |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -1082,7 +1093,8 @@ def render_report(results: list[VariantResult], *, skip: int, meta: dict[str, An
             lines.append(f"| {label} | FAILED: {_md(why)} | | | | | |")
             continue
         ratio = f"{base / s['ms_mean']:.2f}x" if not math.isnan(base) else "-"
-        lines.append(f"| {label} | {s['ms_mean']:.1f} ± {s['ms_std']:.1f} | {s['tokens_per_s']:.0f} | "
+        lines.append(f"| {label} | {s['ms_mean']:.1f} ± {s['ms_std']:.1f}; {s['ms_median']:.1f}; "
+                     f"{s['ms_max']:.1f} (#{s['slowest_iteration']}) | {s['tokens_per_s']:.0f} | "
                      f"{s['tflops_megatron']:.1f} | {s['tflops_ours']:.1f} | {_f(s['peak_gib'], '.2f')} | {ratio} |")
     lines += loss_table(results)
     # Breakdown

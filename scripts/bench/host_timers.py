@@ -38,6 +38,9 @@ TARGETS: dict[str, tuple[str, ...]] = {
         "Float16OptimizerWithFloat16Params._copy_model_grads_to_main_grads",
         "Float16OptimizerWithFloat16Params._copy_main_params_to_model_params"),
     "megatron.core.rerun_state_machine": ("RerunStateMachine.validate_result",),
+    # our routes, bound by name where megatron-core's functions were (their rows would vanish otherwise)
+    "megatron_glm5.optim_fusions": ("clip_in_fused_adam",),
+    "megatron_glm5.finalize_walks": ("router_modules",),
 }
 ITERATION = "train_step"  # each call starts an iteration
 SKIP = int(os.environ.get("GLM5_HOST_TIMERS_SKIP", "3"))  # iterations not recorded (warm-up)
