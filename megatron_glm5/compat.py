@@ -571,9 +571,10 @@ def route_grad_norm(l2_norm: Callable) -> bool:
 
 def route_multi_tensor_scale(scale: Callable) -> bool:
     """Make megatron-core's gradient clip and optimizer (``_multi_tensor_copy_this_to_that``: the main -> model
-    parameter copies after each step, with an overflow buffer, i.e. fp16 only; bf16 copies tensor by tensor) call ``scale`` (``amp_C.multi_tensor_scale``'s signature) where they would call
-    their own fallback, ``utils.local_multi_tensor_scale`` (no apex / TE: a product into a temporary and a copy, two
-    kernels per tensor). Leaves apex's or TE's kernel alone. Returns whether a fallback is replaced."""
+    parameter copies after each step, with an overflow buffer, i.e. fp16 only; bf16 copies tensor by tensor) call
+    ``scale`` (``amp_C.multi_tensor_scale``'s signature) where they would call their own fallback,
+    ``utils.local_multi_tensor_scale`` (no apex / TE: a product into a temporary and a copy, two kernels per tensor).
+    Leaves apex's or TE's kernel alone. Returns whether a fallback is replaced."""
     from megatron.core import utils
     from megatron.core.optimizer import clip_grads, optimizer
 
@@ -857,7 +858,7 @@ def route_finalize_walks(update_router_expert_bias: Callable, reset_model_tempor
     """Make megatron-core's ``finalize_model_grads`` call ``update_router_expert_bias(original, model, config, ...)``
     and ``reset_model_temporary_tensors(original, config, model)`` (``original``: megatron-core's function), and call
     ``model_changed(module, name, value)`` whenever any module, buffer or parameter is registered or assigned again
-    (torch's global registration hooks; the hooks return None: the value is kept).
+    (torch's global registration hooks, installed once for the process; they return None: the value is kept).
     Returns whether the route is installed."""
     fmg = _finalize_module()
     if not any(is_patched(fmg, name) for name in _WALKS):
@@ -911,8 +912,12 @@ def _probe_finalize_walks() -> None:
     for fn in (update, reset):
         names = set(fn.__code__.co_names) | set(fn.__code__.co_consts)
         assert "get_attr_wrapped_model" in names and "modules" in names, names
-    assert {"expert_bias"} <= set(update.__code__.co_consts)
-    assert {"expert_bias", "reset_global_aux_loss_tracker", "qb_beta_accum"} <= set(reset.__code__.co_consts)
+    # every name the walks test a module for is known (a new one would be missed by the stand-in's list)
+    for fn, names in ((update, {"expert_bias", "frozen_expert_bias", "modules"}),
+                      (reset, {"expert_bias", "global_aux_loss", "modules", "qb_beta_accum",
+                               "reset_global_aux_loss_tracker"})):
+        consts = {c for c in fn.__code__.co_consts if isinstance(c, str)} - {fn.__doc__}
+        assert consts == names, consts
     for name in ("register_module_module_registration_hook", "register_module_buffer_registration_hook",
                  "register_module_parameter_registration_hook"):
         assert callable(getattr(torch_module, name))

@@ -7,13 +7,16 @@ slice (H200) that is 2.95 ms of host time per step while the GPU waits; 0.69 ms 
 ``scripts/bench/RESULTS_step.md``).
 
 Here megatron-core's own functions run unchanged on a stand-in for each chunk whose ``modules()`` yields only the
-modules that have one of :data:`ATTRS`, in the walk's order. One walk finds them. It runs again after a module
-with one of them in its tree, or a buffer or parameter of one of their names, is registered anywhere (torch's global
-registration hooks, through :mod:`megatron_glm5.compat`), so a router added or swapped in later is found. Everything megatron-core checks per call
-(``training``, ``frozen_expert_bias``, the config's flags, the buffers themselves) it still reads at each call, so
-the result is the same by construction. Not seen: one of :data:`ATTRS` set as a plain attribute, after the first
-step, on a module that had none of them (megatron-core's router sets all three in ``__init__``), and a router deleted
-from the model with no module put in its place (its stale entry is still updated).
+modules that have one of :data:`ATTRS`, in the walk's order. One walk finds them. It runs again after a module with
+one of them in its tree is registered in a model or replaced there, or a buffer or parameter of one of their names is
+registered (torch's global registration hooks, through :mod:`megatron_glm5.compat`), and when a listed module has
+been freed. Everything megatron-core checks per call (``training``, ``frozen_expert_bias``, the config's flags, the
+buffers themselves) it still reads at each call, so the result is the same by construction.
+
+Not seen, as no registration hook fires: ``ModuleList.insert`` / ``Sequential.insert``, ``del`` / ``pop`` of a
+submodule, writes to ``_modules``; and one of :data:`ATTRS` set as a plain attribute after the first step on a module
+that had none of them (megatron-core's router sets ``expert_bias`` and ``qb_beta_accum`` in ``__init__``;
+``reset_global_aux_loss_tracker`` is a method).
 """
 
 from __future__ import annotations
@@ -26,17 +29,23 @@ import torch
 ATTRS = ("expert_bias", "reset_global_aux_loss_tracker", "qb_beta_accum")
 """What megatron-core's two walks ask each module for (``finalize_model_grads.py``, 0.19.2)."""
 
-_generation = [0]  # bumped by every module / buffer / parameter registration in the process
-_found: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[int, list[torch.nn.Module]]]" = weakref.WeakKeyDictionary()
+_generation = [0]  # bumped by the registrations that can change a walk's result (model_changed)
+# chunk -> (generation, the modules by weak reference: a strong one would keep the chunk alive through the hooks its
+# wrapper puts on every module)
+_found: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[int, list[weakref.ref]]]" = weakref.WeakKeyDictionary()
+
+
+def _has_routers(module: Any) -> bool:
+    return isinstance(module, torch.nn.Module) and any(any(hasattr(m, a) for a in ATTRS) for m in module.modules())
 
 
 def model_changed(module: torch.nn.Module, name: str, value: Any) -> None:
     """torch's global registration hooks call this for every module, buffer or parameter registered (or assigned
-    again) anywhere: the next walk looks at every module again when the registration can change what it finds (a
-    buffer or parameter named as one of :data:`ATTRS`, or a module with one of them in its tree). Other
-    registrations (megatron-core and torch assign some buffers at every step) keep the list."""
-    if name in ATTRS or (isinstance(value, torch.nn.Module) and any(
-            any(hasattr(m, a) for a in ATTRS) for m in value.modules())):
+    again) anywhere, before the assignment. The next walk looks at every module again when the registration can change
+    what it finds: a buffer or parameter named as one of :data:`ATTRS`, or a module with one of them in its tree coming
+    in or going out. Other registrations keep the list (megatron-core's router assigns a buffer at every forward)."""
+    if name in ATTRS or _has_routers(value) or (isinstance(value, torch.nn.Module)
+                                                 and _has_routers(getattr(module, name, None))):
         _generation[0] += 1
 
 
@@ -58,10 +67,12 @@ def router_modules(chunk: torch.nn.Module) -> list[torch.nn.Module]:
 
     hit = _found.get(chunk)
     if hit is not None and hit[0] == _generation[0]:
-        return hit[1]
+        modules = [ref() for ref in hit[1]]
+        if all(m is not None for m in modules):
+            return modules
     generation = _generation[0]
     modules = [m for m in get_attr_wrapped_model(chunk, "modules")() if any(hasattr(m, a) for a in ATTRS)]
-    _found[chunk] = (generation, modules)
+    _found[chunk] = (generation, [weakref.ref(m) for m in modules])
     return modules
 
 

@@ -21,11 +21,12 @@ environment variable read when a module or block spec is built (``0`` or ``1``; 
   bitwise equal). Routed through :func:`megatron_glm5.compat.route_multi_tensor_scale`. bf16 training's main -> model
   copies do not use it: megatron-core copies them one ``copy_`` per tensor, and one foreach copy instead was measured
   no faster (issue 23, round 8).
-* ``MEGATRON_GLM5_DEVICE_GRAD_CLIP`` (experimental, off) - with the fused Adam below, megatron-core's gradient norm
-  stays on the device (it ends in a host sync without apex / TE) and the clip is applied by torch's fused Adam kernel
-  as its ``grad_scale`` (:func:`megatron_glm5.optim_fusions.clip_in_fused_adam`): the host queues the step while the
-  norm is computed, and no separate pass scales the gradients. Bit for bit the same step when the norm is below the
-  clip; a clipped gradient within one fp32 rounding. Off because the fused kernel, given a ``grad_scale``, writes
+* ``MEGATRON_GLM5_DEVICE_GRAD_CLIP`` (experimental, off) - with the fused Adam below and the gradient norm above
+  (both on), megatron-core's gradient norm stays on the device (it ends in a host sync without apex / TE) and the
+  clip is applied by torch's fused Adam kernel as its ``grad_scale``
+  (:func:`megatron_glm5.optim_fusions.clip_in_fused_adam`): the host queues the step while the norm is computed, and
+  no separate pass scales the gradients. Bit for bit the same step when the norm is below the clip (but within an
+  ulp of it); a clipped gradient within a few fp32 ulps. Off because the fused kernel, given a ``grad_scale``, writes
   every unscaled gradient back: H200, GLM-5 slice, the Adam kernels 19.7 -> 23.0 ms per step, more than the host
   time it saves where the norm stays below the clip. Where most steps clip, it replaces megatron-core's scale pass
   (a read and a write of every gradient) by that one write. Routed through
@@ -116,7 +117,12 @@ from megatron_glm5.kernels.rope_cat import rope_cat_reference, rope_cat_supporte
 from megatron_glm5.kernels.rope_cat import rope_cat as _rope_cat_kernel
 from megatron_glm5.kernels.swiglu import swiglu, swiglu_supported, weighted_swiglu
 from megatron_glm5.moe_dispatch import dispatch_postprocess
-from megatron_glm5.optim_fusions import WGRAD_ACCUMULATION, clip_in_fused_adam, use_fused_adam
+from megatron_glm5.optim_fusions import (
+    WGRAD_ACCUMULATION,
+    clip_in_fused_adam,
+    use_fused_adam,
+    use_fused_adam_taking_the_clip,
+)
 
 FUSED_RMSNORM_ENV = "MEGATRON_GLM5_FUSED_RMSNORM"
 FUSED_SWIGLU_ENV = "MEGATRON_GLM5_FUSED_SWIGLU"
@@ -277,8 +283,8 @@ def install_fusions() -> dict[str, bool]:
     if enabled(FUSED_WGRAD_ENV):
         compat.route_wgrad_accumulation(WGRAD_ACCUMULATION)
     if enabled(FUSED_ADAM_ENV):
-        compat.route_fused_adam(use_fused_adam)
-        if enabled(DEVICE_GRAD_CLIP_ENV) and enabled(FUSED_GRAD_NORM_ENV):
+        clip = enabled(DEVICE_GRAD_CLIP_ENV) and enabled(FUSED_GRAD_NORM_ENV)
+        if compat.route_fused_adam(use_fused_adam_taking_the_clip if clip else use_fused_adam) and clip:
             compat.route_device_grad_clip(multi_tensor_scale, clip_in_fused_adam)
     if enabled(CACHED_ROUTER_WALKS_ENV):
         compat.route_finalize_walks(finalize_walks.update_router_expert_bias,

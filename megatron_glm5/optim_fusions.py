@@ -83,61 +83,7 @@ def use_fused_adam(optimizer: torch.optim.Optimizer) -> bool:
     if not getattr(optimizer, "_megatron_glm5_fused_adam", False):
         optimizer.register_load_state_dict_post_hook(_set_fused)
         optimizer._megatron_glm5_fused_adam = True
-    take_clip(optimizer)
     return True
-
-
-_CLIP_TAKERS: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
-
-
-def take_clip(optimizer: torch.optim.Optimizer) -> None:
-    """Let :func:`clip_in_fused_adam` hand ``optimizer`` (a fused torch ``Adam`` / ``AdamW``) the clip of its
-    parameters' gradients. The scale is set for one step: a step post-hook removes it."""
-    if optimizer not in _CLIP_TAKERS:
-        optimizer.register_step_post_hook(_drop_grad_scale)
-        _CLIP_TAKERS.add(optimizer)
-
-
-def _drop_grad_scale(optimizer: torch.optim.Optimizer, *_: Any) -> None:
-    optimizer.__dict__.pop("grad_scale", None)
-
-
-def _fused_owner(parameters: list) -> torch.optim.Optimizer | None:
-    """The registered fused Adam whose parameters are exactly ``parameters``, in order (what megatron-core clips when
-    no parameter has a separate gradient-norm group)."""
-    for optimizer in list(_CLIP_TAKERS):
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        if (len(params) == len(parameters) and all(a is b for a, b in zip(params, parameters))
-                and all(g.get("fused") for g in optimizer.param_groups)):
-            return optimizer
-    return None
-
-
-def clip_in_fused_adam(original: Callable, parameters: list, max_norm: float, total_norm: Any,
-                       use_decoupled_grad: bool = False) -> None:
-    """megatron-core's ``clip_grad_by_total_norm_fp32`` (``original``) for ``parameters`` of one fused torch Adam,
-    given the norm as a device tensor: sets the Adam's ``grad_scale`` to ``max(1, (total_norm + 1e-6) / max_norm)``
-    and scales nothing here. The fused kernel divides each gradient by it as it reads it.
-
-    Compared with megatron-core, which multiplies the gradients by ``max_norm / (total_norm + 1e-6)`` when that is
-    below 1:
-
-    * No scale: the gradients and the step are bit for bit the same (the kernel divides by exactly 1).
-    * A clip: the clipped gradient differs by at most an fp32 rounding (a quotient instead of a product).
-
-    A NaN norm scales nothing, as in megatron-core. Anything else goes to ``original`` with the norm as a Python
-    number, as megatron-core does without apex / TE: decoupled gradients, a subset of an optimizer's parameters (a
-    separate gradient-norm group), an optimizer not registered by :func:`take_clip`."""
-    owner = None
-    if isinstance(total_norm, torch.Tensor) and not use_decoupled_grad and parameters:
-        owner = _fused_owner(list(parameters))
-    if owner is None:
-        if isinstance(total_norm, torch.Tensor):
-            total_norm = float(total_norm)
-        return original(parameters, max_norm, total_norm, use_decoupled_grad)
-    scale = (total_norm.detach().float().reshape(1) + 1.0e-6) / max_norm
-    owner.grad_scale = torch.nan_to_num(scale, nan=1.0, posinf=float("inf")).clamp_min_(1.0)
-    return None
 
 
 def _set_fused(optimizer: torch.optim.Optimizer) -> None:
@@ -151,3 +97,79 @@ def _set_fused(optimizer: torch.optim.Optimizer) -> None:
             state = optimizer.state.get(p)
             if state and "step" in state and state["step"].device != p.device:
                 state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
+
+
+def use_fused_adam_taking_the_clip(optimizer: torch.optim.Optimizer) -> bool:
+    """:func:`use_fused_adam`, and where it fuses, :func:`take_clip` (the experimental device clip's route)."""
+    fused = use_fused_adam(optimizer)
+    if fused:
+        take_clip(optimizer)
+    return fused
+
+
+_CLIP_TAKERS: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+_SCALES: "weakref.WeakKeyDictionary[torch.optim.Optimizer, torch.Tensor]" = weakref.WeakKeyDictionary()
+
+
+def take_clip(optimizer: torch.optim.Optimizer) -> None:
+    """Let :func:`clip_in_fused_adam` hand ``optimizer`` (a fused torch ``Adam`` / ``AdamW``) the clip of its
+    parameters' gradients. The scale is set for one step: a step post-hook removes it (only a scale set here: torch's
+    ``GradScaler`` sets and deletes its own)."""
+    if optimizer not in _CLIP_TAKERS:
+        optimizer.register_step_post_hook(_drop_grad_scale)
+        _CLIP_TAKERS.add(optimizer)
+
+
+def _drop_grad_scale(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+    ours = _SCALES.pop(optimizer, None)
+    if ours is not None and optimizer.__dict__.get("grad_scale") is ours:
+        del optimizer.__dict__["grad_scale"]
+
+
+def _params(optimizer: torch.optim.Optimizer) -> list:
+    return [p for g in optimizer.param_groups for p in g["params"]]
+
+
+def _fused_owner(parameters: list) -> torch.optim.Optimizer | None:
+    """The registered fused Adam whose parameters are exactly ``parameters``, in order (what megatron-core clips when
+    no parameter has a separate gradient-norm group)."""
+    for optimizer in list(_CLIP_TAKERS):
+        params = _params(optimizer)
+        if (len(params) == len(parameters) and all(a is b for a, b in zip(params, parameters))
+                and all(g.get("fused") for g in optimizer.param_groups)):
+            return optimizer
+    return None
+
+
+def clip_in_fused_adam(original: Callable, parameters: list, max_norm: float, total_norm: Any,
+                       use_decoupled_grad: bool = False) -> None:
+    """megatron-core's ``clip_grad_by_total_norm_fp32`` (``original``) for ``parameters`` of one fused torch Adam,
+    given the norm as a device tensor: sets the Adam's ``grad_scale`` to ``max(1, (total_norm + 1e-6) / max_norm)``
+    and scales nothing here. The fused kernel divides each gradient by it as it reads it.
+
+    Compared with megatron-core without apex / TE (the norm's square root taken in double on the host, the gradients
+    multiplied by ``max_norm / (norm + 1e-6)`` when that is below 1):
+
+    * Below the clip the gradients and the step are bit for bit the same (the kernel divides by exactly 1), except
+      within about one fp32 ulp of the clip, where the two roundings can disagree on whether to clip.
+    * A clipped gradient differs by a few fp32 ulps (up to 3 measured: an fp32 square root and a quotient instead
+      of megatron-core's double square root and product).
+
+    A NaN norm scales nothing, as in megatron-core. Anything else goes to ``original`` with the norm as a Python
+    number, as megatron-core does without apex / TE (and any scale still pending from a step that was skipped is
+    dropped): decoupled gradients, a subset of an optimizer's parameters (a separate gradient-norm group), an
+    optimizer not registered by :func:`take_clip`."""
+    owner = None
+    if isinstance(total_norm, torch.Tensor) and not use_decoupled_grad and parameters:
+        owner = _fused_owner(list(parameters))
+    if owner is None:
+        first = parameters[0] if len(parameters) else None
+        for optimizer in list(_SCALES.keys()):
+            if any(p is first for p in _params(optimizer)):
+                _drop_grad_scale(optimizer)
+        if isinstance(total_norm, torch.Tensor):
+            total_norm = float(total_norm)
+        return original(parameters, max_norm, total_norm, use_decoupled_grad)
+    scale = (total_norm.detach().float().reshape(1) + 1.0e-6) / max_norm
+    owner.grad_scale = _SCALES[owner] = torch.nan_to_num(scale, nan=1.0, posinf=float("inf")).clamp_min_(1.0)
+    return None

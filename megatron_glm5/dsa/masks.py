@@ -15,9 +15,9 @@ additive (blocked where negative, e.g. ``-inf``, as HF builds them). Shape ``[B,
 ``B`` the batch or 1 (broadcast).
 
 Cost: one pass over the mask (:mod:`megatron_glm5.kernels.mask_ranges`: one Triton kernel on the GPU, or torch in
-row chunks with ``MEGATRON_GLM5_MASK_RANGES_KERNEL=0`` and where the kernel does not take the mask), per distinct mask: every layer of a forward (and the recompute of its
-checkpoints, which see detached views of the same storage) reuses the ranges of the first layer (:func:`key_ranges`
-memoises by storage, shape and in-place version).
+row chunks with ``MEGATRON_GLM5_MASK_RANGES_KERNEL=0`` and where the kernel does not take the mask), per distinct
+mask: every layer of a forward (and the recompute of its checkpoints, which see detached views of the same storage)
+reuses the ranges of the first layer (:func:`key_ranges` memoises by storage, shape and in-place version).
 """
 
 from __future__ import annotations

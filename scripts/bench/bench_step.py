@@ -1081,7 +1081,8 @@ def render_report(results: list[VariantResult], *, skip: int, meta: dict[str, An
         + ", ".join(f"{r.variant.name} {_f(stats[r.variant.name]['tflop_per_iter_megatron'])} T" for r in results)
         + f". Means over iterations {skip + 1}-{meta['iters']}.",
         "",
-        "| variant | ms / iteration (mean ± sd; median; slowest, its iteration) | tokens/s | TFLOP/s (Megatron's count) | TFLOP/s (our count) | peak allocated GiB "
+        "| variant | ms / iteration (mean ± sd; median; slowest, its iteration) | tokens/s "
+        "| TFLOP/s (Megatron's count) | TFLOP/s (our count) | peak allocated GiB "
         f"| speed vs {baseline(stats)} |",
         "|---|---|---|---|---|---|---|",
     ]
