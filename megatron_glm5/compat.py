@@ -862,13 +862,13 @@ def route_finalize_walks(update_router_expert_bias: Callable, reset_model_tempor
     Returns whether the route is installed."""
     fmg = _finalize_module()
     if not any(is_patched(fmg, name) for name in _WALKS):
-        originals = {name: getattr(fmg, name) for name in _WALKS}
+        original_update, original_reset = (getattr(fmg, name) for name in _WALKS)
 
         def update(model, config, *args, **kwargs):
-            return update_router_expert_bias(originals[_WALKS[0]], model, config, *args, **kwargs)
+            return update_router_expert_bias(original_update, model, config, *args, **kwargs)
 
         def reset(config, model):
-            return reset_model_temporary_tensors(originals[_WALKS[1]], config, model)
+            return reset_model_temporary_tensors(original_reset, config, model)
 
         from torch.nn.modules import module as torch_module
 
@@ -909,9 +909,8 @@ def _probe_finalize_walks() -> None:
     update, reset = (unpatched(fmg, name) for name in _WALKS)
     assert list(inspect.signature(update).parameters)[:2] == ["model", "config"]
     assert list(inspect.signature(reset).parameters) == ["config", "model"]
-    for fn in (update, reset):
-        names = set(fn.__code__.co_names) | set(fn.__code__.co_consts)
-        assert "get_attr_wrapped_model" in names and "modules" in names, names
+    for fn in (update, reset):  # the stand-in chunk answers get_attr_wrapped_model(chunk, "modules")
+        assert "get_attr_wrapped_model" in fn.__code__.co_names
     # every name the walks test a module for is known (a new one would be missed by the stand-in's list)
     for fn, names in ((update, {"expert_bias", "frozen_expert_bias", "modules"}),
                       (reset, {"expert_bias", "global_aux_loss", "modules", "qb_beta_accum",

@@ -7,10 +7,9 @@ slice (H200) that is 2.95 ms of host time per step while the GPU waits; 0.69 ms 
 ``scripts/bench/RESULTS_step.md``).
 
 Here megatron-core's own functions run unchanged on a stand-in for each chunk whose ``modules()`` yields only the
-modules that have one of :data:`ATTRS`, in the walk's order. One walk finds them. It runs again after a module with
-one of them in its tree is registered in a model or replaced there, or a buffer or parameter of one of their names is
-registered (torch's global registration hooks, through :mod:`megatron_glm5.compat`), and when a listed module has
-been freed. Everything megatron-core checks per call (``training``, ``frozen_expert_bias``, the config's flags, the
+modules that have one of :data:`ATTRS`, in the walk's order. One walk finds them. It runs again after any module is
+registered or set to None, or a buffer or parameter of one of their names is registered (torch's global registration
+hooks, through :mod:`megatron_glm5.compat`), and when a listed module has been freed. Everything megatron-core checks per call (``training``, ``frozen_expert_bias``, the config's flags, the
 buffers themselves) it still reads at each call, so the result is the same by construction.
 
 Not seen, as no registration hook fires: ``ModuleList.insert`` / ``Sequential.insert``, ``del`` / ``pop`` of a
@@ -35,17 +34,12 @@ _generation = [0]  # bumped by the registrations that can change a walk's result
 _found: "weakref.WeakKeyDictionary[torch.nn.Module, tuple[int, list[weakref.ref]]]" = weakref.WeakKeyDictionary()
 
 
-def _has_routers(module: Any) -> bool:
-    return isinstance(module, torch.nn.Module) and any(any(hasattr(m, a) for a in ATTRS) for m in module.modules())
-
-
 def model_changed(module: torch.nn.Module, name: str, value: Any) -> None:
     """torch's global registration hooks call this for every module, buffer or parameter registered (or assigned
-    again) anywhere, before the assignment. The next walk looks at every module again when the registration can change
-    what it finds: a buffer or parameter named as one of :data:`ATTRS`, or a module with one of them in its tree coming
-    in or going out. Other registrations keep the list (megatron-core's router assigns a buffer at every forward)."""
-    if name in ATTRS or _has_routers(value) or (isinstance(value, torch.nn.Module)
-                                                 and _has_routers(getattr(module, name, None))):
+    again) anywhere. The next walk looks at every module again after a module is registered or removed (models are
+    built, wrapped or changed; no module is registered at every step) or a buffer or parameter named as one of
+    :data:`ATTRS`. Other registrations keep the list: megatron-core's router assigns a buffer at every forward."""
+    if name in ATTRS or value is None or isinstance(value, torch.nn.Module):
         _generation[0] += 1
 
 

@@ -25,8 +25,8 @@ environment variable read when a module or block spec is built (``0`` or ``1``; 
   (both on), megatron-core's gradient norm stays on the device (it ends in a host sync without apex / TE) and the
   clip is applied by torch's fused Adam kernel as its ``grad_scale``
   (:func:`megatron_glm5.optim_fusions.clip_in_fused_adam`): the host queues the step while the norm is computed, and
-  no separate pass scales the gradients. Bit for bit the same step when the norm is below the clip (but within an
-  ulp of it); a clipped gradient within a few fp32 ulps. Off because the fused kernel, given a ``grad_scale``, writes
+  no separate pass scales the gradients. Bit for bit the same step when the norm is below the clip (except within
+  an ulp of it); a clipped gradient within a few fp32 ulps. Off because the fused kernel, given a ``grad_scale``, writes
   every unscaled gradient back: H200, GLM-5 slice, the Adam kernels 19.7 -> 23.0 ms per step, more than the host
   time it saves where the norm stays below the clip. Where most steps clip, it replaces megatron-core's scale pass
   (a read and a write of every gradient) by that one write. Routed through

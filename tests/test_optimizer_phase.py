@@ -257,8 +257,8 @@ def test_router_walks_route_updates_and_resets_as_megatron_core(model_parallel):
 
 def test_router_list_is_kept_until_the_routers_change(model_parallel):
     """One walk per chunk, kept through what megatron-core's router does at every forward (a buffer assigned again)
-    and other modules' registrations; walked again when a router comes in, goes out or one of the walks' attributes
-    is registered, and when a listed router was freed."""
+    and other buffers' and parameters' registrations; walked again when a module is registered (a router comes in
+    or goes out) or one of the walks' attributes is, and when a listed router was freed."""
     import gc
 
     fmg = importlib.import_module("megatron.core.distributed.finalize_model_grads")
@@ -279,19 +279,20 @@ def test_router_list_is_kept_until_the_routers_change(model_parallel):
     found[0].local_tokens_per_expert = torch.zeros_like(found[0].local_tokens_per_expert)
     model[0].weight = torch.nn.Parameter(model[0].weight.detach().clone())
     model[1][0][1].register_buffer("scratch", torch.zeros(2))
-    model[1][0][0] = torch.nn.Linear(8, 8)  # a module without routers replaced by another
     assert routers() == found and len(walks) == 1
     found[0].expert_bias = found[0].expert_bias.clone()  # one of the walks' attributes
     assert routers() == found and len(walks) == 2
+    model[1][0][0] = torch.nn.Linear(8, 8)  # any module registered: walked again
+    assert routers() == found and len(walks) == 3
     model[1].append(router())  # a router comes in
-    assert len(routers()) == 3 and len(walks) == 3
+    assert len(routers()) == 3 and len(walks) == 4
     model[1][2] = torch.nn.Linear(8, 8)  # and goes out, replaced by a module without one
-    assert len(routers()) == 2 and len(walks) == 4
+    assert len(routers()) == 2 and len(walks) == 5
     del found
     # a listed router freed without a registration (a write to ``_modules``, which no hook sees): walked again
     model[1][1]._modules.pop("2")
     gc.collect()
-    assert len(routers()) == 1 and len(walks) == 5
+    assert len(routers()) == 1 and len(walks) == 6
 
 
 def test_router_list_does_not_keep_the_chunk_alive():
