@@ -73,8 +73,8 @@ COMPILE_CASES = {
     "indexer_logits_plain_q8": ("megatron_glm5.kernels.indexer_topk", "_jit_logits_plain", (32, 128, 64, 128, 2, 8)),
     "topk_select_small": ("megatron_glm5.kernels.indexer_topk", "_jit_select", (64,)),
     "topk_select_glm": ("megatron_glm5.kernels.indexer_topk", "_jit_select", (2048,)),
-    # the select with one score load in flight per thread (the default loads 4 before binning them)
-    "topk_select_batch1": ("megatron_glm5.kernels.indexer_topk", "_jit_select", (2048, 256, 0, 1)),
+    # the select before the lean one (clamped iterations, TileLang's access guards; the GPU test's reference)
+    "topk_select_guarded": ("megatron_glm5.kernels.indexer_topk", "_jit_select", (2048, 256, 0, 4, 8, False)),
     # 11-bit score digits: three radix rounds over the score, a 2048-bin histogram searched 8 bins per thread
     "topk_select_digits11": ("megatron_glm5.kernels.indexer_topk", "_jit_select", (2048, 256, 0, 4, 11)),
     # KPool (GLM-5.3-Flash): the same indexer kernel scores the pool keys, top-(index_topk // P) = 512 pools
@@ -234,6 +234,11 @@ def test_topk_select_refuses_bad_batch_and_digit_bits():
         indexer_mod._jit_select()(2048, batch=0)
     with pytest.raises(ValueError, match="digit_bits 8, 11 or 12, got 10"):
         indexer_mod._jit_select()(2048, digit_bits=10)
+    # the shortlist pass assumes the lean key map and 8-bit digits, and one shortlist entry per thread
+    for kwargs in ({"lean": False}, {"digit_bits": 11}, {"shortlist": 512}):
+        with pytest.raises(ValueError, match="shortlist needs lean=True, digit_bits=8 and at most 256 entries"):
+            indexer_mod._jit_select()(2048, **{"shortlist": 256, **kwargs})
+    assert indexer_mod.SHORTLIST <= 256
 
 
 def test_sparse_mla_head_dims():

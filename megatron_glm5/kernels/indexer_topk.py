@@ -19,13 +19,16 @@ Two kernels per query chunk of ``C`` rows; the only large temporary is the chunk
    warp-aggregated shared-memory histogram (``match.any``) in the first round, early exit once the remaining bucket
    is taken whole (usually after 2-3 of the 4 score digits; index digits only run when equal scores straddle the
    boundary), the histogram's suffix sums by a warp-shuffle scan. The selected keys are collected with
-   ballot-compacted writes and bitonic-sorted in shared memory. -0.0 is folded into +0.0 so that equal scores compare
-   equal, as in the reference's ``torch.sort``. It is sized for residency: 256 threads, registers capped for 8 CTAs
+   ballot-compacted writes and bitonic-sorted in shared memory. -0.0 and +0.0 get one key so that equal scores
+   compare equal, as in the reference's ``torch.sort``. It is sized for residency: 256 threads, registers capped for 8 CTAs
    per SM (measured on H200: a row kept in shared memory, or a two-pass select with a candidate list, each left
    fewer CTAs per SM and ran 1.2-1.9x slower), and each thread loads 4 scores before binning them (one load at a
    time made every pass a chain of dependent loads: 8.89 -> 8.05 ms at 32K). With that it is issue-bound (ncu:
-   SM 80.7 % at 95 % occupancy): the instructions per score and pass are what is left
-   (``scripts/bench/RESULTS_kernels.md``, round 2, first and sixth sessions).
+   SM 80.7 % at 95 % occupancy), so the instructions per score and pass are what counts: whole iterations run
+   without clamps, tests or TileLang's access guards, the key map is three integer ops, TileLang's own barriers
+   are left out (``lean``: about 15 instead of 30 SASS instructions per score and pass), and one pass both collects
+   and shortlists once two rounds have fixed the k-th key's 16-bit prefix (``shortlist``): 8.03 -> 5.31 ms at 32K,
+   24.10 -> 14.32 at 64K (``scripts/bench/RESULTS_kernels.md``, round 2, first, sixth and seventh sessions).
 
 Provenance: the logits kernel's shape (keys as M, ``block_q = 128 // heads``, reshape + head reduction on the
 fragment) follows megatron-core 0.19.2 ``ops/tilelang_indexer_fwd.py`` / tile-ai/tilelang
@@ -45,6 +48,9 @@ import torch
 from megatron_glm5.kernels._common import cdiv, check_tensor, next_power_of_2, tilelang_modules
 
 LOGITS_CHUNK_BYTES = 1 << 30
+# Shortlist entries of the select's third pass (``topk_select(shortlist=...)``): a few dozen keys share the k-th
+# key's 16-bit prefix on indexer scores; 256 leaves room for ties and costs 2 KB of shared memory per CTA.
+SHORTLIST = 256
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -264,10 +270,27 @@ def _jit_logits_plain():
 
 @functools.cache
 def _jit_select():
+    """The select factory: ``lean`` builds go through TileLang without its safe-memory pass (their loads are in
+    bounds by construction; the pass's guards were about half the loop's instructions), the others as before."""
     tilelang, T = tilelang_modules()
+    build = _select_program(T)
+    guarded = tilelang.jit(build)
+    lean_jit = tilelang.jit(pass_configs={tilelang.PassConfigKey.TL_DISABLE_SAFE_MEMORY_ACCESS: True,
+                                          tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True})(build)
 
-    @tilelang.jit
-    def topk_select(topk: int, threads: int = 256, min_blocks: int = 0, batch: int = 4, digit_bits: int = 8):
+    def topk_select(topk: int, threads: int = 256, min_blocks: int = 0, batch: int = 4, digit_bits: int = 8,
+                    lean: bool = True, shortlist: int | None = None):
+        if shortlist is None:  # the default where it applies (lean, 8-bit digits)
+            shortlist = SHORTLIST if lean and digit_bits == 8 and threads >= SHORTLIST else 0
+        return (lean_jit if lean else guarded)(topk, threads, min_blocks, batch, digit_bits, lean, shortlist)
+
+    topk_select.__doc__ = build.__doc__
+    return topk_select
+
+
+def _select_program(T):
+    def topk_select(topk: int, threads: int = 256, min_blocks: int = 0, batch: int = 4, digit_bits: int = 8,
+                    lean: bool = True, shortlist: int = 0):
         """Exact top-``topk`` of ``Logits[r, starts[t]:ends[t]]`` per row, sorted, ties to the lower index.
 
         ``min_blocks`` (0: as many as the SM's 2048 threads allow): CTAs per SM the registers must leave room for.
@@ -278,7 +301,19 @@ def _jit_select():
         2048-bin histogram searched by 256 threads of 8 bins each; 12: 12 + 12 + 8), so fewer passes over the row
         usually reach the bucket that holds the k-th key (measured slower on H200 all the same: the wider first
         round aggregates fewer equal digits per warp, and every round zeroes and searches all bins); the index
-        word's digits stay 8 bits (they run only on exact ties)."""
+        word's digits stay 8 bits (they run only on exact ties). ``lean``: fewer instructions per score and pass for
+        the same rows bitwise: each pass runs its whole iterations without the row-end clamp and test (one clamped
+        iteration at the end), loads without TileLang's safe-access guards, and the score key is three branch-free
+        integer ops (``0x80000000 +/- |bits|``, which maps -0.0 onto +0.0 by itself) instead of the fold and the
+        sign branch. ``shortlist`` (lean, 8-bit digits; 0: off): the third pass over the row is also the collect
+        pass. Once two rounds have fixed the 16-bit prefix ``P`` of the k-th key, every key above ``P`` is selected
+        and only ``need`` keys inside ``P`` remain to choose (typically a few dozen candidates), so that pass writes
+        the keys above ``P`` to the output list and the ones inside ``P`` to a shortlist of this many entries; each
+        shortlisted key's rank among the others (a loop over the shortlist) says whether it is selected and where it
+        goes. A row whose bucket overflows the shortlist runs the usual rounds and collect pass instead."""
+        if shortlist and (not lean or digit_bits != 8 or shortlist > threads):
+            raise ValueError(f"topk_select's shortlist needs lean=True, digit_bits=8 and at most {threads} entries, "
+                             f"got shortlist={shortlist}, lean={lean}, digit_bits={digit_bits}")
         blocks = min_blocks or max(1, 2048 // threads)
         sort_n = next_power_of_2(max(topk, 2))
         if threads % 32 or threads < 256:
@@ -307,11 +342,42 @@ def _jit_select():
         n_sort_pairs = sort_n // 2
         log_sort = sort_n.bit_length() - 1
 
+        # Each pass over the row: the non-lean kernel as one loop of clamped iterations; the lean one as its whole
+        # iterations (every element inside the row: no clamp, no test) and then at most one clamped iteration.
+        parts = ("whole", "tail") if lean else ("all",)
+
+        def part_range(part, n, n_it):
+            if part == "whole":
+                return 0, n // span
+            if part == "tail":  # always one iteration, masked where the row ends on a whole one
+                return n // span, n // span + 1
+            return 0, n_it
+
+        def element(j, e0, t_kv, part):
+            """(load index, in-row test) of row element ``j`` in this part of a pass."""
+            if part == "whole":
+                return j, T.bool(True)
+            if part == "tail":  # an empty row at key 0 loads key 0, never key -1
+                return T.max(T.min(j, e0 - 1), 0), j < e0
+            return T.min(j, t_kv - 1), j < e0
+
+        def lean_key(bits):
+            """Order-preserving key of fp32 ``bits``: 0x80000000 + |x| bits for x >= +0, 0x80000000 - |x| bits for
+            x <= -0 (so -0.0 and +0.0 share a key, and every key is >= 1: the sort's (0, 0) padding stays last)."""
+            sg = T.cast(T.shift_right(T.cast(bits, i32), 31), u32)
+            return ((bits & T.uint32(0x7FFFFFFF)) ^ sg) - sg + T.uint32(0x80000000)
+
+        def shared_add(buf, i, val):
+            """``atomicAdd`` on a shared int, returning the old value: a shared-memory ``ATOMS`` (TileLang's
+            ``atomic_add(..., return_prev=True)`` goes through ``cuda::atomic_ref``: a generic, GPU-scope ``ATOM``)."""
+            return T.call_extern("int32", "atomicAdd", T.address_of(buf[i]), val)
+
         @T.macro
-        def load_scores(Logits, raw, bx, it, s0, t_kv, tx):
-            # all loads first: ``batch`` in flight per thread (clamped, so unconditional; j >= e0 is masked later)
+        def load_scores(Logits, raw, bx, it, s0, e0, t_kv, tx, part):
+            # all loads first: ``batch`` in flight per thread (in bounds, so unconditional; j >= e0 is masked later)
             for v in T.unroll(batch):
-                raw[v] = T.reinterpret(Logits[bx, T.min(s0 + it * span + v * threads + tx, t_kv - 1)], u32)
+                raw[v] = T.reinterpret(Logits[bx, element(s0 + it * span + v * threads + tx, e0, t_kv, part)[0]],
+                                       u32)
 
         @T.prim_func
         def main(
@@ -330,7 +396,12 @@ def _jit_select():
                 st = T.alloc_shared([16], u32)
                 key_h = T.alloc_shared([sort_n], u32)
                 key_l = T.alloc_shared([sort_n], u32)
-                cnt_s = T.alloc_shared([1], i32)
+                cnt_s = T.alloc_shared([2], i32)  # 0: keys collected, 1: keys shortlisted
+                sl_h = T.alloc_shared([max(shortlist, 1)], u32)
+                sl_l = T.alloc_shared([max(shortlist, 1)], u32)
+                rank = T.alloc_var(i32)
+                n_sl = T.alloc_var(i32)
+                it_end = T.alloc_var(i32)
                 above = T.alloc_var(i32)
                 suffix = T.alloc_var(i32)
                 mine = T.alloc_var(i32)
@@ -347,6 +418,7 @@ def _jit_select():
 
                 tx = T.get_thread_binding()
                 lane = tx % 32
+                lanes_below = (T.uint32(1) << T.cast(lane, u32)) - T.uint32(1)
                 t = RowOffset[0] + bx
                 s0 = T.max(T.min(Starts[t], t_kv), 0)
                 e0 = T.max(T.min(Ends[t], t_kv), s0)
@@ -359,11 +431,66 @@ def _jit_select():
                     st[2] = T.cast(topk, u32)
                     st[3] = T.if_then_else(n <= topk, T.uint32(1), T.uint32(0))
                     cnt_s[0] = 0
+                    cnt_s[1] = 0
+                    st[10] = T.uint32(0)  # 1: the shortlist pass selected the row (no collect pass)
                     st[8] = T.uint32(0)
                     st[9] = T.uint32(0)
                 T.sync_threads()
 
                 for r, (word, shift, bits) in enumerate(rounds):
+                    if shortlist and r == 2 and st[3] == T.uint32(0):
+                        # One pass: keys above the 16-bit prefix to the output list, keys inside it to the shortlist.
+                        ph = st[0]
+                        for part in parts:
+                          it0, it1 = part_range(part, n, n_it)
+                          for it in T.serial(it0, it1):
+                            load_scores(Logits, raw, bx, it, s0, e0, t_kv, tx, part)
+                            for v in T.unroll(batch):
+                                j = s0 + it * span + v * threads + tx
+                                kh = lean_key(raw[v])
+                                kl = T.uint32(0xFFFFFFFF) - T.cast(j, u32)
+                                ok = element(j, e0, t_kv, part)[1]
+                                up = ok and (kh >> T.uint32(16)) > ph
+                                inside = ok and (kh >> T.uint32(16)) == ph
+                                ballot = T.cast(T.ballot_sync(up), u32)
+                                if ballot != T.uint32(0):
+                                    if lane == 0:
+                                        base = shared_add(cnt_s, 0, T.cast(T.popcount(ballot), i32))
+                                    base = T.shfl_sync(base, 0)
+                                    pos = base + T.cast(T.popcount(ballot & lanes_below), i32)
+                                    if up and pos < sort_n:
+                                        key_h[pos] = kh
+                                        key_l[pos] = kl
+                                if inside:  # a few dozen keys per row: one shared atomic each, no ballot
+                                    pos = shared_add(cnt_s, 1, 1)
+                                    if pos < shortlist:
+                                        sl_h[pos] = kh
+                                        sl_l[pos] = kl
+                        T.sync_threads()
+                        n_sl = cnt_s[1]
+                        if n_sl <= shortlist:
+                            # The shortlisted key of rank q (0: the largest) is selected when q < need, and goes
+                            # right after the keys above the prefix.
+                            need = T.cast(st[2], i32)
+                            if tx < n_sl:
+                                kh = sl_h[tx]
+                                kl = sl_l[tx]
+                                rank = 0
+                                for q in T.serial(n_sl):
+                                    if sl_h[q] > kh or (sl_h[q] == kh and sl_l[q] > kl):
+                                        rank = rank + 1
+                                if rank < need:
+                                    key_h[cnt_s[0] + rank] = kh
+                                    key_l[cnt_s[0] + rank] = kl
+                            T.sync_threads()
+                            if tx == 0:
+                                cnt_s[0] = cnt_s[0] + need
+                                st[3] = T.uint32(1)
+                                st[10] = T.uint32(1)
+                        else:  # overflow: the usual rounds and collect pass
+                            if tx == 0:
+                                cnt_s[0] = 0
+                        T.sync_threads()
                     if st[3] == T.uint32(0):
                         for hz in T.unroll(cdiv(hist_n, threads)):
                             if hz * threads + tx < hist_n:
@@ -371,24 +498,29 @@ def _jit_select():
                         T.sync_threads()
                         ph = st[0]
                         pl = st[1]
-                        for it in T.serial(n_it):
-                            load_scores(Logits, raw, bx, it, s0, t_kv, tx)
+                        for part in parts:
+                          it0, it1 = part_range(part, n, n_it)
+                          for it in T.serial(it0, it1):
+                            load_scores(Logits, raw, bx, it, s0, e0, t_kv, tx, part)
                             for v in T.unroll(batch):
                                 j = s0 + it * span + v * threads + tx
-                                # Order-preserving uint32 of the fp32 score (larger float -> larger key), -0.0
-                                # folded into +0.0 (statements, so the generated code does not repeat subexpressions).
-                                uk = raw[v]
-                                if (uk & T.uint32(0x7FFFFFFF)) == T.uint32(0):
-                                    uk = T.uint32(0)
-                                if (uk & T.uint32(0x80000000)) != T.uint32(0):
-                                    kh = ~uk
+                                if lean:
+                                    kh = lean_key(raw[v])
                                 else:
-                                    kh = uk | T.uint32(0x80000000)
+                                    # Order-preserving uint32 of the fp32 score (larger float -> larger key), -0.0
+                                    # folded into +0.0 (statements: the generated code does not repeat them).
+                                    uk = raw[v]
+                                    if (uk & T.uint32(0x7FFFFFFF)) == T.uint32(0):
+                                        uk = T.uint32(0)
+                                    if (uk & T.uint32(0x80000000)) != T.uint32(0):
+                                        kh = ~uk
+                                    else:
+                                        kh = uk | T.uint32(0x80000000)
                                 # The low word ~index makes every key distinct and prefers the lower index.
                                 kl = T.uint32(0xFFFFFFFF) - T.cast(j, u32)
                                 dg = hist_n  # no digit: the key left the prefix (or the row)
                                 mask = T.uint32((1 << bits) - 1)
-                                if j < e0:
+                                if element(j, e0, t_kv, part)[1]:
                                     if r == 0:
                                         dg = T.cast(kh >> T.uint32(shift), i32)
                                     elif word == "h":
@@ -404,7 +536,10 @@ def _jit_select():
                                     # Every element lands in the first histogram, often in a few bins (scores share
                                     # their exponent): aggregate per warp, one shared atomic per distinct digit.
                                     peers = T.match_any_sync(dg)
-                                    if dg < hist_n and lane == T.__ffs(T.cast(peers, i32)) - 1:
+                                    if lean:  # the leader: no lower lane among the peers (no bit reverse + find)
+                                        if dg < hist_n and (peers & lanes_below) == T.uint32(0):
+                                            T.atomic_add(hist[dg], T.cast(T.popcount(peers), i32))
+                                    elif dg < hist_n and lane == T.__ffs(T.cast(peers, i32)) - 1:
                                         T.atomic_add(hist[dg], T.cast(T.popcount(peers), i32))
                                 elif dg < hist_n:
                                     # Later rounds only see the few elements that still match the prefix.
@@ -469,26 +604,36 @@ def _jit_select():
                 # Collect the selected keys (exactly min(n, topk) of them), compacted per warp with a ballot.
                 th = st[8]
                 tl_ = st[9]
-                for it in T.serial(n_it):
-                    load_scores(Logits, raw, bx, it, s0, t_kv, tx)
+                for part in parts:
+                  it0, it1 = part_range(part, n, n_it)
+                  it_end = it1
+                  if st[10] != T.uint32(0):  # the shortlist pass collected the row already
+                      it_end = it0
+                  for it in T.serial(it0, it_end):
+                    load_scores(Logits, raw, bx, it, s0, e0, t_kv, tx, part)
                     for v in T.unroll(batch):
                         j = s0 + it * span + v * threads + tx
                         # Same key as in the rounds above.
-                        uk = raw[v]
-                        if (uk & T.uint32(0x7FFFFFFF)) == T.uint32(0):
-                            uk = T.uint32(0)
-                        if (uk & T.uint32(0x80000000)) != T.uint32(0):
-                            kh = ~uk
+                        if lean:
+                            kh = lean_key(raw[v])
                         else:
-                            kh = uk | T.uint32(0x80000000)
+                            uk = raw[v]
+                            if (uk & T.uint32(0x7FFFFFFF)) == T.uint32(0):
+                                uk = T.uint32(0)
+                            if (uk & T.uint32(0x80000000)) != T.uint32(0):
+                                kh = ~uk
+                            else:
+                                kh = uk | T.uint32(0x80000000)
                         kl = T.uint32(0xFFFFFFFF) - T.cast(j, u32)
-                        sel = (j < e0) and ((kh > th) or (kh == th and kl >= tl_))
+                        sel = element(j, e0, t_kv, part)[1] and ((kh > th) or (kh == th and kl >= tl_))
                         ballot = T.cast(T.ballot_sync(sel), u32)
                         if lane == 0:
-                            base = T.atomic_add(cnt_s[0], T.cast(T.popcount(ballot), i32), return_prev=True)
+                            if lean:
+                                base = shared_add(cnt_s, 0, T.cast(T.popcount(ballot), i32))
+                            else:
+                                base = T.atomic_add(cnt_s[0], T.cast(T.popcount(ballot), i32), return_prev=True)
                         base = T.shfl_sync(base, 0)
-                        below = ballot & ((T.uint32(1) << T.cast(lane, u32)) - T.uint32(1))
-                        pos = base + T.cast(T.popcount(below), i32)
+                        pos = base + T.cast(T.popcount(ballot & lanes_below), i32)
                         if sel and pos < sort_n:
                             key_h[pos] = kh
                             key_l[pos] = kl

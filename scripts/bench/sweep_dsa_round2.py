@@ -45,15 +45,15 @@ SCALE = 1.0 / 16
 IDX = "megatron_glm5.kernels.indexer_topk"
 BWD = "megatron_glm5.kernels.sparse_mla_bwd"
 # (block_n, num_stages, threads, block_q, exact_products); the default first
-LOGITS_VARIANTS = [(128, 2, 256, 4, True), (128, 2, 256, 4, False), (64, 2, 256, 4, True), (64, 3, 256, 4, True),
-                   (128, 3, 256, 4, True)]
+LOGITS_VARIANTS = [(128, 2, 256, 4, True)]
 # the logits kernel without warp specialisation (_jit_logits_plain): (block_n, threads, min_blocks[, block_q]);
 # the interface's default first
-PLAIN_VARIANTS = [(128, 128, 2), (64, 128, 2, 8), (128, 256, 1, 8), (64, 256, 2, 8), (128, 256, 2)]
+PLAIN_VARIANTS = [(128, 128, 2), (64, 128, 3), (64, 128, 2)]
 # (threads, min_blocks: 0 = 2048 // threads, batch: scores loaded per thread before binning[, digit_bits: the score
-# digits' width, 8 by default]); one load in flight first (the kernel before batching)
-SELECT_VARIANTS = [(256, 0, 1), (256, 0, 2), (256, 0, 4), (256, 0, 8), (256, 4, 8), (256, 0, 4, 11), (256, 0, 8, 11),
-                   (256, 0, 4, 12)]
+# digits' width, 8 by default[, lean: fewer instructions per score[, shortlist entries]]]); the kernel before the
+# lean one first
+SELECT_VARIANTS = [(256, 0, 4, 8, False, 0), (256, 0, 4, 8, True, 0), (256, 0, 4, 8, True, 256),
+                   (256, 0, 2, 8, True, 256), (256, 0, 8, 8, True, 0)]
 # (block_s, threads, dkv_split, dkv_reduce); the default first
 BWD_VARIANTS = {64: [(32, 0, 4, "atomic"), (32, 0, 4, "bulk"), (32, 0, 2, "atomic")],
                 16: [(32, 0, 4, "atomic"), (32, 0, 4, "bulk"), (32, 0, 2, "atomic")]}
@@ -291,9 +291,9 @@ def section_route(seq: int = 16384, heads: int = 16, localities=(None, 0.5, 0.9,
 
 def section_select(seqs=(8192, 32768, 65536)) -> list[str]:
     im = importlib.import_module(IDX)
-    lines = ["| S | threads | min CTAs per SM | batch | digit bits | select ms (all chunks) "
+    lines = ["| S | threads | min CTAs per SM | batch | digit bits | lean | shortlist | select ms (all chunks) "
              "| equal to the first variant |",
-             "|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|"]
     for seq in seqs:
         q, k, w, starts, ends = indexer_inputs(seq)
         rows = im.logits_chunk_rows(seq, 4)
@@ -312,7 +312,10 @@ def section_select(seqs=(8192, 32768, 65536)) -> list[str]:
             same = "-" if ref is None else str(bool(torch.equal(out, ref)))
             ref = out.clone() if ref is None else ref
             bits = v[3] if len(v) > 3 else 8
-            lines.append(f"| {seq} | {v[0]} | {v[1] or 2048 // v[0]} | {v[2]} | {bits} | {ms:.2f} | {same} |")
+            lean = bool(v[4]) if len(v) > 4 else True
+            short = v[5] if len(v) > 5 else "default"
+            lines.append(f"| {seq} | {v[0]} | {v[1] or 2048 // v[0]} | {v[2]} | {bits} | {lean} | {short} | {ms:.2f} "
+                         f"| {same} |")
         del bufs
         torch.cuda.empty_cache()
     return lines

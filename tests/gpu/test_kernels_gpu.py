@@ -578,10 +578,15 @@ def test_indexer_topk_short_rows_pad_with_minus_one():
     assert mismatched == 0
 
 
-@pytest.mark.parametrize("batch,digit_bits", [(1, 8), (2, 8), (8, 8), (4, 11), (1, 11), (4, 12)])
-def test_select_variants_match_the_default_bitwise(batch, digit_bits):
+@pytest.mark.parametrize("batch,digit_bits,lean,shortlist", [
+    (1, 8, False, 0), (2, 8, False, 0), (8, 8, False, 0), (4, 11, False, 0), (1, 11, False, 0), (4, 12, False, 0),
+    (4, 8, True, 0), (8, 8, True, 0), (1, 8, True, 0), (4, 11, True, 0),
+    (4, 8, True, 256), (2, 8, True, 256), (4, 8, True, 8)])  # shortlist 8: rows overflow it (the usual rounds)
+def test_select_variants_match_the_default_bitwise(batch, digit_bits, lean, shortlist):
     """The select's ``batch`` (scores loaded per thread before binning) changes only when loads are issued and
-    ``digit_bits`` only how many radix rounds reach the k-th key: every variant gives the same rows bitwise, on scores
+    ``digit_bits`` only how many radix rounds reach the k-th key, ``lean`` only the instructions (another key map of
+    the same order, unclamped whole iterations) and ``shortlist`` only which pass collects the keys: every variant
+    gives the same rows bitwise, on scores
     with many exact ties, ranges that start off any alignment, rows shorter than one iteration's span and rows
     shorter or longer than top-k, run in two chunks as the interface runs them (the second at a row offset)."""
     idx_mod = importlib.import_module("megatron_glm5.kernels.indexer_topk")
@@ -592,23 +597,27 @@ def test_select_variants_match_the_default_bitwise(batch, digit_bits):
     starts = torch.randint(0, 3000, (n_rows,), device="cuda", dtype=torch.int32, generator=g)
     lengths = torch.randint(0, 6000, (n_rows,), device="cuda", dtype=torch.int32, generator=g)
     lengths[::5] = torch.randint(0, 300, (lengths[::5].numel(),), device="cuda", dtype=torch.int32, generator=g)
+    # rows ending on a whole iteration (the lean kernel's masked tail), an empty row at key 0, a row past T_kv
+    starts[1:6] = torch.tensor([0, 5, 0, 1000, 8000], dtype=torch.int32, device="cuda")
+    lengths[1:6] = torch.tensor([1024, 2048, 0, 4096, 3000], dtype=torch.int32, device="cuda")
     ends = (starts + lengths).int()
     outs = {}
-    for key in ((4, 8), (batch, digit_bits)):  # (4, 8): the interface's default
-        kernel = idx_mod._jit_select()(topk, batch=key[0], digit_bits=key[1])
+    mine = (batch, digit_bits, lean, shortlist)
+    for key in ((4, 8, False, 0), mine):  # (4, 8, False, 0): the kernel before the lean one
+        kernel = idx_mod._jit_select()(topk, batch=key[0], digit_bits=key[1], lean=key[2], shortlist=key[3])
         out = torch.full((n_rows, topk), -7, dtype=torch.int32, device="cuda")
         for r0, r1 in ((0, split), (split, n_rows)):  # chunk rows r0..r1: Logits row bx is token r0 + bx
             kernel(logits[r0:r1], starts, ends, torch.full((1,), r0, dtype=torch.int32, device="cuda"), out)
         outs[key] = out
-    assert torch.equal(outs[(batch, digit_bits)], outs[(4, 8)])
+    assert torch.equal(outs[mine], outs[(4, 8, False, 0)])
     # and the contract itself on the default: in range, then -1, sorted by score with ties to the lower index
     checked = []
-    for r in range(0, n_rows, 47):
-        s, e = int(starts[r]), int(ends[r])
+    for r in [1, 2, 3, 4, 5] + list(range(0, n_rows, 47)):
+        s, e = int(starts[r]), min(int(ends[r]), t_kv)
         vals = logits[r, s:e].tolist()
         order = sorted(range(e - s), key=lambda i: (-vals[i], i))[:topk]
         expect = [s + i for i in order] + [-1] * (topk - len(order))
-        assert outs[(4, 8)][r].tolist() == expect, f"row {r}"
+        assert outs[mine][r].tolist() == expect, f"row {r}"
         checked.append(e - s)
     assert min(checked) < topk < max(checked), checked  # both kinds of row were checked
 
