@@ -361,11 +361,17 @@ def _select_program(T):
                 return T.max(T.min(j, e0 - 1), 0), j < e0
             return T.min(j, t_kv - 1), j < e0
 
-        def lean_key(bits):
-            """Order-preserving key of fp32 ``bits``: 0x80000000 + |x| bits for x >= +0, 0x80000000 - |x| bits for
-            x <= -0 (so -0.0 and +0.0 share a key, and every key is >= 1: the sort's (0, 0) padding stays last)."""
-            sg = T.cast(T.shift_right(T.cast(bits, i32), 31), u32)
-            return ((bits & T.uint32(0x7FFFFFFF)) ^ sg) - sg + T.uint32(0x80000000)
+        def score_key(bits):
+            """Order-preserving uint32 key of fp32 ``bits`` (larger float -> larger key; -0.0 and +0.0 one key).
+            Lean: 0x80000000 + |x| bits for x >= +0, 0x80000000 - |x| bits for x <= -0, three branch-free ops, every
+            key >= 1 (the sort's (0, 0) padding stays last). Otherwise the first map: -0.0 folded into +0.0, then
+            the sign bit set on positives and all bits flipped on negatives."""
+            if lean:
+                sg = T.cast(T.shift_right(T.cast(bits, i32), 31), u32)
+                return ((bits & T.uint32(0x7FFFFFFF)) ^ sg) - sg + T.uint32(0x80000000)
+            folded = T.if_then_else((bits & T.uint32(0x7FFFFFFF)) == T.uint32(0), T.uint32(0), bits)
+            return T.if_then_else((folded & T.uint32(0x80000000)) != T.uint32(0), ~folded,
+                                  folded | T.uint32(0x80000000))
 
         def shared_add(buf, i, val):
             """``atomicAdd`` on a shared int, returning the old value: a shared-memory ``ATOMS`` (TileLang's
@@ -406,7 +412,6 @@ def _select_program(T):
                 suffix = T.alloc_var(i32)
                 mine = T.alloc_var(i32)
                 base = T.alloc_var(i32)
-                uk = T.alloc_var(u32)
                 kh = T.alloc_var(u32)
                 kl = T.alloc_var(u32)
                 dg = T.alloc_var(i32)
@@ -447,7 +452,7 @@ def _select_program(T):
                             load_scores(Logits, raw, bx, it, s0, e0, t_kv, tx, part)
                             for v in T.unroll(batch):
                                 j = s0 + it * span + v * threads + tx
-                                kh = lean_key(raw[v])
+                                kh = score_key(raw[v])
                                 kl = T.uint32(0xFFFFFFFF) - T.cast(j, u32)
                                 ok = element(j, e0, t_kv, part)[1]
                                 up = ok and (kh >> T.uint32(16)) > ph
@@ -504,18 +509,7 @@ def _select_program(T):
                             load_scores(Logits, raw, bx, it, s0, e0, t_kv, tx, part)
                             for v in T.unroll(batch):
                                 j = s0 + it * span + v * threads + tx
-                                if lean:
-                                    kh = lean_key(raw[v])
-                                else:
-                                    # Order-preserving uint32 of the fp32 score (larger float -> larger key), -0.0
-                                    # folded into +0.0 (statements: the generated code does not repeat them).
-                                    uk = raw[v]
-                                    if (uk & T.uint32(0x7FFFFFFF)) == T.uint32(0):
-                                        uk = T.uint32(0)
-                                    if (uk & T.uint32(0x80000000)) != T.uint32(0):
-                                        kh = ~uk
-                                    else:
-                                        kh = uk | T.uint32(0x80000000)
+                                kh = score_key(raw[v])
                                 # The low word ~index makes every key distinct and prefers the lower index.
                                 kl = T.uint32(0xFFFFFFFF) - T.cast(j, u32)
                                 dg = hist_n  # no digit: the key left the prefix (or the row)
@@ -613,17 +607,7 @@ def _select_program(T):
                     load_scores(Logits, raw, bx, it, s0, e0, t_kv, tx, part)
                     for v in T.unroll(batch):
                         j = s0 + it * span + v * threads + tx
-                        # Same key as in the rounds above.
-                        if lean:
-                            kh = lean_key(raw[v])
-                        else:
-                            uk = raw[v]
-                            if (uk & T.uint32(0x7FFFFFFF)) == T.uint32(0):
-                                uk = T.uint32(0)
-                            if (uk & T.uint32(0x80000000)) != T.uint32(0):
-                                kh = ~uk
-                            else:
-                                kh = uk | T.uint32(0x80000000)
+                        kh = score_key(raw[v])  # same key as in the rounds above
                         kl = T.uint32(0xFFFFFFFF) - T.cast(j, u32)
                         sel = element(j, e0, t_kv, part)[1] and ((kh > th) or (kh == th and kl >= tl_))
                         ballot = T.cast(T.ballot_sync(sel), u32)
