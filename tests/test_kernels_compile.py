@@ -75,6 +75,8 @@ COMPILE_CASES = {
     "topk_select_glm": ("megatron_glm5.kernels.indexer_topk", "_jit_select", (2048,)),
     # the select before the lean one (clamped iterations, TileLang's access guards; the GPU test's reference)
     "topk_select_guarded": ("megatron_glm5.kernels.indexer_topk", "_jit_select", (2048, 256, 0, 4, 8, False)),
+    # ... and at a top-k below the thread count (TileLang's barrier planner refused one form of its collect there)
+    "topk_select_guarded_small": ("megatron_glm5.kernels.indexer_topk", "_jit_select", (64, 256, 0, 4, 8, False)),
     # 11-bit score digits: three radix rounds over the score, a 2048-bin histogram searched 8 bins per thread
     "topk_select_digits11": ("megatron_glm5.kernels.indexer_topk", "_jit_select", (2048, 256, 0, 4, 11)),
     # KPool (GLM-5.3-Flash): the same indexer kernel scores the pool keys, top-(index_topk // P) = 512 pools

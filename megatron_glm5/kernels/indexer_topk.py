@@ -271,7 +271,9 @@ def _jit_logits_plain():
 @functools.cache
 def _jit_select():
     """The select factory: ``lean`` builds go through TileLang without its safe-memory pass (their loads are in
-    bounds by construction; the pass's guards were about half the loop's instructions), the others as before."""
+    bounds by construction; the pass's guards were about half the loop's instructions) and without its barrier
+    insertion (the kernel's own ``T.sync_threads()`` order every shared access; the pass added two barriers per
+    score to the collect pass), the others as before."""
     tilelang, T = tilelang_modules()
     build = _select_program(T)
     guarded = tilelang.jit(build)
@@ -425,8 +427,11 @@ def _select_program(T):
                 lane = tx % 32
                 lanes_below = (T.uint32(1) << T.cast(lane, u32)) - T.uint32(1)
                 t = RowOffset[0] + bx
-                s0 = T.max(T.min(Starts[t], t_kv), 0)
-                e0 = T.max(T.min(Ends[t], t_kv), s0)
+                # A row past T (a launch beyond the bounds' length) is empty and writes nothing: the lean build has
+                # no access guards, so the bounds are read at a clamped token and its store is skipped.
+                tc = T.min(t, t_len - 1)
+                s0 = T.max(T.min(Starts[tc], t_kv), 0)
+                e0 = T.if_then_else(t < t_len, T.max(T.min(Ends[tc], t_kv), s0), s0)
                 n = e0 - s0
                 n_it = T.ceildiv(n, span)
 
@@ -484,7 +489,7 @@ def _select_program(T):
                                 for q in T.serial(n_sl):
                                     if sl_h[q] > kh or (sl_h[q] == kh and sl_l[q] > kl):
                                         rank = rank + 1
-                                if rank < need:
+                                if rank < need and cnt_s[0] + rank < sort_n:  # always: topk - need keys above
                                     key_h[cnt_s[0] + rank] = kh
                                     key_l[cnt_s[0] + rank] = kl
                             T.sync_threads()
@@ -601,8 +606,9 @@ def _select_program(T):
                 for part in parts:
                   it0, it1 = part_range(part, n, n_it)
                   it_end = it1
-                  if st[10] != T.uint32(0):  # the shortlist pass collected the row already
-                      it_end = it0
+                  if shortlist:
+                      if st[10] != T.uint32(0):  # the shortlist pass collected the row already
+                          it_end = it0
                   for it in T.serial(it0, it_end):
                     load_scores(Logits, raw, bx, it, s0, e0, t_kv, tx, part)
                     for v in T.unroll(batch):
@@ -617,7 +623,11 @@ def _select_program(T):
                             else:
                                 base = T.atomic_add(cnt_s[0], T.cast(T.popcount(ballot), i32), return_prev=True)
                         base = T.shfl_sync(base, 0)
-                        pos = base + T.cast(T.popcount(ballot & lanes_below), i32)
+                        if lean:
+                            pos = base + T.cast(T.popcount(ballot & lanes_below), i32)
+                        else:  # as before: with the hoisted mask TileLang's sync planner fails on topk <= 64
+                            below = ballot & ((T.uint32(1) << T.cast(lane, u32)) - T.uint32(1))
+                            pos = base + T.cast(T.popcount(below), i32)
                         if sel and pos < sort_n:
                             key_h[pos] = kh
                             key_l[pos] = kl
@@ -656,7 +666,7 @@ def _select_program(T):
 
                 for it in T.serial(T.ceildiv(topk, threads)):
                     p = it * threads + tx
-                    if p < topk:
+                    if p < topk and t < t_len:
                         Out[t, p] = T.if_then_else(
                             p < count, T.cast(T.uint32(0xFFFFFFFF) - key_l[p], i32), -1
                         )

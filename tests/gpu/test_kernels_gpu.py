@@ -622,6 +622,41 @@ def test_select_variants_match_the_default_bitwise(batch, digit_bits, lean, shor
     assert min(checked) < topk < max(checked), checked  # both kinds of row were checked
 
 
+@pytest.mark.parametrize("topk", [512, 2051])
+def test_select_default_matches_the_guarded_kernel_at_other_topk(topk):
+    """The default select (lean, shortlist) against the kernel before it at other top-k widths (KPool's 512, a width
+    that is not a power of two), on scores with -0.0 / +0.0, infinities and NaNs among them, and with a launch whose
+    rows run past T (they stay empty and write nothing)."""
+    idx_mod = importlib.import_module("megatron_glm5.kernels.indexer_topk")
+    g = torch.Generator(device="cuda").manual_seed(topk)
+    n_rows, t_kv = 300, 7000
+    logits = torch.randn(n_rows, t_kv, device="cuda", generator=g)
+    logits[:, ::11] = 0.0
+    logits[:, 5::11] = -0.0
+    logits[::3, 7::97] = float("inf")
+    logits[1::3, 9::89] = float("-inf")
+    logits[2::5, 13::101] = float("nan")
+    starts = torch.randint(0, 2000, (n_rows,), device="cuda", dtype=torch.int32, generator=g)
+    ends = (starts + torch.randint(0, 5000, (n_rows,), device="cuda", dtype=torch.int32, generator=g)).int()
+    t_len = n_rows - 20  # the last 20 launched rows are past T
+    outs = []
+    for kwargs in ({}, {"lean": False}):
+        kernel = idx_mod._jit_select()(topk, **kwargs)
+        out = torch.full((n_rows, topk), -7, dtype=torch.int32, device="cuda")  # Out is [T, topk]: its first T rows
+        kernel(logits, starts[:t_len], ends[:t_len], torch.zeros(1, dtype=torch.int32, device="cuda"), out[:t_len])
+        outs.append(out)
+    assert torch.equal(outs[0][:t_len], outs[1][:t_len])
+    assert (outs[0][t_len:] == -7).all()  # nothing written past T
+    finite = ~torch.isnan(logits)
+    for r in range(0, t_len, 37):  # the contract on rows without NaN: sorted by score, ties to the lower index
+        s, e = int(starts[r]), min(int(ends[r]), t_kv)
+        if not finite[r, s:e].all():
+            continue
+        vals = logits[r, s:e].tolist()
+        order = sorted(range(e - s), key=lambda i: (-vals[i], i))[:topk]
+        assert outs[0][r].tolist() == [s + i for i in order] + [-1] * (topk - len(order)), f"row {r}"
+
+
 # --------------------------------------------------------------------------------------------------------------------
 # NoPE latent (GLM-5.3-Flash): d_qk == d_v == 512, KPool top-k width index_topk + P - 1 = 2051
 # --------------------------------------------------------------------------------------------------------------------
