@@ -355,13 +355,17 @@ def _select_program(T):
                 return n // span, n // span + 1
             return 0, n_it
 
-        def element(j, e0, t_kv, part):
-            """(load index, in-row test) of row element ``j`` in this part of a pass."""
+        def load_index(j, e0, t_kv, part):
+            """Where row element ``j`` is loaded from in this part of a pass (in bounds without guards)."""
             if part == "whole":
-                return j, T.bool(True)
+                return j
             if part == "tail":  # an empty row at key 0 loads key 0, never key -1
-                return T.max(T.min(j, e0 - 1), 0), j < e0
-            return T.min(j, t_kv - 1), j < e0
+                return T.max(T.min(j, e0 - 1), 0)
+            return T.min(j, t_kv - 1)
+
+        def in_row(j, e0, part):
+            """Whether row element ``j`` is inside the row (always, in a whole iteration)."""
+            return T.bool(True) if part == "whole" else j < e0
 
         def score_key(bits):
             """Order-preserving uint32 key of fp32 ``bits`` (larger float -> larger key; -0.0 and +0.0 one key).
@@ -384,8 +388,7 @@ def _select_program(T):
         def load_scores(Logits, raw, bx, it, s0, e0, t_kv, tx, part):
             # all loads first: ``batch`` in flight per thread (in bounds, so unconditional; j >= e0 is masked later)
             for v in T.unroll(batch):
-                raw[v] = T.reinterpret(Logits[bx, element(s0 + it * span + v * threads + tx, e0, t_kv, part)[0]],
-                                       u32)
+                raw[v] = T.reinterpret(Logits[bx, load_index(s0 + it * span + v * threads + tx, e0, t_kv, part)], u32)
 
         @T.prim_func
         def main(
@@ -459,7 +462,7 @@ def _select_program(T):
                                 j = s0 + it * span + v * threads + tx
                                 kh = score_key(raw[v])
                                 kl = T.uint32(0xFFFFFFFF) - T.cast(j, u32)
-                                ok = element(j, e0, t_kv, part)[1]
+                                ok = in_row(j, e0, part)
                                 up = ok and (kh >> T.uint32(16)) > ph
                                 inside = ok and (kh >> T.uint32(16)) == ph
                                 ballot = T.cast(T.ballot_sync(up), u32)
@@ -519,7 +522,7 @@ def _select_program(T):
                                 kl = T.uint32(0xFFFFFFFF) - T.cast(j, u32)
                                 dg = hist_n  # no digit: the key left the prefix (or the row)
                                 mask = T.uint32((1 << bits) - 1)
-                                if element(j, e0, t_kv, part)[1]:
+                                if in_row(j, e0, part):
                                     if r == 0:
                                         dg = T.cast(kh >> T.uint32(shift), i32)
                                     elif word == "h":
@@ -615,7 +618,7 @@ def _select_program(T):
                         j = s0 + it * span + v * threads + tx
                         kh = score_key(raw[v])  # same key as in the rounds above
                         kl = T.uint32(0xFFFFFFFF) - T.cast(j, u32)
-                        sel = element(j, e0, t_kv, part)[1] and ((kh > th) or (kh == th and kl >= tl_))
+                        sel = in_row(j, e0, part) and ((kh > th) or (kh == th and kl >= tl_))
                         ballot = T.cast(T.ballot_sync(sel), u32)
                         if lane == 0:
                             if lean:
@@ -623,11 +626,9 @@ def _select_program(T):
                             else:
                                 base = T.atomic_add(cnt_s[0], T.cast(T.popcount(ballot), i32), return_prev=True)
                         base = T.shfl_sync(base, 0)
-                        if lean:
-                            pos = base + T.cast(T.popcount(ballot & lanes_below), i32)
-                        else:  # as before: with the hoisted mask TileLang's sync planner fails on topk <= 64
-                            below = ballot & ((T.uint32(1) << T.cast(lane, u32)) - T.uint32(1))
-                            pos = base + T.cast(T.popcount(below), i32)
+                        # (the lane mask written out here: hoisted, TileLang's barrier planner refuses topk <= 64)
+                        below = ballot & ((T.uint32(1) << T.cast(lane, u32)) - T.uint32(1))
+                        pos = base + T.cast(T.popcount(below), i32)
                         if sel and pos < sort_n:
                             key_h[pos] = kh
                             key_l[pos] = kl
