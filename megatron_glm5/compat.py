@@ -923,54 +923,59 @@ def _probe_finalize_walks() -> None:
 
 
 # --------------------------------------------------------------------------------------------------------------------
-# 18. megatron-core's gradient clip without apex / TE: the norm left on the device, the clip applied by torch's fused
-#     Adam (optimizer.clip_grads.multi_tensor_scale_tensor_impl, optimizer.optimizer.clip_grad_by_total_norm_fp32;
-#     torch.optim.Adam's grad_scale attribute)
+# 18. megatron-core's gradient clip without apex / TE with the norm left on the device
+#     (optimizer.clip_grads.get_grad_norm_fp32 and multi_tensor_scale_tensor_impl, optimizer.optimizer's
+#     get_grad_norm_fp32 bound by name)
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def route_device_grad_clip(scale_tensor: Callable, clip: Callable) -> bool:
-    """Where megatron-core has no tensor-scale kernel (no apex / TE), give it ``scale_tensor``
-    (``multi_tensor_scale_tensor``'s signature: ``get_grad_norm_fp32`` then returns the norm as a device tensor, with
-    no host sync) and make its optimizers call ``clip(original, parameters, max_norm, total_norm,
-    use_decoupled_grad)`` for ``clip_grad_by_total_norm_fp32``. Returns whether the route is installed."""
+def route_device_grad_clip(grad_norm: Callable, scale_tensor: Callable) -> bool:
+    """Where megatron-core has no tensor-scale kernel (no apex / TE): its optimizers' gradient norm becomes
+    ``grad_norm(original, grads_for_norm, norm_type, grad_stats_parallel_group)`` (a device tensor, no host read) and
+    its clip, given that tensor, scales with ``scale_tensor`` (``multi_tensor_scale_tensor``'s signature). Returns
+    whether the route is installed."""
     from megatron.core.optimizer import clip_grads, optimizer
 
-    if clip_grads.multi_tensor_scale_tensor_impl is None and not is_patched(optimizer, "clip_grad_by_total_norm_fp32"):
-        original = clip_grads.clip_grad_by_total_norm_fp32
+    if clip_grads.multi_tensor_scale_tensor_impl is None and not is_patched(optimizer, "get_grad_norm_fp32"):
+        original = clip_grads.get_grad_norm_fp32
 
-        def clip_grad_by_total_norm_fp32(parameters, max_norm, total_norm, use_decoupled_grad=False):
-            return clip(original, parameters, max_norm, total_norm, use_decoupled_grad)
+        def get_grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=None):
+            return grad_norm(original, grads_for_norm, norm_type, grad_stats_parallel_group)
 
         install_patches(((clip_grads, "multi_tensor_scale_tensor_impl", scale_tensor),
-                         (optimizer, "clip_grad_by_total_norm_fp32", clip_grad_by_total_norm_fp32)))
+                         (clip_grads, "get_grad_norm_fp32", get_grad_norm_fp32),
+                         (optimizer, "get_grad_norm_fp32", get_grad_norm_fp32)))
     return device_grad_clip_routed()
 
 
 def device_grad_clip_routed() -> bool:
     from megatron.core.optimizer import clip_grads, optimizer
 
-    return is_patched(optimizer, "clip_grad_by_total_norm_fp32") and is_patched(clip_grads,
-                                                                                 "multi_tensor_scale_tensor_impl")
+    return is_patched(optimizer, "get_grad_norm_fp32") and is_patched(clip_grads, "multi_tensor_scale_tensor_impl")
 
 
-@_hook("optimizer.clip_grads: get_grad_norm_fp32 keeps the norm a tensor when multi_tensor_scale_tensor_impl is set "
-       "(None without apex / TE); optimizer.optimizer: ChainedOptimizer.step and MegatronOptimizer.clip_grad_norm "
-       "call the module global clip_grad_by_total_norm_fp32(params, max_norm, total_norm, use_decoupled_grad); "
-       "torch.optim.Adam.step reads the optimizer's grad_scale attribute", "fusions.py, "
-       "optim_fusions.py", f"{MCORE} / {TORCH}")
+@_hook("optimizer.clip_grads: get_grad_norm_fp32(grads_for_norm, norm_type, grad_stats_parallel_group) and the "
+       "module globals it reads (multi_tensor_applier, l2_norm_impl, the DTensor helpers); "
+       "clip_grad_by_total_norm_fp32 scales by a tensor coefficient, clamped to 1, through "
+       "multi_tensor_scale_tensor_impl (None without apex / TE); optimizer.optimizer: "
+       "MegatronOptimizer.get_grad_norm / clip_grad_norm and ChainedOptimizer.get_grad_norm call the module global "
+       "get_grad_norm_fp32", "fusions.py, optim_fusions.py", MCORE)
 def _probe_device_grad_clip() -> None:
     import inspect
 
     from megatron.core.optimizer import clip_grads, optimizer
 
     assert hasattr(clip_grads, "multi_tensor_scale_tensor_impl")
-    assert "multi_tensor_scale_tensor_impl" in clip_grads.get_grad_norm_fp32.__code__.co_names
-    clip = unpatched(optimizer, "clip_grad_by_total_norm_fp32")
-    assert list(inspect.signature(clip).parameters) == ["parameters", "max_norm", "total_norm", "use_decoupled_grad"]
-    for fn in (optimizer.ChainedOptimizer.step, optimizer.MegatronOptimizer.clip_grad_norm):
-        assert "clip_grad_by_total_norm_fp32" in inspect.unwrap(fn).__code__.co_names
-    assert "grad_scale" in inspect.getsource(torch.optim.Adam.step)
+    norm = unpatched(clip_grads, "get_grad_norm_fp32")
+    assert list(inspect.signature(norm).parameters) == ["grads_for_norm", "norm_type", "grad_stats_parallel_group"]
+    for name in ("multi_tensor_applier", "l2_norm_impl", "get_data_parallel_group_if_dtensor", "to_local_if_dtensor"):
+        assert name in norm.__code__.co_names and hasattr(clip_grads, name), name
+    clip = inspect.getsource(unpatched(clip_grads, "clip_grad_by_total_norm_fp32"))
+    assert "clip_coeff.clamp_max_(1.0)" in clip
+    assert "multi_tensor_scale_tensor_impl, dummy_overflow_buf, [grads, grads]" in clip
+    for fn in (optimizer.MegatronOptimizer.get_grad_norm, optimizer.MegatronOptimizer.clip_grad_norm,
+               optimizer.ChainedOptimizer.get_grad_norm):
+        assert "get_grad_norm_fp32" in inspect.unwrap(fn).__code__.co_names
 
 
 def check_all() -> list[str]:

@@ -21,16 +21,18 @@ environment variable read when a module or block spec is built (``0`` or ``1``; 
   bitwise equal). Routed through :func:`megatron_glm5.compat.route_multi_tensor_scale`. bf16 training's main -> model
   copies do not use it: megatron-core copies them one ``copy_`` per tensor, and one foreach copy instead was measured
   no faster (issue 23, round 8).
-* ``MEGATRON_GLM5_DEVICE_GRAD_CLIP`` (experimental, off) - with the fused Adam below and the gradient norm above
-  (both on), megatron-core's gradient norm stays on the device (it ends in a host sync without apex / TE) and the
-  clip is applied by torch's fused Adam kernel as its ``grad_scale``
-  (:func:`megatron_glm5.optim_fusions.clip_in_fused_adam`): the host queues the step while the norm is computed, and
-  no separate pass scales the gradients. Bit for bit the same step when the norm is below the clip (except within
-  an ulp of it); a clipped gradient within a few fp32 ulps. Off because the fused kernel, given a ``grad_scale``, writes
-  every unscaled gradient back: H200, GLM-5 slice, the Adam kernels 19.7 -> 23.0 ms per step, more than the host
-  time it saves where the norm stays below the clip. Where most steps clip, it replaces megatron-core's scale pass
-  (a read and a write of every gradient) by that one write. Routed through
-  :func:`megatron_glm5.compat.route_device_grad_clip`.
+* ``MEGATRON_GLM5_DEVICE_GRAD_CLIP`` (experimental, off) - with the gradient norm above, megatron-core's gradient
+  norm stays on the device (:func:`megatron_glm5.optim_fusions.grad_norm_on_device`: without apex / TE it ends in a
+  host read) and the clip scales the gradients with a kernel that reads the coefficient on the device and writes
+  nothing when it is not below one (:mod:`megatron_glm5.kernels.grad_clip`): the host queues the clip and the
+  optimizer step while the norm is computed. The clipped gradients are megatron-core's host path's: the same fp32
+  squared norm, its square root in double (Python's ``pow`` there, which is within one ulp of the correctly rounded
+  root), the coefficient rounded to fp32 as its Python float is (equal for all of 200000 sampled norms, and the norm
+  too once rounded to fp32 as Megatron-LM's log does). The norm is returned as a one-element fp64 tensor, as
+  megatron-core's tensor branch does with TE. Off because the step did not measurably gain (H200, GLM-5 slice,
+  issue 23 round 9: -1.9 ms by the median in one call, within the noise in two others): the host's own work after
+  the norm is queued (the clip's parameter loop, Adam's launch) outlasts the norm on the GPU, so the GPU still waits.
+  Routed through :func:`megatron_glm5.compat.route_device_grad_clip`.
 * ``MEGATRON_GLM5_CACHED_ROUTER_WALKS`` - megatron-core's two per-step walks over every module after the backward
   (router expert-bias update, temporary-tensor reset) over the router modules only, found once
   (:mod:`megatron_glm5.finalize_walks`; megatron-core's own functions, same result). H200, GLM-5 slice: 2.95 -> 0.69
@@ -79,6 +81,14 @@ environment variable read when a module or block spec is built (``0`` or ``1``; 
   instead of handing DDP's hook one bf16 gradient per expert (16 adds per grouped GEMM, after a zeroing pass).
   H200: 979.7 vs 1540.3 us per ``[16, 4096, 6144]`` gradient, 493.2 vs 808.4 per ``[16, 6144, 2048]``; the GLM-5
   slice's step 476.5 -> 475.4 ms (within its noise).
+* ``MEGATRON_GLM5_EXPERT_WGRAD_GEMMS`` - with the accumulation above,
+  :class:`~megatron_glm5.moe.grouped_experts.TorchGroupedMLP` computes each expert's weight gradient with its own GEMM
+  whose epilogue adds the fp32 product into ``main_grad`` (what megatron-core's linear layers do under
+  ``gradient_accumulation_fusion``), instead of the grouped GEMM's bf16 gradient plus the add; the row ends reach
+  the host by a copy in the forward, without a sync. H200, 16 experts x ~4096 rows: 4.87 vs 5.61 ms per
+  ``[16, 4096, 6144]`` gradient, 2.81 vs 2.77 per ``[16, 6144, 2048]``; the GLM-5 slice's step -6.5 ms by the median
+  (459.9 vs 466.4) in one call, 467.1 vs 471.1 (50 iterations) in another. The fp32 sum is also more accurate (no
+  bf16 rounding of the gradient).
 * ``MEGATRON_GLM5_SPLIT_RECOMPUTE`` - with ``mlp_chunks_for_training > 1`` under full recompute, a layer's recompute
   split at the attention / MLP boundary (:mod:`megatron_glm5.core.split_recompute`): the MLP half is backpropagated
   in chunks from its kept input before the attention half is recomputed, so the backward's peak is the larger half's
@@ -117,12 +127,8 @@ from megatron_glm5.kernels.rope_cat import rope_cat_reference, rope_cat_supporte
 from megatron_glm5.kernels.rope_cat import rope_cat as _rope_cat_kernel
 from megatron_glm5.kernels.swiglu import swiglu, swiglu_supported, weighted_swiglu
 from megatron_glm5.moe_dispatch import dispatch_postprocess
-from megatron_glm5.optim_fusions import (
-    WGRAD_ACCUMULATION,
-    clip_in_fused_adam,
-    use_fused_adam,
-    use_fused_adam_taking_the_clip,
-)
+from megatron_glm5.kernels.grad_clip import scale_below_one
+from megatron_glm5.optim_fusions import WGRAD_ACCUMULATION, grad_norm_on_device, use_fused_adam
 
 FUSED_RMSNORM_ENV = "MEGATRON_GLM5_FUSED_RMSNORM"
 FUSED_SWIGLU_ENV = "MEGATRON_GLM5_FUSED_SWIGLU"
@@ -139,6 +145,7 @@ MOE_DEVICE_COUNTS_ENV = "MEGATRON_GLM5_MOE_DEVICE_COUNTS"
 ZERO_GROUPS_KERNEL_ENV = "MEGATRON_GLM5_ZERO_GROUPS_KERNEL"
 GROUPED_SPARSE_MLA_ENV = "MEGATRON_GLM5_GROUPED_SPARSE_MLA"
 GROUPED_WGRAD_ACCUMULATION_ENV = "MEGATRON_GLM5_GROUPED_WGRAD_ACCUMULATION"
+EXPERT_WGRAD_GEMMS_ENV = "MEGATRON_GLM5_EXPERT_WGRAD_GEMMS"
 SPLIT_RECOMPUTE_ENV = "MEGATRON_GLM5_SPLIT_RECOMPUTE"
 MLP_CHUNKS_BY_LENGTH_ENV = "MEGATRON_GLM5_MLP_CHUNKS_BY_LENGTH"
 _log = logging.getLogger("megatron_glm5")
@@ -147,7 +154,8 @@ _DEFAULTS = {FUSED_RMSNORM_ENV: "1", FUSED_SWIGLU_ENV: "1", FUSED_MOE_PERMUTE_EN
              FUSED_ROPE_ENV: "1", FUSED_WGRAD_ENV: "1", FUSED_ADAM_ENV: "1", MOE_DEVICE_COUNTS_ENV: "1",
              ZERO_GROUPS_KERNEL_ENV: "1", GROUPED_SPARSE_MLA_ENV: "1", GROUPED_WGRAD_ACCUMULATION_ENV: "1",
              SPLIT_RECOMPUTE_ENV: "1", MLP_CHUNKS_BY_LENGTH_ENV: "1", FUSED_MULTI_TENSOR_SCALE_ENV: "1",
-             MASK_RANGES_KERNEL_ENV: "1", DEVICE_GRAD_CLIP_ENV: "0", CACHED_ROUTER_WALKS_ENV: "1"}
+             MASK_RANGES_KERNEL_ENV: "1", DEVICE_GRAD_CLIP_ENV: "0", CACHED_ROUTER_WALKS_ENV: "1",
+             EXPERT_WGRAD_GEMMS_ENV: "1"}
 
 
 def enabled(env: str) -> bool:
@@ -265,6 +273,18 @@ def multi_tensor_scale(chunk_size: int, noop_flag, tensor_lists, scale: float | 
         torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
 
 
+def clip_scale_tensor(chunk_size: int, noop_flag, tensor_lists, scale: torch.Tensor) -> None:
+    """``multi_tensor_scale_tensor`` for megatron-core's gradient clip, its only caller: the coefficient there is
+    clamped to at most one, so the gradients are scaled in place only where it is below one (NaN: not at all, as
+    megatron-core's host path), with the coefficient never read on the host (:mod:`megatron_glm5.kernels.grad_clip`).
+    Lists that are not the same tensors in place take :func:`multi_tensor_scale`."""
+    src, dst = list(tensor_lists[0]), list(tensor_lists[1])
+    if len(src) == len(dst) and all(s is d for s, d in zip(src, dst)):
+        scale_below_one(dst, scale)
+    else:
+        multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale)
+
+
 def install_fusions() -> dict[str, bool]:
     """Route megatron-core's MLP SwiGLU, gradient-norm fallback, MoE permutation, weight-gradient accumulation and
     torch-fallback Adam through this module (each unless its switch says ``0``); called by
@@ -283,9 +303,9 @@ def install_fusions() -> dict[str, bool]:
     if enabled(FUSED_WGRAD_ENV):
         compat.route_wgrad_accumulation(WGRAD_ACCUMULATION)
     if enabled(FUSED_ADAM_ENV):
-        clip = enabled(DEVICE_GRAD_CLIP_ENV) and enabled(FUSED_GRAD_NORM_ENV)
-        if compat.route_fused_adam(use_fused_adam_taking_the_clip if clip else use_fused_adam) and clip:
-            compat.route_device_grad_clip(multi_tensor_scale, clip_in_fused_adam)
+        compat.route_fused_adam(use_fused_adam)
+    if enabled(DEVICE_GRAD_CLIP_ENV) and enabled(FUSED_GRAD_NORM_ENV):
+        compat.route_device_grad_clip(grad_norm_on_device, clip_scale_tensor)
     if enabled(CACHED_ROUTER_WALKS_ENV):
         compat.route_finalize_walks(finalize_walks.update_router_expert_bias,
                                     finalize_walks.reset_model_temporary_tensors, finalize_walks.model_changed)

@@ -12,20 +12,19 @@ multi-tensor passes over the fp32 state). torch has both pieces itself:
   torch) the same sum in fp32 torch ops.
 * :func:`use_fused_adam`: torch's ``Adam``/``AdamW`` with ``fused=True`` (one kernel per dtype group instead of the
   foreach passes; same update rule), kept on across ``load_state_dict``.
-* :func:`clip_in_fused_adam`: megatron-core's gradient clip handed to that fused Adam as its ``grad_scale`` (the
-  kernel divides each gradient by it as it reads it), so the norm never goes to the host before the step and no
-  separate pass scales the gradients.
+* :func:`grad_norm_on_device`: megatron-core's gradient norm without its host read, for the device clip
+  (:mod:`megatron_glm5.kernels.grad_clip` scales the gradients only when the norm is above the clip).
 
-Both reach megatron-core through :mod:`megatron_glm5.compat` (``route_wgrad_accumulation``, ``route_fused_adam``); the
-switches are in :mod:`megatron_glm5.fusions`. CPU oracle: ``tests/test_optim_fusions.py``; GPU:
-``tests/gpu/test_optim_fusions_gpu.py``.
+They reach megatron-core through :mod:`megatron_glm5.compat` (``route_wgrad_accumulation``, ``route_fused_adam``,
+``route_device_grad_clip``); the switches are in :mod:`megatron_glm5.fusions`. CPU oracles:
+``tests/test_optim_fusions.py``, ``tests/test_optimizer_phase.py``; GPU: ``tests/gpu/test_optim_fusions_gpu.py``,
+``tests/gpu/test_optimizer_phase_gpu.py``.
 """
 
 from __future__ import annotations
 
-import weakref
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
@@ -99,77 +98,35 @@ def _set_fused(optimizer: torch.optim.Optimizer) -> None:
                 state["step"] = state["step"].to(device=p.device, dtype=torch.float32)
 
 
-def use_fused_adam_taking_the_clip(optimizer: torch.optim.Optimizer) -> bool:
-    """:func:`use_fused_adam`, and where it fuses, :func:`take_clip` (the experimental device clip's route)."""
-    fused = use_fused_adam(optimizer)
-    if fused:
-        take_clip(optimizer)
-    return fused
+def grad_norm_on_device(original: Callable, grads_for_norm, norm_type: float = 2,
+                        grad_stats_parallel_group=None):
+    """megatron-core's ``get_grad_norm_fp32`` (``original``) with the 2-norm left on the device: no ``.item()``, so
+    the host goes on to queue the clip and the optimizer step while the GPU computes the norm.
 
+    The same fp32 squared norm as megatron-core's (its multi-tensor L2 norm squared, summed over the data-parallel
+    group of DTensor gradients and over ``grad_stats_parallel_group``), and its square root taken in double, as
+    megatron-core without apex / TE does on the host (``total.item() ** 0.5``: C's ``pow``, within one ulp of this
+    correctly rounded root; the same clip coefficient and fp32 norm, ``tests/test_optimizer_phase.py``). Returned as
+    a one-element fp64 tensor on the gradients' device, the shape of megatron-core's own tensor branch (taken with
+    TE: an fp32 square root). Megatron-LM's ``train_step`` reduces it to a Python float for the log, after the step
+    is queued. Other norm types go to ``original``."""
+    if float(norm_type) != 2.0:
+        return original(grads_for_norm, norm_type, grad_stats_parallel_group)
+    from megatron.core.optimizer import clip_grads
 
-_CLIP_TAKERS: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
-_SCALES: "weakref.WeakKeyDictionary[torch.optim.Optimizer, torch.Tensor]" = weakref.WeakKeyDictionary()
-
-
-def take_clip(optimizer: torch.optim.Optimizer) -> None:
-    """Let :func:`clip_in_fused_adam` hand ``optimizer`` (a fused torch ``Adam`` / ``AdamW``) the clip of its
-    parameters' gradients. The scale is set for one step: a step post-hook removes it (only a scale set here: torch's
-    ``GradScaler`` sets and deletes its own)."""
-    if optimizer not in _CLIP_TAKERS:
-        optimizer.register_step_post_hook(_drop_grad_scale)
-        _CLIP_TAKERS.add(optimizer)
-
-
-def _drop_grad_scale(optimizer: torch.optim.Optimizer, *_: Any) -> None:
-    ours = _SCALES.pop(optimizer, None)
-    if ours is not None and optimizer.__dict__.get("grad_scale") is ours:
-        del optimizer.__dict__["grad_scale"]
-
-
-def _params(optimizer: torch.optim.Optimizer) -> list:
-    return [p for g in optimizer.param_groups for p in g["params"]]
-
-
-def _fused_owner(parameters: list) -> torch.optim.Optimizer | None:
-    """The registered fused Adam whose parameters are exactly ``parameters``, in order (what megatron-core clips when
-    no parameter has a separate gradient-norm group)."""
-    for optimizer in list(_CLIP_TAKERS):
-        params = _params(optimizer)
-        if (len(params) == len(parameters) and all(a is b for a, b in zip(params, parameters))
-                and all(g.get("fused") for g in optimizer.param_groups)):
-            return optimizer
-    return None
-
-
-def clip_in_fused_adam(original: Callable, parameters: list, max_norm: float, total_norm: Any,
-                       use_decoupled_grad: bool = False) -> None:
-    """megatron-core's ``clip_grad_by_total_norm_fp32`` (``original``) for ``parameters`` of one fused torch Adam,
-    given the norm as a device tensor: sets the Adam's ``grad_scale`` to ``max(1, (total_norm + 1e-6) / max_norm)``
-    and scales nothing here. The fused kernel divides each gradient by it as it reads it.
-
-    Compared with megatron-core without apex / TE (the norm's square root taken in double on the host, the gradients
-    multiplied by ``max_norm / (norm + 1e-6)`` when that is below 1):
-
-    * Below the clip the gradients and the step are bit for bit the same (the kernel divides by exactly 1), except
-      within about one fp32 ulp of the clip, where the two roundings can disagree on whether to clip.
-    * A clipped gradient differs by a few fp32 ulps (up to 3 measured: an fp32 square root and a quotient instead
-      of megatron-core's double square root and product).
-
-    A NaN norm scales nothing, as in megatron-core. Anything else goes to ``original`` with the norm as a Python
-    number, as megatron-core does without apex / TE (and any scale still pending from a step that was skipped is
-    dropped): decoupled gradients, a subset of an optimizer's parameters (a separate gradient-norm group), an
-    optimizer not registered by :func:`take_clip`."""
-    owner = None
-    if isinstance(total_norm, torch.Tensor) and not use_decoupled_grad and parameters:
-        owner = _fused_owner(list(parameters))
-    if owner is None:
-        first = parameters[0] if len(parameters) else None
-        for optimizer in list(_SCALES.keys()):
-            if any(p is first for p in _params(optimizer)):
-                _drop_grad_scale(optimizer)
-        if isinstance(total_norm, torch.Tensor):
-            total_norm = float(total_norm)
-        return original(parameters, max_norm, total_norm, use_decoupled_grad)
-    scale = (total_norm.detach().float().reshape(1) + 1.0e-6) / max_norm
-    owner.grad_scale = _SCALES[owner] = torch.nan_to_num(scale, nan=1.0, posinf=float("inf")).clamp_min_(1.0)
-    return None
+    if isinstance(grads_for_norm, torch.Tensor):
+        grads_for_norm = [grads_for_norm]
+    data_parallel_group = None
+    for grad in grads_for_norm:
+        data_parallel_group = clip_grads.get_data_parallel_group_if_dtensor(grad, data_parallel_group)
+    grads_for_norm = [clip_grads.to_local_if_dtensor(grad) for grad in grads_for_norm]
+    device = grads_for_norm[0].device if grads_for_norm else "cuda"  # megatron-core: "cuda", the gradients' device
+    total = torch.zeros(1, dtype=torch.float, device=device)
+    if grads_for_norm:
+        overflow = torch.zeros(1, dtype=torch.int, device=device)
+        norm, _ = clip_grads.multi_tensor_applier(clip_grads.l2_norm_impl, overflow, [grads_for_norm], False)
+        total = norm ** float(norm_type)
+    if data_parallel_group:
+        torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM, group=data_parallel_group)
+    torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM, group=grad_stats_parallel_group)
+    return total.double().sqrt()

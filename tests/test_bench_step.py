@@ -296,8 +296,11 @@ if os.environ.get("GLM5_HOST_TIMERS_OUT"):  # --host-timers: bench_step's sitecu
     import host_timers
     step = host_timers._timed("train_step", lambda: None)
     norm = host_timers._timed("get_grad_norm_fp32", lambda: time.sleep(0.002))
-    for _ in range(n):
+    import gc
+    for i in range(n):
         step(); norm(); norm()
+        if i == n - 2:
+            gc.collect()  # a full collection in a recorded iteration
 if "--profile" in argv:
     d = os.path.join(get("--tensorboard-dir"), "..", "torch_profile")
     os.makedirs(d, exist_ok=True)
@@ -351,6 +354,10 @@ def test_host_timers_reach_the_report(fake_runs, tmp_path):
     assert float(calls) == 2.0 and 4.0 <= float(ms_per_iteration) < 50.0  # two 2 ms sleeps per iteration
     record = json.loads((tmp_path / "out" / "bench_step_tilelang_host_timers.jsonl").read_text().splitlines()[0])
     assert record["iterations"] == 4 and len(record["calls"]["train_step"]) == 4
+    # Python's collector: the full collection of iteration 5 (and any the interpreter ran itself), the heap at exit
+    assert [5, 2] in [c[:2] for c in record["gc"]] and record["heap"]["objects"] > 1000
+    assert "Full (generation 2) collections of Python's garbage collector: " in report and "iteration 5: " in report
+    assert "| `gc.collect(gen 2)` |" in report and "Objects the collector tracks at exit: " in report
 
 
 def test_host_timers_patch_megatron_on_import(tmp_path):

@@ -234,6 +234,41 @@ def test_weight_gradients_added_to_main_grad_skip_empty_groups(monkeypatch):
         assert torch.equal(w[1].main_grad, base[1]) and torch.equal(w[3].main_grad, base[3])
 
 
+def test_per_expert_weight_gradient_gemms_add_fp32_products_into_main_grad():
+    """With ``row_ends`` the weight gradients are one GEMM per expert adding into ``main_grad``
+    (``wgrad_gemm_accum_fp32``, bitwise), the zero-token experts' ``main_grad`` untouched, the flags set, the input
+    gradient unchanged, and the sum that of the grouped path's gradients (to fp32 rounding); the placeholders handed
+    to autograd have the weights' shape and dtype. The row ends are read once per forward."""
+    from megatron_glm5.optim_fusions import wgrad_gemm_accum_fp32
+
+    counts = [3, 0, 5, 0, 2]
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(sum(counts), 16, generator=gen).requires_grad_(True)
+    dy = torch.randn(sum(counts), 32, generator=gen)
+    w = [torch.randn(32, 16, generator=gen).requires_grad_(True) for _ in counts]
+    plain = torch.autograd.grad(grouped_linear(x, w, offs, (1, 3)), [x, *w], dy)
+    base = _ddp_like(w)
+    ends = ge.RowEnds(offs)
+    reads = []
+    read = ends.read
+    ends.read = lambda: reads.append(1) or read()
+    y = grouped_linear(x, w, offs, (1, 3), accumulate=True, row_ends=ends)
+    got = torch.autograd.grad(y, [x, *w], dy)
+    assert torch.equal(got[0], plain[0]) and reads == [1]
+    assert all(g.shape == wi.shape and g.dtype == wi.dtype for g, wi in zip(got[1:], w))
+    start = 0
+    for e, (wi, b, c) in enumerate(zip(w, base, counts)):
+        want = b.clone()
+        if c:
+            wgrad_gemm_accum_fp32(x[start:start + c].detach(), dy[start:start + c], want)
+        assert wi.grad_added_to_main_grad and torch.equal(wi.main_grad, want), e
+        torch.testing.assert_close(wi.main_grad, b + plain[1 + e], rtol=1e-6, atol=1e-6)
+        start += c
+    assert torch.equal(w[1].main_grad, base[1]) and torch.equal(w[3].main_grad, base[3])
+    assert ge.RowEnds(offs).read() == [3, 3, 8, 8, 10]
+
+
 def test_weight_gradients_returned_without_main_grad():
     """``accumulate`` without DDP (no ``main_grad``), or with an fp16 ``main_grad``: gradients go back to autograd."""
     counts = torch.tensor([3, 2])
@@ -286,9 +321,12 @@ def test_experts_module_co_locates_its_weights(model_parallel):
         assert weights[0].untyped_storage().nbytes() == len(weights) * weights[0].nbytes, name
 
 
-def test_experts_module_accumulates_micro_batches_into_main_grad(model_parallel, monkeypatch):
+@pytest.mark.parametrize("wgrad_gemms", ["0", "1"])
+def test_experts_module_accumulates_micro_batches_into_main_grad(model_parallel, monkeypatch, wgrad_gemms):
     """``TorchGroupedMLP`` with ``gradient_accumulation_fusion``: two micro-batches (one with empty experts) leave in
-    ``main_grad`` exactly what DDP's per-expert adds of the unfused path leave."""
+    ``main_grad`` exactly what DDP's per-expert adds of the unfused path leave (with one weight-gradient GEMM per
+    expert, ``MEGATRON_GLM5_EXPERT_WGRAD_GEMMS=1``: the same sums to fp32 rounding, the product added unrounded)."""
+    monkeypatch.setenv("MEGATRON_GLM5_EXPERT_WGRAD_GEMMS", wgrad_gemms)
     from megatron.core.tensor_parallel import layers
 
     # the expert linears refuse the flag without apex when built (the grouped path never calls them)
@@ -315,8 +353,12 @@ def test_experts_module_accumulates_micro_batches_into_main_grad(model_parallel,
         for n, p in plain.named_parameters():
             sums[n].add_(p.grad)
         assert all(p.grad_added_to_main_grad for p in weights.values())  # stays set, as DDP keeps it within a step
+    assert fused.wgrad_gemms == (wgrad_gemms == "1")
     for n, p in weights.items():
-        assert torch.equal(p.main_grad, sums[n]), n
+        if fused.wgrad_gemms:
+            torch.testing.assert_close(p.main_grad, sums[n], rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(p.main_grad, sums[n]), n
 
 
 def test_mlp_chunks_pass_the_accumulated_placeholders_on():

@@ -152,3 +152,33 @@ def test_group_one_is_not_a_grouped_layout():
         sparse_mla_fwd_interface(q, kv, idx, 1 / 16, 512, group=0)
     with pytest.raises(ValueError, match="group >= 2"):
         sparse_mla_bwd_interface(q, kv, out, torch.zeros(8, 64), out, idx, 1 / 16, 512, group=0)
+
+
+def test_grouped_backward_is_loaded_with_the_build_the_backward_makes(monkeypatch):
+    """``load_grouped_backward`` (called by the first grouped forward that needs gradients) makes the same kernel
+    build call as the grouped backward's ``sparse_mla_bwd_interface``, once per parameter set: the backward, which
+    takes the grouped kernel only once the sets share enough keys, then finds it loaded instead of stalling a step."""
+    from megatron_glm5.kernels import sparse_mla_bwd as bwd
+
+    builds = []
+
+    class Built(Exception):
+        pass
+
+    def kernel(*args):
+        raise Built
+
+    monkeypatch.setattr(bwd, "_jit_bwd", lambda: lambda *a, **k: builds.append((a, k)) or kernel)
+    monkeypatch.setattr(bwd, "_jit_delta", lambda: lambda *a: lambda out, g, lse: torch.zeros(lse.shape))
+    monkeypatch.setattr(bwd, "_LOADED_GROUPED_BWD", set())
+    t, heads, scale = 8, 16, 0.0625
+    q = torch.zeros(t, heads, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(t, 576, dtype=torch.bfloat16)
+    idx = torch.arange(t, dtype=torch.int32)[:, None].expand(t, 64).contiguous()
+    out = torch.zeros(t, heads, 512, dtype=torch.bfloat16)
+    with pytest.raises(Built):
+        bwd.sparse_mla_bwd_interface(q, kv, out, torch.zeros(t, heads), out, idx, scale, 512, group=64 // heads,
+                                     union=group_union_indices(idx, 64 // heads, key_bound=t))
+    bwd.load_grouped_backward(heads, 576, 512, scale, 64 // heads)
+    bwd.load_grouped_backward(heads, 576, 512, scale, 64 // heads)
+    assert len(builds) == 2 and builds[0] == builds[1]

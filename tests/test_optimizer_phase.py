@@ -1,10 +1,12 @@
-"""The optimizer phase's routes (issue 23): the clip applied by torch's fused Adam with the norm kept on the device
-(:func:`megatron_glm5.optim_fusions.clip_in_fused_adam`, experimental) and megatron-core's per-step router walks over
-the routers only (:mod:`megatron_glm5.finalize_walks`)."""
+"""The optimizer phase's routes (issue 23): megatron-core's gradient norm kept on the device and the clip that reads
+its coefficient there (:func:`megatron_glm5.optim_fusions.grad_norm_on_device`,
+:func:`megatron_glm5.fusions.clip_scale_tensor`, experimental), and megatron-core's per-step router walks over the
+routers only (:mod:`megatron_glm5.finalize_walks`)."""
 
 from __future__ import annotations
 
 import importlib
+import math
 
 import pytest
 import torch
@@ -14,166 +16,132 @@ from megatron_glm5 import compat, finalize_walks, fusions, optim_fusions
 MAX_NORM = 1.0
 
 
-def _adam_pair(seed: int = 0, sizes=(1000, 37, 1, 4096), device: str = "cpu"):
-    """Two identical fused AdamWs (on the CPU torch's fused CPU kernel, with the GPU kernel's ``grad_scale``
-    contract; ``tests/gpu/test_optimizer_phase_gpu.py`` runs the same checks on CUDA)."""
+def _grads(scale: float, seed: int = 0, sizes=(1000, 37, 1, 4096)) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    params = [torch.nn.Parameter(torch.randn(n, generator=g).to(device)) for n in sizes]
-    grads = [(torch.randn(n, generator=g) * s).to(device) for n, s in zip(sizes, (1.0, 50.0, 0.01, 1e-3))]
-    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    for ps in (params, twins):
-        for p, gr in zip(ps, grads):
-            p.grad = gr.clone()
-    make = lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01, fused=True)  # noqa: E731
-    return params, make(params), twins, make(twins)
+    return [torch.randn(n, generator=g) * s * scale for n, s in zip(sizes, (1.0, 50.0, 0.01, 1e-3))]
 
 
-def _megatron_clip(params: list, norm: torch.Tensor) -> None:
-    """megatron-core's no-apex gradient clip, written out (its CUDA-type assertion keeps the function itself off the
-    CPU): ``get_grad_norm_fp32`` squares the norm in fp32, takes the square root of that on the host in double, and
-    the clip multiplies by ``max_norm / (norm + 1e-6)`` when that is below 1."""
-    coeff = MAX_NORM / ((norm ** 2).item() ** 0.5 + 1.0e-6)
+def _host_norm(grads: list) -> float:
+    """megatron-core's no-apex 2-norm: the multi-tensor L2 norm (the routed one), squared in fp32, the square root
+    of that on the host in double."""
+    norm = fusions.multi_tensor_l2_norm(0, torch.zeros(1, dtype=torch.int), [grads])[0]
+    return (norm ** 2.0).item() ** (1.0 / 2.0)
+
+
+def _host_clip(grads: list, total_norm: float, max_norm: float = MAX_NORM) -> None:
+    """megatron-core's ``clip_grad_by_total_norm_fp32`` given a Python norm, written out (its CUDA-type assertion and
+    CUDA buffer keep the function itself off the CPU; the GPU test runs it): the gradients times the coefficient
+    where it is below one."""
+    coeff = max_norm / (total_norm + 1.0e-6)
     if coeff < 1.0:
-        for p in params:
-            p.grad.copy_(p.grad * coeff)
+        fusions.multi_tensor_scale(0, None, [grads, grads], coeff)
 
 
-def _norm(params: list) -> torch.Tensor:
-    return fusions.multi_tensor_l2_norm(0, torch.zeros(1, dtype=torch.int), [[p.grad for p in params]])[0]
+def _device_clip(grads: list, total_norm: torch.Tensor, max_norm: float = MAX_NORM) -> None:
+    """The same function given a tensor norm (its tensor branch, written out): the coefficient clamped to one, then
+    ``multi_tensor_scale_tensor_impl``, here the route's."""
+    coeff = max_norm / (total_norm + 1.0e-6)
+    coeff.clamp_max_(1.0)
+    fusions.clip_scale_tensor(0, None, [grads, grads], coeff)
 
 
-def _never(*args):
-    raise AssertionError("the fused Adam takes this clip: megatron-core's function must not run")
+@pytest.fixture
+def routed_norm(gloo_world):
+    """megatron-core's multi-tensor L2 norm as the routed foreach norm (the device clip's precondition; without it
+    megatron-core's no-apex norm builds a CUDA tensor), as ``install_fusions`` leaves it for the process."""
+    assert compat.route_grad_norm(fusions.multi_tensor_l2_norm)
+
+
+def _original_norm(*args):
+    raise AssertionError("the 2-norm is computed on the device: megatron-core's function must not run")
 
 
 @pytest.mark.parametrize("scale", [1e-3, 0.05, 1.0, 40.0])
-def test_clip_in_fused_adam_matches_megatron_cores_clip_then_step(scale, device="cpu"):
-    """Below the clip (scale 1e-3: a norm of about 0.25) the step is bit for bit megatron-core's; above it (norms of
-    about 13, 250 and 10000) within a few fp32 ulps of the clipped gradient; the scale lasts one step."""
-    params, adam, twins, ref = _adam_pair(device=device)
-    for ps in (params, twins):
-        for p in ps:
-            p.grad.mul_(scale)
-    optim_fusions.take_clip(adam)
-    total = _norm(params)
-    clipped = float(total) > MAX_NORM
-    assert clipped == (scale > 1e-3)
-    assert optim_fusions.clip_in_fused_adam(_never, params, MAX_NORM, total) is None
-    assert adam.grad_scale.shape == (1,) and adam.grad_scale.dtype == torch.float32
-    assert (adam.grad_scale.item() == 1.0) == (not clipped)
-    adam.step()
-    assert "grad_scale" not in adam.__dict__  # removed by the step post-hook
-    _megatron_clip(twins, total)
-    ref.step()
-
-    def same() -> None:
-        for p, q in zip(params, twins):
-            if clipped:
-                torch.testing.assert_close(p.grad, q.grad, rtol=5e-7, atol=0)
-                torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-9)
-            else:
-                assert torch.equal(p.grad, q.grad) and torch.equal(p, q)
-
-    same()
-    for p, q in zip(params, twins):  # a second step with no clip call uses no scale
-        p.grad, q.grad = torch.ones_like(p) * 7, torch.ones_like(q) * 7
-    adam.step()
-    ref.step()
-    same()
+def test_device_norm_and_clip_are_megatron_cores_host_path_bit_for_bit(scale, routed_norm):
+    """Below the clip (scale 1e-3: a norm of about 0.25) and above it (norms of about 13, 250 and 10000): the
+    device norm is megatron-core's Python float (double square root of the same fp32 square), as a one-element fp64
+    tensor, and the clipped gradients are bit for bit megatron-core's."""
+    grads, twins = _grads(scale), _grads(scale)
+    total = optim_fusions.grad_norm_on_device(_original_norm, grads)
+    assert isinstance(total, torch.Tensor) and total.dtype == torch.float64 and total.shape == (1,)
+    host = _host_norm(twins)
+    assert abs(float(total) - host) <= math.ulp(host) and float(total.float()) == float(torch.tensor(host).float())
+    assert (host > MAX_NORM) == (scale > 1e-3)
+    _device_clip(grads, total)
+    _host_clip(twins, host)
+    assert all(torch.equal(a, b) for a, b in zip(grads, twins))
+    assert torch.equal(grads[0], _grads(scale)[0]) == (host <= MAX_NORM)  # clipped, or untouched
 
 
-def test_clip_in_fused_adam_nan_and_inf_norms_as_megatron_core():
-    params, adam, _, _ = _adam_pair()
-    optim_fusions.take_clip(adam)
-    optim_fusions.clip_in_fused_adam(_never, params, MAX_NORM, torch.tensor([float("nan")]))
-    assert adam.grad_scale.item() == 1.0  # megatron-core: max_norm / nan is not below 1, nothing scaled
-    optim_fusions.clip_in_fused_adam(_never, params, MAX_NORM, torch.tensor([float("inf")]))
-    assert adam.grad_scale.item() == float("inf")  # megatron-core: a coefficient of 0
+def test_device_norm_square_root_is_the_hosts():
+    """The square root in double on the device (correctly rounded) and Python's ``x ** 0.5`` (C's ``pow``, within an
+    ulp of it: they differ in about 1.3 % of values) for 200000 random fp32 squares across 80 binades: within one
+    double ulp, and equal once rounded to fp32, for the norm (Megatron-LM's log) and for the clip coefficient (what
+    multiplies the gradients)."""
+    g = torch.Generator().manual_seed(3)
+    exponents = torch.randint(-40, 40, (200000,), generator=g)
+    squares = (torch.rand(200000, generator=g, dtype=torch.float64) * 2.0 ** exponents).float()
+    ours = squares.double().sqrt()
+    host = torch.tensor([x ** 0.5 for x in squares.tolist()], dtype=torch.float64)
+    assert all(abs(a - b) <= math.ulp(b) for a, b in zip(ours.tolist(), host.tolist()))
+    assert 0 < int((ours != host).sum()) < 10000  # the sample does reach the values where pow is not sqrt
+    assert torch.equal(ours.float(), host.float())
+    coeff_ours = (MAX_NORM / (ours + 1.0e-6)).float()
+    coeff_host = torch.tensor([MAX_NORM / (h + 1.0e-6) for h in host.tolist()], dtype=torch.float64).float()
+    assert torch.equal(coeff_ours, coeff_host)
 
 
-def test_clip_in_fused_adam_hands_what_it_cannot_take_to_megatron_core():
-    """A subset of the parameters (a separate gradient-norm group), decoupled gradients, an unregistered or unfused
-    optimizer, a norm already on the host: megatron-core's function, with the norm as a Python number."""
-    params, adam, _, _ = _adam_pair()
-    calls = []
-
-    def original(parameters, max_norm, total_norm, use_decoupled_grad):
-        calls.append((len(parameters), type(total_norm), use_decoupled_grad))
-
-    total = _norm(params)
-    optim_fusions.clip_in_fused_adam(original, params, MAX_NORM, total)  # adam not registered yet
-    optim_fusions.take_clip(adam)
-    optim_fusions.clip_in_fused_adam(original, params[:2], MAX_NORM, total)
-    optim_fusions.clip_in_fused_adam(original, params, MAX_NORM, total, True)
-    optim_fusions.clip_in_fused_adam(original, params, MAX_NORM, float(total))
-    plain = torch.optim.AdamW(params, lr=1e-2)  # foreach, not fused: registered, still not taken
-    optim_fusions.take_clip(plain)
-    adam.param_groups[0]["fused"] = False
-    optim_fusions.clip_in_fused_adam(original, params, MAX_NORM, total)
-    assert calls == [(4, float, False), (2, float, False), (4, float, True), (4, float, False), (4, float, False)]
-    assert "grad_scale" not in adam.__dict__ and "grad_scale" not in plain.__dict__
+def test_device_norm_nan_inf_and_other_norms(routed_norm):
+    """A NaN norm scales nothing (megatron-core's host path: the coefficient is not below one), an inf norm zeroes
+    the gradients (a coefficient of 0), the inf-norm goes to megatron-core's function, and no gradients give 0."""
+    for bad, want in ((float("nan"), None), (float("inf"), 0.0)):
+        grads = _grads(1.0)
+        grads[1][3] = bad
+        before = [x.clone() for x in grads]
+        total = optim_fusions.grad_norm_on_device(_original_norm, grads)
+        assert float(total) != float(total) if bad != bad else float(total) == float("inf")
+        _device_clip(grads, total)
+        if want is None:
+            assert all(torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(grads, before))
+        else:
+            assert not grads[0].any()
+    seen = []
+    assert optim_fusions.grad_norm_on_device(lambda *a: seen.append(a) or 3.0, ["g"], float("inf"), None) == 3.0
+    assert seen == [(["g"], float("inf"), None)]
+    assert float(optim_fusions.grad_norm_on_device(_original_norm, [], 2, None)) == 0.0 if torch.cuda.is_available() \
+        else True
 
 
-def test_only_the_clip_route_registers_the_fused_adam(monkeypatch):
-    p = torch.nn.Parameter(torch.randn(4, 3))
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    plain = torch.optim.AdamW([p], lr=1e-3)
-    assert optim_fusions.use_fused_adam(plain)  # the default: fused, torch's step left as it is
-    assert optim_fusions._fused_owner([p]) is None and not plain._optimizer_step_post_hooks
-    q = torch.nn.Parameter(torch.randn(4, 3))
-    adam = torch.optim.AdamW([q], lr=1e-3)
-    assert optim_fusions.use_fused_adam_taking_the_clip(adam)
-    assert optim_fusions._fused_owner([q]) is adam and len(adam._optimizer_step_post_hooks) == 1
-    optim_fusions.use_fused_adam_taking_the_clip(adam)
-    assert len(adam._optimizer_step_post_hooks) == 1  # registered once
-
-
-def test_a_grad_scale_set_elsewhere_is_left_alone():
-    """torch's ``GradScaler`` sets ``grad_scale`` itself and deletes it after the step: the post-hook drops only a
-    scale the clip set."""
-    params, adam, _, _ = _adam_pair()
-    optim_fusions.take_clip(adam)
-    theirs = torch.tensor([1.0])
-    adam.grad_scale = theirs
-    adam.step()
-    assert adam.grad_scale is theirs
-    del adam.grad_scale
-
-
-def test_a_scale_left_by_a_skipped_step_is_dropped_by_the_next_fallback():
-    """megatron-core skips the step when the norm passes ``grad_norm_skip_threshold``: the scale then stays, and a
-    clip that falls back to megatron-core's function for the same optimizer's parameters drops it."""
-    params, adam, _, _ = _adam_pair()
-    optim_fusions.take_clip(adam)
-    optim_fusions.clip_in_fused_adam(_never, params, MAX_NORM, _norm(params))
-    assert "grad_scale" in adam.__dict__
-    optim_fusions.clip_in_fused_adam(lambda *a: None, params[:2], MAX_NORM, _norm(params))
-    assert "grad_scale" not in adam.__dict__
-
-
-def test_device_grad_clip_route_keeps_megatron_cores_norm_on_the_device(monkeypatch):
-    """Installed, megatron-core's ``get_grad_norm_fp32`` takes its tensor branch (no ``.item()``) and its optimizers'
-    ``clip_grad_by_total_norm_fp32`` is the fused-Adam clip; removed, both are megatron-core's again."""
+def test_device_grad_clip_route_installs_and_removes(monkeypatch):
+    """Installed, megatron-core's optimizers compute the norm with the route's function (by their module global)
+    and its tensor clip scales with the route's; removed, both are megatron-core's again."""
     from megatron.core.optimizer import clip_grads, optimizer
 
-    route = ((clip_grads, "multi_tensor_scale_tensor_impl", None), (optimizer, "clip_grad_by_total_norm_fp32", None))
+    route = ((clip_grads, "multi_tensor_scale_tensor_impl", None), (clip_grads, "get_grad_norm_fp32", None),
+             (optimizer, "get_grad_norm_fp32", None))
     compat.remove_patches(route)
-    original = optimizer.clip_grad_by_total_norm_fp32
+    original = clip_grads.get_grad_norm_fp32
     seen = []
     try:
-        assert compat.route_device_grad_clip(fusions.multi_tensor_scale, lambda *a: seen.append(a))
-        assert compat.route_device_grad_clip(fusions.multi_tensor_scale, _never)  # idempotent
-        assert clip_grads.multi_tensor_scale_tensor_impl is fusions.multi_tensor_scale
-        optimizer.clip_grad_by_total_norm_fp32(["p"], 1.0, "norm")
-        assert seen == [(original, ["p"], 1.0, "norm", False)]
-        # the tensor scale megatron-core would call for a tensor coefficient: in place, never read on the host
+        assert compat.route_device_grad_clip(lambda *a: seen.append(a) or "norm", fusions.clip_scale_tensor)
+        assert compat.route_device_grad_clip(_original_norm, fusions.multi_tensor_scale)  # idempotent
+        assert clip_grads.multi_tensor_scale_tensor_impl is fusions.clip_scale_tensor
+        assert optimizer.get_grad_norm_fp32(["g"], grad_stats_parallel_group="group") == "norm"
+        assert clip_grads.get_grad_norm_fp32(["h"]) == "norm"
+        assert seen == [(original, ["g"], 2, "group"), (original, ["h"], 2, None)]
+        # the clip's scale: in place below one, nothing at one; other lists copy as multi_tensor_scale does
         xs = [torch.randn(5), torch.randn(3)]
         want = [x * 0.5 for x in xs]
-        fusions.multi_tensor_scale(0, None, [xs, xs], torch.tensor([0.5]))
+        fusions.clip_scale_tensor(0, None, [xs, xs], torch.tensor([0.5], dtype=torch.float64))
         assert all(torch.equal(a, b) for a, b in zip(xs, want))
+        fusions.clip_scale_tensor(0, None, [xs, xs], torch.tensor([1.0]))
+        assert all(torch.equal(a, b) for a, b in zip(xs, want))
+        out = [torch.empty(5), torch.empty(3)]
+        fusions.clip_scale_tensor(0, None, [xs, out], torch.tensor([2.0]))
+        assert all(torch.equal(o, x * 2) for o, x in zip(out, xs))
     finally:
         compat.remove_patches(route)
-    assert clip_grads.multi_tensor_scale_tensor_impl is None and optimizer.clip_grad_by_total_norm_fp32 is original
+    assert clip_grads.multi_tensor_scale_tensor_impl is None and optimizer.get_grad_norm_fp32 is original
 
 
 # ---- megatron-core's router walks ----------------------------------------------------------------------------------

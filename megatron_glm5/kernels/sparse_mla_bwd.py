@@ -514,6 +514,21 @@ def deterministic_chunk_rows(topk: int, heads: int, d_qk: int, device: torch.dev
     return rows // sms * sms if rows > sms else rows
 
 
+_LOADED_GROUPED_BWD: set[tuple] = set()
+
+
+def load_grouped_backward(heads: int, d_qk: int, d_v: int, softmax_scale: float, group: int) -> None:
+    """Build the grouped backward kernel (or load it from TileLang's disk cache) that the backward of a grouped
+    forward may take, once per parameter set. Why: the backward takes it only once the query groups' top-k sets
+    share enough keys (``GROUPED_BWD_MIN_SHARING``), which can first happen many steps in, and loading the kernel
+    then stalls that step (issue 23: one step of 25 on the GLM-5 slice, 150-250 ms slower). Loading it with the
+    first grouped forward moves that cost to the first step."""
+    key = (heads, d_qk, d_v, float(softmax_scale), group)
+    if key not in _LOADED_GROUPED_BWD:
+        _jit_bwd()(heads, d_qk, d_v, float(softmax_scale), False, with_target=False, group=group)
+        _LOADED_GROUPED_BWD.add(key)
+
+
 def sparse_mla_bwd_interface(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -659,6 +674,8 @@ class SparseMLAFunction(torch.autograd.Function):
             out, lse = sparse_mla_fwd_interface(q, kv, indices, softmax_scale, d_v, group=group, union=union,
                                                 variant=variant)
             ctx.probe = SharingProbe.start(valid_len, union[1])  # the backward's choice, without a host sync
+            if any(ctx.needs_input_grad[:2]):
+                load_grouped_backward(q.shape[1], q.shape[2], d_v, softmax_scale, group)
             del union  # rebuilt by a grouped backward: the union is as large as the indices
         else:
             out, lse = sparse_mla_fwd_interface(q, kv, indices, softmax_scale, d_v, valid_len=valid_len,
@@ -676,7 +693,7 @@ class SparseMLAFunction(torch.autograd.Function):
         box = ctx.target_box
         grouped = {}
         if ctx.probe is not None and ctx.probe.sharing() >= GROUPED_BWD_MIN_SHARING:
-            group = 64 // q.shape[1]
+            group = 64 // q.shape[1]  # grouped_group's, as in the forward
             grouped = {"group": group, "union": group_union_indices(indices, group, key_bound=kv.shape[0])}
         grads = sparse_mla_bwd_interface(
             q,

@@ -21,9 +21,10 @@ from megatron.core.fusions.fused_bias_geglu import quick_gelu, weighted_bias_qui
 from megatron.core.fusions import fused_bias_swiglu
 from megatron.core.transformer.moe.experts import SequentialMLP
 
-from ..fusions import (FUSED_SWIGLU_ENV, GROUPED_WGRAD_ACCUMULATION_ENV, ZERO_GROUPS_KERNEL_ENV, enabled,
-                       weighted_bias_swiglu_impl)
+from ..fusions import (EXPERT_WGRAD_GEMMS_ENV, FUSED_SWIGLU_ENV, GROUPED_WGRAD_ACCUMULATION_ENV,
+                       ZERO_GROUPS_KERNEL_ENV, enabled, weighted_bias_swiglu_impl)
 from ..kernels.grouped_wgrad_accum import accumulate_groups
+from ..optim_fusions import wgrad_gemm_accum_fp32
 from ..kernels.zero_groups import zero_empty_groups, zero_empty_groups_reference
 
 Impl = Literal["auto", "grouped_mm", "sequential"]
@@ -153,22 +154,59 @@ def _empty_mask(empty, groups: int, device: torch.device) -> torch.Tensor:
     return mask.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else mask
 
 
+class RowEnds:
+    """The groups' row ends on the host, for the backward's per-expert GEMMs. Host counts are kept as they are;
+    device counts are copied to pinned memory in the forward without a sync, and :meth:`read` waits for that copy's
+    event only: by the backward the forward's copy has long finished, so the host does not stall there."""
+
+    def __init__(self, offs: torch.Tensor):
+        if offs.device.type == "cuda":
+            self._host = torch.empty(offs.shape, dtype=offs.dtype, pin_memory=True)
+            self._host.copy_(offs, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host, self._event = offs, None
+        self._ends: list[int] | None = None
+
+    def read(self) -> list[int]:
+        if self._ends is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._ends = self._host.tolist()
+        return self._ends
+
+
+def _accumulate_per_expert(dy: torch.Tensor, x: torch.Tensor, mains: Sequence[torch.Tensor],
+                           ends: Sequence[int]) -> None:
+    """``mains[e] += dy_e^T @ x_e`` for each expert with rows: one GEMM per expert whose epilogue adds the fp32
+    product into ``main_grad`` (:func:`megatron_glm5.optim_fusions.wgrad_gemm_accum_fp32`, what megatron-core's
+    linear layers do under ``gradient_accumulation_fusion``). No bf16 weight gradient is written or read again, and
+    a zero-token expert's ``main_grad`` is not touched."""
+    start = 0
+    for main, end in zip(mains, ends):
+        if end > start:
+            wgrad_gemm_accum_fp32(x[start:end], dy[start:end], main)
+        start = end
+
+
 class _GroupedLinear(torch.autograd.Function):
     """``y[offs[e-1]:offs[e]] = x[offs[e-1]:offs[e]] @ weights[e]^T`` for ``E`` weights ``[N, K]`` (``nn.Linear``
     layout). ``x``: ``[T, K]``, rows sorted by expert; ``offs``: int32 ``[E]`` row ends, ``offs[-1] == T``; ``empty``:
     the zero-token experts (see :func:`_zero_empty_groups`). Returns ``[T, N]``. The weights as one ``[E, N, K]``
     tensor: a view where :class:`TorchGroupedMLP` co-located them, else a copy made again in backward instead of
-    being saved (:func:`stacked`). With ``accumulate`` and DDP's
-    ``main_grad`` on every weight (:func:`_main_grads`) the weight gradients are added to ``main_grad`` in one launch
-    (:mod:`megatron_glm5.kernels.grouped_wgrad_accum`) and autograd gets placeholders, as megatron-core's linear
-    layers do under ``gradient_accumulation_fusion``."""
+    being saved (:func:`stacked`). With ``accumulate`` and DDP's ``main_grad`` on every weight (:func:`_main_grads`)
+    the weight gradients are added to ``main_grad`` and autograd gets placeholders, as megatron-core's linear layers
+    do under ``gradient_accumulation_fusion``: with ``row_ends`` (:class:`RowEnds`) by one GEMM per expert adding
+    its fp32 product (:func:`_accumulate_per_expert`), else by the grouped GEMM's bf16 gradient added in one launch
+    (:mod:`megatron_glm5.kernels.grouped_wgrad_accum`)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, offs: torch.Tensor, empty, zero_kernel: bool, accumulate: bool,
-                *weights: torch.Tensor) -> torch.Tensor:
+                row_ends: RowEnds | None, *weights: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()  # grouped_mm's stride rule; a no-op for the dispatcher's tokens and the activation
         ctx.save_for_backward(x, offs, *weights)
-        ctx.empty, ctx.zero_kernel, ctx.accumulate = empty, zero_kernel, accumulate
+        ctx.empty, ctx.zero_kernel, ctx.accumulate, ctx.row_ends = empty, zero_kernel, accumulate, row_ends
         if x.shape[0] == 0:  # a rank with no tokens: grouped_mm rejects an empty contraction in backward
             return x.new_empty(0, weights[0].shape[0])
         return _grouped_mm(x, stacked(weights).transpose(1, 2), offs=offs)
@@ -176,37 +214,46 @@ class _GroupedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, offs, *weights = ctx.saved_tensors
-        need_x, need_w = ctx.needs_input_grad[0], any(ctx.needs_input_grad[5:])
+        need_x, need_w = ctx.needs_input_grad[0], any(ctx.needs_input_grad[6:])
         dx, dws = None, [None] * len(weights)
         if x.shape[0] == 0:
             if need_x:
                 dx = torch.zeros_like(x)
             if need_w:
                 dws = [torch.zeros_like(w) for w in weights]
-            return dx, None, None, None, None, *dws
+            return dx, None, None, None, None, None, *dws
         dy = dy.contiguous()
         if need_x:
             dx = _grouped_mm(dy, stacked(weights), offs=offs)  # [T, K]
         if need_w:
-            dw = _grouped_mm(dy.t(), x, offs=offs)  # [E, N, K]: per group dy_e^T @ x_e
             mains = _main_grads(weights) if ctx.accumulate else None
-            if mains is not None:
+            if mains is not None and ctx.row_ends is not None:
+                _accumulate_per_expert(dy, x, mains, ctx.row_ends.read())
+                # placeholders, as megatron-core's linear layers return them (DDP's hook skips its add and drops
+                # them): allocated, never written
+                dws = list(x.new_empty((len(weights), *weights[0].shape), dtype=weights[0].dtype).unbind(0))
+            elif mains is not None:
+                dw = _grouped_mm(dy.t(), x, offs=offs)  # [E, N, K]: per group dy_e^T @ x_e
                 accumulate_groups(dw, mains, _empty_mask(ctx.empty, len(weights), dw.device))
-                for w in weights:
-                    w.grad_added_to_main_grad = True
-                # placeholders, as megatron-core's linear layers return (DDP's hook skips its add and drops them):
-                # the GEMM's own slices, so nothing is allocated; an empty expert's slice is left unwritten
+                # the placeholders are the GEMM's own slices, so nothing more is allocated; an empty expert's slice
+                # is left unwritten
                 dws = list(dw.unbind(0))
             else:
+                dw = _grouped_mm(dy.t(), x, offs=offs)
                 dws = list(_zero_empty_groups(dw, ctx.empty, ctx.zero_kernel).unbind(0))
-        return dx, None, None, None, None, *dws
+            if mains is not None:
+                for w in weights:
+                    w.grad_added_to_main_grad = True
+        return dx, None, None, None, None, None, *dws
 
 
 def grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], offs: torch.Tensor, empty=(),
-                   zero_kernel: bool = False, accumulate: bool = False) -> torch.Tensor:
+                   zero_kernel: bool = False, accumulate: bool = False,
+                   row_ends: RowEnds | None = None) -> torch.Tensor:
     """Differentiable grouped ``x @ W_e^T`` (see :class:`_GroupedLinear`; ``zero_kernel``: see
-    :func:`_zero_empty_groups`; ``accumulate``: weight gradients into DDP's ``main_grad``)."""
-    return _GroupedLinear.apply(x, offs, empty, zero_kernel, accumulate, *weights)
+    :func:`_zero_empty_groups`; ``accumulate``: weight gradients into DDP's ``main_grad``, with ``row_ends`` by one
+    GEMM per expert)."""
+    return _GroupedLinear.apply(x, offs, empty, zero_kernel, accumulate, row_ends, *weights)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -246,6 +293,7 @@ class TorchGroupedMLP(SequentialMLP):
         self.fused_swiglu = enabled(FUSED_SWIGLU_ENV)
         self.zero_groups_kernel = enabled(ZERO_GROUPS_KERNEL_ENV)
         self.accumulate_wgrad = bool(cfg.gradient_accumulation_fusion) and enabled(GROUPED_WGRAD_ACCUMULATION_ENV)
+        self.wgrad_gemms = self.accumulate_wgrad and enabled(EXPERT_WGRAD_GEMMS_ENV)
         # one [E, N, K] storage per linear, so the grouped GEMMs view the weights instead of stacking them per call
         for name in ("linear_fc1", "linear_fc2"):
             co_locate([getattr(e, name).weight for e in self.local_experts])
@@ -315,15 +363,17 @@ class TorchGroupedMLP(SequentialMLP):
         w1 = [e.linear_fc1.weight for e in self.local_experts]
         w2 = [e.linear_fc2.weight for e in self.local_experts]
         zk, acc = self.zero_groups_kernel, self.accumulate_wgrad
-        h = grouped_linear(x, w1, offs, empty, zk, acc)  # [T, 2F/etp]
+        # the row ends for the backward's per-expert weight-gradient GEMMs, read to the host without a sync
+        ends = RowEnds(offs) if self.wgrad_gemms and torch.is_grad_enabled() else None
+        h = grouped_linear(x, w1, offs, empty, zk, acc, ends)  # [T, 2F/etp]
         if self.activation_recompute:  # "moe_act" in recompute_modules: as TEGroupedMLP
             # fp8=None: megatron-core's CheckpointWithoutOutput treats any non-None value, False included, as fp8
             self.activation_checkpoint = tensor_parallel.CheckpointWithoutOutput(fp8=self.config.fp8)
             a = self.activation_checkpoint.checkpoint(self._activation, h, probs)
-            y = grouped_linear(a, w2, offs, empty, zk, acc)
+            y = grouped_linear(a, w2, offs, empty, zk, acc, ends)
             self.activation_checkpoint.discard_output_and_register_recompute(y)
         else:
-            y = grouped_linear(self._activation(h, probs), w2, offs, empty, zk, acc)  # [T, H]
+            y = grouped_linear(self._activation(h, probs), w2, offs, empty, zk, acc, ends)  # [T, H]
         return y, None
 
     def _activation(self, h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:

@@ -138,12 +138,21 @@ VARIANTS = {
         Variant("tilelang-grouped-mask-torch", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
                 "(a) with grouped-GEMM experts, the dense mask's key ranges by the torch passes (the one-pass "
                 "Triton kernel is the default since round 8)", (("MEGATRON_GLM5_MASK_RANGES_KERNEL", "0"),)),
-        Variant("tilelang-grouped-adam-clip", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
-                "(a) with grouped-GEMM experts and the experimental gradient clip in the fused Adam (the norm kept on "
-                "the device; `MEGATRON_GLM5_DEVICE_GRAD_CLIP=1`)", (("MEGATRON_GLM5_DEVICE_GRAD_CLIP", "1"),)),
+        Variant("tilelang-grouped-device-clip", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
+                "(a) with grouped-GEMM experts and the experimental device gradient clip (the norm kept on the "
+                "device, the scale kernel writing nothing below the clip; `MEGATRON_GLM5_DEVICE_GRAD_CLIP=1`)",
+                (("MEGATRON_GLM5_DEVICE_GRAD_CLIP", "1"),)),
+        Variant("tilelang-grouped-grouped-wgrad", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
+                "(a) with grouped-GEMM experts whose weight gradients are one grouped GEMM (bf16) added into "
+                "`main_grad` in one launch (round 8's default; one GEMM per expert adding into `main_grad` is the "
+                "default since round 9)", (("MEGATRON_GLM5_EXPERT_WGRAD_GEMMS", "0"),)),
         Variant("tilelang-grouped-module-walks", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
                 "(a) with grouped-GEMM experts, megatron-core's per-step walks over every module for the routers "
                 "(the cached router list is the default since round 8)", (("MEGATRON_GLM5_CACHED_ROUTER_WALKS", "0"),)),
+        Variant("tilelang-grouped-gc-freeze", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
+                "(a) with grouped-GEMM experts, Python's collector frozen after iteration 2 (`gc.freeze()`: what "
+                "exists then is never walked again; needs `--host-timers`, whose sitecustomize does it)",
+                (("GLM5_GC_FREEZE_AT", "3"),)),
         Variant("tilelang-grouped-per-expert-wgrad", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
                 "(a) with grouped-GEMM experts whose weight gradients go to DDP's hook one per expert (16 adds per "
                 "grouped GEMM after a zeroing pass; the one-launch accumulation is the default since round 6)",
@@ -799,6 +808,13 @@ def host_timers_table(record: dict) -> list[str]:
     rows = ["| function (inclusive) | calls / iteration | host ms / iteration | ms / call |", "|---|---|---|---|"]
     for name, ms in sorted(record["calls"].items(), key=lambda kv: -sum(kv[1])):
         rows.append(f"| `{name}` | {len(ms) / n:.1f} | {sum(ms) / n:.2f} | {sum(ms) / len(ms):.3f} |")
+    if record.get("gc"):
+        rows += ["", "Full (generation 2) collections of Python's garbage collector: " + ", ".join(
+            f"iteration {it}: {ms:.1f} ms ({collected} collected)" for it, _, ms, collected in record["gc"]) + "."]
+    if record.get("heap"):
+        heap = record["heap"]
+        rows += ["", f"Objects the collector tracks at exit: {heap['objects']} ({heap.get('frozen', 0)} frozen); "
+                     "commonest: " + ", ".join(f"`{t}` {n}" for t, n in heap["top"]) + "."]
     return rows
 
 

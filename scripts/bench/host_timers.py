@@ -10,12 +10,18 @@ it shadows, if any): each target module is patched right after it is first impor
 functions by name. At exit each rank appends one JSON line to ``$GLM5_HOST_TIMERS_OUT``: ``{name: [ms of each call
 in iterations past $GLM5_HOST_TIMERS_SKIP]}`` plus the iteration count. Inclusive times of host calls: what the GPU
 sees as idle is at most this (a call may run while queued kernels keep the GPU busy).
+
+Python's cyclic garbage collector is timed too (``gc.callbacks``): each collection of generation ``g`` is one call of
+``gc.collect(gen g)`` in the record, and ``"gc"`` lists ``[iteration, generation, ms, collected]`` per collection of
+generation 2 (a full collection walks every tracked object: a slow iteration in an otherwise steady run). At exit the
+record also says what the collector tracks (``"heap"``: object count and the commonest types).
 """
 
 from __future__ import annotations
 
 import atexit
 import functools
+import gc
 import importlib.abc
 import importlib.machinery
 import json
@@ -39,14 +45,32 @@ TARGETS: dict[str, tuple[str, ...]] = {
         "Float16OptimizerWithFloat16Params._copy_main_params_to_model_params"),
     "megatron.core.rerun_state_machine": ("RerunStateMachine.validate_result",),
     # our routes, bound by name where megatron-core's functions were (their rows would vanish otherwise)
-    "megatron_glm5.optim_fusions": ("clip_in_fused_adam",),
+    "megatron_glm5.optim_fusions": ("grad_norm_on_device",),
     "megatron_glm5.finalize_walks": ("router_modules",),
+    # the sparse MLA's backward (the grouped kernel is taken once the top-k sets share enough keys)
+    "megatron_glm5.kernels.sparse_mla_bwd": ("sparse_mla_bwd_interface", "load_grouped_backward"),
 }
 ITERATION = "train_step"  # each call starts an iteration
 SKIP = int(os.environ.get("GLM5_HOST_TIMERS_SKIP", "3"))  # iterations not recorded (warm-up)
+# GLM5_GC_FREEZE_AT=N: gc.collect() and gc.freeze() as iteration N starts (bench variant *-gc-freeze; 0: never)
+FREEZE_AT = int(os.environ.get("GLM5_GC_FREEZE_AT", "0"))
 
 _calls: dict[str, list[float]] = defaultdict(list)
 _iteration = [0]
+_full_collections: list[list] = []  # [iteration, generation, ms, collected] of each generation-2 collection
+_gc_start = [0.0]
+
+
+def _on_gc(phase: str, info: dict) -> None:
+    if phase == "start":
+        _gc_start[0] = time.perf_counter()
+        return
+    ms = (time.perf_counter() - _gc_start[0]) * 1e3
+    generation = info.get("generation", -1)
+    if _iteration[0] > SKIP:
+        _calls[f"gc.collect(gen {generation})"].append(ms)
+    if generation == 2:
+        _full_collections.append([_iteration[0], generation, round(ms, 3), info.get("collected", 0)])
 
 
 def _timed(name: str, fn):
@@ -54,6 +78,9 @@ def _timed(name: str, fn):
     def wrapper(*args, **kwargs):
         if name == ITERATION:
             _iteration[0] += 1
+            if _iteration[0] == FREEZE_AT:  # the experiment: collect once, then keep today's objects out of every walk
+                gc.collect()
+                gc.freeze()
         t0 = time.perf_counter()
         try:
             return fn(*args, **kwargs)
@@ -99,12 +126,25 @@ def _dump() -> None:
     out = os.environ.get("GLM5_HOST_TIMERS_OUT")
     if not out or not _calls:
         return
-    record = {"iterations": max(0, _iteration[0] - SKIP), "calls": dict(_calls)}
+    record = {"iterations": max(0, _iteration[0] - SKIP), "calls": dict(_calls), "gc": _full_collections,
+              "heap": _heap()}
     with open(out, "a") as f:
         f.write(json.dumps(record) + "\n")
 
 
+def _heap(top: int = 12) -> dict:
+    """What the collector tracks now: the object count and the ``top`` commonest types (module-qualified)."""
+    counts: dict[str, int] = defaultdict(int)
+    objects = gc.get_objects()
+    for obj in objects:
+        t = type(obj)
+        counts[f"{t.__module__}.{t.__qualname__}"] += 1
+    return {"objects": len(objects), "frozen": gc.get_freeze_count(),
+            "top": sorted(counts.items(), key=lambda kv: -kv[1])[:top]}
+
+
 def install() -> None:
     sys.meta_path.insert(0, _Finder())
+    gc.callbacks.append(_on_gc)
     atexit.register(_dump)
 

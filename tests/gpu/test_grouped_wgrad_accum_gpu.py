@@ -72,3 +72,42 @@ def test_grouped_linear_accumulates_on_cuda():
         for i, wi in enumerate(w):
             assert wi.grad_added_to_main_grad
             assert torch.equal(wi.main_grad, torch.full_like(wi.main_grad, float(i)).add_(want[i])), i
+
+
+def test_per_expert_weight_gradient_gemms_on_cuda():
+    """``grouped_linear(accumulate=True, row_ends=RowEnds(offs))`` with device counts: no host sync in the forward
+    (the row ends are copied without one), each expert's weight gradient is one GEMM adding its fp32 product into
+    ``main_grad`` (bitwise ``wgrad_gemm_accum_fp32`` per expert, what megatron-core's linears do), an empty expert's
+    ``main_grad`` untouched; against the fp64 product it is closer than the grouped GEMM's bf16 gradient."""
+    from megatron_glm5.moe import grouped_experts as ge
+    from megatron_glm5.optim_fusions import wgrad_gemm_accum_fp32
+
+    counts = [300, 0, 517, 224]
+    offs = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(sum(counts), 256, device="cuda", generator=g).bfloat16()
+    dy = torch.randn(sum(counts), 512, device="cuda", generator=g).bfloat16()
+    w = [torch.randn(512, 256, device="cuda", generator=g).bfloat16().requires_grad_(True) for _ in counts]
+    base = [torch.full((512, 256), float(i), device="cuda") for i in range(len(counts))]
+    for i, wi in enumerate(w):
+        wi.main_grad = base[i].clone()
+        wi.grad_added_to_main_grad = False
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ends = ge.RowEnds(offs)
+        y = ge.grouped_linear(x, w, offs, offs.diff(prepend=offs.new_zeros(1)) == 0, accumulate=True, row_ends=ends)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    y.backward(dy)
+    start = 0
+    for i, (wi, c) in enumerate(zip(w, counts)):
+        want = base[i].clone()
+        if c:
+            wgrad_gemm_accum_fp32(x[start:start + c], dy[start:start + c], want)
+        assert wi.grad_added_to_main_grad and torch.equal(wi.main_grad, want), i
+        exact = base[i].double() + dy[start:start + c].double().t() @ x[start:start + c].double()
+        grouped = base[i] + (dy[start:start + c].t() @ x[start:start + c]).float()  # bf16 gradient, then the add
+        assert (wi.main_grad.double() - exact).abs().max() <= (grouped.double() - exact).abs().max()
+        start += c
+    assert torch.equal(w[1].main_grad, base[1])
