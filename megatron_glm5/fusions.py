@@ -101,6 +101,9 @@ environment variable read when a module or block spec is built (``0`` or ``1``; 
   recompute, 4 chunks: +9.1 / +3.4 / +1.5 % over no chunks at 16K / 32K / 64K before, -0.2 / +0.2 / +0.1 % with it
   (+3.5 / +3.2 / +1.9 % with activation offload); 458752 tokens still train. Not under expert parallelism (an expert
   group's ranks must agree).
+* ``MEGATRON_GLM5_KEY_BLOCK_DKV`` (off) - the sparse-MLA backward forms dKV by key blocks instead of fp32 atomics
+  where that measured faster (``kernels.sparse_mla_dkv.key_blocks_pay``: at most 32 heads and 8K tokens per rank;
+  deterministic by construction). Off until measured in the whole step.
 * ``MEGATRON_GLM5_FUSED_ADAM`` - megatron-core's torch-fallback Adam
   (no TE / apex ``FusedAdam``) with torch's ``fused=True`` (:func:`megatron_glm5.optim_fusions.use_fused_adam`,
   through :func:`megatron_glm5.compat.route_fused_adam`).
@@ -148,6 +151,7 @@ GROUPED_WGRAD_ACCUMULATION_ENV = "MEGATRON_GLM5_GROUPED_WGRAD_ACCUMULATION"
 EXPERT_WGRAD_GEMMS_ENV = "MEGATRON_GLM5_EXPERT_WGRAD_GEMMS"
 SPLIT_RECOMPUTE_ENV = "MEGATRON_GLM5_SPLIT_RECOMPUTE"
 MLP_CHUNKS_BY_LENGTH_ENV = "MEGATRON_GLM5_MLP_CHUNKS_BY_LENGTH"
+KEY_BLOCK_DKV_ENV = "MEGATRON_GLM5_KEY_BLOCK_DKV"
 _log = logging.getLogger("megatron_glm5")
 _logged: set[str] = set()
 _DEFAULTS = {FUSED_RMSNORM_ENV: "1", FUSED_SWIGLU_ENV: "1", FUSED_MOE_PERMUTE_ENV: "1", FUSED_GRAD_NORM_ENV: "1",
@@ -155,7 +159,7 @@ _DEFAULTS = {FUSED_RMSNORM_ENV: "1", FUSED_SWIGLU_ENV: "1", FUSED_MOE_PERMUTE_EN
              ZERO_GROUPS_KERNEL_ENV: "1", GROUPED_SPARSE_MLA_ENV: "1", GROUPED_WGRAD_ACCUMULATION_ENV: "1",
              SPLIT_RECOMPUTE_ENV: "1", MLP_CHUNKS_BY_LENGTH_ENV: "1", FUSED_MULTI_TENSOR_SCALE_ENV: "1",
              MASK_RANGES_KERNEL_ENV: "1", DEVICE_GRAD_CLIP_ENV: "0", CACHED_ROUTER_WALKS_ENV: "1",
-             EXPERT_WGRAD_GEMMS_ENV: "1"}
+             EXPERT_WGRAD_GEMMS_ENV: "1", KEY_BLOCK_DKV_ENV: "0"}
 
 
 def enabled(env: str) -> bool:

@@ -40,7 +40,7 @@ from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
 
-from ..fusions import FUSED_ROPE_ENV, GROUPED_SPARSE_MLA_ENV, enabled, rope_cat
+from ..fusions import FUSED_ROPE_ENV, GROUPED_SPARSE_MLA_ENV, KEY_BLOCK_DKV_ENV, enabled, rope_cat
 from . import reference
 from .attention import DSACoreAttention, rebuild_down_projections, with_mcore_down_projections
 from .hooks import linear_weight, mark_replicated
@@ -110,6 +110,7 @@ class TileLangSparseAttention(DSACoreAttention):
         self.rope_dim = config.qk_pos_emb_head_dim
         self.fused_rope = enabled(FUSED_ROPE_ENV)
         self.grouped_sparse = enabled(GROUPED_SPARSE_MLA_ENV)
+        self.key_block_dkv = enabled(KEY_BLOCK_DKV_ENV)
 
     def indexer_rows(self, x: torch.Tensor, q_c: torch.Tensor, layout: TokenLayout, rope_q, rope_k,
                      gather: "SequenceGather") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -221,7 +222,7 @@ class TileLangSparseAttention(DSACoreAttention):
 
             out, lse = kernels.sparse_mla_with_lse(query.contiguous(), kv.contiguous(), topk, softmax_scale, d_v,
                                                    deterministic=self.config.deterministic_mode, target_box=target_box,
-                                                   grouped=self.grouped_sparse)
+                                                   grouped=self.grouped_sparse, key_blocks=self.key_block_dkv)
         else:
             out, lse = reference.sparse_mla(query, kv, topk, softmax_scale, d_v)
         return (out, lse.detach()) if with_lse else out

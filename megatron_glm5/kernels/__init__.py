@@ -71,6 +71,7 @@ def sparse_mla_with_lse(
     deterministic: bool = False,
     target_box: Optional[AttentionTargetBox] = None,
     grouped: bool = False,
+    key_blocks: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse absorbed-MLA attention, differentiable in ``q`` and ``kv`` (and through ``lse``).
 
@@ -83,10 +84,12 @@ def sparse_mla_with_lse(
         target_box: the backward also stores the unnormalised head-summed probabilities ``[T, K]`` fp32 there.
         grouped: at 16 heads, neighbouring queries share one kernel program over the union of their index sets
             (``kernels.index_groups``); faster where their sets overlap.
+        key_blocks: the backward forms dKV by key blocks where that pays (``kernels.sparse_mla_dkv``: no float
+            atomics); each row's valid indices must be distinct (the indexer's top-k).
     Returns: ``out [T, H, d_v]`` bf16 and natural-log ``lse [T, H]`` fp32 (+inf, out 0 on rows without an index).
     """
     return sparse_mla_autograd(q, kv, indices, softmax_scale, d_v, deterministic=deterministic, target_box=target_box,
-                               grouped=grouped)
+                               grouped=grouped, key_blocks=key_blocks)
 
 
 def sparse_mla(

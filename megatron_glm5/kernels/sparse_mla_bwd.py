@@ -63,6 +63,7 @@ from megatron_glm5.kernels.index_groups import (
     grouped_rows,
     grouped_tile_rows,
 )
+from megatron_glm5.kernels.sparse_mla_dkv import dkv_key_blocks, key_blocks_pay
 from megatron_glm5.kernels.sparse_mla_fwd import (
     Variant,
     check_sparse_mla_args,
@@ -70,6 +71,11 @@ from megatron_glm5.kernels.sparse_mla_fwd import (
     sparse_mla_fwd_interface,
 )
 
+DKV_REDUCTIONS = ("atomic", "bulk", "key_blocks")  # sparse_mla_bwd_interface(dkv_reduce=...)
+# Key blocks over the grouped backward below this sharing: at 16 heads the key-block route measured 1.6x / 1.23x the
+# atomic backward at 4K / 8K tokens whatever the sets; the grouped backward route 1.03x at sharing 2.27 and 1.60x at
+# 3.26 (16K tokens). 3.0 sits between; the crossover at 8K is not measured.
+KEY_BLOCKS_BELOW_SHARING = 3.0
 DETERMINISTIC_PARTIAL_BYTES = 2 << 30  # budget for the per-chunk partial dKV buffer
 
 # The bulk dKV reduction's raw staging (``_jit_bwd(dkv_reduce="bulk")``): fp32 at float offsets from a shared buffer's
@@ -153,6 +159,7 @@ def _jit_bwd():
         dkv_split: int = 0,
         group: int = 1,
         dkv_reduce: str = "atomic",
+        with_dkv: bool = True,
     ):
         """Main backward kernel. ``deterministic`` switches the dKV epilogue from atomics to partial-buffer stores;
         ``dkv_split``: dKV column chunks (0: automatic); ``group`` > 1 (atomic dKV only): one CTA per ``group``
@@ -173,6 +180,10 @@ def _jit_bwd():
         sync pass adds) and one warp issuing every copy, where the atomics leave all warps' registers at once.
         Needs ``d_v / dkv_split`` and the RoPE tail at most ``d_v / 4`` (a stage half holds ``d_v / 4`` fp32 per
         row) and ``block_s <= threads``.
+
+        ``with_dkv=False`` (per-query, not deterministic): ``dQ`` (and the target) only, no dKV GEMMs and no atomics;
+        ``dKV`` is then a ``[1, d_qk]`` placeholder the kernel never touches (the key-block pass,
+        ``kernels.sparse_mla_dkv``, forms it).
 
         Grid ``(n_rows, head blocks)``; row ``bx`` is token ``row0 + bx`` (the deterministic path runs in chunks).
         """
@@ -201,6 +212,8 @@ def _jit_bwd():
         if dkv_reduce not in ("atomic", "bulk"):
             raise ValueError(f"dkv_reduce must be 'atomic' or 'bulk', got {dkv_reduce!r}")
         bulk = dkv_reduce == "bulk"
+        if not with_dkv and (deterministic or group > 1 or bulk):
+            raise ValueError("with_dkv=False is the per-query kernel's dQ pass: not deterministic, grouped or bulk")
         if bulk and deterministic:
             raise ValueError("dkv_reduce='bulk' adds dKV in a varying order: not with deterministic=True")
         stage_w = dh // 2  # fp32 per row of one stage half viewed as the dKV staging buffer
@@ -214,7 +227,7 @@ def _jit_bwd():
         n_rows = T.dynamic("n_rows")
         topk = T.dynamic("topk")  # index width: one kernel serves every K
         bf16, f32, i32 = T.bfloat16, T.float32, T.int32
-        dkv_shape = [n_rows, n_hblk, topk, d_qk] if deterministic else [t_kv, d_qk]
+        dkv_shape = [n_rows, n_hblk, topk, d_qk] if deterministic else [t_kv, d_qk] if with_dkv else [1, d_qk]
         tgt_shape = [n_hblk, t_len, topk] if with_target else [1]
         n_idx = t_len if group == 1 else T.dynamic("n_grp")  # index rows: one per query, or one union per group
         # the deterministic path runs a chunk of rows per launch; the grouped one a CTA per group
@@ -302,7 +315,8 @@ def _jit_bwd():
                 for j in T.Parallel(bs):
                     if blk * bs + j < topk:
                         Tgt[hb, t, blk * bs + j] = tsum[j]
-            T.copy(acc_p, p_s)
+            if with_dkv:  # P^T dO is dKV's only use of the bf16 P
+                T.copy(acc_p, p_s)
             T.gemm(do_l, kv_l, acc_dp, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
             T.gemm(do_r, kv_r, acc_dp, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
             for h, j in T.Parallel(block_h, bs):
@@ -316,7 +330,7 @@ def _jit_bwd():
             # With bulk adds the chunks are staged alternately over this block's KV stage halves (kv_l / kv_r as raw
             # fp32: their GEMM layout is swizzled, a staged row must be contiguous), which every warp's dQ GEMMs above
             # must have read first.
-            for c, half, c0 in dkv_chunks:  # trace-time loop
+            for c, half, c0 in dkv_chunks if with_dkv else ():  # trace-time loop
                 src_q = (q_l, q_r)[half]
                 src_do = (do_l, do_r)[half]
                 T.gemm(ds_s, src_q[:, c0 : c0 + dc], acc_dkv, transpose_A=True, clear_accum=True,
@@ -328,7 +342,7 @@ def _jit_bwd():
                     bulk_chunk(dKV, acc_dkv, idx_s, (kv_l, kv_r)[c % 2], c * dc, dc)
                 else:
                     scatter(dKV, acc_dkv, idx_s, bx, hb, blk, c * dc, dc)
-            if has_tail:
+            if has_tail and with_dkv:
                 T.gemm(ds_s, q_t, acc_dkv_t, transpose_A=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
                 if bulk:
                     bulk_chunk(dKV, acc_dkv_t, idx_s, (kv_l, kv_r)[dkv_split % 2], d_v, d_tail)
@@ -555,13 +569,18 @@ def sparse_mla_bwd_interface(
     ``group`` != 1 (atomic dKV, no target; 0: ``64 // H``; ``32 // H`` experimental): one CTA per ``group``
     consecutive queries over the union of their index sets, as the grouped forward (``union``: a prebuilt
     ``group_union_indices`` of the same group). ``dkv_reduce`` (atomic dKV): ``"atomic"`` or ``"bulk"``
-    (experimental, measured slower; ``_jit_bwd``'s bulk reductions; ``d_v`` of 512 or more, not deterministic).
+    (experimental, measured slower; ``_jit_bwd``'s bulk reductions; ``d_v`` of 512 or more, not deterministic) or
+    ``"key_blocks"``: the per-query kernel forms ``dQ`` only and ``kernels.sparse_mla_dkv`` forms dKV by key blocks
+    (no float atomics anywhere: deterministic whatever ``deterministic`` says; needs each row's valid indices
+    distinct, as the indexer's top-k are; per-query only).
     """
     check_sparse_mla_args(q, kv, indices, d_v)
-    if dkv_reduce not in ("atomic", "bulk"):
-        raise ValueError(f"dkv_reduce must be 'atomic' or 'bulk', got {dkv_reduce!r}")
+    if dkv_reduce not in DKV_REDUCTIONS:
+        raise ValueError(f"dkv_reduce must be one of {DKV_REDUCTIONS}, got {dkv_reduce!r}")
     if dkv_reduce == "bulk" and deterministic:
         raise ValueError("dkv_reduce='bulk' adds dKV in a varying order: not with deterministic=True")
+    if dkv_reduce == "key_blocks" and group != 1:
+        raise ValueError("dkv_reduce='key_blocks' follows the per-query dQ pass: not with group != 1")
     t_len, heads, d_qk = q.shape
     t_kv = kv.shape[0]
     for name, t, shape, dtype in (
@@ -594,6 +613,15 @@ def sparse_mla_bwd_interface(
 
     delta = _jit_delta()(heads, d_v)(out, grad_out, grad_lse)
     dq = torch.empty_like(q)
+    if dkv_reduce == "key_blocks":
+        kernel = _jit_bwd()(heads, d_qk, d_v, scale, False, with_target=with_target, with_dkv=False)
+        row0 = torch.zeros(1, dtype=torch.int32, device=q.device)
+        unused = torch.empty(1, d_qk, dtype=torch.float32, device=q.device)
+        kernel(q, kv, grad_out, indices, valid_len, lse, delta, row0, dq, unused, target)
+        dkv = dkv_key_blocks(q, kv, grad_out, lse, delta, indices, scale, d_v).to(kv.dtype)
+        if with_target:
+            return dq, dkv, (target[0] if n_hblk == 1 else target.sum(0))
+        return dq, dkv
     extra = {"group": group} if group != 1 else {}  # the per-query kernel keeps its precompiled cache key
     if dkv_reduce != "atomic":
         extra["dkv_reduce"] = dkv_reduce
@@ -661,10 +689,15 @@ class SparseMLAFunction(torch.autograd.Function):
         grouped kernel (one CTA per 4 neighbouring queries over the union of their sets) and the backward too where
         those sets share enough keys (``GROUPED_BWD_MIN_SHARING``, measured in the forward); same contract, other
         rounding.
+        ``key_blocks=True``: where ``sparse_mla_dkv.key_blocks_pay`` holds, the backward forms dKV by key blocks
+        (``dkv_reduce="key_blocks"``: no float atomics, deterministic) unless the grouped forward measured a
+        sharing of at least ``KEY_BLOCKS_BELOW_SHARING`` (there the grouped backward is expected to be faster);
+        needs each row's valid indices distinct (the indexer's top-k).
     """
 
     @staticmethod
-    def forward(ctx, q, kv, indices, softmax_scale, d_v, deterministic, variant, target_box=None, grouped=False):  # noqa: D102
+    def forward(ctx, q, kv, indices, softmax_scale, d_v, deterministic, variant, target_box=None, grouped=False,
+                key_blocks=False):  # noqa: D102
         valid_len = row_valid_len(indices)
         group = grouped_group(q.shape[1], deterministic=deterministic, with_target=target_box is not None,
                               tokens=q.shape[0])
@@ -685,6 +718,7 @@ class SparseMLAFunction(torch.autograd.Function):
         ctx.d_v = d_v
         ctx.deterministic = deterministic
         ctx.target_box = target_box
+        ctx.key_blocks = bool(key_blocks) and key_blocks_pay(q.shape[1], q.shape[0], q.shape[2], d_v)
         return out, lse
 
     @staticmethod
@@ -692,7 +726,10 @@ class SparseMLAFunction(torch.autograd.Function):
         q, kv, indices, valid_len, out, lse = ctx.saved_tensors
         box = ctx.target_box
         grouped = {}
-        if ctx.probe is not None and ctx.probe.sharing() >= GROUPED_BWD_MIN_SHARING:
+        sharing = ctx.probe.sharing() if ctx.probe is not None else 0.0
+        if ctx.key_blocks and sharing < KEY_BLOCKS_BELOW_SHARING:
+            grouped = {"dkv_reduce": "key_blocks"}
+        elif sharing >= GROUPED_BWD_MIN_SHARING:
             group = 64 // q.shape[1]  # grouped_group's, as in the forward
             grouped = {"group": group, "union": group_union_indices(indices, group, key_bound=kv.shape[0])}
         grads = sparse_mla_bwd_interface(
@@ -712,7 +749,7 @@ class SparseMLAFunction(torch.autograd.Function):
         )
         if box is not None:
             box.target = grads[2]
-        return grads[0], grads[1], None, None, None, None, None, None, None
+        return grads[0], grads[1], None, None, None, None, None, None, None, None
 
 
 def sparse_mla_autograd(
@@ -726,7 +763,8 @@ def sparse_mla_autograd(
     variant: Variant = "auto",
     target_box: AttentionTargetBox | None = None,
     grouped: bool = False,
+    key_blocks: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable ``(out, lse)``; see ``SparseMLAFunction`` for the contract."""
     return SparseMLAFunction.apply(q, kv, indices, float(softmax_scale), int(d_v), bool(deterministic), variant,
-                                   target_box, bool(grouped))
+                                   target_box, bool(grouped), bool(key_blocks))

@@ -1,0 +1,436 @@
+"""Sparse-MLA ``dKV`` by key blocks: no float atomics, deterministic by construction.
+
+The per-query backward (``sparse_mla_bwd``) adds each (query, slot) pair's ``d_qk``-wide fp32 ``dKV`` row into
+global memory with atomics. At 16 heads it runs at that traffic's floor (2304 bytes per pair through the L2's
+reduction units, about 2.3 TB/s on an H200: ``docs/design/kernels_round2.md``, sixth session). This pass turns the
+problem around: one CTA owns a block of ``block_k`` keys and walks the queries that select any of them, ``block_r``
+(query, head) rows at a time, so each key's gradient is summed in registers and written once:
+
+    S^T  = K_blk Q_r^T               [block_k, block_r]   (K_blk: the block's latent rows, all d_qk channels)
+    dP^T = V_blk dO_r^T              (V_blk = K_blk[:, :d_v])
+    P^T  = mask * exp(scale S^T - lse),  dS^T = P^T * (dP^T - Delta) * scale
+    dKV_blk += dS^T Q_r + P^T dO_r   (the second term on the first d_v channels)
+
+``mask`` is the selection bitmap (``kernels.selection_bitmap``), so the math per selected pair is the per-query
+kernel's (``P`` and ``dS`` rounded to bf16 before their GEMMs, as there); pairs a query did not select cost MMA work
+but add exact zeros. The dense work is the price: every (key block, row tile) that the block's query range covers,
+about ``T / (2 * mean selected keys per query)`` times the sparse pairs for causal random sets (2.3x at 8K tokens and
+top-k 2048, 4.3x at 16K), against no reduction traffic at all. So it pays at short and medium context, and wherever
+neighbouring queries' sets overlap.
+
+Work split: the query axis is cut into ``n_chunks`` equal chunks; CTA ``(block, chunk)`` writes its block's partial
+sum into ``Part[chunk]`` (zeros when the chunk holds none of the block's queries), and the chunks are summed in
+index order afterwards (``torch.sum`` over a fixed shape: deterministic). The chunks balance the causal triangle
+over the SMs.
+
+Contract: indices distinct within each valid part of a row (the indexer's top-k: a repeated key would count once
+here but twice in the forward; ``selection_bitmap`` counts repeats). Test oracle: autograd through
+``megatron_glm5.dsa.reference.sparse_mla``; :func:`dkv_key_blocks_reference` is this algorithm in torch (chunks,
+blocks, query ranges) for the CPU tests.
+
+No ``from __future__ import annotations`` here: TileLang evaluates the nested prim_funcs' annotations.
+"""
+
+import functools
+
+import torch
+
+from megatron_glm5.kernels._common import LOG2E, cdiv, multiprocessor_count, tilelang_modules
+from megatron_glm5.kernels.selection_bitmap import key_block_query_range, selection_bitmap
+
+KEY_BLOCK = 64  # keys per CTA: the wgmma M of every GEMM here
+ROW_TILE = 32  # (query, head) rows per step: two stages of Q / dO tiles fit next to the key block (216 KB)
+MAX_CHUNKS = 32  # query chunks (32 vs 16: 0.57 vs 0.67 ms at 2K tokens, even at 8K)
+PARTIAL_BYTES = 512 << 20  # the partial buffer, n_chunks x T_kv x d_qk fp32, stays below this
+
+
+# Where the route measured faster (H200, random causal top-2048 sets, 16 heads: 1.60x / 1.61x / 1.23x / 0.81x at
+# 2K / 4K / 8K / 16K tokens; 64 heads 0.95x-0.43x: the dQ pass alone is half the atomic backward there).
+KEY_BLOCKS_MAX_HEADS = 16
+KEY_BLOCKS_MAX_TOKENS = 8192
+
+
+def key_blocks_pay(heads: int, tokens: int, d_qk: int, d_v: int) -> bool:
+    """Whether the autograd backward takes the key-block dKV (``SparseMLAFunction``'s ``key_blocks=True``): per-rank
+    heads and tokens where it measured faster than the atomic backward on random causal top-2048 sets
+    (``scripts/bench/RESULTS_kernels.md``), and GLM-5's latent (``d_qk = d_v + 64``; GLM-5.3-Flash's KPool sets are
+    not measured here)."""
+    return heads <= KEY_BLOCKS_MAX_HEADS and 0 < tokens <= KEY_BLOCKS_MAX_TOKENS and d_qk == d_v + 64
+
+
+def default_chunks(t_len: int, t_kv: int, device: torch.device, block_k: int = KEY_BLOCK, d_qk: int = 576) -> int:
+    """Query chunks: about eight waves of CTAs over the causal triangle (``n_blocks * n_chunks / 2`` CTAs with work;
+    16 chunks beat 9 by 9 % at 8K tokens), at most :data:`MAX_CHUNKS` and what :data:`PARTIAL_BYTES` holds."""
+    n_blocks = max(1, cdiv(t_kv, block_k))
+    want = cdiv(16 * multiprocessor_count(device), n_blocks)
+    budget = PARTIAL_BYTES // max(1, t_kv * d_qk * 4)
+    return max(1, min(MAX_CHUNKS, want, budget, max(t_len, 1)))
+
+
+@functools.cache
+def _jit_dkv_key_blocks():
+    tilelang, T = tilelang_modules()
+
+    @tilelang.jit(
+        pass_configs={
+            tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
+            tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
+        },
+    )
+    def sparse_mla_dkv_key_blocks(heads: int, d_qk: int, d_v: int, softmax_scale: float,
+                                  block_k: int = KEY_BLOCK, block_r: int = ROW_TILE, threads: int = 256,
+                                  schedule: str = "split"):
+        """Grid ``(ceil(T_kv / block_k), n_chunks)``. Q / dO / Lse / Delta come flattened over (query, head): row
+        ``r`` is head ``r % heads`` of query ``r // heads``. Tiles of ``block_r`` rows are loaded with ``cp.async``
+        into two stages (the next tile loads while this one computes), rows past the chunk zero-filled.
+
+        ``schedule``: ``"split"`` (default): warpgroup 0 forms ``S^T`` and ``P``, warpgroup 1 ``dP^T`` and then
+        ``dS``, each GEMM over the whole row tile, so the key block (the A operand) is read once per GEMM instead of
+        once per warpgroup; the tile's LSE, Delta and mask words arrive with its ``cp.async`` loads.
+        ``"plain"``: both warpgroups split every GEMM by columns, LSE / Delta / mask read from global memory in the
+        tile's step (the first version, kept as the bitwise reference of ``split``)."""
+        if schedule not in ("split", "plain"):
+            raise ValueError(f"schedule must be 'split' or 'plain', got {schedule!r}")
+        split = schedule == "split"
+        if split and (threads != 256 or 2 * block_r + block_r * (block_k // 32) > threads):
+            raise ValueError(f"the split schedule runs two warpgroups (256 threads) and loads a tile's LSE, Delta and "
+                             f"mask words with one cp.async per thread; got threads={threads}, block_r={block_r}")
+        dh = d_v // 2
+        d_tail = d_qk - d_v
+        has_tail = d_tail > 0
+        rows_per_pass = threads // 8  # 8 lanes x 16 bytes per row and pass
+        if dh % 64 or d_tail % 64 or d_tail < 0 or block_k % 32 or block_k % rows_per_pass or block_r % rows_per_pass:
+            raise ValueError(f"key-block dKV needs d_v/2 and d_qk-d_v >= 0 multiples of 64, block_k a multiple of 32, "
+                             f"block_k and block_r multiples of threads/8; got d_v={d_v}, d_qk={d_qk}, "
+                             f"block_k={block_k}, block_r={block_r}, threads={threads}")
+        words = block_k // 32
+        scale_log2 = softmax_scale * LOG2E
+        n_flat = T.dynamic("n_flat")
+        t_len = T.dynamic("t_len")
+        t_kv = T.dynamic("t_kv")
+        n_words = T.dynamic("n_words")
+        n_kb = T.dynamic("n_kb")
+        n_chunk = T.dynamic("n_chunk")
+        bf16, f32, i32 = T.bfloat16, T.float32, T.int32
+
+        @T.macro
+        def load_rows(src, r0, r_end, tx, n_rows, buf_l, buf_r, buf_t, tail0):
+            # rows [r0, r0 + n_rows) of src into the halves (and tail); rows at or past r_end are zero-filled unread
+            lane = tx % 8
+            for p in T.unroll(n_rows // rows_per_pass):
+                row = p * rows_per_pass + tx // 8
+                g = r0 + row
+                ok = g < r_end
+                src_row = T.if_then_else(ok, g, 0)
+                for c in T.unroll(dh // 64):
+                    col = c * 64 + lane * 8
+                    T.ptx_cp_async(T.access_ptr(buf_l[row, col], "w", 8), T.access_ptr(src[src_row, col], "r", 8),
+                                   8, predicate=ok)
+                    T.ptx_cp_async(T.access_ptr(buf_r[row, col], "w", 8),
+                                   T.access_ptr(src[src_row, dh + col], "r", 8), 8, predicate=ok)
+                if buf_t is not None:
+                    for c in T.unroll(d_tail // 64):
+                        col = c * 64 + lane * 8
+                        T.ptx_cp_async(T.access_ptr(buf_t[row, col], "w", 8),
+                                       T.access_ptr(src[src_row, tail0 + col], "r", 8), 8, predicate=ok)
+
+        @T.macro
+        def load_tile(Q, dO, r0, r_hi, tx, q_l, q_r, q_t, do_l, do_r):
+            load_rows(Q, r0, r_hi, tx, block_r, q_l, q_r, q_t, d_v)
+            load_rows(dO, r0, r_hi, tx, block_r, do_l, do_r, None, 0)
+            T.ptx_commit_group()
+
+        @T.macro
+        def load_tile_split(Q, dO, Lse, Delta, Bits, kb, r0, r_hi, tx, q_l, q_r, q_t, do_l, do_r, lse_t, dl_t, bits_t):
+            # the tile's rows plus, one 4-byte cp.async per thread, its LSE, Delta and mask words (zero past r_hi:
+            # no mask bit, so no P)
+            load_rows(Q, r0, r_hi, tx, block_r, q_l, q_r, q_t, d_v)
+            load_rows(dO, r0, r_hi, tx, block_r, do_l, do_r, None, 0)
+            if tx < block_r:
+                ok = r0 + tx < r_hi
+                T.ptx_cp_async(T.access_ptr(lse_t[tx], "w", 1),
+                               T.access_ptr(Lse[T.if_then_else(ok, r0 + tx, 0)], "r", 1), 1, predicate=ok)
+            elif tx < 2 * block_r:
+                i = tx - block_r
+                ok = r0 + i < r_hi
+                T.ptx_cp_async(T.access_ptr(dl_t[i], "w", 1),
+                               T.access_ptr(Delta[T.if_then_else(ok, r0 + i, 0)], "r", 1), 1, predicate=ok)
+            elif tx < 2 * block_r + block_r * words:
+                i = (tx - 2 * block_r) // words
+                w = (tx - 2 * block_r) % words
+                ok = r0 + i < r_hi
+                T.ptx_cp_async(T.access_ptr(bits_t[i, w], "w", 1),
+                               T.access_ptr(Bits[T.if_then_else(ok, (r0 + i) // heads, 0), kb * words + w], "r", 1),
+                               1, predicate=ok)
+            T.ptx_commit_group()
+
+        @T.macro
+        def tile_step_split(tx, kl, kr, kt, q_l, q_r, q_t, do_l, do_r, lse_t, dl_t, bits_t,
+                            pf_s, p_s, ds_s, s_f, dp_f, acc_l, acc_r, acc_t):
+            if tx < 128:  # warpgroup 0: S^T over the whole tile, then P (fp32 for dS, bf16 for the GEMM)
+                T.wgmma_gemm(kl, q_l, s_f, transpose_B=True, clear_accum=True)
+                T.wgmma_gemm(kr, q_r, s_f, transpose_B=True)
+                if has_tail:
+                    T.wgmma_gemm(kt, q_t, s_f, transpose_B=True)
+                T.wait_wgmma(0)
+                for j, i in T.Parallel(block_k, block_r):
+                    sel = ((bits_t[i, j // 32] >> (j % 32)) & 1) == 1
+                    p = T.if_then_else(sel, T.exp2(s_f[j, i] * scale_log2 - lse_t[i] * LOG2E), 0)
+                    pf_s[j, i] = p
+                    p_s[j, i] = T.cast(p, bf16)
+            else:  # warpgroup 1: dP^T over the whole tile
+                T.wgmma_gemm(kl, do_l, dp_f, transpose_B=True, clear_accum=True)
+                T.wgmma_gemm(kr, do_r, dp_f, transpose_B=True)
+                T.wait_wgmma(0)
+            T.sync_threads()
+            if tx >= 128:
+                for j, i in T.Parallel(block_k, block_r):
+                    ds_s[j, i] = T.cast(pf_s[j, i] * (dp_f[j, i] - dl_t[i]) * softmax_scale, bf16)
+            T.sync_threads()
+            T.fence_proxy_async()  # generic smem writes of P / dS, read next by the tensor cores
+            T.wgmma_gemm(ds_s, q_l, acc_l, policy=T.GemmWarpPolicy.FullCol)
+            T.wgmma_gemm(p_s, do_l, acc_l, policy=T.GemmWarpPolicy.FullCol)
+            T.wgmma_gemm(ds_s, q_r, acc_r, policy=T.GemmWarpPolicy.FullCol)
+            T.wgmma_gemm(p_s, do_r, acc_r, policy=T.GemmWarpPolicy.FullCol)
+            if has_tail:
+                T.wgmma_gemm(ds_s, q_t, acc_t, policy=T.GemmWarpPolicy.FullCol)
+            T.wait_wgmma(0)
+
+        @T.macro
+        def tile_step(Lse, Delta, Bits, r0, r_hi, k0, kl, kr, kt, q_l, q_r, q_t, do_l, do_r,
+                      lse_s, delta_s, p_s, ds_s, acc_s, acc_dp, acc_l, acc_r, acc_t):
+            for i in T.Parallel(block_r):
+                live = r0 + i < r_hi
+                lse_s[i] = T.if_then_else(live, Lse[T.if_then_else(live, r0 + i, 0)] * LOG2E, T.infinity(f32))
+                delta_s[i] = T.if_then_else(live, Delta[T.if_then_else(live, r0 + i, 0)], 0)
+            T.gemm(kl, q_l, acc_s, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
+            T.gemm(kr, q_r, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+            if has_tail:
+                T.gemm(kt, q_t, acc_s, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+            T.gemm(kl, do_l, acc_dp, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
+            T.gemm(kr, do_r, acc_dp, transpose_B=True, policy=T.GemmWarpPolicy.FullCol)
+            for j, i in T.Parallel(block_k, block_r):
+                r = r0 + i
+                key = k0 + j
+                tq = T.if_then_else(r < r_hi, r // heads, 0)
+                word = Bits[tq, T.min(key // 32, n_words - 1)]
+                sel = (r < r_hi) and (key < t_kv) and ((word >> (key % 32)) & 1) == 1
+                p = T.if_then_else(sel, T.exp2(acc_s[j, i] * scale_log2 - lse_s[i]), 0)
+                acc_dp[j, i] = p * (acc_dp[j, i] - delta_s[i]) * softmax_scale
+                acc_s[j, i] = p
+            T.copy(acc_s, p_s)
+            T.copy(acc_dp, ds_s)
+            T.gemm(ds_s, q_l, acc_l, policy=T.GemmWarpPolicy.FullCol)
+            T.gemm(p_s, do_l, acc_l, policy=T.GemmWarpPolicy.FullCol)
+            T.gemm(ds_s, q_r, acc_r, policy=T.GemmWarpPolicy.FullCol)
+            T.gemm(p_s, do_r, acc_r, policy=T.GemmWarpPolicy.FullCol)
+            if has_tail:
+                T.gemm(ds_s, q_t, acc_t, policy=T.GemmWarpPolicy.FullCol)
+
+        @T.macro
+        def load_stage(Q, dO, Lse, Delta, Bits, kb, r0, r_hi, tx, q_l, q_r, q_t, do_l, do_r, lse_t, dl_t, bits_t):
+            if split:
+                load_tile_split(Q, dO, Lse, Delta, Bits, kb, r0, r_hi, tx, q_l, q_r, q_t, do_l, do_r, lse_t, dl_t,
+                                bits_t)
+            else:
+                load_tile(Q, dO, r0, r_hi, tx, q_l, q_r, q_t, do_l, do_r)
+
+        @T.macro
+        def step_stage(Lse, Delta, Bits, tx, r0, r_hi, k0, kl, kr, kt, q_l, q_r, q_t, do_l, do_r, lse_t, dl_t, bits_t,
+                       lse_s, delta_s, pf_s, p_s, ds_s, acc_s, acc_dp, acc_l, acc_r, acc_t):
+            if split:
+                tile_step_split(tx, kl, kr, kt, q_l, q_r, q_t, do_l, do_r, lse_t, dl_t, bits_t,
+                                pf_s, p_s, ds_s, acc_s, acc_dp, acc_l, acc_r, acc_t)
+            else:
+                tile_step(Lse, Delta, Bits, r0, r_hi, k0, kl, kr, kt, q_l, q_r, q_t, do_l, do_r,
+                          lse_s, delta_s, p_s, ds_s, acc_s, acc_dp, acc_l, acc_r, acc_t)
+
+        @T.prim_func
+        def main(
+            Q: T.Tensor([n_flat, d_qk], bf16),
+            KV: T.Tensor([t_kv, d_qk], bf16),
+            dO: T.Tensor([n_flat, d_v], bf16),
+            Lse: T.Tensor([n_flat], f32),
+            Delta: T.Tensor([n_flat], f32),
+            Bits: T.Tensor([t_len, n_words], i32),
+            QRange: T.Tensor([n_kb, 2], i32),
+            Part: T.Tensor([n_chunk, t_kv, d_qk], f32),
+        ):
+            with T.Kernel(T.ceildiv(t_kv, block_k), n_chunk, threads=threads) as (kb, qc):
+                kl = T.alloc_shared([block_k, dh], bf16)
+                kr = T.alloc_shared([block_k, dh], bf16)
+                kt = T.alloc_shared([block_k, d_tail], bf16) if has_tail else None
+                q0_l = T.alloc_shared([block_r, dh], bf16)
+                q0_r = T.alloc_shared([block_r, dh], bf16)
+                q0_t = T.alloc_shared([block_r, d_tail], bf16) if has_tail else None
+                do0_l = T.alloc_shared([block_r, dh], bf16)
+                do0_r = T.alloc_shared([block_r, dh], bf16)
+                q1_l = T.alloc_shared([block_r, dh], bf16)
+                q1_r = T.alloc_shared([block_r, dh], bf16)
+                q1_t = T.alloc_shared([block_r, d_tail], bf16) if has_tail else None
+                do1_l = T.alloc_shared([block_r, dh], bf16)
+                do1_r = T.alloc_shared([block_r, dh], bf16)
+                p_s = T.alloc_shared([block_k, block_r], bf16)
+                ds_s = T.alloc_shared([block_k, block_r], bf16)
+                lse_s = T.alloc_shared([block_r], f32)
+                delta_s = T.alloc_shared([block_r], f32)
+                # split schedule: P in fp32 (warpgroup 0 -> 1) and each stage's LSE, Delta and mask words
+                pf_s = T.alloc_shared([block_k, block_r], f32) if split else None
+                lse0 = T.alloc_shared([block_r], f32) if split else None
+                dl0 = T.alloc_shared([block_r], f32) if split else None
+                bits0 = T.alloc_shared([block_r, words], i32) if split else None
+                lse1 = T.alloc_shared([block_r], f32) if split else None
+                dl1 = T.alloc_shared([block_r], f32) if split else None
+                bits1 = T.alloc_shared([block_r, words], i32) if split else None
+
+                acc_s = T.alloc_fragment([block_k, block_r], f32)
+                acc_dp = T.alloc_fragment([block_k, block_r], f32)
+                acc_l = T.alloc_fragment([block_k, dh], f32)
+                acc_r = T.alloc_fragment([block_k, dh], f32)
+                acc_t = T.alloc_fragment([block_k, d_tail], f32) if has_tail else None
+
+                tx = T.get_thread_binding()
+                k0 = kb * block_k
+                qpc = T.ceildiv(t_len, n_chunk)
+                q_lo = T.max(qc * qpc, QRange[kb, 0])
+                q_hi = T.min(T.min((qc + 1) * qpc, QRange[kb, 1]), t_len)
+                r_lo = q_lo * heads
+                r_hi = q_hi * heads
+                n_tiles = T.if_then_else(q_hi > q_lo, T.ceildiv(r_hi - r_lo, block_r), 0)
+                T.clear(acc_l)
+                T.clear(acc_r)
+                if has_tail:
+                    T.clear(acc_t)
+                if n_tiles > 0:
+                    load_rows(KV, k0, t_kv, tx, block_k, kl, kr, kt, d_v)
+                    T.ptx_commit_group()
+                    load_stage(Q, dO, Lse, Delta, Bits, kb, r_lo, r_hi, tx,
+                               q0_l, q0_r, q0_t, do0_l, do0_r, lse0, dl0, bits0)
+                for ip in T.serial(T.ceildiv(n_tiles, 2)):
+                    if 2 * ip + 1 < n_tiles:
+                        load_stage(Q, dO, Lse, Delta, Bits, kb, r_lo + (2 * ip + 1) * block_r, r_hi, tx,
+                                   q1_l, q1_r, q1_t, do1_l, do1_r, lse1, dl1, bits1)
+                        T.ptx_wait_group(1)
+                    else:
+                        T.ptx_wait_group(0)
+                    T.sync_threads()
+                    T.fence_proxy_async()
+                    step_stage(Lse, Delta, Bits, tx, r_lo + 2 * ip * block_r, r_hi, k0, kl, kr, kt,
+                               q0_l, q0_r, q0_t, do0_l, do0_r, lse0, dl0, bits0, lse_s, delta_s, pf_s, p_s, ds_s,
+                               acc_s, acc_dp, acc_l, acc_r, acc_t)
+                    T.sync_threads()
+                    if 2 * ip + 1 < n_tiles:
+                        if 2 * ip + 2 < n_tiles:
+                            load_stage(Q, dO, Lse, Delta, Bits, kb, r_lo + (2 * ip + 2) * block_r, r_hi, tx,
+                                       q0_l, q0_r, q0_t, do0_l, do0_r, lse0, dl0, bits0)
+                            T.ptx_wait_group(1)
+                        else:
+                            T.ptx_wait_group(0)
+                        T.sync_threads()
+                        T.fence_proxy_async()
+                        step_stage(Lse, Delta, Bits, tx, r_lo + (2 * ip + 1) * block_r, r_hi, k0, kl, kr, kt,
+                                   q1_l, q1_r, q1_t, do1_l, do1_r, lse1, dl1, bits1, lse_s, delta_s, pf_s, p_s,
+                                   ds_s, acc_s, acc_dp, acc_l, acc_r, acc_t)
+                        T.sync_threads()
+
+                for j, d in T.Parallel(block_k, dh):
+                    if k0 + j < t_kv:
+                        Part[qc, k0 + j, d] = acc_l[j, d]
+                        Part[qc, k0 + j, dh + d] = acc_r[j, d]
+                if has_tail:
+                    for j, d in T.Parallel(block_k, d_tail):
+                        if k0 + j < t_kv:
+                            Part[qc, k0 + j, d_v + d] = acc_t[j, d]
+
+        return main
+
+    return sparse_mla_dkv_key_blocks
+
+
+def _check_inputs(q, kv, grad_out, lse, delta, d_v):
+    t_len, heads, d_qk = q.shape
+    for name, t, shape, dtype in (
+        ("q", q, (t_len, heads, d_qk), torch.bfloat16),
+        ("kv", kv, (kv.shape[0], d_qk), torch.bfloat16),
+        ("grad_out", grad_out, (t_len, heads, d_v), torch.bfloat16),
+        ("lse", lse, (t_len, heads), torch.float32),
+        ("delta", delta, (t_len, heads), torch.float32),
+    ):
+        if t.dtype != dtype or tuple(t.shape) != shape or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous {dtype} tensor of shape {shape}, got {t.dtype} "
+                             f"{tuple(t.shape)}")
+
+
+def dkv_key_blocks(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    grad_out: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    d_v: int = 512,
+    *,
+    n_chunks: int = 0,
+    block_k: int = KEY_BLOCK,
+    schedule: str = "split",
+) -> torch.Tensor:
+    """fp32 ``dKV [T_kv, d_qk]`` of sparse MLA from the saved ``lse`` and ``delta`` (``rowsum(O * dO) - dlse``, as
+    the per-query backward's), by key blocks (module docstring). ``n_chunks`` 0: :func:`default_chunks`;
+    ``schedule``: the kernel's (``_jit_dkv_key_blocks``)."""
+    _check_inputs(q, kv, grad_out, lse, delta, d_v)
+    t_len, heads, d_qk = q.shape
+    t_kv = kv.shape[0]
+    bits, _ = selection_bitmap(indices, t_kv, block_k=block_k)
+    qrange = key_block_query_range(bits, block_k)
+    n_chunks = n_chunks or default_chunks(t_len, t_kv, q.device, block_k, d_qk)
+    part = torch.empty(n_chunks, t_kv, d_qk, dtype=torch.float32, device=q.device)
+    if t_len == 0 or t_kv == 0:
+        return part.zero_().sum(0)
+    kernel = _jit_dkv_key_blocks()(heads, d_qk, d_v, float(softmax_scale), block_k,
+                                   **({} if schedule == "split" else {"schedule": schedule}))
+    kernel(q.view(t_len * heads, d_qk), kv, grad_out.view(t_len * heads, d_v), lse.view(-1), delta.view(-1), bits,
+           qrange, part)
+    return part.sum(0)
+
+
+def dkv_key_blocks_reference(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    grad_out: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    d_v: int = 512,
+    *,
+    n_chunks: int = 4,
+    block_k: int = KEY_BLOCK,
+) -> torch.Tensor:
+    """The key-block algorithm in torch (fp32 math; ``P`` and ``dS`` rounded to ``q.dtype`` before their products,
+    as the kernels do): same bitmap, query ranges and chunks as :func:`dkv_key_blocks`, dense per (block, chunk)."""
+    t_len, heads, d_qk = q.shape
+    t_kv = kv.shape[0]
+    bits, _ = selection_bitmap(indices, t_kv, block_k=block_k)
+    qrange = key_block_query_range(bits, block_k).tolist()
+    part = torch.zeros(n_chunks, t_kv, d_qk, dtype=torch.float32, device=q.device)
+    qpc = cdiv(t_len, n_chunks) if t_len else 0
+    qf, kvf, dof = q.float(), kv.float(), grad_out.float()
+    shift = torch.arange(32, device=q.device, dtype=torch.int32)
+    for kb, (first, end) in enumerate(qrange):
+        k0, k1 = kb * block_k, min(t_kv, (kb + 1) * block_k)
+        for c in range(n_chunks):
+            lo, hi = max(c * qpc, first), min((c + 1) * qpc, end, t_len)
+            if hi <= lo:
+                continue
+            w = bits[lo:hi, k0 // 32 : cdiv(k1, 32)]  # [n, words]
+            mask = ((w.unsqueeze(-1) >> shift) & 1).reshape(hi - lo, -1)[:, : k1 - k0].bool()  # [n, keys]
+            s = torch.einsum("nhd,kd->nhk", qf[lo:hi], kvf[k0:k1]) * softmax_scale
+            p = torch.where(mask[:, None, :], torch.exp(s - lse[lo:hi, :, None]), 0.0)
+            dp = torch.einsum("nhd,kd->nhk", dof[lo:hi], kvf[k0:k1, :d_v])
+            ds = p * (dp - delta[lo:hi, :, None]) * softmax_scale
+            p, ds = p.to(q.dtype).float(), ds.to(q.dtype).float()
+            g = torch.einsum("nhk,nhd->kd", ds, qf[lo:hi])
+            g[:, :d_v] += torch.einsum("nhk,nhd->kd", p, dof[lo:hi])
+            part[c, k0:k1] = g
+    return part.sum(0)

@@ -1,0 +1,255 @@
+"""The sparse-MLA backward with dKV by key blocks (``dkv_reduce="key_blocks"``: the per-query dQ pass, then
+``kernels.sparse_mla_dkv``) against the atomic per-query backward (the default) and megatron-core's, in one process.
+
+Per shape (top-k 2048, causal, d_qk 576 / d_v 512, scale 1/16): the backward kernels alone from saved ``out`` / ``lse``
+(ms, TFLOP/s over the valid pairs: ``2 * pairs * H * (3 * 576 + 2 * 512)``), the key-block route's pieces (dQ pass,
+bitmap + ranges, the key-block kernel at several chunk counts, the chunk sum), the key-block kernel's dense TFLOP/s
+(every (key block, row tile) it multiplies), dKV against the atomic route and dQ bitwise, and bitwise repeatability.
+
+    source .gpu/install.sh && python scripts/bench/bench_dkv_key_blocks.py --precompile --workers 16 --out dkv.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+SCALE = 1.0 / 16
+D_QK, D_V, TOPK = 576, 512, 2048
+
+
+def kernel_cases(heads: tuple[int, ...], nope: bool = True) -> list[tuple[str, str, tuple, dict]]:
+    """(module, getter, args, kwargs) of every kernel this benchmark and ``tests/gpu/test_sparse_mla_dkv_gpu.py``
+    build, called exactly as the interfaces call them (TileLang's cache key includes how the arguments came)."""
+    bwd, dkv = "megatron_glm5.kernels.sparse_mla_bwd", "megatron_glm5.kernels.sparse_mla_dkv"
+    dims = [(D_QK, D_V)] + ([(512, 512)] if nope else [])
+    cases = []
+    for h in heads:
+        for d_qk, d_v in dims:
+            cases.append((bwd, "_jit_bwd", (h, d_qk, d_v, SCALE, False), {"with_target": False, "with_dkv": False}))
+            cases.append((dkv, "_jit_dkv_key_blocks", (h, d_qk, d_v, SCALE, 64), {}))
+            cases.append((dkv, "_jit_dkv_key_blocks", (h, d_qk, d_v, SCALE, 64), {"schedule": "plain"}))
+            cases.append((bwd, "_jit_bwd", (h, d_qk, d_v, SCALE, False), {"with_target": False}))
+            cases.append((bwd, "_jit_delta", (h, d_v), {}))
+            cases.append(_fwd_case(h, d_qk, d_v))
+    return cases
+
+
+def _fwd_case(heads: int, d_qk: int, d_v: int) -> tuple[str, str, tuple, dict]:
+    """The forward kernel ``sparse_mla_fwd_interface(variant="auto")`` takes at this shape, called as it calls it."""
+    from megatron_glm5.kernels.sparse_mla_fwd import pick_fwd_variant
+
+    kind = pick_fwd_variant(heads, d_qk, d_v, "auto")
+    return ("megatron_glm5.kernels.sparse_mla_fwd", f"_jit_fwd_{kind}", (heads, d_qk, d_v, SCALE), {})
+
+
+def _build(case) -> tuple[str, float, str]:
+    import importlib
+
+    module, getter, args, kwargs = case
+    t0 = time.time()
+    try:
+        getattr(importlib.import_module(module), getter)()(*args, **kwargs)
+        return f"{getter}{args}{kwargs}", time.time() - t0, ""
+    except Exception:
+        return f"{getter}{args}{kwargs}", time.time() - t0, traceback.format_exc(limit=3)
+
+
+def precompile(cases, workers: int) -> bool:
+    import multiprocessing as mp
+
+    ok = True
+    with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as ex:
+        for name, sec, err in ex.map(_build, cases):
+            print(f"[precompile] {name}: {sec:.1f}s{' FAILED' if err else ''}", flush=True)
+            if err:
+                print(err, flush=True)
+                ok = False
+    return ok
+
+
+def bench_shape(seq: int, heads: int, locality: float | None, chunks: list[int], mcore: bool) -> dict:
+    from bench_dsa_kernels import causal_random_indices, local_mix_indices, timed
+
+    from megatron_glm5.kernels._common import row_valid_len
+    from megatron_glm5.kernels.selection_bitmap import key_block_query_range, selection_bitmap
+    from megatron_glm5.kernels.sparse_mla_bwd import _jit_bwd, _jit_delta, sparse_mla_bwd_interface
+    from megatron_glm5.kernels.sparse_mla_dkv import KEY_BLOCK, ROW_TILE, _jit_dkv_key_blocks, default_chunks
+    from megatron_glm5.kernels.sparse_mla_fwd import sparse_mla_fwd_interface
+
+    dev = torch.device("cuda")
+    torch.manual_seed(seq + heads)
+    q = torch.randn(seq, heads, D_QK, device=dev, dtype=torch.bfloat16)
+    kv = torch.randn(seq, D_QK, device=dev, dtype=torch.bfloat16)
+    idx = causal_random_indices(seq, TOPK, dev) if locality is None else local_mix_indices(seq, TOPK, dev, locality)
+    g = torch.randn(seq, heads, D_V, device=dev, dtype=torch.bfloat16)
+    vlen = row_valid_len(idx)
+    pairs = int((idx >= 0).sum())
+    f_bwd = 2 * pairs * heads * (3 * D_QK + 2 * D_V)
+    row = {"S": seq, "H": heads, "indices": "random" if locality is None else f"local {locality:g}", "pairs": pairs}
+    out, lse = sparse_mla_fwd_interface(q, kv, idx, SCALE, D_V, valid_len=vlen)
+
+    def bwd(reduce: str):
+        return sparse_mla_bwd_interface(q, kv, out, lse, g, idx, SCALE, D_V, valid_len=vlen, dkv_reduce=reduce)
+
+    row["atomic_ms"] = timed(lambda: bwd("atomic"))
+    row["key_blocks_ms"] = timed(lambda: bwd("key_blocks"))
+    row["atomic_tflops"] = f_bwd / row["atomic_ms"] / 1e9
+    row["key_blocks_tflops"] = f_bwd / row["key_blocks_ms"] / 1e9
+    dq_a, dkv_a = bwd("atomic")
+    dq_k, dkv_k = bwd("key_blocks")
+    dq_k2, dkv_k2 = bwd("key_blocks")
+    row["dq_bitwise_atomic"] = bool(torch.equal(dq_a, dq_k))
+    row["dkv_vs_atomic"] = float((dkv_k.float() - dkv_a.float()).abs().max() / dkv_a.float().abs().max())
+    row["key_blocks_repeatable"] = bool(torch.equal(dq_k, dq_k2) and torch.equal(dkv_k, dkv_k2))
+    del dq_a, dkv_a, dq_k, dkv_k, dq_k2, dkv_k2
+
+    # pieces
+    delta = _jit_delta()(heads, D_V)(out, g, torch.zeros_like(lse))
+    row["delta_ms"] = timed(lambda: _jit_delta()(heads, D_V)(out, g, torch.zeros_like(lse)))
+    dq = torch.empty_like(q)
+    row0 = torch.zeros(1, dtype=torch.int32, device=dev)
+    unused = torch.empty(1, D_QK, dtype=torch.float32, device=dev)
+    tgt = torch.empty(1, dtype=torch.float32, device=dev)
+    k_dq = _jit_bwd()(heads, D_QK, D_V, SCALE, False, with_target=False, with_dkv=False)
+    row["dq_pass_ms"] = timed(lambda: k_dq(q, kv, g, idx, vlen, lse, delta, row0, dq, unused, tgt))
+    row["bitmap_ms"] = timed(lambda: key_block_query_range(selection_bitmap(idx, seq)[0], KEY_BLOCK))
+    bits, _ = selection_bitmap(idx, seq)
+    qrange = key_block_query_range(bits, KEY_BLOCK)
+    k_kb = _jit_dkv_key_blocks()(heads, D_QK, D_V, SCALE, KEY_BLOCK)
+    default = default_chunks(seq, seq, dev)
+    row["default_chunks"] = default
+    for n in sorted(set(chunks + [default])):
+        part = torch.empty(n, seq, D_QK, dtype=torch.float32, device=dev)
+        args = (q.view(-1, D_QK), kv, g.view(-1, D_V), lse.view(-1), delta.view(-1), bits, qrange, part)
+        ms = timed(lambda: k_kb(*args))
+        # dense work: every row tile of every (block, chunk) range
+        qpc = -(-seq // n)
+        rng = qrange.tolist()
+        tiles = 0
+        for first, end in rng:
+            for c in range(n):
+                lo, hi = max(c * qpc, first), min((c + 1) * qpc, end, seq)
+                if hi > lo:
+                    tiles += -(-(hi - lo) * heads // ROW_TILE)
+        dense_flop = 2 * tiles * ROW_TILE * KEY_BLOCK * (2 * D_QK + 2 * D_V)
+        row[f"kb_kernel_ms_c{n}"] = ms
+        row[f"kb_dense_tflops_c{n}"] = dense_flop / ms / 1e9
+        if n == default:
+            row["sum_ms"] = timed(lambda: part.sum(0))
+            row["dense_over_sparse"] = tiles * ROW_TILE * KEY_BLOCK / (pairs * heads)
+            k_plain = _jit_dkv_key_blocks()(heads, D_QK, D_V, SCALE, KEY_BLOCK, schedule="plain")
+            row["plain_kernel_ms"] = timed(lambda: k_plain(*args))
+        del part
+    if mcore:
+        try:
+            from megatron.core.transformer.experimental_attention_variant.ops.sparse_mla import SparseMLA
+
+            qg, kvg = q.clone().requires_grad_(), kv.clone().requires_grad_()
+            kv3, idx3 = kvg[:, None], idx[:, None]
+
+            def mc_fwd():
+                with torch.no_grad():
+                    return SparseMLA.apply(qg, kv3, idx3, SCALE)
+
+            def mc_fb():
+                o, _ = SparseMLA.apply(qg, kv3, idx3, SCALE)
+                torch.autograd.grad(o, (qg, kvg), g)
+
+            row["mc_bwd_ms"] = timed(mc_fb) - timed(mc_fwd)
+            row["mc_bwd_tflops"] = f_bwd / row["mc_bwd_ms"] / 1e9
+        except Exception as err:
+            row["mcore_error"] = repr(err)[:200]
+    return row
+
+
+def report(rows: list[dict], chunks: list[int]) -> list[str]:
+    def f(x, fmt="{:.2f}"):
+        return "-" if x is None else fmt.format(x)
+
+    lines = [
+        "| S | H | indices | atomic bwd ms (TFLOP/s) | key blocks ms (TFLOP/s) | speed-up | megatron-core bwd ms | "
+        "dQ pass | bitmap + ranges | key-block kernel (chunks) | dense TFLOP/s | plain schedule | chunk sum | "
+        "dense / sparse work | dKV vs atomic | dQ bitwise | repeatable |",
+        "|" + "---|" * 17,
+    ]
+    for r in rows:
+        c = r["default_chunks"]
+        lines.append(
+            f"| {r['S']} | {r['H']} | {r['indices']} | {f(r['atomic_ms'])} ({f(r['atomic_tflops'], '{:.0f}')}) | "
+            f"{f(r['key_blocks_ms'])} ({f(r['key_blocks_tflops'], '{:.0f}')}) | "
+            f"{f(r['atomic_ms'] / r['key_blocks_ms'])}x | {f(r.get('mc_bwd_ms'))} | {f(r['dq_pass_ms'])} | "
+            f"{f(r['bitmap_ms'])} | {f(r[f'kb_kernel_ms_c{c}'])} ({c}) | {f(r[f'kb_dense_tflops_c{c}'], '{:.0f}')} | "
+            f"{f(r.get('plain_kernel_ms'))} | {f(r['sum_ms'])} | {f(r['dense_over_sparse'])} | {r['dkv_vs_atomic']:.1e} | {r['dq_bitwise_atomic']} | "
+            f"{r['key_blocks_repeatable']} |")
+    lines += ["", "Key-block kernel ms by query chunks:", "",
+              "| S | H | indices | " + " | ".join(f"{n} chunks" for n in chunks) + " |",
+              "|" + "---|" * (3 + len(chunks))]
+    for r in rows:
+        lines.append(f"| {r['S']} | {r['H']} | {r['indices']} | "
+                     + " | ".join(f"{f(r.get(f'kb_kernel_ms_c{n}'))}" for n in chunks) + " |")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seqs", default="4096,8192,16384")
+    ap.add_argument("--heads", default="16,64")
+    ap.add_argument("--localities", default="random", help="comma list: random or a locality in [0, 1]")
+    ap.add_argument("--chunks", default="4,8,16")
+    ap.add_argument("--mcore", action="store_true")
+    ap.add_argument("--precompile", action="store_true")
+    ap.add_argument("--precompile-only", action="store_true")
+    ap.add_argument("--workers", type=int, default=16)
+    ap.add_argument("--test-heads", default="8,16,64,128", help="heads whose kernels the GPU tests need")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    heads = [int(x) for x in a.heads.split(",")]
+    if a.precompile or a.precompile_only:
+        hs = tuple(sorted(set(heads) | {int(x) for x in a.test_heads.split(",") if x}))
+        ok = precompile(kernel_cases(hs), a.workers)
+        if a.precompile_only:
+            return 0 if ok else 1
+    chunks = [int(x) for x in a.chunks.split(",")]
+    rows = []
+    for loc in a.localities.split(","):
+        for s in (int(x) for x in a.seqs.split(",")):
+            for h in heads:
+                t0 = time.time()
+                try:
+                    r = bench_shape(s, h, None if loc == "random" else float(loc), chunks, a.mcore)
+                except Exception:
+                    traceback.print_exc()
+                    continue
+                print(json.dumps(r), f"({time.time() - t0:.0f}s)", flush=True)
+                rows.append(r)
+                torch.cuda.empty_cache()
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = "?"
+    head = [f"# Sparse-MLA backward: dKV by key blocks vs atomic dKV ({datetime.date.today()}, commit {commit} + "
+            f"working tree, {torch.cuda.get_device_name()}, torch {torch.__version__})", ""]
+    text = "\n".join(head + report(rows, chunks)) + "\n"
+    print(text)
+    if a.out:
+        with open(a.out, "w") as fh:
+            fh.write(text)
+        with open(os.path.splitext(a.out)[0] + ".json", "w") as fh:
+            json.dump(rows, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
