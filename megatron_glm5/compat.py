@@ -933,7 +933,10 @@ def route_device_grad_clip(grad_norm: Callable, scale_tensor: Callable) -> bool:
     """Where megatron-core has no tensor-scale kernel (no apex / TE): its optimizers' gradient norm becomes
     ``grad_norm(original, grads_for_norm, norm_type, grad_stats_parallel_group)`` (a device tensor, no host read) and
     its clip, given that tensor, scales with ``scale_tensor`` (``multi_tensor_scale_tensor``'s signature). Returns
-    whether the route is installed."""
+    whether the route is installed. megatron-core's layer-wise optimizer is affected too: its ``get_grad_norm``
+    calls the ``get_grad_norm_fp32`` bound in ``layer_wise_optimizer.py`` (not patched here), which, seeing
+    ``multi_tensor_scale_tensor_impl`` set, returns megatron-core's own tensor branch (an fp32 device root, not
+    ``grad_norm``'s), and ``ChainedOptimizer.step``'s clip then scales with ``scale_tensor``."""
     from megatron.core.optimizer import clip_grads, optimizer
 
     if clip_grads.multi_tensor_scale_tensor_impl is None and not is_patched(optimizer, "get_grad_norm_fp32"):

@@ -13,7 +13,12 @@ multi-tensor passes over the fp32 state). torch has both pieces itself:
 * :func:`use_fused_adam`: torch's ``Adam``/``AdamW`` with ``fused=True`` (one kernel per dtype group instead of the
   foreach passes; same update rule), kept on across ``load_state_dict``.
 * :func:`grad_norm_on_device`: megatron-core's gradient norm without its host read, for the device clip
-  (:mod:`megatron_glm5.kernels.grad_clip` scales the gradients only when the norm is above the clip).
+  (:mod:`megatron_glm5.kernels.grad_clip` scales the gradients only when the norm is above the clip). The route also
+  changes megatron-core's layer-wise optimizer (``LayerWiseDistributedOptimizer``), though not through this function:
+  its ``get_grad_norm`` calls megatron-core's own ``get_grad_norm_fp32``, bound by name in ``layer_wise_optimizer.py``
+  and not patched, which on seeing the route's ``multi_tensor_scale_tensor_impl`` returns its tensor branch (an fp32
+  square root on the device, not the host path's double root); the inherited ``ChainedOptimizer.step`` then clips
+  through the route's scale. Only that wiring is tested (``tests/test_optimizer_phase.py``), not its numbers.
 
 They reach megatron-core through :mod:`megatron_glm5.compat` (``route_wgrad_accumulation``, ``route_fused_adam``,
 ``route_device_grad_clip``); the switches are in :mod:`megatron_glm5.fusions`. CPU oracles:
@@ -106,7 +111,8 @@ def grad_norm_on_device(original: Callable, grads_for_norm, norm_type: float = 2
     The same fp32 squared norm as megatron-core's (its multi-tensor L2 norm squared, summed over the data-parallel
     group of DTensor gradients and over ``grad_stats_parallel_group``), and its square root taken in double, as
     megatron-core without apex / TE does on the host (``total.item() ** 0.5``: C's ``pow``, within one ulp of this
-    correctly rounded root; the same clip coefficient and fp32 norm, ``tests/test_optimizer_phase.py``). Returned as
+    correctly rounded root; the same clip coefficient and fp32 norm, ``tests/test_optimizer_phase.py``, which compares
+    the coefficient and the clipped gradients at ``max_norm=1.0`` only). Returned as
     a one-element fp64 tensor on the gradients' device, the shape of megatron-core's own tensor branch (taken with
     TE: an fp32 square root). Megatron-LM's ``train_step`` reduces it to a Python float for the log, after the step
     is queued. Other norm types go to ``original``."""

@@ -8,6 +8,10 @@
   weight gradient is exactly zero even when the GEMM leaves that group unwritten (as on B200).
 * A real tiny GLM-5.2 model (build_model, IndexShare + MTP, one expert forced to zero tokens): logits, loss and every
   gradient equal the ``SequentialMLP`` model (measured: bitwise); also with ``moe_act`` recompute.
+* Weight gradients into DDP's ``main_grad``: the grouped GEMM plus one add, and one GEMM per expert (its placeholders
+  one ``[N, K]`` block that megatron-core's DDP hook drops, its row ends from host counts directly, one read shared by
+  fc1 and fc2, refused under CUDA graph capture, not taken below the measured mean rows or without autograd), also under
+  activation recompute (``torch.utils.checkpoint`` of both kinds, ``moe_act``).
 * Checkpoints: the state_dict and sharded_state_dict layouts are identical, and megatron dist checkpoints saved with
   either module load into the other with the same logits.
 * Path choice: LoRA-adapted experts and hooked linears run the per-expert loop; DDP-style forward pre-hooks run on the
@@ -269,6 +273,124 @@ def test_per_expert_weight_gradient_gemms_add_fp32_products_into_main_grad():
     assert ge.RowEnds(offs).read() == [3, 3, 8, 8, 10]
 
 
+@pytest.fixture
+def per_expert_route(monkeypatch) -> list[list[int]]:
+    """The per-expert weight-gradient route at these tests' few rows (``PER_EXPERT_WGRAD_MIN_MEAN_ROWS`` 1); the
+    row ends of each backward pass that took it."""
+    monkeypatch.setattr(ge, "PER_EXPERT_WGRAD_MIN_MEAN_ROWS", 1)
+    calls: list[list[int]] = []
+    original = ge._accumulate_per_expert
+
+    def counted(dy, x, mains, ends):
+        calls.append(ends)
+        return original(dy, x, mains, ends)
+
+    monkeypatch.setattr(ge, "_accumulate_per_expert", counted)
+    return calls
+
+
+def test_per_expert_placeholders_are_one_block_that_ddp_drops(per_expert_route):
+    """The per-expert route's placeholders: autograd's accumulation node takes each as the weight's ``.grad`` without
+    a copy, all E of them views of one ``[N, K]`` storage (N*K elements, not E*N*K), and megatron-core's own DDP
+    hook (its closure, registered on the accumulation node as DDP does) skips its add and drops them: ``main_grad``
+    holds exactly the per-expert products although the placeholders are NaN when the hook runs."""
+    from types import SimpleNamespace
+
+    from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
+
+    from megatron_glm5.optim_fusions import wgrad_gemm_accum_fp32
+
+    counts = [3, 0, 5, 2]
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(sum(counts), 16, generator=gen)
+    dy = torch.randn(sum(counts), 32, generator=gen)
+    w = [torch.randn(32, 16, generator=gen).requires_grad_(True) for _ in counts]
+    base = _ddp_like(w)
+    ready = []  # overlap_grad_reduce: DDP asserts a .grad for every weight, then tells its bucket
+    bucket = SimpleNamespace(register_grad_ready=lambda param, force: ready.append(param))
+    ddp = SimpleNamespace(param_to_bucket_group={p: bucket for p in w}, force_all_reduce=False,
+                          ddp_config=SimpleNamespace(overlap_grad_reduce=True))
+    seen, accs = [], []  # accs: the accumulation nodes kept alive with their hooks, as DDP's grad_accs
+
+    def poison(param):
+        def hook(*unused):
+            g = param.grad
+            seen.append((g.untyped_storage().data_ptr(), g.untyped_storage().nbytes(), g.shape, g.stride()))
+            g.fill_(float("nan"))
+        return hook
+
+    for p in w:
+        acc = p.expand_as(p).grad_fn.next_functions[0][0]
+        acc.register_hook(poison(p))  # runs first: what the accumulation node left in .grad
+        acc.register_hook(DistributedDataParallel._make_backward_post_hook(ddp, p))
+        accs.append(acc)
+    grouped_linear(x, w, offs, (1,), accumulate=True, row_ends=ge.RowEnds(offs)).backward(dy)
+    assert len(per_expert_route) == 1 and len(seen) == len(w) and sorted(map(id, ready)) == sorted(map(id, w))
+    assert {s[0] for s in seen} == {seen[0][0]}, "one storage for the E placeholders"
+    assert all(s[1:] == (32 * 16 * 4, w[0].shape, w[0].stride()) for s in seen), seen
+    assert all(p.grad is None and p.grad_added_to_main_grad for p in w)
+    start = 0
+    for e, (p, b, c) in enumerate(zip(w, base, counts)):
+        want = b.clone()
+        if c:
+            wgrad_gemm_accum_fp32(x[start:start + c], dy[start:start + c], want)
+        assert torch.equal(p.main_grad, want), e
+        start += c
+
+
+def test_row_ends_from_host_counts_do_not_read_the_offsets(per_expert_route):
+    """Host counts (a CPU tensor or ints) give the row ends directly, with no event: the device offsets are not read
+    (wrong here on purpose). Host offsets still work as before; device counts are refused by ``from_counts``."""
+    wrong = torch.full((4,), 99, dtype=torch.int32)
+    for counts in (torch.tensor([3, 0, 5, 2]), [3, 0, 5, 2]):
+        ends = ge.per_expert_row_ends(counts, wrong, 10, 4)
+        assert isinstance(ends, ge.RowEnds) and ends._event is None and ends.read() == [3, 3, 8, 10]
+    assert ge.RowEnds(torch.tensor([3, 3, 8, 10], dtype=torch.int32)).read() == [3, 3, 8, 10]
+    with pytest.raises(ValueError, match="expected host counts"):
+        ge.RowEnds.from_counts(torch.zeros(4, device="meta"))
+
+
+def test_per_expert_route_is_refused_under_cuda_graph_capture(monkeypatch, per_expert_route):
+    """Under capture the forward's choice refuses the per-expert route (where it would take it) with the switch to
+    turn off, and so does a backward holding row ends from an uncaptured forward, before touching ``main_grad``.
+    Below the mean rows and without autograd the grouped GEMM is chosen without asking. The capture check never asks
+    CUDA about a CPU tensor."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: pytest.fail("asked CUDA"))
+    assert not ge._capturing(torch.device("cpu"))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert ge._capturing(torch.device("cuda"))
+    counts = torch.tensor([3, 0, 5, 2])
+    offs = counts.cumsum(0).to(torch.int32)
+    assert ge.per_expert_row_ends(counts, offs, 10, 4) is not None
+    monkeypatch.setattr(ge, "_capturing", lambda device: True)
+    with pytest.raises(RuntimeError, match="cannot be captured.*MEGATRON_GLM5_EXPERT_WGRAD_GEMMS=0"):
+        ge.per_expert_row_ends(counts, offs, 10, 4)
+    monkeypatch.setattr(ge, "PER_EXPERT_WGRAD_MIN_MEAN_ROWS", 3)
+    assert ge.per_expert_row_ends(counts, offs, 10, 4) is None
+    with torch.no_grad():
+        assert ge.per_expert_row_ends(counts, offs, 12, 4) is None
+    x = torch.randn(10, 16)
+    w = [torch.randn(32, 16, generator=torch.Generator().manual_seed(i)).requires_grad_(True) for i in range(4)]
+    base = _ddp_like(w)
+    y = grouped_linear(x, w, offs, (1,), accumulate=True, row_ends=ge.RowEnds.from_counts(counts))
+    with pytest.raises(RuntimeError, match="cannot be captured"):
+        torch.autograd.grad(y.sum(), w)
+    assert per_expert_route == [] and all(torch.equal(p.main_grad, b) for p, b in zip(w, base))
+
+
+def test_per_expert_route_from_the_measured_mean_rows_only():
+    """One GEMM per expert from ``PER_EXPERT_WGRAD_MIN_MEAN_ROWS`` mean rows per expert (the measured point); below
+    it, and without autograd, the grouped GEMM."""
+    experts, mean = 16, ge.PER_EXPERT_WGRAD_MIN_MEAN_ROWS
+    counts = torch.full((experts,), mean)
+    offs = counts.cumsum(0).to(torch.int32)
+    assert ge.per_expert_row_ends(counts, offs, mean * experts, experts).read() == offs.tolist()
+    assert ge.per_expert_row_ends(counts, offs, mean * experts - 1, experts) is None
+    with torch.no_grad():
+        assert ge.per_expert_row_ends(counts, offs, mean * experts, experts) is None
+
+
 def test_weight_gradients_returned_without_main_grad():
     """``accumulate`` without DDP (no ``main_grad``), or with an fp16 ``main_grad``: gradients go back to autograd."""
     counts = torch.tensor([3, 2])
@@ -322,7 +444,8 @@ def test_experts_module_co_locates_its_weights(model_parallel):
 
 
 @pytest.mark.parametrize("wgrad_gemms", ["0", "1"])
-def test_experts_module_accumulates_micro_batches_into_main_grad(model_parallel, monkeypatch, wgrad_gemms):
+def test_experts_module_accumulates_micro_batches_into_main_grad(model_parallel, monkeypatch, per_expert_route,
+                                                                 wgrad_gemms):
     """``TorchGroupedMLP`` with ``gradient_accumulation_fusion``: two micro-batches (one with empty experts) leave in
     ``main_grad`` exactly what DDP's per-expert adds of the unfused path leave (with one weight-gradient GEMM per
     expert, ``MEGATRON_GLM5_EXPERT_WGRAD_GEMMS=1``: the same sums to fp32 rounding, the product added unrounded)."""
@@ -354,11 +477,114 @@ def test_experts_module_accumulates_micro_batches_into_main_grad(model_parallel,
             sums[n].add_(p.grad)
         assert all(p.grad_added_to_main_grad for p in weights.values())  # stays set, as DDP keeps it within a step
     assert fused.wgrad_gemms == (wgrad_gemms == "1")
+    assert len(per_expert_route) == (4 if fused.wgrad_gemms else 0)  # fc1 and fc2, two micro-batches
     for n, p in weights.items():
         if fused.wgrad_gemms:
             torch.testing.assert_close(p.main_grad, sums[n], rtol=1e-5, atol=1e-5)
         else:
             assert torch.equal(p.main_grad, sums[n]), n
+
+
+def _accumulating_experts(monkeypatch, **config):
+    """Standalone experts with ``gradient_accumulation_fusion`` (weight gradients into ``main_grad``, the
+    per-expert route on by default) and DDP's attributes on every weight."""
+    from megatron.core.tensor_parallel import layers
+
+    monkeypatch.setattr(layers, "_grad_accum_fusion_available", True)  # the linears' build-time check (no apex)
+    experts = _standalone_experts(_experts_config(gradient_accumulation_fusion=True, **config))
+    assert experts.accumulate_wgrad and experts.wgrad_gemms
+    _ddp_like(list(experts.parameters()))
+    return experts
+
+
+def _main_grad_run(experts, x0, p0, dy, forward) -> list[torch.Tensor]:
+    """``main_grad`` reset to ``_ddp_like``'s start, one forward (``forward(x, probs)``) and backward; returns the
+    input gradients and every ``main_grad``."""
+    weights = list(experts.parameters())
+    _ddp_like(weights)
+    x, probs = x0.clone().requires_grad_(True), p0.clone().requires_grad_(True)
+    forward(x, probs).backward(dy)
+    return [x.grad, probs.grad, *(w.main_grad.clone() for w in weights)]
+
+
+def test_fc1_and_fc2_share_one_row_ends_read(model_parallel, monkeypatch, per_expert_route):
+    """One ``RowEnds`` per forward, read by fc1's and fc2's backward passes, its host list computed once."""
+    made, reads = [], []
+
+    class Counted(ge.RowEnds):
+        def __init__(self, offs):
+            super().__init__(offs)
+            made.append(self)
+
+        def read(self):
+            ends = super().read()
+            reads.append((self, ends))
+            return ends
+
+    monkeypatch.setattr(ge, "RowEnds", Counted)
+    experts = _accumulating_experts(monkeypatch)
+    counts = torch.tensor([5, 0, 7, 3, 0, 9, 1, 6])
+    x, probs = torch.randn(31, 64), torch.rand(31)
+    y, _ = experts(x, counts, probs)
+    y.square().sum().backward()
+    assert len(made) == 1 and [r for r, _ in reads] == [made[0], made[0]]
+    assert reads[0][1] is reads[1][1] and per_expert_route == [reads[0][1]] * 2
+    assert reads[0][1] == counts.cumsum(0).tolist()
+
+
+@pytest.mark.parametrize("recompute", ["reentrant", "non-reentrant", "moe_act"])
+def test_per_expert_route_under_activation_recompute(model_parallel, monkeypatch, per_expert_route, recompute):
+    """The experts under activation recompute (``torch.utils.checkpoint`` around them, both kinds, or selective
+    ``moe_act``) give bitwise the input gradients and ``main_grad`` of a plain run, both through the per-expert
+    route."""
+    from torch.utils.checkpoint import checkpoint
+
+    extra = dict(recompute_granularity="selective", recompute_modules=["moe_act"]) if recompute == "moe_act" else {}
+    plain, twin = _accumulating_experts(monkeypatch), _accumulating_experts(monkeypatch, **extra)
+    twin.load_state_dict(plain.state_dict())
+    assert twin.activation_recompute == (recompute == "moe_act")
+    counts = torch.tensor([5, 0, 7, 3, 0, 9, 1, 6])
+    gen = torch.Generator().manual_seed(3)
+    x0, p0, dy = torch.randn(31, 64, generator=gen), torch.rand(31, generator=gen), torch.randn(31, 64, generator=gen)
+    want = _main_grad_run(plain, x0, p0, dy, lambda x, p: plain(x, counts, p)[0])
+    assert len(per_expert_route) == 2
+    per_expert_route.clear()
+    if recompute == "moe_act":
+        forward = lambda x, p: twin(x, counts, p)[0]  # noqa: E731
+    else:
+        forward = lambda x, p: checkpoint(lambda a, b: twin(a, counts, b)[0], x, p,  # noqa: E731
+                                          use_reentrant=recompute == "reentrant")
+    got = _main_grad_run(twin, x0, p0, dy, forward)
+    assert len(per_expert_route) == 2
+    assert all(torch.equal(a, b) for a, b in zip(got, want)), [i for i, (a, b) in enumerate(zip(got, want))
+                                                               if not torch.equal(a, b)]
+
+
+def test_no_grad_forward_with_the_per_expert_route(model_parallel, monkeypatch, per_expert_route):
+    """A forward under ``torch.no_grad()`` (the route on, as by default) builds no row ends and returns the output of
+    a forward with gradients; a training forward and backward after it leave what they leave without it."""
+    made = []
+
+    class Counted(ge.RowEnds):
+        def __init__(self, offs):
+            super().__init__(offs)
+            made.append(self)
+
+    monkeypatch.setattr(ge, "RowEnds", Counted)
+    experts = _accumulating_experts(monkeypatch)
+    counts = torch.tensor([2, 4, 4, 4, 3, 3, 1, 10])
+    gen = torch.Generator().manual_seed(5)
+    x0, p0, dy = torch.randn(31, 64, generator=gen), torch.rand(31, generator=gen), torch.randn(31, 64, generator=gen)
+    want = _main_grad_run(experts, x0, p0, dy, lambda x, p: experts(x, counts, p)[0])
+    with torch.no_grad():
+        y, _ = experts(x0, counts, p0)
+    assert len(made) == 1 and not y.requires_grad
+    per_expert_route.clear()
+    got = _main_grad_run(experts, x0, p0, dy, lambda x, p: experts(x, counts, p)[0])
+    assert len(made) == 2 and len(per_expert_route) == 2
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with torch.enable_grad():
+        assert torch.equal(experts(x0, counts, p0)[0].detach(), y)
 
 
 def test_mlp_chunks_pass_the_accumulated_placeholders_on():

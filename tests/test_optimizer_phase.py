@@ -93,7 +93,8 @@ def test_device_norm_square_root_is_the_hosts():
 
 def test_device_norm_nan_inf_and_other_norms(routed_norm):
     """A NaN norm scales nothing (megatron-core's host path: the coefficient is not below one), an inf norm zeroes
-    the gradients (a coefficient of 0), the inf-norm goes to megatron-core's function, and no gradients give 0."""
+    the gradients (a coefficient of 0), the inf-norm goes to megatron-core's function, and zero gradients give a
+    norm of 0 on their device."""
     for bad, want in ((float("nan"), None), (float("inf"), 0.0)):
         grads = _grads(1.0)
         grads[1][3] = bad
@@ -108,8 +109,14 @@ def test_device_norm_nan_inf_and_other_norms(routed_norm):
     seen = []
     assert optim_fusions.grad_norm_on_device(lambda *a: seen.append(a) or 3.0, ["g"], float("inf"), None) == 3.0
     assert seen == [(["g"], float("inf"), None)]
-    assert float(optim_fusions.grad_norm_on_device(_original_norm, [], 2, None)) == 0.0 if torch.cuda.is_available() \
-        else True
+    zero = optim_fusions.grad_norm_on_device(_original_norm, [torch.zeros(7), torch.zeros(3, 2)], 2, None)
+    assert zero.device.type == "cpu" and zero.dtype == torch.float64 and float(zero) == 0.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no gradients: megatron-core's norm is on 'cuda'")
+def test_device_norm_of_no_gradients_is_zero_on_cuda(routed_norm):
+    total = optim_fusions.grad_norm_on_device(_original_norm, [], 2, None)
+    assert total.is_cuda and total.dtype == torch.float64 and float(total) == 0.0
 
 
 def test_device_grad_clip_route_installs_and_removes(monkeypatch):
@@ -142,6 +149,33 @@ def test_device_grad_clip_route_installs_and_removes(monkeypatch):
     finally:
         compat.remove_patches(route)
     assert clip_grads.multi_tensor_scale_tensor_impl is None and optimizer.get_grad_norm_fp32 is original
+
+
+def test_device_grad_clip_route_reaches_the_layer_wise_optimizer():
+    """megatron-core's ``LayerWiseDistributedOptimizer`` binds ``get_grad_norm_fp32`` by name in its own module, which
+    the route does not patch: its norm stays megatron-core's function, and that function reads the module global the
+    route sets (``multi_tensor_scale_tensor_impl``), so it returns its tensor branch (an fp32 root on the device, not
+    the host path's double root) and the inherited ``ChainedOptimizer.step`` clips through the route's scale
+    (``optim_fusions`` and ``compat.route_device_grad_clip`` say so)."""
+    import inspect
+
+    from megatron.core.optimizer import clip_grads, layer_wise_optimizer, optimizer
+
+    route = ((clip_grads, "multi_tensor_scale_tensor_impl", None), (clip_grads, "get_grad_norm_fp32", None),
+             (optimizer, "get_grad_norm_fp32", None))
+    compat.remove_patches(route)
+    original = clip_grads.get_grad_norm_fp32
+    try:
+        assert compat.route_device_grad_clip(optim_fusions.grad_norm_on_device, fusions.clip_scale_tensor)
+        assert layer_wise_optimizer.get_grad_norm_fp32 is original
+        assert "multi_tensor_scale_tensor_impl" in original.__code__.co_names
+        assert clip_grads.multi_tensor_scale_tensor_impl is fusions.clip_scale_tensor
+        lwo = layer_wise_optimizer.LayerWiseDistributedOptimizer
+        assert "get_grad_norm_fp32" in inspect.unwrap(lwo.get_grad_norm).__code__.co_names
+        assert lwo.step is optimizer.ChainedOptimizer.step
+        assert "clip_grad_by_total_norm_fp32" in inspect.unwrap(optimizer.ChainedOptimizer.step).__code__.co_names
+    finally:
+        compat.remove_patches(route)
 
 
 # ---- megatron-core's router walks ----------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ autograd as the function's input gradients, so each parameter's accumulation nod
 chunks (megatron-core's DDP hook refuses a second gradient under ``overlap_grad_reduce``). Weights whose gradient the
 GEMM adds to ``main_grad`` itself (``gradient_accumulation_fusion``; the routed experts' grouped GEMMs too) return
 a placeholder, and the first chunk's is passed on as it is. The cost in memory: until the layer's backward ends, the
-MLP's parameter gradients or placeholders (routed experts: ``grouped_mm``'s bf16 ``[E, N, K]``) are held once, and
+MLP's parameter gradients or placeholders (routed experts: views of one ``[N, K]`` block with the per-expert
+weight-gradient GEMMs, else ``grouped_mm``'s bf16 ``[E, N, K]``) are held once, and
 with 3 or more chunks also the fp32 sums of those that are not placeholders.
 
 Where the layer's recomputed output is never read (the last layer of a megatron-core block checkpoint), the

@@ -11,6 +11,7 @@ zero-token experts, DDP's parameter-gather hooks, the paths and what is refused:
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 from typing import Literal, Sequence
 
@@ -154,20 +155,60 @@ def _empty_mask(empty, groups: int, device: torch.device) -> torch.Tensor:
     return mask.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else mask
 
 
-class RowEnds:
-    """The groups' row ends on the host, for the backward's per-expert GEMMs. Host counts are kept as they are;
-    device counts are copied to pinned memory in the forward without a sync, and :meth:`read` waits for that copy's
-    event only: by the backward the forward's copy has long finished, so the host does not stall there."""
+PER_EXPERT_WGRAD_MIN_MEAN_ROWS = 4096
+"""Mean rows per local expert from which the backward computes the weight gradients with one GEMM per expert
+(:func:`per_expert_row_ends`). The one measurement is at this mean (H200, ``scripts/bench/bench_expert_wgrad.py``:
+16 experts x 4096 +- 80 rows; fc1 ``[4096, 6144]`` 4.87 vs 5.61 ms, fc2 ``[6144, 2048]`` 2.81 vs 2.77 ms). Below it
+nothing was measured, and the route's host cost (an ``addmm`` launch per expert) does not shrink with the rows, so
+the grouped GEMM runs there. Tests lower it to reach the route at small shapes."""
 
-    def __init__(self, offs: torch.Tensor):
-        if offs.device.type == "cuda":
-            self._host = torch.empty(offs.shape, dtype=offs.dtype, pin_memory=True)
-            self._host.copy_(offs, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-        else:
-            self._host, self._event = offs, None
+
+def _capturing(device: torch.device) -> bool:
+    """Whether ``device``'s current stream is being captured into a CUDA graph (never asks CUDA for a CPU tensor)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _refuse_capture() -> None:
+    raise RuntimeError("TorchGroupedMLP: the routed experts' per-expert weight-gradient GEMMs read their row ranges "
+                       "on the host and cannot be captured into a CUDA graph; for a capture turn them off "
+                       "(MEGATRON_GLM5_EXPERT_WGRAD_GEMMS=0) for the warm-up and the capture alike")
+
+
+class RowEnds:
+    """The groups' row ends on the host, for the backward's per-expert GEMMs; one per forward, read once and shared
+    by its fc1 and fc2. Host counts (:meth:`from_counts`) are summed on the host: nothing is copied, no event.
+    Device offsets are copied to pinned memory in the forward behind an event recorded on their device's stream, with
+    no sync there, and :meth:`read` waits for that event only. After a plain forward the copy has normally finished
+    long before the backward, so the wait returns at once. Not so under an activation recompute that runs this
+    forward again inside the backward and backpropagates that run (megatron-core's reentrant checkpoint of full
+    recompute, :mod:`megatron_glm5.core.mlp_chunks`): the event is then on work just queued, and the host waits until
+    the GPU has reached the recomputed expert offsets. Not for CUDA graph capture: the event wait and the host read
+    cannot be captured, and :func:`per_expert_row_ends` refuses there."""
+
+    def __init__(self, offs: torch.Tensor | Sequence[int]):
+        """``offs``: the row ends, on a CUDA device (copied) or on the host (a CPU tensor or ints, kept)."""
+        self._host: torch.Tensor | None = None
+        self._event: torch.cuda.Event | None = None
         self._ends: list[int] | None = None
+        if not isinstance(offs, torch.Tensor):
+            self._ends = [int(e) for e in offs]
+        elif offs.device.type == "cuda":
+            self._host = torch.empty(offs.shape, dtype=offs.dtype, pin_memory=True)
+            self._host.copy_(offs, non_blocking=True)  # queued on the current stream of offs' device
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(offs.device))
+        else:
+            self._host = offs
+
+    @classmethod
+    def from_counts(cls, counts: torch.Tensor | Sequence[int]) -> RowEnds:
+        """From per-expert token counts already on the host (a CPU tensor or ints): no device round trip."""
+        if isinstance(counts, torch.Tensor):
+            if counts.device.type != "cpu":
+                raise ValueError(f"RowEnds.from_counts: expected host counts, got a tensor on {counts.device}; pass "
+                                 "the device offsets to RowEnds(offs)")
+            counts = counts.tolist()
+        return cls(list(itertools.accumulate(int(c) for c in counts)))
 
     def read(self) -> list[int]:
         if self._ends is None:
@@ -175,6 +216,26 @@ class RowEnds:
                 self._event.synchronize()
             self._ends = self._host.tolist()
         return self._ends
+
+
+def per_expert_row_ends(tokens_per_expert: torch.Tensor | Sequence[int], offs: torch.Tensor, rows: int,
+                        experts: int) -> RowEnds | None:
+    """The forward's choice of the weight-gradient route: a :class:`RowEnds` for one GEMM per expert, or None for the
+    grouped GEMM. None without autograd (no backward reads it) and below :data:`PER_EXPERT_WGRAD_MIN_MEAN_ROWS` mean
+    rows per expert (unmeasured there). Host counts give their ends directly, device counts ``RowEnds(offs)``.
+
+    Refused under CUDA graph capture (:class:`RowEnds` cannot be captured, and the per-expert row slices would be
+    frozen into the graph) rather than falling back to the grouped GEMM: the warm-up before a capture is not captured
+    and so takes this route, and the grouped route's first call is not capturable (the weight-gradient add builds
+    its pointer table with a pageable copy, which capture rejects: seen on an H200); with the switch off for both
+    the grouped route is warmed up before it is captured."""
+    if not torch.is_grad_enabled() or rows < PER_EXPERT_WGRAD_MIN_MEAN_ROWS * experts:
+        return None
+    if _capturing(offs.device):
+        _refuse_capture()
+    if isinstance(tokens_per_expert, torch.Tensor) and tokens_per_expert.device.type != "cpu":
+        return RowEnds(offs)
+    return RowEnds.from_counts(tokens_per_expert)
 
 
 def _accumulate_per_expert(dy: torch.Tensor, x: torch.Tensor, mains: Sequence[torch.Tensor],
@@ -190,6 +251,16 @@ def _accumulate_per_expert(dy: torch.Tensor, x: torch.Tensor, mains: Sequence[to
         start = end
 
 
+def _placeholders(weight: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """The weight gradients handed to autograd when they went into ``main_grad``, as megatron-core's linear layers
+    return them (DDP's hook sees ``grad_added_to_main_grad``, skips its add and drops them): ``n`` distinct views of
+    one uninitialised ``weight``-shaped block, never written. Distinct tensor objects in ``weight``'s layout, so that
+    autograd's AccumulateGrad takes each as ``.grad`` without a copy (it copies a tensor referenced elsewhere): one
+    ``[N, K]`` allocation per call instead of ``n``."""
+    block = weight.new_empty(weight.shape)
+    return [block.view(block.shape) for _ in range(n)]
+
+
 class _GroupedLinear(torch.autograd.Function):
     """``y[offs[e-1]:offs[e]] = x[offs[e-1]:offs[e]] @ weights[e]^T`` for ``E`` weights ``[N, K]`` (``nn.Linear``
     layout). ``x``: ``[T, K]``, rows sorted by expert; ``offs``: int32 ``[E]`` row ends, ``offs[-1] == T``; ``empty``:
@@ -198,8 +269,9 @@ class _GroupedLinear(torch.autograd.Function):
     being saved (:func:`stacked`). With ``accumulate`` and DDP's ``main_grad`` on every weight (:func:`_main_grads`)
     the weight gradients are added to ``main_grad`` and autograd gets placeholders, as megatron-core's linear layers
     do under ``gradient_accumulation_fusion``: with ``row_ends`` (:class:`RowEnds`) by one GEMM per expert adding
-    its fp32 product (:func:`_accumulate_per_expert`), else by the grouped GEMM's bf16 gradient added in one launch
-    (:mod:`megatron_glm5.kernels.grouped_wgrad_accum`)."""
+    its fp32 product (:func:`_accumulate_per_expert`; placeholders: :func:`_placeholders`), else by the grouped GEMM's
+    bf16 gradient added in one launch (:mod:`megatron_glm5.kernels.grouped_wgrad_accum`; placeholders: that
+    gradient's slices). A backward with ``row_ends`` under CUDA graph capture is refused."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, offs: torch.Tensor, empty, zero_kernel: bool, accumulate: bool,
@@ -207,6 +279,9 @@ class _GroupedLinear(torch.autograd.Function):
         x = x.contiguous()  # grouped_mm's stride rule; a no-op for the dispatcher's tokens and the activation
         ctx.save_for_backward(x, offs, *weights)
         ctx.empty, ctx.zero_kernel, ctx.accumulate, ctx.row_ends = empty, zero_kernel, accumulate, row_ends
+        # DDP's attributes are read from the parameters themselves: a non-reentrant checkpoint gives the backward
+        # detached copies of the saved tensors, without main_grad
+        ctx.params = weights if accumulate else ()
         if x.shape[0] == 0:  # a rank with no tokens: grouped_mm rejects an empty contraction in backward
             return x.new_empty(0, weights[0].shape[0])
         return _grouped_mm(x, stacked(weights).transpose(1, 2), offs=offs)
@@ -226,12 +301,12 @@ class _GroupedLinear(torch.autograd.Function):
         if need_x:
             dx = _grouped_mm(dy, stacked(weights), offs=offs)  # [T, K]
         if need_w:
-            mains = _main_grads(weights) if ctx.accumulate else None
+            mains = _main_grads(ctx.params) if ctx.accumulate else None
             if mains is not None and ctx.row_ends is not None:
+                if _capturing(dy.device):  # a forward outside the capture, its backward inside
+                    _refuse_capture()
                 _accumulate_per_expert(dy, x, mains, ctx.row_ends.read())
-                # placeholders, as megatron-core's linear layers return them (DDP's hook skips its add and drops
-                # them): allocated, never written
-                dws = list(x.new_empty((len(weights), *weights[0].shape), dtype=weights[0].dtype).unbind(0))
+                dws = _placeholders(weights[0], len(weights))
             elif mains is not None:
                 dw = _grouped_mm(dy.t(), x, offs=offs)  # [E, N, K]: per group dy_e^T @ x_e
                 accumulate_groups(dw, mains, _empty_mask(ctx.empty, len(weights), dw.device))
@@ -242,7 +317,7 @@ class _GroupedLinear(torch.autograd.Function):
                 dw = _grouped_mm(dy.t(), x, offs=offs)
                 dws = list(_zero_empty_groups(dw, ctx.empty, ctx.zero_kernel).unbind(0))
             if mains is not None:
-                for w in weights:
+                for w in ctx.params:
                     w.grad_added_to_main_grad = True
         return dx, None, None, None, None, None, *dws
 
@@ -264,7 +339,13 @@ def grouped_linear(x: torch.Tensor, weights: Sequence[torch.Tensor], offs: torch
 class TorchGroupedMLP(SequentialMLP):
     """``SequentialMLP`` (same submodules, parameters and checkpoint layout) whose forward runs every local expert in
     two ``torch.nn.functional.grouped_mm`` calls (module docstring). ``impl``: ``"auto"`` (grouped where torch runs
-    it, else ``SequentialMLP.forward``), ``"grouped_mm"`` (raise where it cannot run), ``"sequential"``."""
+    it, else ``SequentialMLP.forward``), ``"grouped_mm"`` (raise where it cannot run), ``"sequential"``.
+
+    Weight gradients into DDP's ``main_grad`` (``accumulate_wgrad``): with ``wgrad_gemms``
+    (``MEGATRON_GLM5_EXPERT_WGRAD_GEMMS``, on by default) one GEMM per expert where :func:`per_expert_row_ends` picks
+    it for the forward, else the grouped GEMM plus one add. The per-expert route was measured at one point only, a
+    mean of 4096 rows per expert over 16 experts (see :data:`PER_EXPERT_WGRAD_MIN_MEAN_ROWS`); below that mean the
+    grouped GEMM runs, and how the two compare there is unmeasured."""
 
     def __init__(self, num_local_experts: int, config, submodules, pg_collection=None, name: str | None = None,
                  impl: Impl = "auto"):
@@ -363,8 +444,8 @@ class TorchGroupedMLP(SequentialMLP):
         w1 = [e.linear_fc1.weight for e in self.local_experts]
         w2 = [e.linear_fc2.weight for e in self.local_experts]
         zk, acc = self.zero_groups_kernel, self.accumulate_wgrad
-        # the row ends for the backward's per-expert weight-gradient GEMMs, read to the host without a sync
-        ends = RowEnds(offs) if self.wgrad_gemms and torch.is_grad_enabled() else None
+        # the row ends for the backward's per-expert weight-gradient GEMMs, or None for the grouped GEMM
+        ends = per_expert_row_ends(tokens_per_expert, offs, x.shape[0], len(w1)) if self.wgrad_gemms else None
         h = grouped_linear(x, w1, offs, empty, zk, acc, ends)  # [T, 2F/etp]
         if self.activation_recompute:  # "moe_act" in recompute_modules: as TEGroupedMLP
             # fp8=None: megatron-core's CheckpointWithoutOutput treats any non-None value, False included, as fp8
