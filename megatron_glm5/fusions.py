@@ -85,7 +85,9 @@ environment variable read when a module or block spec is built (``0`` or ``1``; 
   :class:`~megatron_glm5.moe.grouped_experts.TorchGroupedMLP` computes each expert's weight gradient with its own GEMM
   whose epilogue adds the fp32 product into ``main_grad`` (what megatron-core's linear layers do under
   ``gradient_accumulation_fusion``), instead of the grouped GEMM's bf16 gradient plus the add; the row ends reach
-  the host by a copy in the forward, without a sync. H200, 16 experts x ~4096 rows: 4.87 vs 5.61 ms per
+  the host by a pinned copy in the forward, which the backward waits for (no sync in the forward; under recompute
+  the wait is on just-queued work), or from host counts directly; at least 4096 mean rows per expert
+  (``PER_EXPERT_WGRAD_MIN_MEAN_ROWS``, the one measured point), refused under CUDA graph capture. H200, 16 experts x ~4096 rows: 4.87 vs 5.61 ms per
   ``[16, 4096, 6144]`` gradient, 2.81 vs 2.77 per ``[16, 6144, 2048]``; the GLM-5 slice's step -6.5 ms by the median
   (459.9 vs 466.4) in one call, 467.1 vs 471.1 (50 iterations) in another. The fp32 sum is also more accurate (no
   bf16 rounding of the gradient).
@@ -101,9 +103,10 @@ environment variable read when a module or block spec is built (``0`` or ``1``; 
   recompute, 4 chunks: +9.1 / +3.4 / +1.5 % over no chunks at 16K / 32K / 64K before, -0.2 / +0.2 / +0.1 % with it
   (+3.5 / +3.2 / +1.9 % with activation offload); 458752 tokens still train. Not under expert parallelism (an expert
   group's ranks must agree).
-* ``MEGATRON_GLM5_KEY_BLOCK_DKV`` (off) - the sparse-MLA backward forms dKV by key blocks instead of fp32 atomics
-  where that measured faster (``kernels.sparse_mla_dkv.key_blocks_pay``: at most 32 heads and 8K tokens per rank;
-  deterministic by construction). Off until measured in the whole step.
+* ``MEGATRON_GLM5_KEY_BLOCK_DKV`` - the sparse-MLA backward forms dKV by key blocks instead of fp32 atomics where
+  that measured faster (``kernels.sparse_mla_dkv.key_blocks_pay``: at most 16 heads and 8K tokens per rank, GLM-5's
+  latent, no attention target; no float atomics, deterministic by construction). Backward 1.62x / 1.19x the atomic
+  one at 4K / 8K tokens; GLM-5 slice step 454.3 -> 434.2 ms (one H200, same machine).
 * ``MEGATRON_GLM5_FUSED_ADAM`` - megatron-core's torch-fallback Adam
   (no TE / apex ``FusedAdam``) with torch's ``fused=True`` (:func:`megatron_glm5.optim_fusions.use_fused_adam`,
   through :func:`megatron_glm5.compat.route_fused_adam`).
@@ -159,7 +162,7 @@ _DEFAULTS = {FUSED_RMSNORM_ENV: "1", FUSED_SWIGLU_ENV: "1", FUSED_MOE_PERMUTE_EN
              ZERO_GROUPS_KERNEL_ENV: "1", GROUPED_SPARSE_MLA_ENV: "1", GROUPED_WGRAD_ACCUMULATION_ENV: "1",
              SPLIT_RECOMPUTE_ENV: "1", MLP_CHUNKS_BY_LENGTH_ENV: "1", FUSED_MULTI_TENSOR_SCALE_ENV: "1",
              MASK_RANGES_KERNEL_ENV: "1", DEVICE_GRAD_CLIP_ENV: "0", CACHED_ROUTER_WALKS_ENV: "1",
-             EXPERT_WGRAD_GEMMS_ENV: "1", KEY_BLOCK_DKV_ENV: "0"}
+             EXPERT_WGRAD_GEMMS_ENV: "1", KEY_BLOCK_DKV_ENV: "1"}
 
 
 def enabled(env: str) -> bool:

@@ -182,3 +182,20 @@ def test_grouped_backward_is_loaded_with_the_build_the_backward_makes(monkeypatc
     bwd.load_grouped_backward(heads, 576, 512, scale, 64 // heads)
     bwd.load_grouped_backward(heads, 576, 512, scale, 64 // heads)
     assert len(builds) == 2 and builds[0] == builds[1]
+
+
+def test_the_grouped_backward_is_loaded_only_where_a_backward_follows(monkeypatch):
+    """``sparse_mla_autograd`` tells the forward whether a backward can follow (grad mode on and an input that
+    requires grad), so a no-grad forward (an eval or rollout log-prob pass) builds no backward kernel."""
+    from megatron_glm5.kernels import sparse_mla_bwd as bwd
+
+    seen = []
+    monkeypatch.setattr(bwd.SparseMLAFunction, "apply", staticmethod(lambda *a: seen.append(a[-1]) or (None, None)))
+    q = torch.zeros(4, 16, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(4, 576, dtype=torch.bfloat16)
+    idx = torch.zeros(4, 8, dtype=torch.int32)
+    bwd.sparse_mla_autograd(q, kv, idx, 0.0625, grouped=True)  # nothing requires grad
+    bwd.sparse_mla_autograd(q.requires_grad_(), kv, idx, 0.0625, grouped=True)
+    with torch.no_grad():
+        bwd.sparse_mla_autograd(q, kv, idx, 0.0625, grouped=True)
+    assert seen == [False, True, False]

@@ -39,6 +39,7 @@ No ``from __future__ import annotations`` here: TileLang evaluates the nested pr
 """
 
 import functools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +71,8 @@ from megatron_glm5.kernels.sparse_mla_fwd import (
     head_block,
     sparse_mla_fwd_interface,
 )
+
+_log = logging.getLogger("megatron_glm5")
 
 DKV_REDUCTIONS = ("atomic", "bulk", "key_blocks")  # sparse_mla_bwd_interface(dkv_reduce=...)
 # Key blocks over the grouped backward below this sharing: at 16 heads the key-block route measured 1.6x / 1.23x the
@@ -689,7 +692,8 @@ class SparseMLAFunction(torch.autograd.Function):
         grouped kernel (one CTA per 4 neighbouring queries over the union of their sets) and the backward too where
         those sets share enough keys (``GROUPED_BWD_MIN_SHARING``, measured in the forward); same contract, other
         rounding.
-        ``key_blocks=True``: where ``sparse_mla_dkv.key_blocks_pay`` holds, the backward forms dKV by key blocks
+        ``key_blocks=True``: where ``sparse_mla_dkv.key_blocks_pay`` holds and no ``target_box`` is given, the
+        backward forms dKV by key blocks
         (``dkv_reduce="key_blocks"``: no float atomics, deterministic) unless the grouped forward measured a
         sharing of at least ``KEY_BLOCKS_BELOW_SHARING`` (there the grouped backward is expected to be faster);
         needs each row's valid indices distinct (the indexer's top-k).
@@ -697,7 +701,7 @@ class SparseMLAFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, kv, indices, softmax_scale, d_v, deterministic, variant, target_box=None, grouped=False,
-                key_blocks=False):  # noqa: D102
+                key_blocks=False, backward_follows=True):  # noqa: D102
         valid_len = row_valid_len(indices)
         group = grouped_group(q.shape[1], deterministic=deterministic, with_target=target_box is not None,
                               tokens=q.shape[0])
@@ -707,8 +711,12 @@ class SparseMLAFunction(torch.autograd.Function):
             out, lse = sparse_mla_fwd_interface(q, kv, indices, softmax_scale, d_v, group=group, union=union,
                                                 variant=variant)
             ctx.probe = SharingProbe.start(valid_len, union[1])  # the backward's choice, without a host sync
-            if any(ctx.needs_input_grad[:2]):
-                load_grouped_backward(q.shape[1], q.shape[2], d_v, softmax_scale, group)
+            if backward_follows:  # not under no_grad: a log-prob or eval forward never runs the backward
+                try:
+                    load_grouped_backward(q.shape[1], q.shape[2], d_v, softmax_scale, group)
+                except Exception as err:  # the backward builds it again and raises there if it must
+                    _log.warning("sparse MLA: loading the grouped backward kernel early failed (%s); the backward "
+                                 "will build it", err)
             del union  # rebuilt by a grouped backward: the union is as large as the indices
         else:
             out, lse = sparse_mla_fwd_interface(q, kv, indices, softmax_scale, d_v, valid_len=valid_len,
@@ -718,7 +726,9 @@ class SparseMLAFunction(torch.autograd.Function):
         ctx.d_v = d_v
         ctx.deterministic = deterministic
         ctx.target_box = target_box
-        ctx.key_blocks = bool(key_blocks) and key_blocks_pay(q.shape[1], q.shape[0], q.shape[2], d_v)
+        # not with an attention target (the indexer loss after attention): that route is not measured with it
+        ctx.key_blocks = (bool(key_blocks) and target_box is None
+                          and key_blocks_pay(q.shape[1], q.shape[0], q.shape[2], d_v))
         return out, lse
 
     @staticmethod
@@ -749,7 +759,7 @@ class SparseMLAFunction(torch.autograd.Function):
         )
         if box is not None:
             box.target = grads[2]
-        return grads[0], grads[1], None, None, None, None, None, None, None, None
+        return grads[0], grads[1], None, None, None, None, None, None, None, None, None
 
 
 def sparse_mla_autograd(
@@ -766,5 +776,6 @@ def sparse_mla_autograd(
     key_blocks: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable ``(out, lse)``; see ``SparseMLAFunction`` for the contract."""
+    backward_follows = torch.is_grad_enabled() and (q.requires_grad or kv.requires_grad)
     return SparseMLAFunction.apply(q, kv, indices, float(softmax_scale), int(d_v), bool(deterministic), variant,
-                                   target_box, bool(grouped), bool(key_blocks))
+                                   target_box, bool(grouped), bool(key_blocks), backward_follows)

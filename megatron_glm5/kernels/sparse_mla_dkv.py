@@ -67,6 +67,59 @@ def default_chunks(t_len: int, t_kv: int, device: torch.device, block_k: int = K
     return max(1, min(MAX_CHUNKS, want, budget, max(t_len, 1)))
 
 
+def _load_macros(T, *, rows_per_pass: int, dh: int, d_tail: int, d_v: int, block_r: int, words: int, heads: int):
+    """``(load_rows, load_meta)``, the cp.async loads both key-block kernels share (``T`` is ``tilelang.language``).
+
+    * ``load_rows(src, r0, r_end, tx, n_rows, buf_l, buf_r, buf_t, tail0)``: rows ``[r0, r0 + n_rows)`` of ``src``
+      into its halves (and tail from column ``tail0``), 8 lanes x 16 bytes per row, ``rows_per_pass`` rows per pass;
+      rows at or past ``r_end`` are zero-filled and never read.
+    * ``load_meta(Lse, Delta, Bits, kb, r0, r_hi, tx, lse_t, dl_t, bits_t)``: a row tile's LSE, Delta and the mask
+      words of key block ``kb``, one 4-byte cp.async per thread (zero past ``r_hi``: no mask bit, so no ``P``).
+
+    Neither commits: the caller ends the tile with a commit group or an mbarrier arrival."""
+
+    @T.macro
+    def load_rows(src, r0, r_end, tx, n_rows, buf_l, buf_r, buf_t, tail0):
+        lane = tx % 8
+        for p in T.unroll(n_rows // rows_per_pass):
+            row = p * rows_per_pass + tx // 8
+            g = r0 + row
+            ok = g < r_end
+            src_row = T.if_then_else(ok, g, 0)
+            for c in T.unroll(dh // 64):
+                col = c * 64 + lane * 8
+                T.ptx_cp_async(T.access_ptr(buf_l[row, col], "w", 8), T.access_ptr(src[src_row, col], "r", 8),
+                               8, predicate=ok)
+                T.ptx_cp_async(T.access_ptr(buf_r[row, col], "w", 8),
+                               T.access_ptr(src[src_row, dh + col], "r", 8), 8, predicate=ok)
+            if buf_t is not None:
+                for c in T.unroll(d_tail // 64):
+                    col = c * 64 + lane * 8
+                    T.ptx_cp_async(T.access_ptr(buf_t[row, col], "w", 8),
+                                   T.access_ptr(src[src_row, tail0 + col], "r", 8), 8, predicate=ok)
+
+    @T.macro
+    def load_meta(Lse, Delta, Bits, kb, r0, r_hi, tx, lse_t, dl_t, bits_t):
+        if tx < block_r:
+            ok = r0 + tx < r_hi
+            T.ptx_cp_async(T.access_ptr(lse_t[tx], "w", 1),
+                           T.access_ptr(Lse[T.if_then_else(ok, r0 + tx, 0)], "r", 1), 1, predicate=ok)
+        elif tx < 2 * block_r:
+            i = tx - block_r
+            ok = r0 + i < r_hi
+            T.ptx_cp_async(T.access_ptr(dl_t[i], "w", 1),
+                           T.access_ptr(Delta[T.if_then_else(ok, r0 + i, 0)], "r", 1), 1, predicate=ok)
+        elif tx < 2 * block_r + block_r * words:
+            i = (tx - 2 * block_r) // words
+            w = (tx - 2 * block_r) % words
+            ok = r0 + i < r_hi
+            T.ptx_cp_async(T.access_ptr(bits_t[i, w], "w", 1),
+                           T.access_ptr(Bits[T.if_then_else(ok, (r0 + i) // heads, 0), kb * words + w], "r", 1),
+                           1, predicate=ok)
+
+    return load_rows, load_meta
+
+
 @functools.cache
 def _jit_dkv_key_blocks():
     tilelang, T = tilelang_modules()
@@ -113,26 +166,8 @@ def _jit_dkv_key_blocks():
         n_chunk = T.dynamic("n_chunk")
         bf16, f32, i32 = T.bfloat16, T.float32, T.int32
 
-        @T.macro
-        def load_rows(src, r0, r_end, tx, n_rows, buf_l, buf_r, buf_t, tail0):
-            # rows [r0, r0 + n_rows) of src into the halves (and tail); rows at or past r_end are zero-filled unread
-            lane = tx % 8
-            for p in T.unroll(n_rows // rows_per_pass):
-                row = p * rows_per_pass + tx // 8
-                g = r0 + row
-                ok = g < r_end
-                src_row = T.if_then_else(ok, g, 0)
-                for c in T.unroll(dh // 64):
-                    col = c * 64 + lane * 8
-                    T.ptx_cp_async(T.access_ptr(buf_l[row, col], "w", 8), T.access_ptr(src[src_row, col], "r", 8),
-                                   8, predicate=ok)
-                    T.ptx_cp_async(T.access_ptr(buf_r[row, col], "w", 8),
-                                   T.access_ptr(src[src_row, dh + col], "r", 8), 8, predicate=ok)
-                if buf_t is not None:
-                    for c in T.unroll(d_tail // 64):
-                        col = c * 64 + lane * 8
-                        T.ptx_cp_async(T.access_ptr(buf_t[row, col], "w", 8),
-                                       T.access_ptr(src[src_row, tail0 + col], "r", 8), 8, predicate=ok)
+        load_rows, load_meta = _load_macros(T, rows_per_pass=rows_per_pass, dh=dh, d_tail=d_tail, d_v=d_v,
+                                            block_r=block_r, words=words, heads=heads)
 
         @T.macro
         def load_tile(Q, dO, r0, r_hi, tx, q_l, q_r, q_t, do_l, do_r):
@@ -142,26 +177,10 @@ def _jit_dkv_key_blocks():
 
         @T.macro
         def load_tile_split(Q, dO, Lse, Delta, Bits, kb, r0, r_hi, tx, q_l, q_r, q_t, do_l, do_r, lse_t, dl_t, bits_t):
-            # the tile's rows plus, one 4-byte cp.async per thread, its LSE, Delta and mask words (zero past r_hi:
-            # no mask bit, so no P)
+            # the tile's rows plus its LSE, Delta and mask words
             load_rows(Q, r0, r_hi, tx, block_r, q_l, q_r, q_t, d_v)
             load_rows(dO, r0, r_hi, tx, block_r, do_l, do_r, None, 0)
-            if tx < block_r:
-                ok = r0 + tx < r_hi
-                T.ptx_cp_async(T.access_ptr(lse_t[tx], "w", 1),
-                               T.access_ptr(Lse[T.if_then_else(ok, r0 + tx, 0)], "r", 1), 1, predicate=ok)
-            elif tx < 2 * block_r:
-                i = tx - block_r
-                ok = r0 + i < r_hi
-                T.ptx_cp_async(T.access_ptr(dl_t[i], "w", 1),
-                               T.access_ptr(Delta[T.if_then_else(ok, r0 + i, 0)], "r", 1), 1, predicate=ok)
-            elif tx < 2 * block_r + block_r * words:
-                i = (tx - 2 * block_r) // words
-                w = (tx - 2 * block_r) % words
-                ok = r0 + i < r_hi
-                T.ptx_cp_async(T.access_ptr(bits_t[i, w], "w", 1),
-                               T.access_ptr(Bits[T.if_then_else(ok, (r0 + i) // heads, 0), kb * words + w], "r", 1),
-                               1, predicate=ok)
+            load_meta(Lse, Delta, Bits, kb, r0, r_hi, tx, lse_t, dl_t, bits_t)
             T.ptx_commit_group()
 
         @T.macro
@@ -347,6 +366,222 @@ def _jit_dkv_key_blocks():
     return sparse_mla_dkv_key_blocks
 
 
+# Registers per warpgroup of the warp-specialised build (sum 504 = 3 x 168): warpgroup 1 holds the [64, 256] left
+# accumulator, warpgroup 2 the right one and the RoPE tail ([64, 320]); the score warpgroup's loads want the rest.
+# ptxas, sm_90a, 16 heads: (136, 168, 200) spills 180 bytes per thread, (104, 184, 216) 316, (152, 168, 184) 1260.
+WS_NREG = (136, 168, 200)
+
+
+@functools.cache
+def _jit_dkv_key_blocks_ws():
+    tilelang, T = tilelang_modules()
+
+    @tilelang.jit(
+        pass_configs={
+            tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
+            tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
+        },
+    )
+    def sparse_mla_dkv_key_blocks_ws(heads: int, d_qk: int, d_v: int, softmax_scale: float,
+                                     block_k: int = KEY_BLOCK, block_r: int = ROW_TILE,
+                                     nreg: tuple[int, int, int] = WS_NREG):
+        """The key-block dKV kernel (same contract, grid and ``Part`` as ``_jit_dkv_key_blocks``), warp-specialised
+        so that one tile's score GEMMs run under the previous tile's dKV GEMMs. 384 threads:
+
+        * warpgroup 0 (scores): loads each row tile (Q, dO, LSE, Delta, mask words) with ``cp.async`` into one of two
+          stages, completion on an mbarrier; forms ``S^T`` and ``dP^T`` of the tile, then ``P`` and ``dS`` in its
+          registers, writes them (bf16) into the tile's ``P`` / ``dS`` buffer (two, by tile parity) and signals;
+        * warpgroups 1 and 2 (dKV): ``dKV += dS^T Q + P^T dO``, warpgroup 1 for the left half of ``d_v``, warpgroup 2
+          for the right half and the RoPE tail; then free the stage and the ``P`` / ``dS`` buffer.
+
+        A stage is refilled with tile ``n + 1`` once tile ``n - 1``'s dKV GEMMs have read it, so the loads overlap
+        tile ``n``'s dKV GEMMs. Every element is formed as in the ``split`` schedule (same GEMM k-order, same fp32
+        ``P`` into ``dS``): bitwise equal to it."""
+        from megatron_glm5.kernels.sparse_mla_fwd import check_register_split
+
+        check_register_split(nreg, (0, 1, 1))
+        dh = d_v // 2
+        d_tail = d_qk - d_v
+        has_tail = d_tail > 0
+        lanes = 128 // 8  # rows per pass of the score warpgroup's cp.async loads (8 lanes x 16 bytes per row)
+        words = block_k // 32
+        if dh % 64 or d_tail % 64 or d_tail < 0 or block_k % lanes or block_r % lanes or block_k % 32:
+            raise ValueError(f"key-block dKV needs d_v/2 and d_qk-d_v >= 0 multiples of 64, block_k a multiple of 32 "
+                             f"and of 16, block_r a multiple of 16; got d_v={d_v}, d_qk={d_qk}, block_k={block_k}, "
+                             f"block_r={block_r}")
+        if 2 * block_r + block_r * words > 128:
+            raise ValueError(f"a tile's LSE, Delta and mask words take one cp.async per score thread: "
+                             f"2 * block_r + block_r * block_k / 32 <= 128, got block_r={block_r}, block_k={block_k}")
+        scale_log2 = softmax_scale * LOG2E
+        n_flat = T.dynamic("n_flat")
+        t_len = T.dynamic("t_len")
+        t_kv = T.dynamic("t_kv")
+        n_words = T.dynamic("n_words")
+        n_kb = T.dynamic("n_kb")
+        n_chunk = T.dynamic("n_chunk")
+        bf16, f32, i32 = T.bfloat16, T.float32, T.int32
+
+        load_rows, load_meta = _load_macros(T, rows_per_pass=lanes, dh=dh, d_tail=d_tail, d_v=d_v,
+                                            block_r=block_r, words=words, heads=heads)
+
+        @T.macro
+        def load_tile(Q, dO, Lse, Delta, Bits, kb, r0, r_hi, tx, q_l, q_r, q_t, do_l, do_r, lse_t, dl_t, bits_t,
+                      bar, stage):
+            load_rows(Q, r0, r_hi, tx, block_r, q_l, q_r, q_t, d_v)
+            load_rows(dO, r0, r_hi, tx, block_r, do_l, do_r, None, 0)
+            load_meta(Lse, Delta, Bits, kb, r0, r_hi, tx, lse_t, dl_t, bits_t)
+            T.cp_async_barrier_noinc(bar[stage])
+
+        @T.macro
+        def scores(kl, kr, kt, q_l, q_r, q_t, do_l, do_r, lse_t, dl_t, bits_t, s_f, dp_f, p_s, ds_s, bar_ready,
+                   stage, parity):
+            # score warpgroup, one tile: S^T and dP^T, then P and dS into this tile's buffers
+            T.barrier_wait(bar_ready[stage], parity)
+            T.fence_proxy_async()  # cp.async (generic proxy) data, read next by the tensor cores
+            T.wgmma_gemm(kl, q_l, s_f, transpose_B=True, clear_accum=True)
+            T.wgmma_gemm(kr, q_r, s_f, transpose_B=True)
+            if has_tail:
+                T.wgmma_gemm(kt, q_t, s_f, transpose_B=True)
+            T.wgmma_gemm(kl, do_l, dp_f, transpose_B=True, clear_accum=True)
+            T.wgmma_gemm(kr, do_r, dp_f, transpose_B=True)
+            T.wait_wgmma(0)
+            for j, i in T.Parallel(block_k, block_r):
+                sel = ((bits_t[i, j // 32] >> (j % 32)) & 1) == 1
+                p = T.if_then_else(sel, T.exp2(s_f[j, i] * scale_log2 - lse_t[i] * LOG2E), 0)
+                p_s[j, i] = T.cast(p, bf16)
+                ds_s[j, i] = T.cast(p * (dp_f[j, i] - dl_t[i]) * softmax_scale, bf16)
+            T.fence_proxy_async()  # generic smem writes of P / dS, read next by the other warpgroups' MMAs
+
+        @T.macro
+        def updates_left(p_s, ds_s, q_l, do_l, acc_l, bar_full, bar_free, stage, parity):
+            T.barrier_wait(bar_full[stage], parity)
+            T.fence_proxy_async()
+            T.wgmma_gemm(ds_s, q_l, acc_l)
+            T.wgmma_gemm(p_s, do_l, acc_l)
+            T.wait_wgmma(0)
+            T.barrier_arrive(bar_free[stage])
+
+        @T.macro
+        def updates_right(p_s, ds_s, q_r, q_t, do_r, acc_r, acc_t, bar_full, bar_free, stage, parity):
+            T.barrier_wait(bar_full[stage], parity)
+            T.fence_proxy_async()
+            T.wgmma_gemm(ds_s, q_r, acc_r)
+            T.wgmma_gemm(p_s, do_r, acc_r)
+            if has_tail:
+                T.wgmma_gemm(ds_s, q_t, acc_t)
+            T.wait_wgmma(0)
+            T.barrier_arrive(bar_free[stage])
+
+        @T.prim_func
+        def main(
+            Q: T.Tensor([n_flat, d_qk], bf16),
+            KV: T.Tensor([t_kv, d_qk], bf16),
+            dO: T.Tensor([n_flat, d_v], bf16),
+            Lse: T.Tensor([n_flat], f32),
+            Delta: T.Tensor([n_flat], f32),
+            Bits: T.Tensor([t_len, n_words], i32),
+            QRange: T.Tensor([n_kb, 2], i32),
+            Part: T.Tensor([n_chunk, t_kv, d_qk], f32),
+        ):
+            with T.Kernel(T.ceildiv(t_kv, block_k), n_chunk, threads=384) as (kb, qc):
+                kl = T.alloc_shared([block_k, dh], bf16)
+                kr = T.alloc_shared([block_k, dh], bf16)
+                kt = T.alloc_shared([block_k, d_tail], bf16) if has_tail else None
+                q0_l = T.alloc_shared([block_r, dh], bf16)
+                q0_r = T.alloc_shared([block_r, dh], bf16)
+                q0_t = T.alloc_shared([block_r, d_tail], bf16) if has_tail else None
+                do0_l = T.alloc_shared([block_r, dh], bf16)
+                do0_r = T.alloc_shared([block_r, dh], bf16)
+                q1_l = T.alloc_shared([block_r, dh], bf16)
+                q1_r = T.alloc_shared([block_r, dh], bf16)
+                q1_t = T.alloc_shared([block_r, d_tail], bf16) if has_tail else None
+                do1_l = T.alloc_shared([block_r, dh], bf16)
+                do1_r = T.alloc_shared([block_r, dh], bf16)
+                lse0 = T.alloc_shared([block_r], f32)
+                dl0 = T.alloc_shared([block_r], f32)
+                bits0 = T.alloc_shared([block_r, words], i32)
+                lse1 = T.alloc_shared([block_r], f32)
+                dl1 = T.alloc_shared([block_r], f32)
+                bits1 = T.alloc_shared([block_r, words], i32)
+                p0_s = T.alloc_shared([block_k, block_r], bf16)
+                ds0_s = T.alloc_shared([block_k, block_r], bf16)
+                p1_s = T.alloc_shared([block_k, block_r], bf16)
+                ds1_s = T.alloc_shared([block_k, block_r], bf16)
+
+                s_f = T.alloc_fragment([block_k, block_r], f32)
+                dp_f = T.alloc_fragment([block_k, block_r], f32)
+                acc_l = T.alloc_fragment([block_k, dh], f32)
+                acc_r = T.alloc_fragment([block_k, dh], f32)
+                acc_t = T.alloc_fragment([block_k, d_tail], f32) if has_tail else None
+
+                bar_ready = T.alloc_barrier([128, 128])  # score warpgroup's cp.async -> itself, per stage
+                bar_full = T.alloc_barrier([128, 128])  # score warpgroup -> dKV warpgroups: P / dS of a tile
+                bar_free = T.alloc_barrier([256, 256])  # dKV warpgroups -> score warpgroup: stage and P / dS read
+
+                tx = T.get_thread_binding()
+                k0 = kb * block_k
+                qpc = T.ceildiv(t_len, n_chunk)
+                q_lo = T.max(qc * qpc, QRange[kb, 0])
+                q_hi = T.min(T.min((qc + 1) * qpc, QRange[kb, 1]), t_len)
+                r_lo = q_lo * heads
+                r_hi = q_hi * heads
+                n_tiles = T.if_then_else(q_hi > q_lo, T.ceildiv(r_hi - r_lo, block_r), 0)
+
+                if tx < 128:
+                    T.set_max_nreg(nreg[0], 0)
+                    if n_tiles > 0:  # the key block rides on tile 0's completion
+                        load_rows(KV, k0, t_kv, tx, block_k, kl, kr, kt, d_v)
+                        load_tile(Q, dO, Lse, Delta, Bits, kb, r_lo, r_hi, tx, q0_l, q0_r, q0_t, do0_l, do0_r,
+                                  lse0, dl0, bits0, bar_ready, 0)
+                    for ip in T.serial(T.ceildiv(n_tiles, 2)):
+                        # tile 2 ip (stage 0); stage 1 then takes tile 2 ip + 1 once tile 2 ip - 1's dKV read it
+                        scores(kl, kr, kt, q0_l, q0_r, q0_t, do0_l, do0_r, lse0, dl0, bits0, s_f, dp_f, p0_s, ds0_s,
+                               bar_ready, 0, ip & 1)
+                        T.barrier_arrive(bar_full[0])
+                        if 2 * ip + 1 < n_tiles:
+                            if ip > 0:
+                                T.barrier_wait(bar_free[1], (ip - 1) & 1)
+                            load_tile(Q, dO, Lse, Delta, Bits, kb, r_lo + (2 * ip + 1) * block_r, r_hi, tx,
+                                      q1_l, q1_r, q1_t, do1_l, do1_r, lse1, dl1, bits1, bar_ready, 1)
+                            scores(kl, kr, kt, q1_l, q1_r, q1_t, do1_l, do1_r, lse1, dl1, bits1, s_f, dp_f, p1_s,
+                                   ds1_s, bar_ready, 1, ip & 1)
+                            T.barrier_arrive(bar_full[1])
+                            if 2 * ip + 2 < n_tiles:
+                                T.barrier_wait(bar_free[0], ip & 1)
+                                load_tile(Q, dO, Lse, Delta, Bits, kb, r_lo + (2 * ip + 2) * block_r, r_hi, tx,
+                                          q0_l, q0_r, q0_t, do0_l, do0_r, lse0, dl0, bits0, bar_ready, 0)
+                elif tx < 256:
+                    T.set_max_nreg(nreg[1], 1)
+                    T.clear(acc_l)
+                    for ip in T.serial(T.ceildiv(n_tiles, 2)):
+                        updates_left(p0_s, ds0_s, q0_l, do0_l, acc_l, bar_full, bar_free, 0, ip & 1)
+                        if 2 * ip + 1 < n_tiles:
+                            updates_left(p1_s, ds1_s, q1_l, do1_l, acc_l, bar_full, bar_free, 1, ip & 1)
+                    for j, d in T.Parallel(block_k, dh):
+                        if k0 + j < t_kv:
+                            Part[qc, k0 + j, d] = acc_l[j, d]
+                else:
+                    T.set_max_nreg(nreg[2], 1)
+                    T.clear(acc_r)
+                    if has_tail:
+                        T.clear(acc_t)
+                    for ip in T.serial(T.ceildiv(n_tiles, 2)):
+                        updates_right(p0_s, ds0_s, q0_r, q0_t, do0_r, acc_r, acc_t, bar_full, bar_free, 0, ip & 1)
+                        if 2 * ip + 1 < n_tiles:
+                            updates_right(p1_s, ds1_s, q1_r, q1_t, do1_r, acc_r, acc_t, bar_full, bar_free, 1, ip & 1)
+                    for j, d in T.Parallel(block_k, dh):
+                        if k0 + j < t_kv:
+                            Part[qc, k0 + j, dh + d] = acc_r[j, d]
+                    if has_tail:
+                        for j, d in T.Parallel(block_k, d_tail):
+                            if k0 + j < t_kv:
+                                Part[qc, k0 + j, d_v + d] = acc_t[j, d]
+
+        return main
+
+    return sparse_mla_dkv_key_blocks_ws
+
+
 def _check_inputs(q, kv, grad_out, lse, delta, d_v):
     t_len, heads, d_qk = q.shape
     for name, t, shape, dtype in (
@@ -373,11 +608,13 @@ def dkv_key_blocks(
     *,
     n_chunks: int = 0,
     block_k: int = KEY_BLOCK,
-    schedule: str = "split",
+    schedule: str = "ws",
 ) -> torch.Tensor:
     """fp32 ``dKV [T_kv, d_qk]`` of sparse MLA from the saved ``lse`` and ``delta`` (``rowsum(O * dO) - dlse``, as
     the per-query backward's), by key blocks (module docstring). ``n_chunks`` 0: :func:`default_chunks`;
-    ``schedule``: the kernel's (``_jit_dkv_key_blocks``)."""
+    ``schedule``: ``"ws"`` (``_jit_dkv_key_blocks_ws``) or ``_jit_dkv_key_blocks``'s ``"split"`` / ``"plain"``."""
+    if schedule not in ("ws", "split", "plain"):
+        raise ValueError(f"schedule must be 'ws', 'split' or 'plain', got {schedule!r}")
     _check_inputs(q, kv, grad_out, lse, delta, d_v)
     t_len, heads, d_qk = q.shape
     t_kv = kv.shape[0]
@@ -387,8 +624,11 @@ def dkv_key_blocks(
     part = torch.empty(n_chunks, t_kv, d_qk, dtype=torch.float32, device=q.device)
     if t_len == 0 or t_kv == 0:
         return part.zero_().sum(0)
-    kernel = _jit_dkv_key_blocks()(heads, d_qk, d_v, float(softmax_scale), block_k,
-                                   **({} if schedule == "split" else {"schedule": schedule}))
+    if schedule == "ws":
+        kernel = _jit_dkv_key_blocks_ws()(heads, d_qk, d_v, float(softmax_scale), block_k)
+    else:
+        kernel = _jit_dkv_key_blocks()(heads, d_qk, d_v, float(softmax_scale), block_k,
+                                       **({} if schedule == "split" else {"schedule": schedule}))
     kernel(q.view(t_len * heads, d_qk), kv, grad_out.view(t_len * heads, d_v), lse.view(-1), delta.view(-1), bits,
            qrange, part)
     return part.sum(0)

@@ -40,6 +40,7 @@ def kernel_cases(heads: tuple[int, ...], nope: bool = True) -> list[tuple[str, s
             cases.append((bwd, "_jit_bwd", (h, d_qk, d_v, SCALE, False), {"with_target": False, "with_dkv": False}))
             cases.append((dkv, "_jit_dkv_key_blocks", (h, d_qk, d_v, SCALE, 64), {}))
             cases.append((dkv, "_jit_dkv_key_blocks", (h, d_qk, d_v, SCALE, 64), {"schedule": "plain"}))
+            cases.append((dkv, "_jit_dkv_key_blocks_ws", (h, d_qk, d_v, SCALE, 64), {}))
             cases.append((bwd, "_jit_bwd", (h, d_qk, d_v, SCALE, False), {"with_target": False}))
             cases.append((bwd, "_jit_delta", (h, d_v), {}))
             cases.append(_fwd_case(h, d_qk, d_v))
@@ -85,7 +86,13 @@ def bench_shape(seq: int, heads: int, locality: float | None, chunks: list[int],
     from megatron_glm5.kernels._common import row_valid_len
     from megatron_glm5.kernels.selection_bitmap import key_block_query_range, selection_bitmap
     from megatron_glm5.kernels.sparse_mla_bwd import _jit_bwd, _jit_delta, sparse_mla_bwd_interface
-    from megatron_glm5.kernels.sparse_mla_dkv import KEY_BLOCK, ROW_TILE, _jit_dkv_key_blocks, default_chunks
+    from megatron_glm5.kernels.sparse_mla_dkv import (
+        KEY_BLOCK,
+        ROW_TILE,
+        _jit_dkv_key_blocks,
+        _jit_dkv_key_blocks_ws,
+        default_chunks,
+    )
     from megatron_glm5.kernels.sparse_mla_fwd import sparse_mla_fwd_interface
 
     dev = torch.device("cuda")
@@ -151,6 +158,16 @@ def bench_shape(seq: int, heads: int, locality: float | None, chunks: list[int],
             row["dense_over_sparse"] = tiles * ROW_TILE * KEY_BLOCK / (pairs * heads)
             k_plain = _jit_dkv_key_blocks()(heads, D_QK, D_V, SCALE, KEY_BLOCK, schedule="plain")
             row["plain_kernel_ms"] = timed(lambda: k_plain(*args))
+            k_split = _jit_dkv_key_blocks()(heads, D_QK, D_V, SCALE, KEY_BLOCK)
+            row["split_kernel_ms"] = timed(lambda: k_split(*args))
+            k_ws = _jit_dkv_key_blocks_ws()(heads, D_QK, D_V, SCALE, KEY_BLOCK)
+            row["ws_kernel_ms"] = timed(lambda: k_ws(*args))
+            row["ws_dense_tflops"] = dense_flop / row["ws_kernel_ms"] / 1e9
+            ref = part.clone()
+            k_split(*args)
+            ref.copy_(part)
+            k_ws(*args)
+            row["ws_bitwise_split"] = bool(torch.equal(ref, part))
         del part
     if mcore:
         try:
@@ -180,9 +197,10 @@ def report(rows: list[dict], chunks: list[int]) -> list[str]:
 
     lines = [
         "| S | H | indices | atomic bwd ms (TFLOP/s) | key blocks ms (TFLOP/s) | speed-up | megatron-core bwd ms | "
-        "dQ pass | bitmap + ranges | key-block kernel (chunks) | dense TFLOP/s | plain schedule | chunk sum | "
-        "dense / sparse work | dKV vs atomic | dQ bitwise | repeatable |",
-        "|" + "---|" * 17,
+        "dQ pass | bitmap + ranges | key-block kernel (chunks) | dense TFLOP/s | plain / split / ws kernel ms | "
+        "ws dense TFLOP/s | ws bitwise split | chunk sum | dense / sparse work | dKV vs atomic | dQ bitwise | "
+        "repeatable |",
+        "|" + "---|" * 19,
     ]
     for r in rows:
         c = r["default_chunks"]
@@ -191,7 +209,8 @@ def report(rows: list[dict], chunks: list[int]) -> list[str]:
             f"{f(r['key_blocks_ms'])} ({f(r['key_blocks_tflops'], '{:.0f}')}) | "
             f"{f(r['atomic_ms'] / r['key_blocks_ms'])}x | {f(r.get('mc_bwd_ms'))} | {f(r['dq_pass_ms'])} | "
             f"{f(r['bitmap_ms'])} | {f(r[f'kb_kernel_ms_c{c}'])} ({c}) | {f(r[f'kb_dense_tflops_c{c}'], '{:.0f}')} | "
-            f"{f(r.get('plain_kernel_ms'))} | {f(r['sum_ms'])} | {f(r['dense_over_sparse'])} | {r['dkv_vs_atomic']:.1e} | {r['dq_bitwise_atomic']} | "
+            f"{f(r.get('plain_kernel_ms'))} / {f(r.get('split_kernel_ms'))} / {f(r.get('ws_kernel_ms'))} | "
+            f"{f(r.get('ws_dense_tflops'), '{:.0f}')} | {r.get('ws_bitwise_split')} | {f(r['sum_ms'])} | {f(r['dense_over_sparse'])} | {r['dkv_vs_atomic']:.1e} | {r['dq_bitwise_atomic']} | "
             f"{r['key_blocks_repeatable']} |")
     lines += ["", "Key-block kernel ms by query chunks:", "",
               "| S | H | indices | " + " | ".join(f"{n} chunks" for n in chunks) + " |",

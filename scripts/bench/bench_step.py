@@ -149,10 +149,10 @@ VARIANTS = {
         Variant("tilelang-grouped-module-walks", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
                 "(a) with grouped-GEMM experts, megatron-core's per-step walks over every module for the routers "
                 "(the cached router list is the default since round 8)", (("MEGATRON_GLM5_CACHED_ROUTER_WALKS", "0"),)),
-        Variant("tilelang-grouped-key-blocks", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
-                "(a) with grouped-GEMM experts, the sparse-MLA backward's dKV by key blocks (a dQ pass, then one CTA "
-                "per 64 keys over the queries that select them: no float atomics; `MEGATRON_GLM5_KEY_BLOCK_DKV=1`)",
-                (("MEGATRON_GLM5_KEY_BLOCK_DKV", "1"),)),
+        Variant("tilelang-grouped-atomic-dkv", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
+                "(a) with grouped-GEMM experts, the sparse-MLA backward's dKV by fp32 atomics (round 9's default; dKV "
+                "by key blocks, a dQ pass then one CTA per 64 keys over the queries that select them, is the default "
+                "since round 10)", (("MEGATRON_GLM5_KEY_BLOCK_DKV", "0"),)),
         Variant("tilelang-grouped-gc-freeze", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
                 "(a) with grouped-GEMM experts, Python's collector frozen after iteration 2 (`gc.freeze()`: what "
                 "exists then is never walked again; needs `--host-timers`, whose sitecustomize does it)",

@@ -78,9 +78,9 @@ def test_key_blocks_kernel_matches_its_torch_form():
 
 
 @pytest.mark.parametrize("heads,d_qk", [(16, 576), (64, 576), (16, 512)])
-def test_split_schedule_equals_plain_bitwise(heads, d_qk):
-    """The split schedule (one warpgroup per score GEMM, LSE / Delta / mask staged by cp.async) forms every element
-    exactly as the plain one: same GEMM k-order, same fp32 P into dS."""
+def test_schedules_equal_bitwise(heads, d_qk):
+    """The split schedule (one warpgroup per score GEMM, LSE / Delta / mask staged by cp.async) and the
+    warp-specialised one form every element exactly as the plain one: same GEMM k-order, same fp32 P into dS."""
     from megatron_glm5.kernels.sparse_mla_dkv import dkv_key_blocks
 
     t_len, topk, d_v = 1300, 512, 512
@@ -88,11 +88,13 @@ def test_split_schedule_equals_plain_bitwise(heads, d_qk):
     idx[7] = -1
     out, lse = fwd_mod.sparse_mla_fwd_interface(q, kv, idx, SCALE, d_v)
     delta = (out.float() * grad_out.float()).sum(-1) - grad_lse
-    split = dkv_key_blocks(q, kv, grad_out, lse, delta, idx, SCALE, d_v, n_chunks=3)
+    split = dkv_key_blocks(q, kv, grad_out, lse, delta, idx, SCALE, d_v, n_chunks=3, schedule="split")
     plain = dkv_key_blocks(q, kv, grad_out, lse, delta, idx, SCALE, d_v, n_chunks=3, schedule="plain")
+    ws = dkv_key_blocks(q, kv, grad_out, lse, delta, idx, SCALE, d_v, n_chunks=3, schedule="ws")
     print(f"split vs plain H={heads} d_qk={d_qk}: bitwise={torch.equal(split, plain)} "
-          f"max diff {scaled_err(split, plain):.1e}")
-    assert torch.equal(split, plain)
+          f"max diff {scaled_err(split, plain):.1e}; ws vs split bitwise={torch.equal(ws, split)} "
+          f"max diff {scaled_err(ws, split):.1e}")
+    assert torch.equal(split, plain) and torch.equal(ws, split)
 
 
 def test_key_blocks_are_bitwise_reproducible():
