@@ -250,10 +250,14 @@ def timed(fn, min_warmup: int = 3) -> float:
 
 def bench_sparse(seq: int, heads: int, mcore: bool, det: bool, variant: str = "auto", bwd: bool = True,
                  locality: float | None = None) -> dict:
+    from megatron_glm5.fusions import KEY_BLOCK_DKV_ENV, enabled
     from megatron_glm5.kernels.sparse_mla_bwd import sparse_mla_autograd
 
+    key_blocks = enabled(KEY_BLOCK_DKV_ENV)  # as the TileLang attention calls it (where key_blocks_pay holds)
+
     def sparse_mla_with_lse(q, kv, idx, scale, *, deterministic=False):
-        return sparse_mla_autograd(q, kv, idx, scale, D_V, deterministic=deterministic, variant=variant)
+        return sparse_mla_autograd(q, kv, idx, scale, D_V, deterministic=deterministic, variant=variant,
+                                   key_blocks=key_blocks)
 
     dev = torch.device("cuda")
     torch.manual_seed(seq + heads)
@@ -423,9 +427,11 @@ PACKED_BATCHES = {
 def bench_packed(name: str, lengths: list[int], heads: int, mcore: bool) -> dict:
     """One packed batch of ``lengths`` (causal within each sequence): indexer + top-k, then sparse MLA forward and
     backward on those indices, ours against megatron-core's TileLang path (same inputs; each side its own top-k)."""
+    from megatron_glm5.fusions import KEY_BLOCK_DKV_ENV, enabled
     from megatron_glm5.kernels import indexer_topk
     from megatron_glm5.kernels.sparse_mla_bwd import sparse_mla_autograd
 
+    key_blocks = enabled(KEY_BLOCK_DKV_ENV)  # as the TileLang attention calls it
     dev = torch.device("cuda")
     total = sum(lengths)
     g = torch.Generator(device=dev).manual_seed(total + heads)
@@ -442,7 +448,7 @@ def bench_packed(name: str, lengths: list[int], heads: int, mcore: bool) -> dict
 
     def ours():
         idx = indexer_topk(qi, ki, wi, starts, ends, TOPK)
-        o, _ = sparse_mla_autograd(q, kv, idx, SCALE, D_V)
+        o, _ = sparse_mla_autograd(q, kv, idx, SCALE, D_V, key_blocks=key_blocks)
         torch.autograd.grad(o, (q, kv), go)
 
     row["ours_topk_ms"] = timed(lambda: indexer_topk(qi, ki, wi, starts, ends, TOPK))
