@@ -15,8 +15,14 @@ problem around: one CTA owns a block of ``block_k`` keys and walks the queries t
 kernel's (``P`` and ``dS`` rounded to bf16 before their GEMMs, as there); pairs a query did not select cost MMA work
 but add exact zeros. The dense work is the price: every (key block, row tile) that the block's query range covers,
 about ``T / (2 * mean selected keys per query)`` times the sparse pairs for causal random sets (2.3x at 8K tokens and
-top-k 2048, 4.3x at 16K), against no reduction traffic at all. So it pays at short and medium context, and wherever
-neighbouring queries' sets overlap.
+top-k 2048, 4.3x at 16K), against no reduction traffic at all. So it pays at short context (H200, 16 heads: 1.69x /
+1.62x / 1.19x the atomic backward at 2K / 4K / 8K, 0.81x at 16K). Windowed sets cost the same as random ones: a few
+random keys per query reach every key block, so the query ranges skip nothing (``scripts/bench/RESULTS_kernels.md``,
+round 2, eighth session).
+
+Kernels: ``_jit_dkv_key_blocks_ws`` (the default; a score warpgroup and two dKV warpgroups over mbarriers) and
+``_jit_dkv_key_blocks`` (``split`` / ``plain``, two warpgroups in lockstep), every element formed the same way in all
+three (bitwise equal, GPU-tested).
 
 Work split: the query axis is cut into ``n_chunks`` equal chunks; CTA ``(block, chunk)`` writes its block's partial
 sum into ``Part[chunk]`` (zeros when the chunk holds none of the block's queries), and the chunks are summed in
@@ -44,8 +50,8 @@ MAX_CHUNKS = 32  # query chunks (32 vs 16: 0.57 vs 0.67 ms at 2K tokens, even at
 PARTIAL_BYTES = 512 << 20  # the partial buffer, n_chunks x T_kv x d_qk fp32, stays below this
 
 
-# Where the route measured faster (H200, random causal top-2048 sets, 16 heads: 1.60x / 1.61x / 1.23x / 0.81x at
-# 2K / 4K / 8K / 16K tokens; 64 heads 0.95x-0.43x: the dQ pass alone is half the atomic backward there).
+# Where the route measured faster (H200, random causal top-2048 sets, 16 heads: 1.69x / 1.62x / 1.19x / 0.81x at
+# 2K / 4K / 8K / 16K tokens; 64 heads 1.05x-0.42x: the dQ pass alone is half the atomic backward there).
 KEY_BLOCKS_MAX_HEADS = 16
 KEY_BLOCKS_MAX_TOKENS = 8192
 
