@@ -172,7 +172,7 @@ def test_sparse_mla_interface_rejects_unsupported_dims_and_bwd_shapes():
         sparse_mla_bwd_interface(q, kv, out, lse, out[:4].contiguous(), idx, 1 / 16)
     with pytest.raises(ValueError, match="lse"):
         sparse_mla_bwd_interface(q, kv, out, lse.double(), out, idx, 1 / 16)
-    with pytest.raises(ValueError, match="dkv_reduce must be 'atomic' or 'bulk'"):
+    with pytest.raises(ValueError, match=r"dkv_reduce must be one of \('atomic', 'bulk', 'key_blocks'\), got 'tma'"):
         sparse_mla_bwd_interface(q, kv, out, lse, out, idx, 1 / 16, dkv_reduce="tma")
     with pytest.raises(ValueError, match="not with deterministic=True"):
         sparse_mla_bwd_interface(q, kv, out, lse, out, idx, 1 / 16, deterministic=True, dkv_reduce="bulk")
