@@ -124,3 +124,25 @@ def multiprocessor_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 132
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+class HostValues:
+    """A few device int64 values read on the host later without a sync: copied to pinned host memory behind an
+    event at :meth:`start` (the forward), read by :meth:`get` (the backward), when the copy is long complete.
+    On the CPU the values are kept as they are."""
+
+    def __init__(self, values: torch.Tensor):
+        values = values.to(torch.int64).reshape(-1)
+        self.event: torch.cuda.Event | None = None
+        if values.is_cuda:
+            self.host = torch.empty(values.numel(), dtype=torch.int64, pin_memory=True)
+            self.host.copy_(values, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = values
+
+    def get(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()

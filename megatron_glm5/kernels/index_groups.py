@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_glm5.kernels._common import next_power_of_2, triton_kernels, triton_runs_on
+from megatron_glm5.kernels._common import HostValues, next_power_of_2, triton_kernels, triton_runs_on
 
 MEMBER_SHIFT = 24
 KEY_LIMIT = 1 << MEMBER_SHIFT  # keys must fit below the member bits
@@ -150,27 +150,16 @@ def grouped_group(heads: int, *, deterministic: bool, with_target: bool, tokens:
 @dataclass
 class SharingProbe:
     """How many valid (query, key) pairs each union entry serves, measured in the forward and read by the backward
-    without a host sync: the two device sums are copied to pinned host memory behind an event, long complete by the
-    time the backward asks."""
+    without a host sync (:class:`~megatron_glm5.kernels._common.HostValues`)."""
 
-    host: torch.Tensor
-    event: torch.cuda.Event | None
+    values: HostValues
 
     @classmethod
     def start(cls, valid_len: torch.Tensor, union_len: torch.Tensor) -> "SharingProbe":
-        stats = torch.stack([valid_len.sum(dtype=torch.int64), union_len.sum(dtype=torch.int64)])
-        if not stats.is_cuda:
-            return cls(stats, None)
-        host = torch.empty(2, dtype=torch.int64, pin_memory=True)
-        host.copy_(stats, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return cls(host, event)
+        return cls(HostValues(torch.stack([valid_len.sum(dtype=torch.int64), union_len.sum(dtype=torch.int64)])))
 
     def sharing(self) -> float:
-        if self.event is not None:
-            self.event.synchronize()
-        pairs, entries = self.host.tolist()
+        pairs, entries = self.values.get()
         return pairs / entries if entries else 0.0
 
 

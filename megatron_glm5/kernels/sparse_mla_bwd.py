@@ -64,7 +64,8 @@ from megatron_glm5.kernels.index_groups import (
     grouped_rows,
     grouped_tile_rows,
 )
-from megatron_glm5.kernels.sparse_mla_dkv import dkv_key_blocks, key_blocks_pay
+from megatron_glm5.kernels.key_block_work import KeyBlockWorkProbe
+from megatron_glm5.kernels.sparse_mla_dkv import KEY_BLOCKS_MAX_TOKENS, dkv_key_blocks, key_blocks_fit, key_blocks_pay
 from megatron_glm5.kernels.sparse_mla_fwd import (
     Variant,
     check_sparse_mla_args,
@@ -692,8 +693,9 @@ class SparseMLAFunction(torch.autograd.Function):
         grouped kernel (one CTA per 4 neighbouring queries over the union of their sets) and the backward too where
         those sets share enough keys (``GROUPED_BWD_MIN_SHARING``, measured in the forward); same contract, other
         rounding.
-        ``key_blocks=True``: where ``sparse_mla_dkv.key_blocks_pay`` holds and no ``target_box`` is given, the
-        backward forms dKV by key blocks
+        ``key_blocks=True``: where ``sparse_mla_dkv.key_blocks_pay`` holds (past 8K tokens, a packed batch: by the
+        forward's bound of the dense work, ``key_block_work``) and no ``target_box`` is given, the backward forms dKV
+        by key blocks
         (``dkv_reduce="key_blocks"``: no float atomics, deterministic) unless the grouped forward measured a
         sharing of at least ``KEY_BLOCKS_BELOW_SHARING`` (there the grouped backward is expected to be faster);
         needs each row's valid indices distinct (the indexer's top-k).
@@ -728,7 +730,13 @@ class SparseMLAFunction(torch.autograd.Function):
         ctx.target_box = target_box
         # not with an attention target (the indexer loss after attention): that route is not measured with it
         ctx.key_blocks = (bool(key_blocks) and target_box is None
-                          and key_blocks_pay(q.shape[1], q.shape[0], q.shape[2], d_v))
+                          and key_blocks_fit(q.shape[1], q.shape[0], kv.shape[0], q.shape[2], d_v))
+        ctx.work = None
+        if ctx.key_blocks and backward_follows and q.shape[0] > KEY_BLOCKS_MAX_TOKENS:
+            try:  # a packed batch may pay: measure its dense work
+                ctx.work = KeyBlockWorkProbe(indices, valid_len, kv.shape[0])
+            except Exception as err:  # the atomic backward needs no probe
+                _log.warning("sparse MLA: the key-block work probe failed (%s); the backward adds dKV atomically", err)
         return out, lse
 
     @staticmethod
@@ -737,7 +745,10 @@ class SparseMLAFunction(torch.autograd.Function):
         box = ctx.target_box
         grouped = {}
         sharing = ctx.probe.sharing() if ctx.probe is not None else 0.0
-        if ctx.key_blocks and sharing < KEY_BLOCKS_BELOW_SHARING:
+        key_blocks = ctx.key_blocks and key_blocks_pay(
+            q.shape[1], q.shape[0], q.shape[2], ctx.d_v, t_kv=kv.shape[0],
+            dense_per_sparse=ctx.work.dense_per_sparse() if ctx.work is not None else None)
+        if key_blocks and sharing < KEY_BLOCKS_BELOW_SHARING:
             grouped = {"dkv_reduce": "key_blocks"}
         elif sharing >= GROUPED_BWD_MIN_SHARING:
             group = 64 // q.shape[1]  # grouped_group's, as in the forward

@@ -42,7 +42,7 @@ import functools
 import torch
 
 from megatron_glm5.kernels._common import LOG2E, cdiv, multiprocessor_count, tilelang_modules
-from megatron_glm5.kernels.selection_bitmap import key_block_query_range, selection_bitmap
+from megatron_glm5.kernels.selection_bitmap import bitmap_words, key_block_query_range, selection_bitmap
 
 KEY_BLOCK = 64  # keys per CTA: the wgmma M of every GEMM here
 ROW_TILE = 32  # (query, head) rows per step: two stages of Q / dO tiles fit next to the key block (216 KB)
@@ -51,17 +51,38 @@ PARTIAL_BYTES = 512 << 20  # the partial buffer, n_chunks x T_kv x d_qk fp32, st
 
 
 # Where the route measured faster (H200, random causal top-2048 sets, 16 heads: 1.69x / 1.62x / 1.19x / 0.81x at
-# 2K / 4K / 8K / 16K tokens; 64 heads 1.05x-0.42x: the dQ pass alone is half the atomic backward there).
+# 2K / 4K / 8K / 16K tokens, dense / sparse work 1.03 / 1.35 / 2.30 / 4.28; 64 heads 1.05x-0.42x: the dQ pass alone is
+# half the atomic backward there).
 KEY_BLOCKS_MAX_HEADS = 16
 KEY_BLOCKS_MAX_TOKENS = 8192
+# Past 8K tokens per call (a packed batch of shorter sequences), the route is taken where the forward's bound of the
+# dense work (``key_block_work``) is at most this many times the selected pairs: the speed-up interpolated linearly
+# between the measured 2.30 (1.19x) and 4.28 (0.81x) crosses 1.0 near 3.3; 3.0 keeps a margin.
+KEY_BLOCKS_MAX_DENSE_PER_SPARSE = 3.0
+KEY_BLOCKS_BITMAP_BYTES = 512 << 20  # the selection bitmap (T x T_kv / 8 bytes) stays below this: 64K x 64K
 
 
-def key_blocks_pay(heads: int, tokens: int, d_qk: int, d_v: int) -> bool:
-    """Whether the autograd backward takes the key-block dKV (``SparseMLAFunction``'s ``key_blocks=True``): per-rank
-    heads and tokens where it measured faster than the atomic backward on random causal top-2048 sets
-    (``scripts/bench/RESULTS_kernels.md``), and GLM-5's latent (``d_qk = d_v + 64``; GLM-5.3-Flash's KPool sets are
-    not measured here)."""
-    return heads <= KEY_BLOCKS_MAX_HEADS and 0 < tokens <= KEY_BLOCKS_MAX_TOKENS and d_qk == d_v + 64
+def key_blocks_fit(heads: int, tokens: int, t_kv: int, d_qk: int, d_v: int) -> bool:
+    """Whether the key-block dKV may serve this call at all: per-rank heads where it was measured, GLM-5's latent
+    (``d_qk = d_v + 64``; GLM-5.3-Flash's KPool sets are not measured here), and a selection bitmap within
+    :data:`KEY_BLOCKS_BITMAP_BYTES`."""
+    bitmap_bytes = tokens * bitmap_words(t_kv, KEY_BLOCK) * 4
+    return (heads <= KEY_BLOCKS_MAX_HEADS and tokens > 0 and d_qk == d_v + 64
+            and bitmap_bytes <= KEY_BLOCKS_BITMAP_BYTES)
+
+
+def key_blocks_pay(heads: int, tokens: int, d_qk: int, d_v: int, *, t_kv: int | None = None,
+                   dense_per_sparse: float | None = None) -> bool:
+    """Whether the autograd backward takes the key-block dKV (``SparseMLAFunction``'s ``key_blocks=True``): where
+    :func:`key_blocks_fit` holds and either the call has at most :data:`KEY_BLOCKS_MAX_TOKENS` tokens (measured
+    faster on single causal sequences, whose dense work is the largest for their length) or the measured
+    ``dense_per_sparse`` (``key_block_work.KeyBlockWorkProbe``) is at most :data:`KEY_BLOCKS_MAX_DENSE_PER_SPARSE`.
+    ``t_kv``: the keys (default ``tokens``)."""
+    if not key_blocks_fit(heads, tokens, tokens if t_kv is None else t_kv, d_qk, d_v):
+        return False
+    if tokens <= KEY_BLOCKS_MAX_TOKENS:
+        return True
+    return dense_per_sparse is not None and dense_per_sparse <= KEY_BLOCKS_MAX_DENSE_PER_SPARSE
 
 
 def default_chunks(t_len: int, t_kv: int, device: torch.device, block_k: int = KEY_BLOCK, d_qk: int = 576) -> int:

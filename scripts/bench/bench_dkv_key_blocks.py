@@ -7,6 +7,10 @@ bitmap + ranges, the key-block kernel at several chunk counts, the chunk sum), t
 (every (key block, row tile) it multiplies), dKV against the atomic route and dQ bitwise, and bitwise repeatability.
 
     source .gpu/install.sh && python scripts/bench/bench_dkv_key_blocks.py --precompile --workers 16 --out dkv.md
+
+``--packed all --seqs ''``: packed (THD) batches past 8K tokens, where the autograd route decides by the forward's
+bound of the dense work (``kernels.key_block_work``): both backwards, the probe's cost and ratio, and whether the route
+picked the faster one.
 """
 
 from __future__ import annotations
@@ -191,6 +195,96 @@ def bench_shape(seq: int, heads: int, locality: float | None, chunks: list[int],
     return row
 
 
+# Packed (THD) batches past 8K tokens: where the route's rule is the forward's bound of the dense work (``key_block_work``)
+PACKED = {
+    "8 x 1K-8K": [8192, 1024, 4096, 2048, 1024, 8192, 2048, 4096],
+    "4 x 4K": [4096] * 4,
+    "2 x 8K": [8192] * 2,
+    "8 x 8K": [8192] * 8,
+    "16 x 2K": [2048] * 16,
+    "12K + 4K": [12288, 4096],
+    "1 x 16K": [16384],
+}
+
+
+def packed_indices(lengths: list[int], dev: torch.device) -> torch.Tensor:
+    """int32 ``[sum(lengths), TOPK]``: causal random top-k sets within each sequence (global rows), -1 tail."""
+    from bench_dsa_kernels import causal_random_indices
+
+    parts, s0 = [], 0
+    for i, n in enumerate(lengths):
+        idx = causal_random_indices(n, TOPK, dev, seed=i)
+        parts.append(torch.where(idx >= 0, idx + s0, idx))
+        s0 += n
+    return torch.cat(parts)
+
+
+def bench_packed(name: str, lengths: list[int], heads: int) -> dict:
+    """One packed batch: the atomic and the key-block backward from saved ``out`` / ``lse``, the forward's work probe
+    (its ms and its dense / sparse ratio against the exact ranges') and the route ``key_blocks_pay`` picks."""
+    from bench_dsa_kernels import timed
+
+    from megatron_glm5.kernels._common import row_valid_len
+    from megatron_glm5.kernels.key_block_work import KeyBlockWorkProbe
+    from megatron_glm5.kernels.selection_bitmap import key_block_query_range, selection_bitmap
+    from megatron_glm5.kernels.sparse_mla_bwd import sparse_mla_bwd_interface
+    from megatron_glm5.kernels.sparse_mla_dkv import KEY_BLOCK, key_blocks_pay
+    from megatron_glm5.kernels.sparse_mla_fwd import sparse_mla_fwd_interface
+
+    dev = torch.device("cuda")
+    total = sum(lengths)
+    torch.manual_seed(total + heads)
+    q = torch.randn(total, heads, D_QK, device=dev, dtype=torch.bfloat16)
+    kv = torch.randn(total, D_QK, device=dev, dtype=torch.bfloat16)
+    g = torch.randn(total, heads, D_V, device=dev, dtype=torch.bfloat16)
+    idx = packed_indices(lengths, dev)
+    vlen = row_valid_len(idx)
+    pairs = int((idx >= 0).sum())
+    f_bwd = 2 * pairs * heads * (3 * D_QK + 2 * D_V)
+    out, lse = sparse_mla_fwd_interface(q, kv, idx, SCALE, D_V, valid_len=vlen)
+
+    def bwd(reduce: str):
+        return sparse_mla_bwd_interface(q, kv, out, lse, g, idx, SCALE, D_V, valid_len=vlen, dkv_reduce=reduce)
+
+    row = {"batch": name, "T": total, "H": heads, "pairs": pairs}
+    row["probe_ms"] = timed(lambda: KeyBlockWorkProbe(idx, vlen, total).dense_per_sparse())
+    row["probe_ratio"] = KeyBlockWorkProbe(idx, vlen, total).dense_per_sparse()
+    bits, _ = selection_bitmap(idx, total)
+    rng = key_block_query_range(bits, KEY_BLOCK)
+    row["exact_ratio"] = int((rng[:, 1] - rng[:, 0]).sum()) * KEY_BLOCK / pairs
+    del bits, rng
+    row["route"] = "key_blocks" if key_blocks_pay(heads, total, D_QK, D_V, t_kv=total,
+                                                   dense_per_sparse=row["probe_ratio"]) else "atomic"
+    row["atomic_ms"] = timed(lambda: bwd("atomic"))
+    row["key_blocks_ms"] = timed(lambda: bwd("key_blocks"))
+    row["atomic_tflops"] = f_bwd / row["atomic_ms"] / 1e9
+    row["key_blocks_tflops"] = f_bwd / row["key_blocks_ms"] / 1e9
+    dq_a, dkv_a = bwd("atomic")
+    dq_k, dkv_k = bwd("key_blocks")
+    row["dkv_vs_atomic"] = float((dkv_k.float() - dkv_a.float()).abs().max() / dkv_a.float().abs().max())
+    row["dq_bitwise_atomic"] = bool(torch.equal(dq_a, dq_k))
+    return row
+
+
+def report_packed(rows: list[dict]) -> list[str]:
+    if not rows:
+        return []
+    lines = ["", "Packed (THD) batches: the route past 8K tokens by the forward's work bound "
+             "(take key blocks at dense / sparse <= 3.0):", "",
+             "| batch | T | H | atomic bwd ms (TFLOP/s) | key blocks ms (TFLOP/s) | speed-up | probe ms | "
+             "dense / sparse (bound) | (exact) | route | right? | dKV vs atomic | dQ bitwise |",
+             "|" + "---|" * 13]
+    for r in rows:
+        speed = r["atomic_ms"] / r["key_blocks_ms"]
+        right = (r["route"] == "key_blocks") == (speed > 1.0)
+        lines.append(
+            f"| {r['batch']} | {r['T']} | {r['H']} | {r['atomic_ms']:.2f} ({r['atomic_tflops']:.0f}) | "
+            f"{r['key_blocks_ms']:.2f} ({r['key_blocks_tflops']:.0f}) | {speed:.2f}x | {r['probe_ms']:.3f} | "
+            f"{r['probe_ratio']:.2f} | {r['exact_ratio']:.2f} | {r['route']} | {'yes' if right else 'NO'} | "
+            f"{r['dkv_vs_atomic']:.1e} | {r['dq_bitwise_atomic']} |")
+    return lines
+
+
 def report(rows: list[dict], chunks: list[int]) -> list[str]:
     def f(x, fmt="{:.2f}"):
         return "-" if x is None else fmt.format(x)
@@ -232,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precompile-only", action="store_true")
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--test-heads", default="8,16,64,128", help="heads whose kernels the GPU tests need")
+    ap.add_argument("--packed", default="", help=f"';'-separated names of PACKED ({'; '.join(PACKED)}) or 'all'")
+    ap.add_argument("--packed-heads", default="16")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     heads = [int(x) for x in a.heads.split(",")]
@@ -243,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     chunks = [int(x) for x in a.chunks.split(",")]
     rows = []
     for loc in a.localities.split(","):
-        for s in (int(x) for x in a.seqs.split(",")):
+        for s in (int(x) for x in a.seqs.split(",") if x):
             for h in heads:
                 t0 = time.time()
                 try:
@@ -254,19 +350,32 @@ def main(argv: list[str] | None = None) -> int:
                 print(json.dumps(r), f"({time.time() - t0:.0f}s)", flush=True)
                 rows.append(r)
                 torch.cuda.empty_cache()
+    packed_rows = []
+    names = list(PACKED) if a.packed == "all" else [n for n in a.packed.split(";") if n]
+    for name in names:
+        for h in (int(x) for x in a.packed_heads.split(",") if x):
+            t0 = time.time()
+            try:
+                r = bench_packed(name, PACKED[name], h)
+            except Exception:
+                traceback.print_exc()
+                continue
+            print(json.dumps(r), f"({time.time() - t0:.0f}s)", flush=True)
+            packed_rows.append(r)
+            torch.cuda.empty_cache()
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
         commit = "?"
     head = [f"# Sparse-MLA backward: dKV by key blocks vs atomic dKV ({datetime.date.today()}, commit {commit} + "
             f"working tree, {torch.cuda.get_device_name()}, torch {torch.__version__})", ""]
-    text = "\n".join(head + report(rows, chunks)) + "\n"
+    text = "\n".join(head + (report(rows, chunks) if rows else []) + report_packed(packed_rows)) + "\n"
     print(text)
     if a.out:
         with open(a.out, "w") as fh:
             fh.write(text)
         with open(os.path.splitext(a.out)[0] + ".json", "w") as fh:
-            json.dump(rows, fh, indent=1)
+            json.dump(rows + packed_rows, fh, indent=1)
     return 0
 
 

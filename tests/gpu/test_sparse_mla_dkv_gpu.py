@@ -129,3 +129,48 @@ def test_autograd_key_blocks_route(deterministic):
     dq_k, dkv_k = bwd_mod.sparse_mla_bwd_interface(q, kv, out_k, lse_k, grad_out, idx, SCALE, d_v,
                                                    dkv_reduce="key_blocks")
     assert torch.equal(qg.grad, dq_k) and torch.equal(kvg.grad, dkv_k)
+
+
+def test_row_key_span_kernel_and_bound_on_device():
+    """The work probe's Triton span pass against its torch oracle, and its bound against the exact ranges."""
+    from megatron_glm5.kernels.key_block_work import dense_pairs_bound, row_key_span, row_key_span_reference
+    from megatron_glm5.kernels.selection_bitmap import key_block_query_range
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    bounds = torch.tensor([0, 900, 2500], device="cuda")
+    starts = bounds[torch.searchsorted(bounds, torch.arange(3000, device="cuda"), right=True) - 1]
+    idx = causal_random_indices(3000, 2048, "cuda", generator=g, starts=starts)
+    idx[7] = -1
+    lo, hi = row_key_span(idx, 3000)
+    lo_want, hi_want = row_key_span_reference(idx, 3000)
+    assert torch.equal(lo, lo_want) and torch.equal(hi, hi_want)
+    rng = key_block_query_range(selection_bitmap(idx, 3000)[0], 64)
+    exact = int((rng[:, 1] - rng[:, 0]).sum()) * 64
+    bound = int(dense_pairs_bound(lo, hi, 3000))
+    assert exact <= bound <= 1.02 * exact, (exact, bound)
+
+
+def test_autograd_takes_key_blocks_for_a_packed_batch_past_8k():
+    """Past 8K tokens the forward's work probe decides: a packed batch of 2K-token sequences takes the key-block
+    backward (dKV bitwise the interface's key-block dKV), one 12K-token sequence the atomic one."""
+    heads, topk, d_v = 16, 2048, 512
+    for lengths, want_key_blocks in (([2048] * 5, True), ([12288], False)):
+        t_len = sum(lengths)
+        bounds = torch.tensor([sum(lengths[:i]) for i in range(len(lengths))], device="cuda")
+        starts = bounds[torch.searchsorted(bounds, torch.arange(t_len, device="cuda"), right=True) - 1]
+        g = torch.Generator(device="cuda").manual_seed(t_len)
+        q = torch.randn(t_len, heads, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+        kv = torch.randn(t_len, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+        idx = causal_random_indices(t_len, topk, "cuda", generator=g, starts=starts)
+        grad_out = torch.randn(t_len, heads, d_v, device="cuda", dtype=torch.bfloat16, generator=g)
+        qg, kvg = q.clone().requires_grad_(), kv.clone().requires_grad_()
+        out, _ = bwd_mod.sparse_mla_autograd(qg, kvg, idx, SCALE, d_v, key_blocks=True)
+        out.backward(grad_out)
+        o, lse = fwd_mod.sparse_mla_fwd_interface(q, kv, idx, SCALE, d_v)
+        reduce = "key_blocks" if want_key_blocks else "atomic"
+        dq, dkv = bwd_mod.sparse_mla_bwd_interface(q, kv, o, lse, grad_out, idx, SCALE, d_v, dkv_reduce=reduce)
+        assert torch.equal(qg.grad, dq), lengths
+        if want_key_blocks:
+            assert torch.equal(kvg.grad, dkv), lengths
+        else:  # atomic dKV: the order of the float additions varies
+            assert scaled_err(kvg.grad, dkv.float()) < 1e-2, lengths

@@ -1,0 +1,216 @@
+"""The key-block dKV route's work bound (``megatron_glm5.kernels.key_block_work``) and the autograd route it decides.
+
+The bound must never be below the exact per-block query ranges (``selection_bitmap.key_block_query_range``), sit close
+to them on causal sets, single and packed, and make the autograd backward take the key blocks for a packed batch past
+8K tokens while a single long sequence keeps the atomic backward."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_glm5.kernels.key_block_work import (
+    KeyBlockWorkProbe,
+    dense_pairs_bound,
+    row_key_span,
+    row_key_span_reference,
+)
+from megatron_glm5.kernels.selection_bitmap import key_block_query_range, selection_bitmap_reference
+from megatron_glm5.kernels.sparse_mla_dkv import KEY_BLOCKS_MAX_DENSE_PER_SPARSE, KEY_BLOCKS_MAX_TOKENS
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def causal_sets(lengths: list[int], k: int, seed: int) -> torch.Tensor:
+    """int32 ``[sum(lengths), k]``: each row's random distinct keys among its sequence's positions up to its own
+    (all of them when fewer than ``k``), -1 padded at the tail: the indexer's top-k layout on a packed batch."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    s0 = 0
+    for n in lengths:
+        pos = torch.arange(n)
+        score = torch.rand(n, n, generator=g).masked_fill(pos[None, :] > pos[:, None], -1.0)
+        top = score.topk(min(k, n), dim=1)
+        keys = torch.where(top.values >= 0, top.indices + s0, -1).to(torch.int32)
+        rows.append(torch.nn.functional.pad(keys, (0, k - keys.shape[1]), value=-1))
+        s0 += n
+    return torch.cat(rows)
+
+
+def exact_dense_pairs(idx: torch.Tensor, t_kv: int, block_k: int = 64) -> int:
+    bits, _ = selection_bitmap_reference(idx, t_kv, block_k=block_k)
+    rng = key_block_query_range(bits, block_k)
+    return int((rng[:, 1] - rng[:, 0]).sum()) * block_k
+
+
+def test_row_key_span_reference_is_min_and_max_valid_key():
+    idx = torch.tensor([[5, -1, 2, 9], [-1, -1, -1, -1], [12, 3, 40, 7]], dtype=torch.int32)
+    lo, hi = row_key_span_reference(idx, 12)  # 12 and 40 are out of range
+    assert lo.tolist() == [2, 12, 3] and hi.tolist() == [9, -1, 7]
+    assert lo.dtype == hi.dtype == torch.int32
+    lo, hi = row_key_span_reference(torch.zeros(3, 0, dtype=torch.int32), 5)
+    assert lo.tolist() == [5] * 3 and hi.tolist() == [-1] * 3
+    with pytest.raises(TypeError, match="int32"):
+        row_key_span(idx.long(), 12)
+
+
+@pytest.mark.parametrize("lengths,k", [([300], 32), ([40, 200, 7, 120], 16), ([64] * 5, 64), ([90, 33], 200)])
+def test_bound_is_never_below_the_exact_ranges_and_close_on_causal_sets(lengths, k):
+    idx = causal_sets(lengths, k, seed=sum(lengths) + k)
+    t = idx.shape[0]
+    idx[min(3, t - 1)] = -1  # a query without keys
+    exact = exact_dense_pairs(idx, t)
+    bound = int(dense_pairs_bound(*row_key_span(idx, t), t))
+    assert exact <= bound <= 1.06 * exact, (exact, bound)
+
+
+def test_bound_equals_the_exact_ranges_where_rows_select_their_position_and_sequence_start():
+    idx = causal_sets([100, 150, 70], 20, seed=4)
+    pos, start = torch.arange(320), torch.tensor([0] * 100 + [100] * 150 + [250] * 70)
+    idx[:, 0], idx[:, 1] = start.to(torch.int32), pos.to(torch.int32)
+    idx[start == pos, 1] = -1  # no repeated key at each sequence's first row
+    for block_k in (32, 64):
+        assert int(dense_pairs_bound(*row_key_span(idx, 320), 320, block_k)) == exact_dense_pairs(idx, 320, block_k)
+
+
+def test_bound_of_unordered_and_empty_inputs():
+    idx = torch.tensor([[7, 1], [0, -1], [3, 3]], dtype=torch.int32)  # row 0 reaches past row 1 both ways
+    assert exact_dense_pairs(idx, 8, 32) <= int(dense_pairs_bound(*row_key_span(idx, 8), 8, 32))
+    empty = torch.zeros(0, 4, dtype=torch.int32)
+    assert int(dense_pairs_bound(*row_key_span(empty, 0), 0)) == 0
+    assert int(dense_pairs_bound(*row_key_span(torch.full((4, 2), -1, dtype=torch.int32), 4), 4)) == 0
+    with pytest.raises(ValueError, match="block_k"):
+        dense_pairs_bound(torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32), 4, 48)
+
+
+def test_probe_ratio_follows_the_sequences_not_the_tokens():
+    """Top-k 256 on 1024-token sequences is the measured 8K / top-2048 point scaled by 8 (ratio 2.30 there);
+    2048 tokens the 16K point (4.28). A packed batch of 1024-token sequences keeps the single sequence's ratio."""
+    one = causal_sets([1024], 256, seed=0)
+    long_ = causal_sets([2048], 256, seed=1)
+    packed = causal_sets([1024, 1024, 1024, 1024], 256, seed=2)
+    r_one, r_long, r_packed = (
+        KeyBlockWorkProbe(i, (i >= 0).sum(1, dtype=torch.int32), i.shape[0]).dense_per_sparse()
+        for i in (one, long_, packed)
+    )
+    assert 2.2 < r_one < KEY_BLOCKS_MAX_DENSE_PER_SPARSE < r_long < 4.8, (r_one, r_long)
+    assert abs(r_packed - r_one) < 0.05, (r_packed, r_one)
+    empty = torch.full((4, 8), -1, dtype=torch.int32)
+    assert KeyBlockWorkProbe(empty, torch.zeros(4, dtype=torch.int32), 4).dense_per_sparse() == 0.0
+
+
+def test_key_blocks_pay_past_8k_only_by_the_measured_work():
+    from megatron_glm5.kernels.sparse_mla_dkv import KEY_BLOCKS_BITMAP_BYTES, key_blocks_fit, key_blocks_pay
+
+    big = 4 * KEY_BLOCKS_MAX_TOKENS
+    assert not key_blocks_pay(16, big, 576, 512)  # nothing measured: the atomic backward
+    assert key_blocks_pay(16, big, 576, 512, dense_per_sparse=KEY_BLOCKS_MAX_DENSE_PER_SPARSE)
+    assert not key_blocks_pay(16, big, 576, 512, dense_per_sparse=KEY_BLOCKS_MAX_DENSE_PER_SPARSE + 0.01)
+    assert key_blocks_pay(16, KEY_BLOCKS_MAX_TOKENS, 576, 512, dense_per_sparse=9.0)  # measured faster to 8K
+    assert not key_blocks_pay(64, big, 576, 512, dense_per_sparse=1.0)  # 64 heads: not there
+    assert key_blocks_fit(16, 65536, 65536, 576, 512) and 65536 * 65536 // 8 == KEY_BLOCKS_BITMAP_BYTES
+    assert not key_blocks_fit(16, 65537, 65536, 576, 512)  # the bitmap would pass 512 MiB
+
+
+def _route_of(monkeypatch, idx: torch.Tensor, heads: int = 16, requires_grad: bool = True) -> list[str]:
+    """Run ``SparseMLAFunction`` with the kernels replaced by shape-only stand-ins and return the ``dkv_reduce`` each
+    backward asked for (``"atomic"`` when it passed none): the route's decision, not the kernels' math."""
+    from megatron_glm5.kernels import sparse_mla_bwd as bwd
+
+    t = idx.shape[0]
+    seen: list[str] = []
+
+    def fwd(q, kv, indices, scale, d_v, **kw):
+        return torch.zeros(1, 1, 1, dtype=torch.bfloat16).expand(t, heads, d_v), torch.zeros(t, heads)
+
+    def bwd_stub(q, kv, out, lse, grad_out, indices, scale, d_v, **kw):
+        seen.append(kw.get("dkv_reduce", "atomic"))
+        return torch.zeros_like(q[:1, :1, :1]).expand_as(q), torch.zeros_like(kv[:1, :1]).expand_as(kv)
+
+    monkeypatch.setattr(bwd, "sparse_mla_fwd_interface", fwd)
+    monkeypatch.setattr(bwd, "sparse_mla_bwd_interface", bwd_stub)
+    q = torch.zeros(1, 1, 1, dtype=torch.bfloat16).expand(t, heads, 576).requires_grad_(requires_grad)
+    kv = torch.zeros(1, 1, dtype=torch.bfloat16).expand(t, 576)
+    with torch.set_grad_enabled(requires_grad):
+        out, _ = bwd.sparse_mla_autograd(q, kv, idx, 0.04, 512, key_blocks=True)
+    if requires_grad:
+        out.float().sum().backward()
+    return seen
+
+
+def test_autograd_takes_key_blocks_for_a_packed_batch_past_8k(monkeypatch):
+    packed = causal_sets([256] * 40, 128, seed=5)  # 10240 tokens in 256-token sequences: ratio about 1.4
+    t = 2 * KEY_BLOCKS_MAX_TOKENS  # one long sequence: 8 random causal keys per row (dense work about 1000x)
+    single = (torch.rand(t, 8, generator=torch.Generator().manual_seed(6)) * torch.arange(1, t + 1)[:, None])
+    single = single.to(torch.int32)
+    assert packed.shape[0] > KEY_BLOCKS_MAX_TOKENS
+    assert _route_of(monkeypatch, packed) == ["key_blocks"]
+    assert _route_of(monkeypatch, single) == ["atomic"]
+    assert _route_of(monkeypatch, packed[:4096]) == ["key_blocks"]  # within 8K: as measured, no probe
+    assert _route_of(monkeypatch, packed, heads=32) == ["atomic"]
+
+
+def test_no_probe_without_a_backward(monkeypatch):
+    from megatron_glm5.kernels import key_block_work, sparse_mla_bwd as bwd
+
+    made = []
+    monkeypatch.setattr(bwd, "KeyBlockWorkProbe", lambda *a: made.append(a) or key_block_work.KeyBlockWorkProbe(*a))
+    packed = causal_sets([256] * 40, 128, seed=5)
+    assert _route_of(monkeypatch, packed, requires_grad=False) == [] and made == []
+    assert _route_of(monkeypatch, packed) == ["key_blocks"] and len(made) == 1
+
+
+_SCRIPT = r"""
+import torch
+from megatron_glm5.kernels.key_block_work import row_key_span, row_key_span_reference
+g = torch.Generator().manual_seed(0)
+for t_len, k, t_kv in ((37, 24, 100), (5, 70, 64), (9, 8, 3), (4, 1, 10)):
+    idx = torch.randint(-1, t_kv + 2, (t_len, k), generator=g, dtype=torch.int32)
+    idx[0] = -1
+    got, want = row_key_span(idx, t_kv), row_key_span_reference(idx, t_kv)
+    assert all(torch.equal(a, b) for a, b in zip(got, want)), (t_len, k, t_kv, got, want)
+print("OK")
+"""
+
+
+def test_row_key_span_triton_kernel_in_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    r = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and r.stdout.rstrip().endswith("OK"), r.stdout[-3000:] + r.stderr[-3000:]
+
+
+def test_a_failing_probe_leaves_the_atomic_backward(monkeypatch, caplog):
+    from megatron_glm5.kernels import sparse_mla_bwd as bwd
+
+    def broken(*a):
+        raise RuntimeError("no Triton here")
+
+    monkeypatch.setattr(bwd, "KeyBlockWorkProbe", broken)
+    with caplog.at_level("WARNING"):
+        assert _route_of(monkeypatch, causal_sets([256] * 40, 128, seed=5)) == ["atomic"]
+    assert "work probe failed (no Triton here)" in caplog.text
+
+
+def test_packed_bench_builds_per_sequence_sets_and_judges_the_route():
+    sys.path.insert(0, str(REPO / "scripts" / "bench"))
+    try:
+        import bench_dkv_key_blocks as bench
+    finally:
+        sys.path.remove(str(REPO / "scripts" / "bench"))
+    idx = bench.packed_indices([5, 3000, 7], torch.device("cpu"))
+    starts = torch.tensor([0] * 5 + [5] * 3000 + [3005] * 7)[:, None]
+    pos = torch.arange(3012)[:, None]
+    valid = idx >= 0
+    assert idx.shape == (3012, bench.TOPK) and bool(((idx >= starts) & (idx <= pos) | ~valid).all())
+    assert valid.sum(1).tolist() == [min(p + 1, bench.TOPK) for n in (5, 3000, 7) for p in range(n)]
+    row = {"batch": "b", "T": 9, "H": 16, "atomic_ms": 2.0, "key_blocks_ms": 1.0, "atomic_tflops": 1.0,
+           "key_blocks_tflops": 2.0, "probe_ms": 0.01, "probe_ratio": 4.0, "exact_ratio": 3.9, "route": "atomic",
+           "dkv_vs_atomic": 1e-3, "dq_bitwise_atomic": True}
+    assert "| 2.00x |" in bench.report_packed([row])[-1] and "| NO |" in bench.report_packed([row])[-1]
+    assert "| yes |" in bench.report_packed([dict(row, route="key_blocks")])[-1]
