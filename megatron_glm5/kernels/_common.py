@@ -120,6 +120,15 @@ def row_valid_len(indices: torch.Tensor, *, chunk: int = 16384) -> torch.Tensor:
     return out
 
 
+def check_index_rows(indices: torch.Tensor, t_kv: int) -> None:
+    """Top-k ``indices`` as the index-set passes take them: an int32 ``[T, K]`` tensor over ``t_kv >= 0`` keys."""
+    if not isinstance(indices, torch.Tensor) or indices.dtype != torch.int32 or indices.dim() != 2:
+        raise TypeError(f"indices must be an int32 [T, K] tensor, got "
+                        f"{getattr(indices, 'dtype', type(indices))} {tuple(getattr(indices, 'shape', ()))}")
+    if t_kv < 0:
+        raise ValueError(f"t_kv must be >= 0, got {t_kv}")
+
+
 def multiprocessor_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 132

@@ -22,21 +22,20 @@ from __future__ import annotations
 
 import torch
 
-from megatron_glm5.kernels._common import HostValues, cdiv, next_power_of_2, triton_kernels, triton_runs_on
-
-
-def _check(indices: torch.Tensor, t_kv: int) -> None:
-    if not isinstance(indices, torch.Tensor) or indices.dtype != torch.int32 or indices.dim() != 2:
-        raise TypeError(f"indices must be an int32 [T, K] tensor, got "
-                        f"{getattr(indices, 'dtype', type(indices))} {tuple(getattr(indices, 'shape', ()))}")
-    if t_kv < 0:
-        raise ValueError(f"t_kv must be >= 0, got {t_kv}")
+from megatron_glm5.kernels._common import (
+    HostValues,
+    cdiv,
+    check_index_rows,
+    next_power_of_2,
+    triton_kernels,
+    triton_runs_on,
+)
 
 
 def row_key_span(indices: torch.Tensor, t_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(lo, hi)`` int32 ``[T]``: each row's smallest and largest valid key (``0 <= key < t_kv``); ``t_kv`` and -1
     for a row without one. One Triton program per row on the GPU; :func:`row_key_span_reference` elsewhere."""
-    _check(indices, t_kv)
+    check_index_rows(indices, t_kv)
     t_len, k = indices.shape
     if not triton_runs_on(indices) or _triton() is None:
         return row_key_span_reference(indices, t_kv)
@@ -51,7 +50,7 @@ def row_key_span(indices: torch.Tensor, t_kv: int) -> tuple[torch.Tensor, torch.
 
 def row_key_span_reference(indices: torch.Tensor, t_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch oracle of :func:`row_key_span` (two masked reductions over ``[T, K]`` temporaries)."""
-    _check(indices, t_kv)
+    check_index_rows(indices, t_kv)
     valid = (indices >= 0) & (indices < t_kv)
     if indices.shape[1] == 0:
         n = indices.shape[0]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_glm5.kernels._common import cdiv, next_power_of_2, triton_kernels, triton_runs_on
+from megatron_glm5.kernels._common import cdiv, check_index_rows, next_power_of_2, triton_kernels, triton_runs_on
 
 
 def bitmap_words(t_kv: int, block_k: int) -> int:
@@ -26,20 +26,12 @@ def bitmap_words(t_kv: int, block_k: int) -> int:
     return cdiv(max(t_kv, 0), block_k) * (block_k // 32)
 
 
-def _check(indices: torch.Tensor, t_kv: int) -> None:
-    if not isinstance(indices, torch.Tensor) or indices.dtype != torch.int32 or indices.dim() != 2:
-        raise TypeError(f"indices must be an int32 [T, K] tensor, got "
-                        f"{getattr(indices, 'dtype', type(indices))} {tuple(getattr(indices, 'shape', ()))}")
-    if t_kv < 0:
-        raise ValueError(f"t_kv must be >= 0, got {t_kv}")
-
-
 def selection_bitmap(indices: torch.Tensor, t_kv: int, *, block_k: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
     """``(bits int32 [T, W], repeats int32 [1])`` of top-k ``indices`` int32 ``[T, K]`` over keys ``[0, t_kv)``.
 
     ``repeats`` counts valid slots whose key an earlier slot of the same row already set (0 for the indexer's
     top-k); it stays on the device (no host sync)."""
-    _check(indices, t_kv)
+    check_index_rows(indices, t_kv)
     n_words = bitmap_words(t_kv, block_k)
     t_len, k = indices.shape
     if not triton_runs_on(indices) or _triton() is None:
@@ -56,7 +48,7 @@ def selection_bitmap(indices: torch.Tensor, t_kv: int, *, block_k: int = 64) -> 
 def selection_bitmap_reference(indices: torch.Tensor, t_kv: int, *, block_k: int = 64
                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch oracle of :func:`selection_bitmap` (a dense ``[T, W * 32]`` boolean mask, then packed)."""
-    _check(indices, t_kv)
+    check_index_rows(indices, t_kv)
     n_words = bitmap_words(t_kv, block_k)
     t_len, k = indices.shape
     dev = indices.device
