@@ -28,7 +28,11 @@
 # (what one step of the slice holds at its peak, by source line; MEMORY_ARGS adds flags, e.g. --seqs 32768 65536),
 # long_context (tests/gpu/test_long_context_gpu.py: the DSA kernels at 262144 tokens, rows past 2^31 element offsets),
 # mlp_chunks_client (Megatron-LM's pretrain_gpt.py with full recompute and --mlp-chunks-for-training 2, both specs),
-# memory_cycles (the CUDA tensors a step of the slice leaves in reference cycles, and the objects of each cycle).
+# memory_cycles (the CUDA tensors a step of the slice leaves in reference cycles, and the objects of each cycle),
+# precompile_dkv (the key-block dKV kernels and what their tests build), dkv (tests/gpu/test_sparse_mla_dkv_gpu.py),
+# bench_dkv_packed (bench_dkv_key_blocks.py --packed all: the key-block route on packed batches past 8K tokens, and
+# whether its rule picked the faster backward), profile_dkv (ncu on one launch of the key-block kernel, `ws`, 16
+# heads, 8K: OUT_DIR/dkv_ncu.txt with the full set and OUT_DIR/dkv_source.csv for ncu_source_summary.py).
 # Each step has its own log and time limit; a failing step does not stop the others.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -97,6 +101,18 @@ for step in "$@"; do
     multi_tp2_tilelang) NPROC=2 SAVE=0 PARALLEL="--tensor-model-parallel-size 2 --sequence-parallel" run multi_tp2_tilelang 120 bash examples/pretrain_glm5_tiny.sh tilelang ;;
     multi_ep2) NPROC=2 SAVE=0 PARALLEL="--expert-model-parallel-size 2" run multi_ep2 120 bash examples/pretrain_glm5_tiny.sh megatron ;;
     multi_pp2) NPROC=2 SAVE=0 PARALLEL="--pipeline-model-parallel-size 2" run multi_pp2 120 bash examples/pretrain_glm5_tiny.sh megatron ;;
+    precompile_dkv) run precompile_dkv 150 python3 scripts/bench/bench_dkv_key_blocks.py --precompile-only --workers 16 ;;
+    dkv) run dkv 240 python3 -m pytest tests/gpu/test_sparse_mla_dkv_gpu.py -q -s -p no:cacheprovider ;;
+    bench_dkv_packed) TAIL=20 run bench_dkv_packed 300 python3 scripts/bench/bench_dkv_key_blocks.py --packed all \
+      --seqs "" --out "$OUT_DIR/dkv_packed.md" ;;
+    profile_dkv) run profile_dkv 240 ncu --set full --profile-from-start off -k regex:main_kernel \
+        python3 scripts/bench/profile_bwd.py --heads 16 --seq 8192 --key-blocks ws
+      cp "$OUT_DIR/profile_dkv.log" "$OUT_DIR/dkv_ncu.txt"
+      run profile_dkv_source 240 ncu --section WarpStateStats --section SourceCounters --page source \
+        --print-source sass --csv --profile-from-start off -k regex:main_kernel \
+        python3 scripts/bench/profile_bwd.py --heads 16 --seq 8192 --key-blocks ws
+      grep -n '"Address"' "$OUT_DIR/profile_dkv_source.log" > /dev/null \
+        && sed -n '/"Address"/,$p' "$OUT_DIR/profile_dkv_source.log" > "$OUT_DIR/dkv_source.csv" ;;
     *) echo "unknown step $step" ;;
   esac
 done

@@ -6,6 +6,10 @@ is one ``main_kernel`` launch, the backward two (its ``Delta`` preprocessing, th
     ncu --set full --profile-from-start off -k regex:main_kernel python scripts/bench/profile_bwd.py --heads 64
     ncu ... python scripts/bench/profile_bwd.py --heads 16 --grouped --index-locality 0.9   # the grouped backward
     ncu ... python scripts/bench/profile_bwd.py --heads 64 --forward                        # the forward
+    ncu ... python scripts/bench/profile_bwd.py --heads 16 --seq 8192 --key-blocks ws       # the key-block dKV kernel
+
+``--key-blocks SCHEDULE`` profiles the key-block dKV kernel alone (``kernels.sparse_mla_dkv``, one launch; its
+bitmap, query ranges and ``Delta`` are built before the profiler starts).
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ def main() -> int:
     ap.add_argument("--fwd-variant", default="auto", help="the forward kernel (sparse_mla_fwd_interface's variant)")
     ap.add_argument("--index-locality", type=float, default=None,
                     help="synthetic sets with this share of a recency window (local_mix_indices); default random")
+    ap.add_argument("--key-blocks", default=None, choices=("ws", "split", "plain"),
+                    help="profile the key-block dKV kernel (this schedule) alone")
     args = ap.parse_args()
     from megatron_glm5.kernels.sparse_mla_bwd import sparse_mla_bwd_interface
     from megatron_glm5.kernels.sparse_mla_fwd import sparse_mla_fwd_interface
@@ -58,6 +64,8 @@ def main() -> int:
 
     out, lse = forward()  # compiled, caches warm: the second launch is the one to look at
     launch = forward if args.forward else backward
+    if args.key_blocks:
+        launch = key_block_launch(args.key_blocks, q, kv, out, lse, do, idx)
     launch()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStart()
@@ -65,6 +73,33 @@ def main() -> int:
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
     return 0
+
+
+def key_block_launch(schedule: str, q, kv, out, lse, do, idx):
+    """The key-block dKV kernel's launch with every input built, as ``sparse_mla_dkv.dkv_key_blocks`` calls it."""
+    from megatron_glm5.kernels.selection_bitmap import key_block_query_range, selection_bitmap
+    from megatron_glm5.kernels.sparse_mla_bwd import _jit_delta
+    from megatron_glm5.kernels.sparse_mla_dkv import (
+        KEY_BLOCK,
+        _jit_dkv_key_blocks,
+        _jit_dkv_key_blocks_ws,
+        default_chunks,
+    )
+
+    t, h, d_qk = q.shape
+    d_v = do.shape[-1]
+    delta = _jit_delta()(h, d_v)(out, do, torch.zeros_like(lse))
+    bits, _ = selection_bitmap(idx, kv.shape[0])
+    qrange = key_block_query_range(bits, KEY_BLOCK)
+    part = torch.empty(default_chunks(t, kv.shape[0], q.device), kv.shape[0], d_qk, dtype=torch.float32,
+                       device=q.device)
+    if schedule == "ws":
+        kernel = _jit_dkv_key_blocks_ws()(h, d_qk, d_v, 1 / 16, KEY_BLOCK)
+    else:
+        kernel = _jit_dkv_key_blocks()(h, d_qk, d_v, 1 / 16, KEY_BLOCK,
+                                       **({} if schedule == "split" else {"schedule": schedule}))
+    args = (q.view(t * h, d_qk), kv, do.view(t * h, d_v), lse.view(-1), delta.view(-1), bits, qrange, part)
+    return lambda: kernel(*args)
 
 
 if __name__ == "__main__":
