@@ -79,7 +79,9 @@ def dense_pairs_bound(lo: torch.Tensor, hi: torch.Tensor, t_kv: int, block_k: in
 
 class KeyBlockWorkProbe:
     """The dense work bound (:func:`dense_pairs_bound`) and the selected pairs of one call, measured in the forward
-    and read by the backward without a host sync (:class:`HostValues`)."""
+    and read by the backward without a host sync (:class:`HostValues`). Under an activation recompute that re-runs
+    the forward inside the backward, the read waits until the GPU has reached the recomputed probe (as the grouped
+    route's ``SharingProbe`` does): one drain of the queue per such call, past 8K tokens only."""
 
     def __init__(self, indices: torch.Tensor, valid_len: torch.Tensor, t_kv: int, block_k: int = 64):
         lo, hi = row_key_span(indices, t_kv)
