@@ -2,7 +2,7 @@
 
 The bound must never be below the exact per-block query ranges (``selection_bitmap.key_block_query_range``), sit close
 to them on causal sets, single and packed, and make the autograd backward take the key blocks for a packed batch past
-8K tokens while a single long sequence keeps the atomic backward."""
+8K tokens while a single long sequence (past about 11K tokens at top-2048) keeps the atomic backward."""
 
 from __future__ import annotations
 
@@ -74,6 +74,12 @@ def test_bound_equals_the_exact_ranges_where_rows_select_their_position_and_sequ
     idx[start == pos, 1] = -1  # no repeated key at each sequence's first row
     for block_k in (32, 64):
         assert int(dense_pairs_bound(*row_key_span(idx, 320), 320, block_k)) == exact_dense_pairs(idx, 320, block_k)
+
+
+def test_rows_without_keys_stay_out_of_a_partial_last_block():
+    idx = torch.full((10, 3), -1, dtype=torch.int32)
+    idx[:5, 0] = torch.arange(5, dtype=torch.int32)  # rows 5-9 select nothing (lo = t_kv = 40 < the block's end 63)
+    assert int(dense_pairs_bound(*row_key_span(idx, 40), 40)) == exact_dense_pairs(idx, 40) == 5 * 64
 
 
 def test_bound_of_unordered_and_empty_inputs():

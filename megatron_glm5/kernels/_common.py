@@ -147,7 +147,7 @@ class HostValues:
             self.host = torch.empty(values.numel(), dtype=torch.int64, pin_memory=True)
             self.host.copy_(values, non_blocking=True)
             self.event = torch.cuda.Event()
-            self.event.record()
+            self.event.record(torch.cuda.current_stream(values.device))  # the copy's stream, whatever device is current
         else:
             self.host = values
 

@@ -73,7 +73,8 @@ def dense_pairs_bound(lo: torch.Tensor, hi: torch.Tensor, t_kv: int, block_k: in
     hi_run = torch.cummax(hi.to(torch.int64), 0).values  # nondecreasing
     lo_suffix = torch.cummin(lo.to(torch.int64).flip(0), 0).values.flip(0)  # nondecreasing
     first = torch.searchsorted(hi_run, b0, side="left")  # first t whose running max reaches b0
-    end = torch.searchsorted(lo_suffix, b0 + block_k - 1, side="right")  # one past the last t with lo_t <= b1
+    b1 = (b0 + block_k - 1).clamp_max(t_kv - 1)  # a partial last block: rows without keys (lo = t_kv) stay out
+    end = torch.searchsorted(lo_suffix, b1, side="right")  # one past the last t with lo_t <= b1
     return (end - first).clamp_min(0).sum() * block_k
 
 

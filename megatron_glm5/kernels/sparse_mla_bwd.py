@@ -693,9 +693,9 @@ class SparseMLAFunction(torch.autograd.Function):
         grouped kernel (one CTA per 4 neighbouring queries over the union of their sets) and the backward too where
         those sets share enough keys (``GROUPED_BWD_MIN_SHARING``, measured in the forward); same contract, other
         rounding.
-        ``key_blocks=True``: where ``sparse_mla_dkv.key_blocks_pay`` holds (past 8K tokens, a packed batch: by the
-        forward's bound of the dense work, ``key_block_work``) and no ``target_box`` is given, the backward forms dKV
-        by key blocks
+        ``key_blocks=True``: where ``sparse_mla_dkv.key_blocks_pay`` holds (past 8K tokens by the forward's bound of
+        the dense work, ``key_block_work``: packed batches of shorter sequences) and no ``target_box`` is given, the
+        backward forms dKV by key blocks
         (``dkv_reduce="key_blocks"``: no float atomics, deterministic) unless the grouped forward measured a
         sharing of at least ``KEY_BLOCKS_BELOW_SHARING`` (there the grouped backward is expected to be faster);
         needs each row's valid indices distinct (the indexer's top-k).
@@ -733,7 +733,7 @@ class SparseMLAFunction(torch.autograd.Function):
                           and key_blocks_fit(q.shape[1], q.shape[0], kv.shape[0], q.shape[2], d_v))
         ctx.work = None
         if ctx.key_blocks and backward_follows and q.shape[0] > KEY_BLOCKS_MAX_TOKENS:
-            try:  # a packed batch may pay: measure its dense work
+            try:  # a packed batch (or a sequence a little past 8K) may pay: measure its dense work
                 ctx.work = KeyBlockWorkProbe(indices, valid_len, kv.shape[0])
             except Exception as err:  # the atomic backward needs no probe
                 _log.warning("sparse MLA: the key-block work probe failed (%s); the backward adds dKV atomically", err)

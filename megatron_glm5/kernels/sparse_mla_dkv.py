@@ -55,9 +55,11 @@ PARTIAL_BYTES = 512 << 20  # the partial buffer, n_chunks x T_kv x d_qk fp32, st
 # half the atomic backward there).
 KEY_BLOCKS_MAX_HEADS = 16
 KEY_BLOCKS_MAX_TOKENS = 8192
-# Past 8K tokens per call (a packed batch of shorter sequences), the route is taken where the forward's bound of the
-# dense work (``key_block_work``) is at most this many times the selected pairs: the speed-up interpolated linearly
-# between the measured 2.30 (1.19x) and 4.28 (0.81x) crosses 1.0 near 3.3; 3.0 keeps a margin.
+# Past 8K tokens per call, the route is taken where the forward's bound of the dense work (``key_block_work``) is at
+# most this many times the selected pairs: the speed-up interpolated linearly between the measured 2.30 (1.19x) and
+# 4.28 (0.81x) crosses 1.0 near 3.3; 3.0 keeps a margin. That admits packed batches of sequences up to about 10K
+# tokens at any total length, and a single causal top-2048 sequence up to about 11K (ratio 3.04 at 11264: between
+# the measured points, not itself measured).
 KEY_BLOCKS_MAX_DENSE_PER_SPARSE = 3.0
 KEY_BLOCKS_BITMAP_BYTES = 512 << 20  # the selection bitmap (T x T_kv / 8 bytes) stays below this: 64K x 64K
 
@@ -65,7 +67,8 @@ KEY_BLOCKS_BITMAP_BYTES = 512 << 20  # the selection bitmap (T x T_kv / 8 bytes)
 def key_blocks_fit(heads: int, tokens: int, t_kv: int, d_qk: int, d_v: int) -> bool:
     """Whether the key-block dKV may serve this call at all: per-rank heads where it was measured, GLM-5's latent
     (``d_qk = d_v + 64``; GLM-5.3-Flash's KPool sets are not measured here), and a selection bitmap within
-    :data:`KEY_BLOCKS_BITMAP_BYTES`."""
+    :data:`KEY_BLOCKS_BITMAP_BYTES` (at any length: ``T x T_kv / 8`` bytes, so a short call over more than 512K keys
+    keeps the atomic backward too)."""
     bitmap_bytes = tokens * bitmap_words(t_kv, KEY_BLOCK) * 4
     return (heads <= KEY_BLOCKS_MAX_HEADS and tokens > 0 and d_qk == d_v + 64
             and bitmap_bytes <= KEY_BLOCKS_BITMAP_BYTES)

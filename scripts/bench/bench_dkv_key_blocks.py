@@ -203,6 +203,9 @@ PACKED = {
     "8 x 8K": [8192] * 8,
     "16 x 2K": [2048] * 16,
     "12K + 4K": [12288, 4096],
+    "1 x 10K": [10240],
+    "1 x 11K": [11264],
+    "1 x 12K": [12288],
     "1 x 16K": [16384],
 }
 
@@ -225,7 +228,7 @@ def bench_packed(name: str, lengths: list[int], heads: int) -> dict:
     from bench_dsa_kernels import timed
 
     from megatron_glm5.kernels._common import row_valid_len
-    from megatron_glm5.kernels.key_block_work import KeyBlockWorkProbe
+    from megatron_glm5.kernels.key_block_work import KeyBlockWorkProbe, dense_pairs_bound, row_key_span
     from megatron_glm5.kernels.selection_bitmap import key_block_query_range, selection_bitmap
     from megatron_glm5.kernels.sparse_mla_bwd import sparse_mla_bwd_interface
     from megatron_glm5.kernels.sparse_mla_dkv import KEY_BLOCK, key_blocks_pay
@@ -247,7 +250,7 @@ def bench_packed(name: str, lengths: list[int], heads: int) -> dict:
         return sparse_mla_bwd_interface(q, kv, out, lse, g, idx, SCALE, D_V, valid_len=vlen, dkv_reduce=reduce)
 
     row = {"batch": name, "T": total, "H": heads, "pairs": pairs}
-    row["probe_ms"] = timed(lambda: KeyBlockWorkProbe(idx, vlen, total).dense_per_sparse())
+    row["probe_ms"] = timed(lambda: dense_pairs_bound(*row_key_span(idx, total), total))  # the forward's device work
     row["probe_ratio"] = KeyBlockWorkProbe(idx, vlen, total).dense_per_sparse()
     bits, _ = selection_bitmap(idx, total)
     rng = key_block_query_range(bits, KEY_BLOCK)

@@ -150,10 +150,18 @@ def test_row_key_span_kernel_and_bound_on_device():
     assert exact <= bound <= 1.02 * exact, (exact, bound)
 
 
-def test_autograd_takes_key_blocks_for_a_packed_batch_past_8k():
+def test_autograd_takes_key_blocks_for_a_packed_batch_past_8k(monkeypatch):
     """Past 8K tokens the forward's work probe decides: a packed batch of 2K-token sequences takes the key-block
-    backward (dKV bitwise the interface's key-block dKV), one 12K-token sequence the atomic one."""
+    backward (dKV bitwise the interface's key-block dKV), one 12K-token sequence the atomic one (dense work 3.3x)."""
     heads, topk, d_v = 16, 2048, 512
+    routes = []
+    interface = bwd_mod.sparse_mla_bwd_interface
+
+    def recording(*args, **kwargs):
+        routes.append(kwargs.get("dkv_reduce", "atomic"))
+        return interface(*args, **kwargs)
+
+    monkeypatch.setattr(bwd_mod, "sparse_mla_bwd_interface", recording)
     for lengths, want_key_blocks in (([2048] * 5, True), ([12288], False)):
         t_len = sum(lengths)
         bounds = torch.tensor([sum(lengths[:i]) for i in range(len(lengths))], device="cuda")
@@ -165,10 +173,12 @@ def test_autograd_takes_key_blocks_for_a_packed_batch_past_8k():
         grad_out = torch.randn(t_len, heads, d_v, device="cuda", dtype=torch.bfloat16, generator=g)
         qg, kvg = q.clone().requires_grad_(), kv.clone().requires_grad_()
         out, _ = bwd_mod.sparse_mla_autograd(qg, kvg, idx, SCALE, d_v, key_blocks=True)
+        routes.clear()
         out.backward(grad_out)
-        o, lse = fwd_mod.sparse_mla_fwd_interface(q, kv, idx, SCALE, d_v)
         reduce = "key_blocks" if want_key_blocks else "atomic"
-        dq, dkv = bwd_mod.sparse_mla_bwd_interface(q, kv, o, lse, grad_out, idx, SCALE, d_v, dkv_reduce=reduce)
+        assert routes == [reduce], (lengths, routes)
+        o, lse = fwd_mod.sparse_mla_fwd_interface(q, kv, idx, SCALE, d_v)
+        dq, dkv = interface(q, kv, o, lse, grad_out, idx, SCALE, d_v, dkv_reduce=reduce)
         assert torch.equal(qg.grad, dq), lengths
         if want_key_blocks:
             assert torch.equal(kvg.grad, dkv), lengths
