@@ -31,8 +31,8 @@
 # memory_cycles (the CUDA tensors a step of the slice leaves in reference cycles, and the objects of each cycle),
 # precompile_dkv (the key-block dKV kernels and what their tests build), dkv (tests/gpu/test_sparse_mla_dkv_gpu.py),
 # bench_dkv_packed (bench_dkv_key_blocks.py --packed all: the key-block route on packed batches past 8K tokens, and
-# whether its rule picked the faster backward), profile_dkv (ncu on one launch of the key-block kernel, `ws`, 16
-# heads, 8K: OUT_DIR/dkv_ncu.txt with the full set and OUT_DIR/dkv_source.csv for ncu_source_summary.py).
+# whether its rule picked the faster backward), profile_dkv (ncu on one launch of the key-block kernel, 16 heads, 8K,
+# schedule $DKV_SCHEDULE, default ws: OUT_DIR/dkv_ncu.txt with the full set and OUT_DIR/dkv_source.csv for ncu_source_summary.py).
 # Each step has its own log and time limit; a failing step does not stop the others.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -106,11 +106,11 @@ for step in "$@"; do
     bench_dkv_packed) TAIL=20 run bench_dkv_packed 300 python3 scripts/bench/bench_dkv_key_blocks.py --packed all \
       --seqs "" --out "$OUT_DIR/dkv_packed.md" ;;
     profile_dkv) run profile_dkv 240 ncu --set full --profile-from-start off -k regex:main_kernel \
-        python3 scripts/bench/profile_bwd.py --heads 16 --seq 8192 --key-blocks ws
+        python3 scripts/bench/profile_bwd.py --heads 16 --seq 8192 --key-blocks "${DKV_SCHEDULE:-ws}"
       cp "$OUT_DIR/profile_dkv.log" "$OUT_DIR/dkv_ncu.txt"
       run profile_dkv_source 240 ncu --section WarpStateStats --section SourceCounters --page source \
         --print-source sass --csv --profile-from-start off -k regex:main_kernel \
-        python3 scripts/bench/profile_bwd.py --heads 16 --seq 8192 --key-blocks ws
+        python3 scripts/bench/profile_bwd.py --heads 16 --seq 8192 --key-blocks "${DKV_SCHEDULE:-ws}"
       grep -n '"Address"' "$OUT_DIR/profile_dkv_source.log" > /dev/null \
         && sed -n '/"Address"/,$p' "$OUT_DIR/profile_dkv_source.log" > "$OUT_DIR/dkv_source.csv" ;;
     *) echo "unknown step $step" ;;

@@ -180,3 +180,13 @@ def test_default_chunks_bound_the_partial_buffer():
     for t in (1, 100, 2048, 8192, 16384, 65536, 1 << 20):
         n = default_chunks(t, t, torch.device("cpu"))
         assert 1 <= n <= MAX_CHUNKS and (n == 1 or n * t * 576 * 4 <= PARTIAL_BYTES), (t, n)
+
+
+def test_dkv_key_blocks_names_its_schedules():
+    from megatron_glm5.kernels.sparse_mla_dkv import SCHEDULES, dkv_key_blocks
+
+    assert SCHEDULES == ("ws", "ws4", "split", "plain")
+    q = torch.zeros(4, 16, 576, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"one of \('ws', 'ws4', 'split', 'plain'\), got 'tma'"):
+        dkv_key_blocks(q, q[:, 0], q[..., :512], q[..., 0].float(), q[..., 0].float(),
+                       torch.zeros(4, 8, dtype=torch.int32), 1 / 16, schedule="tma")

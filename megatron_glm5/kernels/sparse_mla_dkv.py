@@ -47,6 +47,7 @@ from megatron_glm5.kernels.selection_bitmap import bitmap_words, key_block_query
 KEY_BLOCK = 64  # keys per CTA: the wgmma M of every GEMM here
 ROW_TILE = 32  # (query, head) rows per step: two stages of Q / dO tiles fit next to the key block (216 KB)
 MAX_CHUNKS = 32  # query chunks (32 vs 16: 0.57 vs 0.67 ms at 2K tokens, even at 8K)
+SCHEDULES = ("ws", "ws4", "split", "plain")  # dkv_key_blocks(schedule=...): "ws" is the default
 PARTIAL_BYTES = 512 << 20  # the partial buffer, n_chunks x T_kv x d_qk fp32, stays below this
 
 
@@ -402,6 +403,90 @@ def _jit_dkv_key_blocks():
 WS_NREG = (136, 168, 200)
 
 
+def _check_ws_shape(d_qk: int, d_v: int, block_k: int, block_r: int) -> None:
+    """The warp-specialised kernels' shape rules: 16-row cp.async passes of the score warpgroup over the halves of
+    ``d_v`` and the tail, and one cp.async per score thread for a tile's LSE, Delta and mask words."""
+    dh, d_tail, lanes = d_v // 2, d_qk - d_v, 128 // 8
+    if dh % 64 or d_tail % 64 or d_tail < 0 or block_k % lanes or block_r % lanes or block_k % 32:
+        raise ValueError(f"key-block dKV needs d_v/2 and d_qk-d_v >= 0 multiples of 64, block_k a multiple of 32 "
+                         f"and of 16, block_r a multiple of 16; got d_v={d_v}, d_qk={d_qk}, block_k={block_k}, "
+                         f"block_r={block_r}")
+    if 2 * block_r + block_r * (block_k // 32) > 128:
+        raise ValueError(f"a tile's LSE, Delta and mask words take one cp.async per score thread: "
+                         f"2 * block_r + block_r * block_k / 32 <= 128, got block_r={block_r}, block_k={block_k}")
+
+
+def _ws_macros(T, *, heads: int, d_v: int, d_tail: int, block_k: int, block_r: int, softmax_scale: float):
+    """``(load_rows, load_tile, scores, updates_left, updates_right)``, the steps of the warp-specialised key-block
+    kernels (``_jit_dkv_key_blocks_ws``, ``_jit_dkv_key_blocks_ws4``; ``T`` is ``tilelang.language``):
+
+    * ``load_rows``: :func:`_load_macros`' row loader (the key block);
+    * ``load_tile(...)``: a row tile's Q, dO, LSE, Delta and mask words into one stage (cp.async), completion on
+      ``bar[stage]``;
+    * ``scores(...)``: the score warpgroup's step: wait for the stage, ``S^T`` and ``dP^T``, then ``P`` and ``dS``
+      (bf16) into the tile's buffers;
+    * ``updates_left`` / ``updates_right(..., full, free, parity)``: a dKV warpgroup's step: wait for ``P`` / ``dS``
+      on ``bar_full[full]``, ``dKV += dS^T Q + P^T dO`` on its half (the right one with the RoPE tail), then arrive
+      on ``bar_free[free]`` (the stage and the ``P`` / ``dS`` buffer are read)."""
+    dh = d_v // 2
+    has_tail = d_tail > 0
+    words = block_k // 32
+    scale_log2 = softmax_scale * LOG2E
+    bf16 = T.bfloat16
+    load_rows, load_meta = _load_macros(T, rows_per_pass=128 // 8, dh=dh, d_tail=d_tail, d_v=d_v, block_r=block_r,
+                                        words=words, heads=heads)
+
+    @T.macro
+    def load_tile(Q, dO, Lse, Delta, Bits, kb, r0, r_hi, tx, q_l, q_r, q_t, do_l, do_r, lse_t, dl_t, bits_t,
+                  bar, stage):
+        load_rows(Q, r0, r_hi, tx, block_r, q_l, q_r, q_t, d_v)
+        load_rows(dO, r0, r_hi, tx, block_r, do_l, do_r, None, 0)
+        load_meta(Lse, Delta, Bits, kb, r0, r_hi, tx, lse_t, dl_t, bits_t)
+        T.cp_async_barrier_noinc(bar[stage])
+
+    @T.macro
+    def scores(kl, kr, kt, q_l, q_r, q_t, do_l, do_r, lse_t, dl_t, bits_t, s_f, dp_f, p_s, ds_s, bar_ready,
+               stage, parity):
+        # score warpgroup, one tile: S^T and dP^T, then P and dS into this tile's buffers
+        T.barrier_wait(bar_ready[stage], parity)
+        T.fence_proxy_async()  # cp.async (generic proxy) data, read next by the tensor cores
+        T.wgmma_gemm(kl, q_l, s_f, transpose_B=True, clear_accum=True)
+        T.wgmma_gemm(kr, q_r, s_f, transpose_B=True)
+        if has_tail:
+            T.wgmma_gemm(kt, q_t, s_f, transpose_B=True)
+        T.wgmma_gemm(kl, do_l, dp_f, transpose_B=True, clear_accum=True)
+        T.wgmma_gemm(kr, do_r, dp_f, transpose_B=True)
+        T.wait_wgmma(0)
+        for j, i in T.Parallel(block_k, block_r):
+            sel = ((bits_t[i, j // 32] >> (j % 32)) & 1) == 1
+            p = T.if_then_else(sel, T.exp2(s_f[j, i] * scale_log2 - lse_t[i] * LOG2E), 0)
+            p_s[j, i] = T.cast(p, bf16)
+            ds_s[j, i] = T.cast(p * (dp_f[j, i] - dl_t[i]) * softmax_scale, bf16)
+        T.fence_proxy_async()  # generic smem writes of P / dS, read next by the other warpgroups' MMAs
+
+    @T.macro
+    def updates_left(p_s, ds_s, q_l, do_l, acc_l, bar_full, bar_free, full, free, parity):
+        T.barrier_wait(bar_full[full], parity)
+        T.fence_proxy_async()
+        T.wgmma_gemm(ds_s, q_l, acc_l)
+        T.wgmma_gemm(p_s, do_l, acc_l)
+        T.wait_wgmma(0)
+        T.barrier_arrive(bar_free[free])
+
+    @T.macro
+    def updates_right(p_s, ds_s, q_r, q_t, do_r, acc_r, acc_t, bar_full, bar_free, full, free, parity):
+        T.barrier_wait(bar_full[full], parity)
+        T.fence_proxy_async()
+        T.wgmma_gemm(ds_s, q_r, acc_r)
+        T.wgmma_gemm(p_s, do_r, acc_r)
+        if has_tail:
+            T.wgmma_gemm(ds_s, q_t, acc_t)
+        T.wait_wgmma(0)
+        T.barrier_arrive(bar_free[free])
+
+    return load_rows, load_tile, scores, updates_left, updates_right
+
+
 @functools.cache
 def _jit_dkv_key_blocks_ws():
     tilelang, T = tilelang_modules()
@@ -430,19 +515,11 @@ def _jit_dkv_key_blocks_ws():
         from megatron_glm5.kernels.sparse_mla_fwd import check_register_split
 
         check_register_split(nreg, (0, 1, 1))
+        _check_ws_shape(d_qk, d_v, block_k, block_r)
         dh = d_v // 2
         d_tail = d_qk - d_v
         has_tail = d_tail > 0
-        lanes = 128 // 8  # rows per pass of the score warpgroup's cp.async loads (8 lanes x 16 bytes per row)
         words = block_k // 32
-        if dh % 64 or d_tail % 64 or d_tail < 0 or block_k % lanes or block_r % lanes or block_k % 32:
-            raise ValueError(f"key-block dKV needs d_v/2 and d_qk-d_v >= 0 multiples of 64, block_k a multiple of 32 "
-                             f"and of 16, block_r a multiple of 16; got d_v={d_v}, d_qk={d_qk}, block_k={block_k}, "
-                             f"block_r={block_r}")
-        if 2 * block_r + block_r * words > 128:
-            raise ValueError(f"a tile's LSE, Delta and mask words take one cp.async per score thread: "
-                             f"2 * block_r + block_r * block_k / 32 <= 128, got block_r={block_r}, block_k={block_k}")
-        scale_log2 = softmax_scale * LOG2E
         n_flat = T.dynamic("n_flat")
         t_len = T.dynamic("t_len")
         t_kv = T.dynamic("t_kv")
@@ -451,56 +528,8 @@ def _jit_dkv_key_blocks_ws():
         n_chunk = T.dynamic("n_chunk")
         bf16, f32, i32 = T.bfloat16, T.float32, T.int32
 
-        load_rows, load_meta = _load_macros(T, rows_per_pass=lanes, dh=dh, d_tail=d_tail, d_v=d_v,
-                                            block_r=block_r, words=words, heads=heads)
-
-        @T.macro
-        def load_tile(Q, dO, Lse, Delta, Bits, kb, r0, r_hi, tx, q_l, q_r, q_t, do_l, do_r, lse_t, dl_t, bits_t,
-                      bar, stage):
-            load_rows(Q, r0, r_hi, tx, block_r, q_l, q_r, q_t, d_v)
-            load_rows(dO, r0, r_hi, tx, block_r, do_l, do_r, None, 0)
-            load_meta(Lse, Delta, Bits, kb, r0, r_hi, tx, lse_t, dl_t, bits_t)
-            T.cp_async_barrier_noinc(bar[stage])
-
-        @T.macro
-        def scores(kl, kr, kt, q_l, q_r, q_t, do_l, do_r, lse_t, dl_t, bits_t, s_f, dp_f, p_s, ds_s, bar_ready,
-                   stage, parity):
-            # score warpgroup, one tile: S^T and dP^T, then P and dS into this tile's buffers
-            T.barrier_wait(bar_ready[stage], parity)
-            T.fence_proxy_async()  # cp.async (generic proxy) data, read next by the tensor cores
-            T.wgmma_gemm(kl, q_l, s_f, transpose_B=True, clear_accum=True)
-            T.wgmma_gemm(kr, q_r, s_f, transpose_B=True)
-            if has_tail:
-                T.wgmma_gemm(kt, q_t, s_f, transpose_B=True)
-            T.wgmma_gemm(kl, do_l, dp_f, transpose_B=True, clear_accum=True)
-            T.wgmma_gemm(kr, do_r, dp_f, transpose_B=True)
-            T.wait_wgmma(0)
-            for j, i in T.Parallel(block_k, block_r):
-                sel = ((bits_t[i, j // 32] >> (j % 32)) & 1) == 1
-                p = T.if_then_else(sel, T.exp2(s_f[j, i] * scale_log2 - lse_t[i] * LOG2E), 0)
-                p_s[j, i] = T.cast(p, bf16)
-                ds_s[j, i] = T.cast(p * (dp_f[j, i] - dl_t[i]) * softmax_scale, bf16)
-            T.fence_proxy_async()  # generic smem writes of P / dS, read next by the other warpgroups' MMAs
-
-        @T.macro
-        def updates_left(p_s, ds_s, q_l, do_l, acc_l, bar_full, bar_free, stage, parity):
-            T.barrier_wait(bar_full[stage], parity)
-            T.fence_proxy_async()
-            T.wgmma_gemm(ds_s, q_l, acc_l)
-            T.wgmma_gemm(p_s, do_l, acc_l)
-            T.wait_wgmma(0)
-            T.barrier_arrive(bar_free[stage])
-
-        @T.macro
-        def updates_right(p_s, ds_s, q_r, q_t, do_r, acc_r, acc_t, bar_full, bar_free, stage, parity):
-            T.barrier_wait(bar_full[stage], parity)
-            T.fence_proxy_async()
-            T.wgmma_gemm(ds_s, q_r, acc_r)
-            T.wgmma_gemm(p_s, do_r, acc_r)
-            if has_tail:
-                T.wgmma_gemm(ds_s, q_t, acc_t)
-            T.wait_wgmma(0)
-            T.barrier_arrive(bar_free[stage])
+        load_rows, load_tile, scores, updates_left, updates_right = _ws_macros(
+            T, heads=heads, d_v=d_v, d_tail=d_tail, block_k=block_k, block_r=block_r, softmax_scale=softmax_scale)
 
         @T.prim_func
         def main(
@@ -584,9 +613,9 @@ def _jit_dkv_key_blocks_ws():
                     T.set_max_nreg(nreg[1], 1)
                     T.clear(acc_l)
                     for ip in T.serial(T.ceildiv(n_tiles, 2)):
-                        updates_left(p0_s, ds0_s, q0_l, do0_l, acc_l, bar_full, bar_free, 0, ip & 1)
+                        updates_left(p0_s, ds0_s, q0_l, do0_l, acc_l, bar_full, bar_free, 0, 0, ip & 1)
                         if 2 * ip + 1 < n_tiles:
-                            updates_left(p1_s, ds1_s, q1_l, do1_l, acc_l, bar_full, bar_free, 1, ip & 1)
+                            updates_left(p1_s, ds1_s, q1_l, do1_l, acc_l, bar_full, bar_free, 1, 1, ip & 1)
                     for j, d in T.Parallel(block_k, dh):
                         if k0 + j < t_kv:
                             Part[qc, k0 + j, d] = acc_l[j, d]
@@ -596,9 +625,9 @@ def _jit_dkv_key_blocks_ws():
                     if has_tail:
                         T.clear(acc_t)
                     for ip in T.serial(T.ceildiv(n_tiles, 2)):
-                        updates_right(p0_s, ds0_s, q0_r, q0_t, do0_r, acc_r, acc_t, bar_full, bar_free, 0, ip & 1)
+                        updates_right(p0_s, ds0_s, q0_r, q0_t, do0_r, acc_r, acc_t, bar_full, bar_free, 0, 0, ip & 1)
                         if 2 * ip + 1 < n_tiles:
-                            updates_right(p1_s, ds1_s, q1_r, q1_t, do1_r, acc_r, acc_t, bar_full, bar_free, 1, ip & 1)
+                            updates_right(p1_s, ds1_s, q1_r, q1_t, do1_r, acc_r, acc_t, bar_full, bar_free, 1, 1, ip & 1)
                     for j, d in T.Parallel(block_k, dh):
                         if k0 + j < t_kv:
                             Part[qc, k0 + j, dh + d] = acc_r[j, d]
@@ -610,6 +639,214 @@ def _jit_dkv_key_blocks_ws():
         return main
 
     return sparse_mla_dkv_key_blocks_ws
+
+
+WS4_ROW_TILE = 16  # rows per tile of the four-stage schedule: four 34.8 KB stages fit where two 32-row ones did
+
+
+@functools.cache
+def _jit_dkv_key_blocks_ws4():
+    tilelang, T = tilelang_modules()
+
+    @tilelang.jit(
+        pass_configs={
+            tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
+            tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
+        },
+    )
+    def sparse_mla_dkv_key_blocks_ws4(heads: int, d_qk: int, d_v: int, softmax_scale: float,
+                                      block_k: int = KEY_BLOCK, block_r: int = WS4_ROW_TILE,
+                                      nreg: tuple[int, int, int] = WS_NREG):
+        """The warp-specialised key-block kernel (``_jit_dkv_key_blocks_ws``: same contract, grid, warpgroups and
+        tile steps) with four stages of ``block_r``-row tiles instead of two of 32, so that the score warpgroup's
+        loads run three tiles ahead. In ``ws`` it issues tile ``n + 1``'s load after scoring tile ``n`` and then waits
+        for it at once (the stage frees only when tile ``n - 1``'s dKV GEMMs have read it): every tile's load latency
+        is exposed. Here, after scoring tile ``n`` it loads tile ``n + 3`` into the stage tile ``n - 1`` used.
+
+        Buffers: four stages (``Q``, ``dO``, LSE, Delta, mask words) with ``bar_ready`` / ``bar_free`` per stage, and
+        two ``P`` / ``dS`` buffers (by tile parity) with ``bar_full`` each; before writing tile ``n``'s ``P`` / ``dS``
+        the score warpgroup waits for tile ``n - 2``'s dKV (``bar_free`` of its stage). Rows are visited in the same
+        order as in ``ws``, but the dKV additions interleave per 16 rows (``dS^T Q`` then ``P^T dO`` for each tile,
+        where ``ws`` adds both GEMMs over 32 rows in turn), so the fp32 sums differ from ``ws`` in order: checked
+        against the torch form and run to run (GPU tests), not bitwise against ``ws``. Experimental: compiled
+        (sm_90a, 72 bytes of spills against ``ws``'s 180, no serialised wgmma warning), not yet run on a GPU."""
+        from megatron_glm5.kernels.sparse_mla_fwd import check_register_split
+
+        check_register_split(nreg, (0, 1, 1))
+        _check_ws_shape(d_qk, d_v, block_k, block_r)
+        dh = d_v // 2
+        d_tail = d_qk - d_v
+        has_tail = d_tail > 0
+        words = block_k // 32
+        n_flat = T.dynamic("n_flat")
+        t_len = T.dynamic("t_len")
+        t_kv = T.dynamic("t_kv")
+        n_words = T.dynamic("n_words")
+        n_kb = T.dynamic("n_kb")
+        n_chunk = T.dynamic("n_chunk")
+        bf16, f32, i32 = T.bfloat16, T.float32, T.int32
+
+        load_rows, load_tile, scores, updates_left, updates_right = _ws_macros(
+            T, heads=heads, d_v=d_v, d_tail=d_tail, block_k=block_k, block_r=block_r, softmax_scale=softmax_scale)
+
+        @T.macro
+        def score_step(Q, dO, Lse, Delta, Bits, kb, r_lo, r_hi, n_tiles, tx, i, j, kl, kr, kt,
+                       q_l, q_r, q_t, do_l, do_r, lse_t, dl_t, bits_t,
+                       nq_l, nq_r, nq_t, ndo_l, ndo_r, nlse_t, ndl_t, nbits_t,
+                       s_f, dp_f, p_s, ds_s, bar_ready, bar_full, bar_free):
+            # tile n = 4 i + j in stage j: wait for tile n - 2's dKV (its P / dS buffer), score, hand over; then load
+            # tile n + 3 into stage (j + 3) % 4 once tile n - 1's dKV has read it
+            n = 4 * i + j
+            if n < n_tiles:
+                if n >= 2:
+                    T.barrier_wait(bar_free[(j + 2) % 4], (i - (1 if j < 2 else 0)) & 1)
+                scores(kl, kr, kt, q_l, q_r, q_t, do_l, do_r, lse_t, dl_t, bits_t, s_f, dp_f, p_s, ds_s, bar_ready,
+                       j, i & 1)
+                T.barrier_arrive(bar_full[j % 2])
+                if n + 3 < n_tiles:
+                    if n >= 1:
+                        T.barrier_wait(bar_free[(j + 3) % 4], (i - (1 if j < 1 else 0)) & 1)
+                    load_tile(Q, dO, Lse, Delta, Bits, kb, r_lo + (n + 3) * block_r, r_hi, tx, nq_l, nq_r, nq_t,
+                              ndo_l, ndo_r, nlse_t, ndl_t, nbits_t, bar_ready, (j + 3) % 4)
+
+        @T.prim_func
+        def main(
+            Q: T.Tensor([n_flat, d_qk], bf16),
+            KV: T.Tensor([t_kv, d_qk], bf16),
+            dO: T.Tensor([n_flat, d_v], bf16),
+            Lse: T.Tensor([n_flat], f32),
+            Delta: T.Tensor([n_flat], f32),
+            Bits: T.Tensor([t_len, n_words], i32),
+            QRange: T.Tensor([n_kb, 2], i32),
+            Part: T.Tensor([n_chunk, t_kv, d_qk], f32),
+        ):
+            with T.Kernel(T.ceildiv(t_kv, block_k), n_chunk, threads=384) as (kb, qc):
+                kl = T.alloc_shared([block_k, dh], bf16)
+                kr = T.alloc_shared([block_k, dh], bf16)
+                kt = T.alloc_shared([block_k, d_tail], bf16) if has_tail else None
+                q0_l = T.alloc_shared([block_r, dh], bf16)
+                q0_r = T.alloc_shared([block_r, dh], bf16)
+                q0_t = T.alloc_shared([block_r, d_tail], bf16) if has_tail else None
+                do0_l = T.alloc_shared([block_r, dh], bf16)
+                do0_r = T.alloc_shared([block_r, dh], bf16)
+                q1_l = T.alloc_shared([block_r, dh], bf16)
+                q1_r = T.alloc_shared([block_r, dh], bf16)
+                q1_t = T.alloc_shared([block_r, d_tail], bf16) if has_tail else None
+                do1_l = T.alloc_shared([block_r, dh], bf16)
+                do1_r = T.alloc_shared([block_r, dh], bf16)
+                q2_l = T.alloc_shared([block_r, dh], bf16)
+                q2_r = T.alloc_shared([block_r, dh], bf16)
+                q2_t = T.alloc_shared([block_r, d_tail], bf16) if has_tail else None
+                do2_l = T.alloc_shared([block_r, dh], bf16)
+                do2_r = T.alloc_shared([block_r, dh], bf16)
+                q3_l = T.alloc_shared([block_r, dh], bf16)
+                q3_r = T.alloc_shared([block_r, dh], bf16)
+                q3_t = T.alloc_shared([block_r, d_tail], bf16) if has_tail else None
+                do3_l = T.alloc_shared([block_r, dh], bf16)
+                do3_r = T.alloc_shared([block_r, dh], bf16)
+                lse0 = T.alloc_shared([block_r], f32)
+                dl0 = T.alloc_shared([block_r], f32)
+                bits0 = T.alloc_shared([block_r, words], i32)
+                lse1 = T.alloc_shared([block_r], f32)
+                dl1 = T.alloc_shared([block_r], f32)
+                bits1 = T.alloc_shared([block_r, words], i32)
+                lse2 = T.alloc_shared([block_r], f32)
+                dl2 = T.alloc_shared([block_r], f32)
+                bits2 = T.alloc_shared([block_r, words], i32)
+                lse3 = T.alloc_shared([block_r], f32)
+                dl3 = T.alloc_shared([block_r], f32)
+                bits3 = T.alloc_shared([block_r, words], i32)
+                p0_s = T.alloc_shared([block_k, block_r], bf16)
+                ds0_s = T.alloc_shared([block_k, block_r], bf16)
+                p1_s = T.alloc_shared([block_k, block_r], bf16)
+                ds1_s = T.alloc_shared([block_k, block_r], bf16)
+
+                s_f = T.alloc_fragment([block_k, block_r], f32)
+                dp_f = T.alloc_fragment([block_k, block_r], f32)
+                acc_l = T.alloc_fragment([block_k, dh], f32)
+                acc_r = T.alloc_fragment([block_k, dh], f32)
+                acc_t = T.alloc_fragment([block_k, d_tail], f32) if has_tail else None
+
+                bar_ready = T.alloc_barrier([128, 128, 128, 128])  # score warpgroup's cp.async, per stage
+                bar_full = T.alloc_barrier([128, 128])  # score warpgroup -> dKV warpgroups: P / dS, per buffer
+                bar_free = T.alloc_barrier([256, 256, 256, 256])  # dKV warpgroups -> score warpgroup: tile read
+
+                tx = T.get_thread_binding()
+                k0 = kb * block_k
+                qpc = T.ceildiv(t_len, n_chunk)
+                q_lo = T.max(qc * qpc, QRange[kb, 0])
+                q_hi = T.min(T.min((qc + 1) * qpc, QRange[kb, 1]), t_len)
+                r_lo = q_lo * heads
+                r_hi = q_hi * heads
+                n_tiles = T.if_then_else(q_hi > q_lo, T.ceildiv(r_hi - r_lo, block_r), 0)
+
+                if tx < 128:
+                    T.set_max_nreg(nreg[0], 0)
+                    if n_tiles > 0:  # the key block rides on tile 0's completion
+                        load_rows(KV, k0, t_kv, tx, block_k, kl, kr, kt, d_v)
+                        load_tile(Q, dO, Lse, Delta, Bits, kb, r_lo, r_hi, tx, q0_l, q0_r, q0_t, do0_l, do0_r,
+                                  lse0, dl0, bits0, bar_ready, 0)
+                    if n_tiles > 1:
+                        load_tile(Q, dO, Lse, Delta, Bits, kb, r_lo + block_r, r_hi, tx, q1_l, q1_r, q1_t, do1_l,
+                                  do1_r, lse1, dl1, bits1, bar_ready, 1)
+                    if n_tiles > 2:
+                        load_tile(Q, dO, Lse, Delta, Bits, kb, r_lo + 2 * block_r, r_hi, tx, q2_l, q2_r, q2_t,
+                                  do2_l, do2_r, lse2, dl2, bits2, bar_ready, 2)
+                    for i in T.serial(T.ceildiv(n_tiles, 4)):
+                        score_step(Q, dO, Lse, Delta, Bits, kb, r_lo, r_hi, n_tiles, tx, i, 0, kl, kr, kt,
+                                   q0_l, q0_r, q0_t, do0_l, do0_r, lse0, dl0, bits0,
+                                   q3_l, q3_r, q3_t, do3_l, do3_r, lse3, dl3, bits3,
+                                   s_f, dp_f, p0_s, ds0_s, bar_ready, bar_full, bar_free)
+                        score_step(Q, dO, Lse, Delta, Bits, kb, r_lo, r_hi, n_tiles, tx, i, 1, kl, kr, kt,
+                                   q1_l, q1_r, q1_t, do1_l, do1_r, lse1, dl1, bits1,
+                                   q0_l, q0_r, q0_t, do0_l, do0_r, lse0, dl0, bits0,
+                                   s_f, dp_f, p1_s, ds1_s, bar_ready, bar_full, bar_free)
+                        score_step(Q, dO, Lse, Delta, Bits, kb, r_lo, r_hi, n_tiles, tx, i, 2, kl, kr, kt,
+                                   q2_l, q2_r, q2_t, do2_l, do2_r, lse2, dl2, bits2,
+                                   q1_l, q1_r, q1_t, do1_l, do1_r, lse1, dl1, bits1,
+                                   s_f, dp_f, p0_s, ds0_s, bar_ready, bar_full, bar_free)
+                        score_step(Q, dO, Lse, Delta, Bits, kb, r_lo, r_hi, n_tiles, tx, i, 3, kl, kr, kt,
+                                   q3_l, q3_r, q3_t, do3_l, do3_r, lse3, dl3, bits3,
+                                   q2_l, q2_r, q2_t, do2_l, do2_r, lse2, dl2, bits2,
+                                   s_f, dp_f, p1_s, ds1_s, bar_ready, bar_full, bar_free)
+                elif tx < 256:
+                    T.set_max_nreg(nreg[1], 1)
+                    T.clear(acc_l)
+                    for i in T.serial(T.ceildiv(n_tiles, 4)):
+                        updates_left(p0_s, ds0_s, q0_l, do0_l, acc_l, bar_full, bar_free, 0, 0, 0)
+                        if 4 * i + 1 < n_tiles:
+                            updates_left(p1_s, ds1_s, q1_l, do1_l, acc_l, bar_full, bar_free, 1, 1, 0)
+                        if 4 * i + 2 < n_tiles:
+                            updates_left(p0_s, ds0_s, q2_l, do2_l, acc_l, bar_full, bar_free, 0, 2, 1)
+                        if 4 * i + 3 < n_tiles:
+                            updates_left(p1_s, ds1_s, q3_l, do3_l, acc_l, bar_full, bar_free, 1, 3, 1)
+                    for j, d in T.Parallel(block_k, dh):
+                        if k0 + j < t_kv:
+                            Part[qc, k0 + j, d] = acc_l[j, d]
+                else:
+                    T.set_max_nreg(nreg[2], 1)
+                    T.clear(acc_r)
+                    if has_tail:
+                        T.clear(acc_t)
+                    for i in T.serial(T.ceildiv(n_tiles, 4)):
+                        updates_right(p0_s, ds0_s, q0_r, q0_t, do0_r, acc_r, acc_t, bar_full, bar_free, 0, 0, 0)
+                        if 4 * i + 1 < n_tiles:
+                            updates_right(p1_s, ds1_s, q1_r, q1_t, do1_r, acc_r, acc_t, bar_full, bar_free, 1, 1, 0)
+                        if 4 * i + 2 < n_tiles:
+                            updates_right(p0_s, ds0_s, q2_r, q2_t, do2_r, acc_r, acc_t, bar_full, bar_free, 0, 2, 1)
+                        if 4 * i + 3 < n_tiles:
+                            updates_right(p1_s, ds1_s, q3_r, q3_t, do3_r, acc_r, acc_t, bar_full, bar_free, 1, 3, 1)
+                    for j, d in T.Parallel(block_k, dh):
+                        if k0 + j < t_kv:
+                            Part[qc, k0 + j, dh + d] = acc_r[j, d]
+                    if has_tail:
+                        for j, d in T.Parallel(block_k, d_tail):
+                            if k0 + j < t_kv:
+                                Part[qc, k0 + j, d_v + d] = acc_t[j, d]
+
+        return main
+
+    return sparse_mla_dkv_key_blocks_ws4
 
 
 def _check_inputs(q, kv, grad_out, lse, delta, d_v):
@@ -642,9 +879,10 @@ def dkv_key_blocks(
 ) -> torch.Tensor:
     """fp32 ``dKV [T_kv, d_qk]`` of sparse MLA from the saved ``lse`` and ``delta`` (``rowsum(O * dO) - dlse``, as
     the per-query backward's), by key blocks (module docstring). ``n_chunks`` 0: :func:`default_chunks`;
-    ``schedule``: ``"ws"`` (``_jit_dkv_key_blocks_ws``) or ``_jit_dkv_key_blocks``'s ``"split"`` / ``"plain"``."""
-    if schedule not in ("ws", "split", "plain"):
-        raise ValueError(f"schedule must be 'ws', 'split' or 'plain', got {schedule!r}")
+    ``schedule``: ``"ws"`` (``_jit_dkv_key_blocks_ws``), ``"ws4"`` (``_jit_dkv_key_blocks_ws4``: four stages of
+    16-row tiles; experimental, not yet run on a GPU) or ``_jit_dkv_key_blocks``'s ``"split"`` / ``"plain"``."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     _check_inputs(q, kv, grad_out, lse, delta, d_v)
     t_len, heads, d_qk = q.shape
     t_kv = kv.shape[0]
@@ -656,6 +894,8 @@ def dkv_key_blocks(
         return part.zero_().sum(0)
     if schedule == "ws":
         kernel = _jit_dkv_key_blocks_ws()(heads, d_qk, d_v, float(softmax_scale), block_k)
+    elif schedule == "ws4":
+        kernel = _jit_dkv_key_blocks_ws4()(heads, d_qk, d_v, float(softmax_scale), block_k)
     else:
         kernel = _jit_dkv_key_blocks()(heads, d_qk, d_v, float(softmax_scale), block_k,
                                        **({} if schedule == "split" else {"schedule": schedule}))

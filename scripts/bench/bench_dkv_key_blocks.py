@@ -45,6 +45,7 @@ def kernel_cases(heads: tuple[int, ...], nope: bool = True) -> list[tuple[str, s
             cases.append((dkv, "_jit_dkv_key_blocks", (h, d_qk, d_v, SCALE, 64), {}))
             cases.append((dkv, "_jit_dkv_key_blocks", (h, d_qk, d_v, SCALE, 64), {"schedule": "plain"}))
             cases.append((dkv, "_jit_dkv_key_blocks_ws", (h, d_qk, d_v, SCALE, 64), {}))
+            cases.append((dkv, "_jit_dkv_key_blocks_ws4", (h, d_qk, d_v, SCALE, 64), {}))
             cases.append((bwd, "_jit_bwd", (h, d_qk, d_v, SCALE, False), {"with_target": False}))
             cases.append((bwd, "_jit_delta", (h, d_v), {}))
             cases.append(_fwd_case(h, d_qk, d_v))
@@ -95,6 +96,7 @@ def bench_shape(seq: int, heads: int, locality: float | None, chunks: list[int],
         ROW_TILE,
         _jit_dkv_key_blocks,
         _jit_dkv_key_blocks_ws,
+        _jit_dkv_key_blocks_ws4,
         default_chunks,
     )
     from megatron_glm5.kernels.sparse_mla_fwd import sparse_mla_fwd_interface
@@ -172,6 +174,11 @@ def bench_shape(seq: int, heads: int, locality: float | None, chunks: list[int],
             ref.copy_(part)
             k_ws(*args)
             row["ws_bitwise_split"] = bool(torch.equal(ref, part))
+            k_ws4 = _jit_dkv_key_blocks_ws4()(heads, D_QK, D_V, SCALE, KEY_BLOCK)
+            row["ws4_kernel_ms"] = timed(lambda: k_ws4(*args))
+            row["ws4_dense_tflops"] = dense_flop / row["ws4_kernel_ms"] / 1e9
+            k_ws4(*args)
+            row["ws4_vs_ws"] = float((part - ref).abs().max() / ref.abs().max())
         del part
     if mcore:
         try:
@@ -295,9 +302,9 @@ def report(rows: list[dict], chunks: list[int]) -> list[str]:
     lines = [
         "| S | H | indices | atomic bwd ms (TFLOP/s) | key blocks ms (TFLOP/s) | speed-up | megatron-core bwd ms | "
         "dQ pass | bitmap + ranges | key-block kernel (chunks) | dense TFLOP/s | plain / split / ws kernel ms | "
-        "ws dense TFLOP/s | ws bitwise split | chunk sum | dense / sparse work | dKV vs atomic | dQ bitwise | "
-        "repeatable |",
-        "|" + "---|" * 19,
+        "ws dense TFLOP/s | ws bitwise split | ws4 kernel ms (dense TFLOP/s) | ws4 vs ws | chunk sum | "
+        "dense / sparse work | dKV vs atomic | dQ bitwise | repeatable |",
+        "|" + "---|" * 21,
     ]
     for r in rows:
         c = r["default_chunks"]
@@ -307,7 +314,9 @@ def report(rows: list[dict], chunks: list[int]) -> list[str]:
             f"{f(r['atomic_ms'] / r['key_blocks_ms'])}x | {f(r.get('mc_bwd_ms'))} | {f(r['dq_pass_ms'])} | "
             f"{f(r['bitmap_ms'])} | {f(r[f'kb_kernel_ms_c{c}'])} ({c}) | {f(r[f'kb_dense_tflops_c{c}'], '{:.0f}')} | "
             f"{f(r.get('plain_kernel_ms'))} / {f(r.get('split_kernel_ms'))} / {f(r.get('ws_kernel_ms'))} | "
-            f"{f(r.get('ws_dense_tflops'), '{:.0f}')} | {r.get('ws_bitwise_split')} | {f(r['sum_ms'])} | {f(r['dense_over_sparse'])} | {r['dkv_vs_atomic']:.1e} | {r['dq_bitwise_atomic']} | "
+            f"{f(r.get('ws_dense_tflops'), '{:.0f}')} | {r.get('ws_bitwise_split')} | "
+            f"{f(r.get('ws4_kernel_ms'))} ({f(r.get('ws4_dense_tflops'), '{:.0f}')}) | {f(r.get('ws4_vs_ws'), '{:.1e}')} | "
+            f"{f(r['sum_ms'])} | {f(r['dense_over_sparse'])} | {r['dkv_vs_atomic']:.1e} | {r['dq_bitwise_atomic']} | "
             f"{r['key_blocks_repeatable']} |")
     lines += ["", "Key-block kernel ms by query chunks:", "",
               "| S | H | indices | " + " | ".join(f"{n} chunks" for n in chunks) + " |",

@@ -34,7 +34,7 @@ def main() -> int:
     ap.add_argument("--fwd-variant", default="auto", help="the forward kernel (sparse_mla_fwd_interface's variant)")
     ap.add_argument("--index-locality", type=float, default=None,
                     help="synthetic sets with this share of a recency window (local_mix_indices); default random")
-    ap.add_argument("--key-blocks", default=None, choices=("ws", "split", "plain"),
+    ap.add_argument("--key-blocks", default=None, choices=("ws", "ws4", "split", "plain"),
                     help="profile the key-block dKV kernel (this schedule) alone")
     args = ap.parse_args()
     from megatron_glm5.kernels.sparse_mla_bwd import sparse_mla_bwd_interface
@@ -83,6 +83,7 @@ def key_block_launch(schedule: str, q, kv, out, lse, do, idx):
         KEY_BLOCK,
         _jit_dkv_key_blocks,
         _jit_dkv_key_blocks_ws,
+        _jit_dkv_key_blocks_ws4,
         default_chunks,
     )
 
@@ -93,8 +94,9 @@ def key_block_launch(schedule: str, q, kv, out, lse, do, idx):
     qrange = key_block_query_range(bits, KEY_BLOCK)
     part = torch.empty(default_chunks(t, kv.shape[0], q.device), kv.shape[0], d_qk, dtype=torch.float32,
                        device=q.device)
-    if schedule == "ws":
-        kernel = _jit_dkv_key_blocks_ws()(h, d_qk, d_v, 1 / 16, KEY_BLOCK)
+    if schedule in ("ws", "ws4"):
+        kernel = (_jit_dkv_key_blocks_ws if schedule == "ws" else _jit_dkv_key_blocks_ws4)()(h, d_qk, d_v, 1 / 16,
+                                                                                           KEY_BLOCK)
     else:
         kernel = _jit_dkv_key_blocks()(h, d_qk, d_v, 1 / 16, KEY_BLOCK,
                                        **({} if schedule == "split" else {"schedule": schedule}))
