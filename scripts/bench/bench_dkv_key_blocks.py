@@ -85,7 +85,8 @@ def precompile(cases, workers: int) -> bool:
     return ok
 
 
-def bench_shape(seq: int, heads: int, locality: float | None, chunks: list[int], mcore: bool) -> dict:
+def bench_shape(seq: int, heads: int, locality: float | None, chunks: list[int], mcore: bool,
+                d_qk: int = D_QK) -> dict:
     from bench_dsa_kernels import causal_random_indices, local_mix_indices, timed
 
     from megatron_glm5.kernels._common import row_valid_len
@@ -103,14 +104,15 @@ def bench_shape(seq: int, heads: int, locality: float | None, chunks: list[int],
 
     dev = torch.device("cuda")
     torch.manual_seed(seq + heads)
-    q = torch.randn(seq, heads, D_QK, device=dev, dtype=torch.bfloat16)
-    kv = torch.randn(seq, D_QK, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(seq, heads, d_qk, device=dev, dtype=torch.bfloat16)
+    kv = torch.randn(seq, d_qk, device=dev, dtype=torch.bfloat16)
     idx = causal_random_indices(seq, TOPK, dev) if locality is None else local_mix_indices(seq, TOPK, dev, locality)
     g = torch.randn(seq, heads, D_V, device=dev, dtype=torch.bfloat16)
     vlen = row_valid_len(idx)
     pairs = int((idx >= 0).sum())
-    f_bwd = 2 * pairs * heads * (3 * D_QK + 2 * D_V)
-    row = {"S": seq, "H": heads, "indices": "random" if locality is None else f"local {locality:g}", "pairs": pairs}
+    f_bwd = 2 * pairs * heads * (3 * d_qk + 2 * D_V)
+    row = {"S": seq, "H": heads, "indices": ("random" if locality is None else f"local {locality:g}")
+           + ("" if d_qk == D_QK else f", d_qk {d_qk}"), "pairs": pairs}
     out, lse = sparse_mla_fwd_interface(q, kv, idx, SCALE, D_V, valid_len=vlen)
 
     def bwd(reduce: str):
@@ -133,19 +135,19 @@ def bench_shape(seq: int, heads: int, locality: float | None, chunks: list[int],
     row["delta_ms"] = timed(lambda: _jit_delta()(heads, D_V)(out, g, torch.zeros_like(lse)))
     dq = torch.empty_like(q)
     row0 = torch.zeros(1, dtype=torch.int32, device=dev)
-    unused = torch.empty(1, D_QK, dtype=torch.float32, device=dev)
+    unused = torch.empty(1, d_qk, dtype=torch.float32, device=dev)
     tgt = torch.empty(1, dtype=torch.float32, device=dev)
-    k_dq = _jit_bwd()(heads, D_QK, D_V, SCALE, False, with_target=False, with_dkv=False)
+    k_dq = _jit_bwd()(heads, d_qk, D_V, SCALE, False, with_target=False, with_dkv=False)
     row["dq_pass_ms"] = timed(lambda: k_dq(q, kv, g, idx, vlen, lse, delta, row0, dq, unused, tgt))
     row["bitmap_ms"] = timed(lambda: key_block_query_range(selection_bitmap(idx, seq)[0], KEY_BLOCK))
     bits, _ = selection_bitmap(idx, seq)
     qrange = key_block_query_range(bits, KEY_BLOCK)
-    k_kb = _jit_dkv_key_blocks()(heads, D_QK, D_V, SCALE, KEY_BLOCK)
+    k_kb = _jit_dkv_key_blocks()(heads, d_qk, D_V, SCALE, KEY_BLOCK)
     default = default_chunks(seq, seq, dev)
     row["default_chunks"] = default
     for n in sorted(set(chunks + [default])):
-        part = torch.empty(n, seq, D_QK, dtype=torch.float32, device=dev)
-        args = (q.view(-1, D_QK), kv, g.view(-1, D_V), lse.view(-1), delta.view(-1), bits, qrange, part)
+        part = torch.empty(n, seq, d_qk, dtype=torch.float32, device=dev)
+        args = (q.view(-1, d_qk), kv, g.view(-1, D_V), lse.view(-1), delta.view(-1), bits, qrange, part)
         ms = timed(lambda: k_kb(*args))
         # dense work: every row tile of every (block, chunk) range
         qpc = -(-seq // n)
@@ -156,17 +158,17 @@ def bench_shape(seq: int, heads: int, locality: float | None, chunks: list[int],
                 lo, hi = max(c * qpc, first), min((c + 1) * qpc, end, seq)
                 if hi > lo:
                     tiles += -(-(hi - lo) * heads // ROW_TILE)
-        dense_flop = 2 * tiles * ROW_TILE * KEY_BLOCK * (2 * D_QK + 2 * D_V)
+        dense_flop = 2 * tiles * ROW_TILE * KEY_BLOCK * (2 * d_qk + 2 * D_V)
         row[f"kb_kernel_ms_c{n}"] = ms
         row[f"kb_dense_tflops_c{n}"] = dense_flop / ms / 1e9
         if n == default:
             row["sum_ms"] = timed(lambda: part.sum(0))
             row["dense_over_sparse"] = tiles * ROW_TILE * KEY_BLOCK / (pairs * heads)
-            k_plain = _jit_dkv_key_blocks()(heads, D_QK, D_V, SCALE, KEY_BLOCK, schedule="plain")
+            k_plain = _jit_dkv_key_blocks()(heads, d_qk, D_V, SCALE, KEY_BLOCK, schedule="plain")
             row["plain_kernel_ms"] = timed(lambda: k_plain(*args))
-            k_split = _jit_dkv_key_blocks()(heads, D_QK, D_V, SCALE, KEY_BLOCK)
+            k_split = _jit_dkv_key_blocks()(heads, d_qk, D_V, SCALE, KEY_BLOCK)
             row["split_kernel_ms"] = timed(lambda: k_split(*args))
-            k_ws = _jit_dkv_key_blocks_ws()(heads, D_QK, D_V, SCALE, KEY_BLOCK)
+            k_ws = _jit_dkv_key_blocks_ws()(heads, d_qk, D_V, SCALE, KEY_BLOCK)
             row["ws_kernel_ms"] = timed(lambda: k_ws(*args))
             row["ws_dense_tflops"] = dense_flop / row["ws_kernel_ms"] / 1e9
             ref = part.clone()
@@ -174,7 +176,7 @@ def bench_shape(seq: int, heads: int, locality: float | None, chunks: list[int],
             ref.copy_(part)
             k_ws(*args)
             row["ws_bitwise_split"] = bool(torch.equal(ref, part))
-            k_ws4 = _jit_dkv_key_blocks_ws4()(heads, D_QK, D_V, SCALE, KEY_BLOCK)
+            k_ws4 = _jit_dkv_key_blocks_ws4()(heads, d_qk, D_V, SCALE, KEY_BLOCK)
             row["ws4_kernel_ms"] = timed(lambda: k_ws4(*args))
             row["ws4_dense_tflops"] = dense_flop / row["ws4_kernel_ms"] / 1e9
             k_ws4(*args)
@@ -338,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precompile-only", action="store_true")
     ap.add_argument("--workers", type=int, default=16)
     ap.add_argument("--test-heads", default="8,16,64,128", help="heads whose kernels the GPU tests need")
+    ap.add_argument("--d-qk", type=int, default=D_QK, help="latent width (512: GLM-5.3-Flash's NoPE latent)")
     ap.add_argument("--packed", default="", help=f"';'-separated names of PACKED ({'; '.join(PACKED)}) or 'all'")
     ap.add_argument("--packed-heads", default="16")
     ap.add_argument("--out", default=None)
@@ -355,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
             for h in heads:
                 t0 = time.time()
                 try:
-                    r = bench_shape(s, h, None if loc == "random" else float(loc), chunks, a.mcore)
+                    r = bench_shape(s, h, None if loc == "random" else float(loc), chunks, a.mcore, a.d_qk)
                 except Exception:
                     traceback.print_exc()
                     continue
