@@ -417,8 +417,9 @@ def _check_ws_shape(d_qk: int, d_v: int, block_k: int, block_r: int) -> None:
 
 
 def _ws_macros(T, *, heads: int, d_v: int, d_tail: int, block_k: int, block_r: int, softmax_scale: float):
-    """``(load_rows, load_tile, scores, updates_left, updates_right)``, the steps of the warp-specialised key-block
-    kernels (``_jit_dkv_key_blocks_ws``, ``_jit_dkv_key_blocks_ws4``; ``T`` is ``tilelang.language``):
+    """``(load_rows, load_tile, scores, updates_left, updates_right, store_left, store_right)``, the steps of the
+    warp-specialised key-block kernels (``_jit_dkv_key_blocks_ws``, ``_jit_dkv_key_blocks_ws4``; ``T`` is
+    ``tilelang.language``):
 
     * ``load_rows``: :func:`_load_macros`' row loader (the key block);
     * ``load_tile(...)``: a row tile's Q, dO, LSE, Delta and mask words into one stage (cp.async), completion on
@@ -427,7 +428,8 @@ def _ws_macros(T, *, heads: int, d_v: int, d_tail: int, block_k: int, block_r: i
       (bf16) into the tile's buffers;
     * ``updates_left`` / ``updates_right(..., full, free, parity)``: a dKV warpgroup's step: wait for ``P`` / ``dS``
       on ``bar_full[full]``, ``dKV += dS^T Q + P^T dO`` on its half (the right one with the RoPE tail), then arrive
-      on ``bar_free[free]`` (the stage and the ``P`` / ``dS`` buffer are read)."""
+      on ``bar_free[free]`` (the stage and the ``P`` / ``dS`` buffer are read);
+    * ``store_left`` / ``store_right``: a dKV warpgroup's accumulator into its columns of ``Part[qc]``."""
     dh = d_v // 2
     has_tail = d_tail > 0
     words = block_k // 32
@@ -484,7 +486,23 @@ def _ws_macros(T, *, heads: int, d_v: int, d_tail: int, block_k: int, block_r: i
         T.wait_wgmma(0)
         T.barrier_arrive(bar_free[free])
 
-    return load_rows, load_tile, scores, updates_left, updates_right
+    @T.macro
+    def store_left(Part, qc, k0, t_kv, acc_l):
+        for j, d in T.Parallel(block_k, dh):
+            if k0 + j < t_kv:
+                Part[qc, k0 + j, d] = acc_l[j, d]
+
+    @T.macro
+    def store_right(Part, qc, k0, t_kv, acc_r, acc_t):
+        for j, d in T.Parallel(block_k, dh):
+            if k0 + j < t_kv:
+                Part[qc, k0 + j, dh + d] = acc_r[j, d]
+        if has_tail:
+            for j, d in T.Parallel(block_k, d_tail):
+                if k0 + j < t_kv:
+                    Part[qc, k0 + j, d_v + d] = acc_t[j, d]
+
+    return load_rows, load_tile, scores, updates_left, updates_right, store_left, store_right
 
 
 @functools.cache
@@ -528,7 +546,7 @@ def _jit_dkv_key_blocks_ws():
         n_chunk = T.dynamic("n_chunk")
         bf16, f32, i32 = T.bfloat16, T.float32, T.int32
 
-        load_rows, load_tile, scores, updates_left, updates_right = _ws_macros(
+        load_rows, load_tile, scores, updates_left, updates_right, store_left, store_right = _ws_macros(
             T, heads=heads, d_v=d_v, d_tail=d_tail, block_k=block_k, block_r=block_r, softmax_scale=softmax_scale)
 
         @T.prim_func
@@ -616,9 +634,7 @@ def _jit_dkv_key_blocks_ws():
                         updates_left(p0_s, ds0_s, q0_l, do0_l, acc_l, bar_full, bar_free, 0, 0, ip & 1)
                         if 2 * ip + 1 < n_tiles:
                             updates_left(p1_s, ds1_s, q1_l, do1_l, acc_l, bar_full, bar_free, 1, 1, ip & 1)
-                    for j, d in T.Parallel(block_k, dh):
-                        if k0 + j < t_kv:
-                            Part[qc, k0 + j, d] = acc_l[j, d]
+                    store_left(Part, qc, k0, t_kv, acc_l)
                 else:
                     T.set_max_nreg(nreg[2], 1)
                     T.clear(acc_r)
@@ -628,13 +644,7 @@ def _jit_dkv_key_blocks_ws():
                         updates_right(p0_s, ds0_s, q0_r, q0_t, do0_r, acc_r, acc_t, bar_full, bar_free, 0, 0, ip & 1)
                         if 2 * ip + 1 < n_tiles:
                             updates_right(p1_s, ds1_s, q1_r, q1_t, do1_r, acc_r, acc_t, bar_full, bar_free, 1, 1, ip & 1)
-                    for j, d in T.Parallel(block_k, dh):
-                        if k0 + j < t_kv:
-                            Part[qc, k0 + j, dh + d] = acc_r[j, d]
-                    if has_tail:
-                        for j, d in T.Parallel(block_k, d_tail):
-                            if k0 + j < t_kv:
-                                Part[qc, k0 + j, d_v + d] = acc_t[j, d]
+                    store_right(Part, qc, k0, t_kv, acc_r, acc_t)
 
         return main
 
@@ -686,7 +696,7 @@ def _jit_dkv_key_blocks_ws4():
         n_chunk = T.dynamic("n_chunk")
         bf16, f32, i32 = T.bfloat16, T.float32, T.int32
 
-        load_rows, load_tile, scores, updates_left, updates_right = _ws_macros(
+        load_rows, load_tile, scores, updates_left, updates_right, store_left, store_right = _ws_macros(
             T, heads=heads, d_v=d_v, d_tail=d_tail, block_k=block_k, block_r=block_r, softmax_scale=softmax_scale)
 
         @T.macro
@@ -820,9 +830,7 @@ def _jit_dkv_key_blocks_ws4():
                             updates_left(p0_s, ds0_s, q2_l, do2_l, acc_l, bar_full, bar_free, 0, 2, 1)
                         if 4 * i + 3 < n_tiles:
                             updates_left(p1_s, ds1_s, q3_l, do3_l, acc_l, bar_full, bar_free, 1, 3, 1)
-                    for j, d in T.Parallel(block_k, dh):
-                        if k0 + j < t_kv:
-                            Part[qc, k0 + j, d] = acc_l[j, d]
+                    store_left(Part, qc, k0, t_kv, acc_l)
                 else:
                     T.set_max_nreg(nreg[2], 1)
                     T.clear(acc_r)
@@ -836,13 +844,7 @@ def _jit_dkv_key_blocks_ws4():
                             updates_right(p0_s, ds0_s, q2_r, q2_t, do2_r, acc_r, acc_t, bar_full, bar_free, 0, 2, 1)
                         if 4 * i + 3 < n_tiles:
                             updates_right(p1_s, ds1_s, q3_r, q3_t, do3_r, acc_r, acc_t, bar_full, bar_free, 1, 3, 1)
-                    for j, d in T.Parallel(block_k, dh):
-                        if k0 + j < t_kv:
-                            Part[qc, k0 + j, dh + d] = acc_r[j, d]
-                    if has_tail:
-                        for j, d in T.Parallel(block_k, d_tail):
-                            if k0 + j < t_kv:
-                                Part[qc, k0 + j, d_v + d] = acc_t[j, d]
+                    store_right(Part, qc, k0, t_kv, acc_r, acc_t)
 
         return main
 
