@@ -33,6 +33,11 @@
 # bench_dkv_packed (bench_dkv_key_blocks.py --packed all: the key-block route on packed batches past 8K tokens, and
 # whether its rule picked the faster backward), profile_dkv (ncu on one launch of the key-block kernel, 16 heads, 8K,
 # schedule $DKV_SCHEDULE, default ws: OUT_DIR/dkv_ncu.txt with the full set and OUT_DIR/dkv_source.csv for ncu_source_summary.py).
+# kernels_ws (the kernel tests with the ws forward variant), bench_grouped (bench_grouped_experts.py), the indexer
+# training clients (indexer_client_sparse: Megatron-LM's pretrain_gpt.py with the sparse indexer loss, both specs;
+# indexer_client_warmup: the dense warm-up specs; indexer_pretrain_warmup: python -m megatron_glm5.pretrain with
+# --dsa-indexer-warmup), bench_indexer_training, bench_indexer_loss, and the two-GPU runs of the tiny pretraining
+# example (multi_tp2, multi_tp2_tilelang, multi_ep2, multi_pp2: need the x2 machine).
 # Each step has its own log and time limit; a failing step does not stop the others.
 set -uo pipefail
 cd "$(dirname "$0")/.."
