@@ -17,6 +17,7 @@ from megatron_glm5.kernels.key_block_work import (
     dense_pairs_bound,
     row_key_span,
     row_key_span_reference,
+    span_query_ranges,
 )
 from megatron_glm5.kernels.selection_bitmap import key_block_query_range, selection_bitmap_reference
 from megatron_glm5.kernels.sparse_mla_dkv import KEY_BLOCKS_MAX_DENSE_PER_SPARSE, KEY_BLOCKS_MAX_TOKENS
@@ -74,6 +75,28 @@ def test_bound_equals_the_exact_ranges_where_rows_select_their_position_and_sequ
     idx[start == pos, 1] = -1  # no repeated key at each sequence's first row
     for block_k in (32, 64):
         assert int(dense_pairs_bound(*row_key_span(idx, 320), 320, block_k)) == exact_dense_pairs(idx, 320, block_k)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_span_ranges_contain_the_exact_ranges(seed):
+    g = torch.Generator().manual_seed(seed)
+    t_len, t_kv = (int(x) for x in torch.randint(1, 300, (2,), generator=g))
+    block_k = 32 * (1 + seed % 3)
+    idx = torch.randint(-3, t_kv + 3, (t_len, 7), generator=g, dtype=torch.int32)
+    idx[torch.rand(t_len, 7, generator=g) < 0.3] = -1
+    exact = key_block_query_range(selection_bitmap_reference(idx, t_kv, block_k=block_k)[0], block_k)
+    span = span_query_ranges(*row_key_span(idx, t_kv), t_kv, block_k)
+    assert span.shape == exact.shape and span.dtype == torch.int32
+    used = exact[:, 1] > exact[:, 0]
+    assert bool((span[used, 0] <= exact[used, 0]).all() and (span[used, 1] >= exact[used, 1]).all())
+    assert int((span[:, 1] - span[:, 0]).sum()) * block_k == int(dense_pairs_bound(*row_key_span(idx, t_kv), t_kv,
+                                                                                   block_k))
+
+
+def test_span_ranges_equal_the_exact_ones_on_packed_causal_sets():
+    idx = causal_sets([300, 41, 700], 64, seed=3)
+    exact = key_block_query_range(selection_bitmap_reference(idx, 1041)[0], 64)
+    assert torch.equal(span_query_ranges(*row_key_span(idx, 1041), 1041), exact)
 
 
 def test_rows_without_keys_stay_out_of_a_partial_last_block():

@@ -85,7 +85,8 @@ def _oracle_dkv(q, kv, idx, scale, d_v, grad_out, grad_lse):
         (33, 1, 8, None, 32, 7),  # more chunks than some blocks' queries
     ],
 )
-def test_key_block_algorithm_matches_the_sparse_oracle(t_len, heads, k, starts, block_k, n_chunks):
+@pytest.mark.parametrize("ranges", ["bitmap", "span"])
+def test_key_block_algorithm_matches_the_sparse_oracle(t_len, heads, k, starts, block_k, n_chunks, ranges):
     g = torch.Generator().manual_seed(t_len * heads + k)
     d_v, d_qk, scale = 32, 48, 0.2
     q = torch.randn(t_len, heads, d_qk, generator=g)
@@ -96,7 +97,7 @@ def test_key_block_algorithm_matches_the_sparse_oracle(t_len, heads, k, starts, 
     grad_lse = torch.randn(t_len, heads, generator=g)
     want, lse, delta = _oracle_dkv(q, kv, idx, scale, d_v, grad_out, grad_lse)
     got = dkv_key_blocks_reference(q, kv, grad_out, lse.float(), delta.float(), idx, scale, d_v,
-                                   n_chunks=n_chunks, block_k=block_k)
+                                   n_chunks=n_chunks, block_k=block_k, ranges=ranges)
     assert got.shape == (t_len, d_qk) and got.dtype == torch.float32
     err = (got.double() - want).abs().max() / want.abs().max()
     assert err < 1e-5, err
@@ -190,3 +191,31 @@ def test_dkv_key_blocks_names_its_schedules():
     with pytest.raises(ValueError, match=r"one of \('ws', 'ws4', 'split', 'plain'\), got 'tma'"):
         dkv_key_blocks(q, q[:, 0], q[..., :512], q[..., 0].float(), q[..., 0].float(),
                        torch.zeros(4, 8, dtype=torch.int32), 1 / 16, schedule="tma")
+    with pytest.raises(ValueError, match="ranges must be 'bitmap' or 'span', got 'exact'"):
+        dkv_key_blocks(q, q[:, 0], q[..., :512], q[..., 0].float(), q[..., 0].float(),
+                       torch.zeros(4, 8, dtype=torch.int32), 1 / 16, ranges="exact")
+
+
+def test_key_block_algorithm_over_wider_span_ranges():
+    """Rows whose keys jump over whole key blocks make the span ranges strictly wider than the exact ones; the extra
+    rows add nothing (masked), so the result still matches the oracle."""
+    from megatron_glm5.kernels.key_block_work import row_key_span, span_query_ranges
+
+    g = torch.Generator().manual_seed(8)
+    t_len, heads, d_v, d_qk, scale = 130, 2, 32, 48, 0.2
+    q = torch.randn(t_len, heads, d_qk, generator=g)
+    kv = torch.randn(t_len, d_qk, generator=g)
+    idx = _causal_topk(t_len, 6, 8)
+    idx[100:] = -1
+    idx[100:, 0] = torch.arange(100, 130, dtype=torch.int32)  # the diagonal
+    idx[100:, 1] = 0  # and key 0: their spans cover the middle blocks they do not select
+    bits, _ = selection_bitmap_reference(idx, t_len, block_k=32)
+    exact = key_block_query_range(bits, 32)
+    span = span_query_ranges(*row_key_span(idx, t_len), t_len, 32)
+    assert not torch.equal(span, exact)
+    grad_out = torch.randn(t_len, heads, d_v, generator=g)
+    grad_lse = torch.zeros(t_len, heads)
+    want, lse, delta = _oracle_dkv(q, kv, idx, scale, d_v, grad_out, grad_lse)
+    got = dkv_key_blocks_reference(q, kv, grad_out, lse.float(), delta.float(), idx, scale, d_v, n_chunks=3,
+                                   block_k=32, ranges="span")
+    assert (got.double() - want).abs().max() / want.abs().max() < 1e-5

@@ -61,21 +61,33 @@ def row_key_span_reference(indices: torch.Tensor, t_kv: int) -> tuple[torch.Tens
     return lo, hi
 
 
-def dense_pairs_bound(lo: torch.Tensor, hi: torch.Tensor, t_kv: int, block_k: int = 64) -> torch.Tensor:
-    """int64 scalar on the spans' device: an upper bound of the (query, key) pairs the key-block pass computes,
-    ``block_k`` times the sum over key blocks of the queries in each block's range (module docstring)."""
+def span_query_ranges(lo: torch.Tensor, hi: torch.Tensor, t_kv: int, block_k: int = 64) -> torch.Tensor:
+    """int32 ``[n_blocks, 2]`` on the spans' device: for each key block a query range ``[first, end)`` that holds
+    every query selecting one of its keys (module docstring; ``[0, 0)`` where none can), the layout of
+    ``selection_bitmap.key_block_query_range``'s exact ranges, which it contains."""
     if block_k <= 0 or block_k % 32:
         raise ValueError(f"block_k must be a positive multiple of 32, got {block_k}")
     n_blocks = cdiv(max(t_kv, 0), block_k)
+    out = torch.zeros(n_blocks, 2, dtype=torch.int32, device=lo.device)
     if lo.numel() == 0 or n_blocks == 0:
-        return torch.zeros((), dtype=torch.int64, device=lo.device)
+        return out
     b0 = torch.arange(n_blocks, dtype=torch.int64, device=lo.device) * block_k
     hi_run = torch.cummax(hi.to(torch.int64), 0).values  # nondecreasing
     lo_suffix = torch.cummin(lo.to(torch.int64).flip(0), 0).values.flip(0)  # nondecreasing
     first = torch.searchsorted(hi_run, b0, side="left")  # first t whose running max reaches b0
     b1 = (b0 + block_k - 1).clamp_max(t_kv - 1)  # a partial last block: rows without keys (lo = t_kv) stay out
     end = torch.searchsorted(lo_suffix, b1, side="right")  # one past the last t with lo_t <= b1
-    return (end - first).clamp_min(0).sum() * block_k
+    some = end > first
+    out[:, 0] = torch.where(some, first, 0).to(torch.int32)
+    out[:, 1] = torch.where(some, end, 0).to(torch.int32)
+    return out
+
+
+def dense_pairs_bound(lo: torch.Tensor, hi: torch.Tensor, t_kv: int, block_k: int = 64) -> torch.Tensor:
+    """int64 scalar on the spans' device: an upper bound of the (query, key) pairs the key-block pass computes,
+    ``block_k`` times the sum over key blocks of the queries in each block's range (:func:`span_query_ranges`)."""
+    rng = span_query_ranges(lo, hi, t_kv, block_k).to(torch.int64)
+    return (rng[:, 1] - rng[:, 0]).sum() * block_k
 
 
 class KeyBlockWorkProbe:

@@ -42,6 +42,7 @@ import functools
 import torch
 
 from megatron_glm5.kernels._common import LOG2E, cdiv, multiprocessor_count, tilelang_modules
+from megatron_glm5.kernels.key_block_work import row_key_span, span_query_ranges
 from megatron_glm5.kernels.selection_bitmap import bitmap_words, key_block_query_range, selection_bitmap
 
 KEY_BLOCK = 64  # keys per CTA: the wgmma M of every GEMM here
@@ -865,6 +866,13 @@ def _check_inputs(q, kv, grad_out, lse, delta, d_v):
                              f"{tuple(t.shape)}")
 
 
+def query_ranges(bits: torch.Tensor, indices: torch.Tensor, t_kv: int, block_k: int, ranges: str) -> torch.Tensor:
+    """int32 ``[n_blocks, 2]`` query ranges per key block: exact from the bitmap, or a superset from the key spans."""
+    if ranges == "span":
+        return span_query_ranges(*row_key_span(indices, t_kv), t_kv, block_k)
+    return key_block_query_range(bits, block_k)
+
+
 def dkv_key_blocks(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -878,18 +886,25 @@ def dkv_key_blocks(
     n_chunks: int = 0,
     block_k: int = KEY_BLOCK,
     schedule: str = "ws",
+    ranges: str = "bitmap",
 ) -> torch.Tensor:
     """fp32 ``dKV [T_kv, d_qk]`` of sparse MLA from the saved ``lse`` and ``delta`` (``rowsum(O * dO) - dlse``, as
     the per-query backward's), by key blocks (module docstring). ``n_chunks`` 0: :func:`default_chunks`;
     ``schedule``: ``"ws"`` (``_jit_dkv_key_blocks_ws``), ``"ws4"`` (``_jit_dkv_key_blocks_ws4``: four stages of
-    16-row tiles; experimental, not yet run on a GPU) or ``_jit_dkv_key_blocks``'s ``"split"`` / ``"plain"``."""
+    16-row tiles; experimental, not yet run on a GPU) or ``_jit_dkv_key_blocks``'s ``"split"`` / ``"plain"``.
+    ``ranges``: each key block's query range from the bitmap (``"bitmap"``, exact) or from the rows' key spans
+    (``"span"``, ``key_block_work.span_query_ranges``: a superset, equal on random causal sets, without the
+    ``[T, n_blocks]`` passes; experimental, not yet run on a GPU: tiles start where the range does, so the sums may
+    differ from ``"bitmap"``'s in order)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if ranges not in ("bitmap", "span"):
+        raise ValueError(f"ranges must be 'bitmap' or 'span', got {ranges!r}")
     _check_inputs(q, kv, grad_out, lse, delta, d_v)
     t_len, heads, d_qk = q.shape
     t_kv = kv.shape[0]
     bits, _ = selection_bitmap(indices, t_kv, block_k=block_k)
-    qrange = key_block_query_range(bits, block_k)
+    qrange = query_ranges(bits, indices, t_kv, block_k, ranges)
     n_chunks = n_chunks or default_chunks(t_len, t_kv, q.device, block_k, d_qk)
     part = torch.empty(n_chunks, t_kv, d_qk, dtype=torch.float32, device=q.device)
     if t_len == 0 or t_kv == 0:
@@ -918,13 +933,14 @@ def dkv_key_blocks_reference(
     *,
     n_chunks: int = 4,
     block_k: int = KEY_BLOCK,
+    ranges: str = "bitmap",
 ) -> torch.Tensor:
     """The key-block algorithm in torch (fp32 math; ``P`` and ``dS`` rounded to ``q.dtype`` before their products,
     as the kernels do): same bitmap, query ranges and chunks as :func:`dkv_key_blocks`, dense per (block, chunk)."""
     t_len, heads, d_qk = q.shape
     t_kv = kv.shape[0]
     bits, _ = selection_bitmap(indices, t_kv, block_k=block_k)
-    qrange = key_block_query_range(bits, block_k).tolist()
+    qrange = query_ranges(bits, indices, t_kv, block_k, ranges).tolist()
     part = torch.zeros(n_chunks, t_kv, d_qk, dtype=torch.float32, device=q.device)
     qpc = cdiv(t_len, n_chunks) if t_len else 0
     qf, kvf, dof = q.float(), kv.float(), grad_out.float()

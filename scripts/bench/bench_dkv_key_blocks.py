@@ -90,6 +90,7 @@ def bench_shape(seq: int, heads: int, locality: float | None, chunks: list[int],
     from bench_dsa_kernels import causal_random_indices, local_mix_indices, timed
 
     from megatron_glm5.kernels._common import row_valid_len
+    from megatron_glm5.kernels.key_block_work import row_key_span, span_query_ranges
     from megatron_glm5.kernels.selection_bitmap import key_block_query_range, selection_bitmap
     from megatron_glm5.kernels.sparse_mla_bwd import _jit_bwd, _jit_delta, sparse_mla_bwd_interface
     from megatron_glm5.kernels.sparse_mla_dkv import (
@@ -140,6 +141,8 @@ def bench_shape(seq: int, heads: int, locality: float | None, chunks: list[int],
     k_dq = _jit_bwd()(heads, d_qk, D_V, SCALE, False, with_target=False, with_dkv=False)
     row["dq_pass_ms"] = timed(lambda: k_dq(q, kv, g, idx, vlen, lse, delta, row0, dq, unused, tgt))
     row["bitmap_ms"] = timed(lambda: key_block_query_range(selection_bitmap(idx, seq)[0], KEY_BLOCK))
+    row["bitmap_only_ms"] = timed(lambda: selection_bitmap(idx, seq))
+    row["span_ranges_ms"] = timed(lambda: span_query_ranges(*row_key_span(idx, seq), seq, KEY_BLOCK))
     bits, _ = selection_bitmap(idx, seq)
     qrange = key_block_query_range(bits, KEY_BLOCK)
     k_kb = _jit_dkv_key_blocks()(heads, d_qk, D_V, SCALE, KEY_BLOCK)
@@ -303,7 +306,7 @@ def report(rows: list[dict], chunks: list[int]) -> list[str]:
 
     lines = [
         "| S | H | indices | atomic bwd ms (TFLOP/s) | key blocks ms (TFLOP/s) | speed-up | megatron-core bwd ms | "
-        "dQ pass | bitmap + ranges | key-block kernel (chunks) | dense TFLOP/s | plain / split / ws kernel ms | "
+        "dQ pass | bitmap + ranges (bitmap alone; span ranges) | key-block kernel (chunks) | dense TFLOP/s | plain / split / ws kernel ms | "
         "ws dense TFLOP/s | ws bitwise split | ws4 kernel ms (dense TFLOP/s) | ws4 vs ws | chunk sum | "
         "dense / sparse work | dKV vs atomic | dQ bitwise | repeatable |",
         "|" + "---|" * 21,
@@ -314,7 +317,8 @@ def report(rows: list[dict], chunks: list[int]) -> list[str]:
             f"| {r['S']} | {r['H']} | {r['indices']} | {f(r['atomic_ms'])} ({f(r['atomic_tflops'], '{:.0f}')}) | "
             f"{f(r['key_blocks_ms'])} ({f(r['key_blocks_tflops'], '{:.0f}')}) | "
             f"{f(r['atomic_ms'] / r['key_blocks_ms'])}x | {f(r.get('mc_bwd_ms'))} | {f(r['dq_pass_ms'])} | "
-            f"{f(r['bitmap_ms'])} | {f(r[f'kb_kernel_ms_c{c}'])} ({c}) | {f(r[f'kb_dense_tflops_c{c}'], '{:.0f}')} | "
+            f"{f(r['bitmap_ms'])} ({f(r.get('bitmap_only_ms'))}; {f(r.get('span_ranges_ms'), '{:.3f}')}) | "
+            f"{f(r[f'kb_kernel_ms_c{c}'])} ({c}) | {f(r[f'kb_dense_tflops_c{c}'], '{:.0f}')} | "
             f"{f(r.get('plain_kernel_ms'))} / {f(r.get('split_kernel_ms'))} / {f(r.get('ws_kernel_ms'))} | "
             f"{f(r.get('ws_dense_tflops'), '{:.0f}')} | {r.get('ws_bitwise_split')} | "
             f"{f(r.get('ws4_kernel_ms'))} ({f(r.get('ws4_dense_tflops'), '{:.0f}')}) | {f(r.get('ws4_vs_ws'), '{:.1e}')} | "

@@ -192,3 +192,24 @@ def test_autograd_takes_key_blocks_for_a_packed_batch_past_8k(monkeypatch):
             assert torch.equal(kvg.grad, dkv), lengths
         else:  # atomic dKV: the order of the float additions varies
             assert scaled_err(kvg.grad, dkv.float()) < 1e-2, lengths
+
+
+def test_span_ranges_give_the_bitmap_ranges_result():
+    """``dkv_key_blocks(ranges="span")`` (query ranges from the rows' key spans, a superset) on a packed batch with
+    rows whose keys jump over whole blocks: within fp32 summation order of the exact ranges' result."""
+    from megatron_glm5.kernels.sparse_mla_dkv import dkv_key_blocks
+
+    t_len, heads, topk, d_v = 1400, 16, 512, 512
+    bounds = torch.tensor([0, 500, 1100], device="cuda")
+    starts = bounds[torch.searchsorted(bounds, torch.arange(t_len, device="cuda"), right=True) - 1]
+    q, kv, idx, grad_out, grad_lse = _inputs(t_len, heads, topk, 576, d_v, seed=21, starts=starts)
+    idx[1300:] = -1
+    idx[1300:, 0] = torch.arange(1300, 1400, dtype=torch.int32, device="cuda")
+    idx[1300:, 1] = 1100  # the sequence start: the span covers blocks these rows do not select
+    out, lse = fwd_mod.sparse_mla_fwd_interface(q, kv, idx, SCALE, d_v)
+    delta = (out.float() * grad_out.float()).sum(-1) - grad_lse
+    exact = dkv_key_blocks(q, kv, grad_out, lse, delta, idx, SCALE, d_v)
+    span = dkv_key_blocks(q, kv, grad_out, lse, delta, idx, SCALE, d_v, ranges="span")
+    err = scaled_err(span, exact)
+    print(f"span vs bitmap ranges: {err:.1e} of the max, bitwise {torch.equal(span, exact)}")
+    assert err <= 1e-5
