@@ -136,15 +136,16 @@ def multiprocessor_count(device: torch.device) -> int:
 
 
 class HostValues:
-    """A few device int64 values read on the host later without a sync: copied to pinned host memory behind an
-    event at :meth:`start` (the forward), read by :meth:`get` (the backward), when the copy is long complete.
-    On the CPU the values are kept as they are."""
+    """A few device integers read on the host later without a sync: copied to pinned host memory behind an event
+    recorded on the copy's stream when made (in a forward), read by :meth:`get` (in its backward), by when the copy
+    has normally long finished. Under a recompute that re-runs the forward inside the backward, :meth:`get` waits
+    for the GPU to reach the just-queued copy. CPU values are kept as they are. Not capturable into a CUDA graph."""
 
     def __init__(self, values: torch.Tensor):
-        values = values.to(torch.int64).reshape(-1)
+        values = values.reshape(-1)
         self.event: torch.cuda.Event | None = None
         if values.is_cuda:
-            self.host = torch.empty(values.numel(), dtype=torch.int64, pin_memory=True)
+            self.host = torch.empty(values.numel(), dtype=values.dtype, pin_memory=True)
             self.host.copy_(values, non_blocking=True)
             self.event = torch.cuda.Event()
             self.event.record(torch.cuda.current_stream(values.device))  # the copy's stream, whatever device is current

@@ -24,6 +24,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 
 from ..fusions import (EXPERT_WGRAD_GEMMS_ENV, FUSED_SWIGLU_ENV, GROUPED_WGRAD_ACCUMULATION_ENV,
                        ZERO_GROUPS_KERNEL_ENV, enabled, weighted_bias_swiglu_impl)
+from ..kernels._common import HostValues
 from ..kernels.grouped_wgrad_accum import accumulate_groups
 from ..optim_fusions import wgrad_gemm_accum_fp32
 from ..kernels.zero_groups import zero_empty_groups, zero_empty_groups_reference
@@ -186,19 +187,14 @@ class RowEnds:
     cannot be captured, and :func:`per_expert_row_ends` refuses there."""
 
     def __init__(self, offs: torch.Tensor | Sequence[int]):
-        """``offs``: the row ends, on a CUDA device (copied) or on the host (a CPU tensor or ints, kept)."""
-        self._host: torch.Tensor | None = None
-        self._event: torch.cuda.Event | None = None
+        """``offs``: the row ends, on a CUDA device (copied: :class:`~megatron_glm5.kernels._common.HostValues`) or on
+        the host (a CPU tensor or ints, kept)."""
+        self._values: HostValues | None = None
         self._ends: list[int] | None = None
-        if not isinstance(offs, torch.Tensor):
-            self._ends = [int(e) for e in offs]
-        elif offs.device.type == "cuda":
-            self._host = torch.empty(offs.shape, dtype=offs.dtype, pin_memory=True)
-            self._host.copy_(offs, non_blocking=True)  # queued on the current stream of offs' device
-            self._event = torch.cuda.Event()
-            self._event.record(torch.cuda.current_stream(offs.device))
+        if isinstance(offs, torch.Tensor):
+            self._values = HostValues(offs)
         else:
-            self._host = offs
+            self._ends = [int(e) for e in offs]
 
     @classmethod
     def from_counts(cls, counts: torch.Tensor | Sequence[int]) -> RowEnds:
@@ -212,9 +208,7 @@ class RowEnds:
 
     def read(self) -> list[int]:
         if self._ends is None:
-            if self._event is not None:
-                self._event.synchronize()
-            self._ends = self._host.tolist()
+            self._ends = self._values.get()
         return self._ends
 
 
