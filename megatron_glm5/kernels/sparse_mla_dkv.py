@@ -866,6 +866,20 @@ def _check_inputs(q, kv, grad_out, lse, delta, d_v):
                              f"{tuple(t.shape)}")
 
 
+def key_block_kernel(schedule: str, heads: int, d_qk: int, d_v: int, softmax_scale: float,
+                     block_k: int = KEY_BLOCK):
+    """The compiled key-block kernel of ``schedule`` (:data:`SCHEDULES`), built as :func:`dkv_key_blocks` builds it
+    (TileLang's cache key includes how the arguments come: benchmarks and profiles take it from here)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    args = (heads, d_qk, d_v, float(softmax_scale), block_k)
+    if schedule == "ws":
+        return _jit_dkv_key_blocks_ws()(*args)
+    if schedule == "ws4":
+        return _jit_dkv_key_blocks_ws4()(*args)
+    return _jit_dkv_key_blocks()(*args, **({} if schedule == "split" else {"schedule": schedule}))
+
+
 def query_ranges(bits: torch.Tensor, indices: torch.Tensor, t_kv: int, block_k: int, ranges: str) -> torch.Tensor:
     """int32 ``[n_blocks, 2]`` query ranges per key block: exact from the bitmap, or a superset from the key spans."""
     if ranges == "span":
@@ -909,13 +923,7 @@ def dkv_key_blocks(
     part = torch.empty(n_chunks, t_kv, d_qk, dtype=torch.float32, device=q.device)
     if t_len == 0 or t_kv == 0:
         return part.zero_().sum(0)
-    if schedule == "ws":
-        kernel = _jit_dkv_key_blocks_ws()(heads, d_qk, d_v, float(softmax_scale), block_k)
-    elif schedule == "ws4":
-        kernel = _jit_dkv_key_blocks_ws4()(heads, d_qk, d_v, float(softmax_scale), block_k)
-    else:
-        kernel = _jit_dkv_key_blocks()(heads, d_qk, d_v, float(softmax_scale), block_k,
-                                       **({} if schedule == "split" else {"schedule": schedule}))
+    kernel = key_block_kernel(schedule, heads, d_qk, d_v, softmax_scale, block_k)
     kernel(q.view(t_len * heads, d_qk), kv, grad_out.view(t_len * heads, d_v), lse.view(-1), delta.view(-1), bits,
            qrange, part)
     return part.sum(0)

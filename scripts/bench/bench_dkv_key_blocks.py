@@ -85,6 +85,28 @@ def precompile(cases, workers: int) -> bool:
     return ok
 
 
+def compare_backwards(q, kv, out, lse, g, idx, vlen, f_bwd: float) -> dict:
+    """The atomic and the key-block backward from the same saved ``out`` / ``lse``: ms, TFLOP/s (``f_bwd`` FLOP),
+    dKV against the atomic route, dQ bitwise, and the key-block route's run-to-run equality."""
+    from bench_dsa_kernels import timed
+
+    from megatron_glm5.kernels.sparse_mla_bwd import sparse_mla_bwd_interface
+
+    def bwd(reduce: str):
+        return sparse_mla_bwd_interface(q, kv, out, lse, g, idx, SCALE, D_V, valid_len=vlen, dkv_reduce=reduce)
+
+    row = {"atomic_ms": timed(lambda: bwd("atomic")), "key_blocks_ms": timed(lambda: bwd("key_blocks"))}
+    row["atomic_tflops"] = f_bwd / row["atomic_ms"] / 1e9
+    row["key_blocks_tflops"] = f_bwd / row["key_blocks_ms"] / 1e9
+    dq_a, dkv_a = bwd("atomic")
+    dq_k, dkv_k = bwd("key_blocks")
+    dq_k2, dkv_k2 = bwd("key_blocks")
+    row["dq_bitwise_atomic"] = bool(torch.equal(dq_a, dq_k))
+    row["dkv_vs_atomic"] = float((dkv_k.float() - dkv_a.float()).abs().max() / dkv_a.float().abs().max())
+    row["key_blocks_repeatable"] = bool(torch.equal(dq_k, dq_k2) and torch.equal(dkv_k, dkv_k2))
+    return row
+
+
 def bench_shape(seq: int, heads: int, locality: float | None, chunks: list[int], mcore: bool,
                 d_qk: int = D_QK) -> dict:
     from bench_dsa_kernels import causal_random_indices, local_mix_indices, timed
@@ -92,15 +114,8 @@ def bench_shape(seq: int, heads: int, locality: float | None, chunks: list[int],
     from megatron_glm5.kernels._common import row_valid_len
     from megatron_glm5.kernels.key_block_work import row_key_span, span_query_ranges
     from megatron_glm5.kernels.selection_bitmap import key_block_query_range, selection_bitmap
-    from megatron_glm5.kernels.sparse_mla_bwd import _jit_bwd, _jit_delta, sparse_mla_bwd_interface
-    from megatron_glm5.kernels.sparse_mla_dkv import (
-        KEY_BLOCK,
-        ROW_TILE,
-        _jit_dkv_key_blocks,
-        _jit_dkv_key_blocks_ws,
-        _jit_dkv_key_blocks_ws4,
-        default_chunks,
-    )
+    from megatron_glm5.kernels.sparse_mla_bwd import _jit_bwd, _jit_delta
+    from megatron_glm5.kernels.sparse_mla_dkv import KEY_BLOCK, ROW_TILE, default_chunks, key_block_kernel
     from megatron_glm5.kernels.sparse_mla_fwd import sparse_mla_fwd_interface
 
     dev = torch.device("cuda")
@@ -116,20 +131,7 @@ def bench_shape(seq: int, heads: int, locality: float | None, chunks: list[int],
            + ("" if d_qk == D_QK else f", d_qk {d_qk}"), "pairs": pairs}
     out, lse = sparse_mla_fwd_interface(q, kv, idx, SCALE, D_V, valid_len=vlen)
 
-    def bwd(reduce: str):
-        return sparse_mla_bwd_interface(q, kv, out, lse, g, idx, SCALE, D_V, valid_len=vlen, dkv_reduce=reduce)
-
-    row["atomic_ms"] = timed(lambda: bwd("atomic"))
-    row["key_blocks_ms"] = timed(lambda: bwd("key_blocks"))
-    row["atomic_tflops"] = f_bwd / row["atomic_ms"] / 1e9
-    row["key_blocks_tflops"] = f_bwd / row["key_blocks_ms"] / 1e9
-    dq_a, dkv_a = bwd("atomic")
-    dq_k, dkv_k = bwd("key_blocks")
-    dq_k2, dkv_k2 = bwd("key_blocks")
-    row["dq_bitwise_atomic"] = bool(torch.equal(dq_a, dq_k))
-    row["dkv_vs_atomic"] = float((dkv_k.float() - dkv_a.float()).abs().max() / dkv_a.float().abs().max())
-    row["key_blocks_repeatable"] = bool(torch.equal(dq_k, dq_k2) and torch.equal(dkv_k, dkv_k2))
-    del dq_a, dkv_a, dq_k, dkv_k, dq_k2, dkv_k2
+    row.update(compare_backwards(q, kv, out, lse, g, idx, vlen, f_bwd))
 
     # pieces
     delta = _jit_delta()(heads, D_V)(out, g, torch.zeros_like(lse))
@@ -145,7 +147,7 @@ def bench_shape(seq: int, heads: int, locality: float | None, chunks: list[int],
     row["span_ranges_ms"] = timed(lambda: span_query_ranges(*row_key_span(idx, seq), seq, KEY_BLOCK))
     bits, _ = selection_bitmap(idx, seq)
     qrange = key_block_query_range(bits, KEY_BLOCK)
-    k_kb = _jit_dkv_key_blocks()(heads, d_qk, D_V, SCALE, KEY_BLOCK)
+    k_kb = key_block_kernel("split", heads, d_qk, D_V, SCALE)
     default = default_chunks(seq, seq, dev)
     row["default_chunks"] = default
     for n in sorted(set(chunks + [default])):
@@ -167,11 +169,11 @@ def bench_shape(seq: int, heads: int, locality: float | None, chunks: list[int],
         if n == default:
             row["sum_ms"] = timed(lambda: part.sum(0))
             row["dense_over_sparse"] = tiles * ROW_TILE * KEY_BLOCK / (pairs * heads)
-            k_plain = _jit_dkv_key_blocks()(heads, d_qk, D_V, SCALE, KEY_BLOCK, schedule="plain")
+            k_plain = key_block_kernel("plain", heads, d_qk, D_V, SCALE)
             row["plain_kernel_ms"] = timed(lambda: k_plain(*args))
-            k_split = _jit_dkv_key_blocks()(heads, d_qk, D_V, SCALE, KEY_BLOCK)
+            k_split = key_block_kernel("split", heads, d_qk, D_V, SCALE)
             row["split_kernel_ms"] = timed(lambda: k_split(*args))
-            k_ws = _jit_dkv_key_blocks_ws()(heads, d_qk, D_V, SCALE, KEY_BLOCK)
+            k_ws = key_block_kernel("ws", heads, d_qk, D_V, SCALE)
             row["ws_kernel_ms"] = timed(lambda: k_ws(*args))
             row["ws_dense_tflops"] = dense_flop / row["ws_kernel_ms"] / 1e9
             ref = part.clone()
@@ -179,7 +181,7 @@ def bench_shape(seq: int, heads: int, locality: float | None, chunks: list[int],
             ref.copy_(part)
             k_ws(*args)
             row["ws_bitwise_split"] = bool(torch.equal(ref, part))
-            k_ws4 = _jit_dkv_key_blocks_ws4()(heads, d_qk, D_V, SCALE, KEY_BLOCK)
+            k_ws4 = key_block_kernel("ws4", heads, d_qk, D_V, SCALE)
             row["ws4_kernel_ms"] = timed(lambda: k_ws4(*args))
             row["ws4_dense_tflops"] = dense_flop / row["ws4_kernel_ms"] / 1e9
             k_ws4(*args)
@@ -242,7 +244,6 @@ def bench_packed(name: str, lengths: list[int], heads: int) -> dict:
     from megatron_glm5.kernels._common import row_valid_len
     from megatron_glm5.kernels.key_block_work import KeyBlockWorkProbe, dense_pairs_bound, row_key_span
     from megatron_glm5.kernels.selection_bitmap import key_block_query_range, selection_bitmap
-    from megatron_glm5.kernels.sparse_mla_bwd import sparse_mla_bwd_interface
     from megatron_glm5.kernels.sparse_mla_dkv import KEY_BLOCK, key_blocks_pay
     from megatron_glm5.kernels.sparse_mla_fwd import sparse_mla_fwd_interface
 
@@ -257,10 +258,6 @@ def bench_packed(name: str, lengths: list[int], heads: int) -> dict:
     pairs = int((idx >= 0).sum())
     f_bwd = 2 * pairs * heads * (3 * D_QK + 2 * D_V)
     out, lse = sparse_mla_fwd_interface(q, kv, idx, SCALE, D_V, valid_len=vlen)
-
-    def bwd(reduce: str):
-        return sparse_mla_bwd_interface(q, kv, out, lse, g, idx, SCALE, D_V, valid_len=vlen, dkv_reduce=reduce)
-
     row = {"batch": name, "T": total, "H": heads, "pairs": pairs}
     row["probe_ms"] = timed(lambda: dense_pairs_bound(*row_key_span(idx, total), total))  # the forward's device work
     row["probe_ratio"] = KeyBlockWorkProbe(idx, vlen, total).dense_per_sparse()
@@ -270,14 +267,7 @@ def bench_packed(name: str, lengths: list[int], heads: int) -> dict:
     del bits, rng
     row["route"] = "key_blocks" if key_blocks_pay(heads, total, D_QK, D_V, t_kv=total,
                                                    dense_per_sparse=row["probe_ratio"]) else "atomic"
-    row["atomic_ms"] = timed(lambda: bwd("atomic"))
-    row["key_blocks_ms"] = timed(lambda: bwd("key_blocks"))
-    row["atomic_tflops"] = f_bwd / row["atomic_ms"] / 1e9
-    row["key_blocks_tflops"] = f_bwd / row["key_blocks_ms"] / 1e9
-    dq_a, dkv_a = bwd("atomic")
-    dq_k, dkv_k = bwd("key_blocks")
-    row["dkv_vs_atomic"] = float((dkv_k.float() - dkv_a.float()).abs().max() / dkv_a.float().abs().max())
-    row["dq_bitwise_atomic"] = bool(torch.equal(dq_a, dq_k))
+    row.update(compare_backwards(q, kv, out, lse, g, idx, vlen, f_bwd))
     return row
 
 

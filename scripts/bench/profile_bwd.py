@@ -79,13 +79,7 @@ def key_block_launch(schedule: str, q, kv, out, lse, do, idx):
     """The key-block dKV kernel's launch with every input built, as ``sparse_mla_dkv.dkv_key_blocks`` calls it."""
     from megatron_glm5.kernels.selection_bitmap import key_block_query_range, selection_bitmap
     from megatron_glm5.kernels.sparse_mla_bwd import _jit_delta
-    from megatron_glm5.kernels.sparse_mla_dkv import (
-        KEY_BLOCK,
-        _jit_dkv_key_blocks,
-        _jit_dkv_key_blocks_ws,
-        _jit_dkv_key_blocks_ws4,
-        default_chunks,
-    )
+    from megatron_glm5.kernels.sparse_mla_dkv import KEY_BLOCK, default_chunks, key_block_kernel
 
     t, h, d_qk = q.shape
     d_v = do.shape[-1]
@@ -94,12 +88,7 @@ def key_block_launch(schedule: str, q, kv, out, lse, do, idx):
     qrange = key_block_query_range(bits, KEY_BLOCK)
     part = torch.empty(default_chunks(t, kv.shape[0], q.device), kv.shape[0], d_qk, dtype=torch.float32,
                        device=q.device)
-    if schedule in ("ws", "ws4"):
-        kernel = (_jit_dkv_key_blocks_ws if schedule == "ws" else _jit_dkv_key_blocks_ws4)()(h, d_qk, d_v, 1 / 16,
-                                                                                           KEY_BLOCK)
-    else:
-        kernel = _jit_dkv_key_blocks()(h, d_qk, d_v, 1 / 16, KEY_BLOCK,
-                                       **({} if schedule == "split" else {"schedule": schedule}))
+    kernel = key_block_kernel(schedule, h, d_qk, d_v, 1 / 16)
     args = (q.view(t * h, d_qk), kv, do.view(t * h, d_v), lse.view(-1), delta.view(-1), bits, qrange, part)
     return lambda: kernel(*args)
 
