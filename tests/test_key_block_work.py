@@ -20,7 +20,7 @@ from megatron_glm5.kernels.key_block_work import (
     span_query_ranges,
 )
 from megatron_glm5.kernels.selection_bitmap import key_block_query_range, selection_bitmap_reference
-from megatron_glm5.kernels.sparse_mla_dkv import KEY_BLOCKS_MAX_DENSE_PER_SPARSE, KEY_BLOCKS_MAX_TOKENS
+from megatron_glm5.kernels.sparse_mla_dkv import KEY_BLOCK_LATENTS, KEY_BLOCKS_MAX_TOKENS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -127,7 +127,7 @@ def test_probe_ratio_follows_the_sequences_not_the_tokens():
         KeyBlockWorkProbe(i, (i >= 0).sum(1, dtype=torch.int32), i.shape[0]).dense_per_sparse()
         for i in (one, long_, packed)
     )
-    assert 2.2 < r_one < KEY_BLOCKS_MAX_DENSE_PER_SPARSE < r_long < 4.8, (r_one, r_long)
+    assert 2.2 < r_one < KEY_BLOCK_LATENTS[576, 512].max_dense_per_sparse < r_long < 4.8, (r_one, r_long)
     assert abs(r_packed - r_one) < 0.05, (r_packed, r_one)
     empty = torch.full((4, 8), -1, dtype=torch.int32)
     assert KeyBlockWorkProbe(empty, torch.zeros(4, dtype=torch.int32), 4).dense_per_sparse() == 0.0
@@ -138,15 +138,19 @@ def test_key_blocks_pay_past_8k_only_by_the_measured_work():
 
     big = 4 * KEY_BLOCKS_MAX_TOKENS
     assert not key_blocks_pay(16, big, 576, 512)  # nothing measured: the atomic backward
-    assert key_blocks_pay(16, big, 576, 512, dense_per_sparse=KEY_BLOCKS_MAX_DENSE_PER_SPARSE)
-    assert not key_blocks_pay(16, big, 576, 512, dense_per_sparse=KEY_BLOCKS_MAX_DENSE_PER_SPARSE + 0.01)
+    for (d_qk, d_v), latent in KEY_BLOCK_LATENTS.items():  # each latent its own limit
+        assert key_blocks_pay(16, big, d_qk, d_v, dense_per_sparse=latent.max_dense_per_sparse)
+        assert not key_blocks_pay(16, big, d_qk, d_v, dense_per_sparse=latent.max_dense_per_sparse + 0.01)
+    assert key_blocks_pay(16, big, 576, 512, dense_per_sparse=3.5)  # 12K (3.29) ran 1.08x with "wsp"
+    assert not key_blocks_pay(16, big, 512, 512, dense_per_sparse=3.5)  # NoPE: "ws", whose 1.0 is near 3.3
     assert key_blocks_pay(16, KEY_BLOCKS_MAX_TOKENS, 576, 512, dense_per_sparse=9.0)  # measured faster to 8K
     assert not key_blocks_pay(64, big, 576, 512, dense_per_sparse=1.0)  # 64 heads: not there
     assert key_blocks_fit(16, 65536, 65536, 576, 512) and 65536 * 65536 // 8 == KEY_BLOCKS_BITMAP_BYTES
     assert not key_blocks_fit(16, 65537, 65536, 576, 512)  # the bitmap would pass 512 MiB
 
 
-def _route_of(monkeypatch, idx: torch.Tensor, heads: int = 16, requires_grad: bool = True) -> list[str]:
+def _route_of(monkeypatch, idx: torch.Tensor, heads: int = 16, requires_grad: bool = True,
+              d_qk: int = 576) -> list[str]:
     """Run ``SparseMLAFunction`` with the kernels replaced by shape-only stand-ins and return the ``dkv_reduce`` each
     backward asked for (``"atomic"`` when it passed none): the route's decision, not the kernels' math."""
     from megatron_glm5.kernels import sparse_mla_bwd as bwd
@@ -163,8 +167,8 @@ def _route_of(monkeypatch, idx: torch.Tensor, heads: int = 16, requires_grad: bo
 
     monkeypatch.setattr(bwd, "sparse_mla_fwd_interface", fwd)
     monkeypatch.setattr(bwd, "sparse_mla_bwd_interface", bwd_stub)
-    q = torch.zeros(1, 1, 1, dtype=torch.bfloat16).expand(t, heads, 576).requires_grad_(requires_grad)
-    kv = torch.zeros(1, 1, dtype=torch.bfloat16).expand(t, 576)
+    q = torch.zeros(1, 1, 1, dtype=torch.bfloat16).expand(t, heads, d_qk).requires_grad_(requires_grad)
+    kv = torch.zeros(1, 1, dtype=torch.bfloat16).expand(t, d_qk)
     with torch.set_grad_enabled(requires_grad):
         out, _ = bwd.sparse_mla_autograd(q, kv, idx, 0.04, 512, key_blocks=True)
     if requires_grad:
@@ -182,6 +186,15 @@ def test_autograd_takes_key_blocks_for_a_packed_batch_past_8k(monkeypatch):
     assert _route_of(monkeypatch, single) == ["atomic"]
     assert _route_of(monkeypatch, packed[:4096]) == ["key_blocks"]  # within 8K: as measured, no probe
     assert _route_of(monkeypatch, packed, heads=32) == ["atomic"]
+
+
+def test_autograd_takes_key_blocks_on_the_nope_latent(monkeypatch):
+    """GLM-5.3-Flash's NoPE latent (d_qk = d_v = 512) takes the route as GLM-5's does (measured 1.15-1.61x at 2K-8K);
+    past 8K by its own threshold. A latent not measured keeps the atomic backward."""
+    packed = causal_sets([256] * 40, 128, seed=5)
+    assert _route_of(monkeypatch, packed[:4096], d_qk=512) == ["key_blocks"]
+    assert _route_of(monkeypatch, packed, d_qk=512) == ["key_blocks"]
+    assert _route_of(monkeypatch, packed[:4096], d_qk=640) == ["atomic"]
 
 
 def test_no_probe_without_a_backward(monkeypatch):

@@ -45,7 +45,7 @@ def kernel_cases(heads: tuple[int, ...], nope: bool = True) -> list[tuple[str, s
             cases.append((dkv, "_jit_dkv_key_blocks", (h, d_qk, d_v, SCALE, 64), {}))
             cases.append((dkv, "_jit_dkv_key_blocks", (h, d_qk, d_v, SCALE, 64), {"schedule": "plain"}))
             cases.append((dkv, "_jit_dkv_key_blocks_ws", (h, d_qk, d_v, SCALE, 64), {}))
-            cases.append((dkv, "_jit_dkv_key_blocks_ws4", (h, d_qk, d_v, SCALE, 64), {}))
+            cases.append((dkv, "_jit_dkv_key_blocks_ws", (h, d_qk, d_v, SCALE, 64), {"dkv_loads": True}))
             cases.append((bwd, "_jit_bwd", (h, d_qk, d_v, SCALE, False), {"with_target": False}))
             cases.append((bwd, "_jit_delta", (h, d_v), {}))
             cases.append(_fwd_case(h, d_qk, d_v))
@@ -181,11 +181,11 @@ def bench_shape(seq: int, heads: int, locality: float | None, chunks: list[int],
             ref.copy_(part)
             k_ws(*args)
             row["ws_bitwise_split"] = bool(torch.equal(ref, part))
-            k_ws4 = key_block_kernel("ws4", heads, d_qk, D_V, SCALE)
-            row["ws4_kernel_ms"] = timed(lambda: k_ws4(*args))
-            row["ws4_dense_tflops"] = dense_flop / row["ws4_kernel_ms"] / 1e9
-            k_ws4(*args)
-            row["ws4_vs_ws"] = float((part - ref).abs().max() / ref.abs().max())
+            k_wsp = key_block_kernel("wsp", heads, d_qk, D_V, SCALE)
+            row["wsp_kernel_ms"] = timed(lambda: k_wsp(*args))
+            row["wsp_dense_tflops"] = dense_flop / row["wsp_kernel_ms"] / 1e9
+            k_wsp(*args)
+            row["wsp_bitwise_ws"] = bool(torch.equal(ref, part))
         del part
     if mcore:
         try:
@@ -274,8 +274,11 @@ def bench_packed(name: str, lengths: list[int], heads: int) -> dict:
 def report_packed(rows: list[dict]) -> list[str]:
     if not rows:
         return []
+    from megatron_glm5.kernels.sparse_mla_dkv import KEY_BLOCK_LATENTS
+
+    limit = KEY_BLOCK_LATENTS[D_QK, D_V].max_dense_per_sparse
     lines = ["", "Packed (THD) batches: the route past 8K tokens by the forward's work bound "
-             "(take key blocks at dense / sparse <= 3.0):", "",
+             f"(take key blocks at dense / sparse <= {limit}):", "",
              "| batch | T | H | atomic bwd ms (TFLOP/s) | key blocks ms (TFLOP/s) | speed-up | probe ms | "
              "dense / sparse (bound) | (exact) | route | right? | dKV vs atomic | dQ bitwise |",
              "|" + "---|" * 13]
@@ -297,7 +300,7 @@ def report(rows: list[dict], chunks: list[int]) -> list[str]:
     lines = [
         "| S | H | indices | atomic bwd ms (TFLOP/s) | key blocks ms (TFLOP/s) | speed-up | megatron-core bwd ms | "
         "dQ pass | bitmap + ranges (bitmap alone; span ranges) | key-block kernel (chunks) | dense TFLOP/s | plain / split / ws kernel ms | "
-        "ws dense TFLOP/s | ws bitwise split | ws4 kernel ms (dense TFLOP/s) | ws4 vs ws | chunk sum | "
+        "ws dense TFLOP/s | ws bitwise split | wsp kernel ms (dense TFLOP/s) | wsp bitwise ws | chunk sum | "
         "dense / sparse work | dKV vs atomic | dQ bitwise | repeatable |",
         "|" + "---|" * 21,
     ]
@@ -311,7 +314,7 @@ def report(rows: list[dict], chunks: list[int]) -> list[str]:
             f"{f(r[f'kb_kernel_ms_c{c}'])} ({c}) | {f(r[f'kb_dense_tflops_c{c}'], '{:.0f}')} | "
             f"{f(r.get('plain_kernel_ms'))} / {f(r.get('split_kernel_ms'))} / {f(r.get('ws_kernel_ms'))} | "
             f"{f(r.get('ws_dense_tflops'), '{:.0f}')} | {r.get('ws_bitwise_split')} | "
-            f"{f(r.get('ws4_kernel_ms'))} ({f(r.get('ws4_dense_tflops'), '{:.0f}')}) | {f(r.get('ws4_vs_ws'), '{:.1e}')} | "
+            f"{f(r.get('wsp_kernel_ms'))} ({f(r.get('wsp_dense_tflops'), '{:.0f}')}) | {r.get('wsp_bitwise_ws', '-')} | "
             f"{f(r['sum_ms'])} | {f(r['dense_over_sparse'])} | {r['dkv_vs_atomic']:.1e} | {r['dq_bitwise_atomic']} | "
             f"{r['key_blocks_repeatable']} |")
     lines += ["", "Key-block kernel ms by query chunks:", "",

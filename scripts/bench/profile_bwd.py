@@ -29,12 +29,13 @@ def main() -> int:
     ap.add_argument("--heads", type=int, default=64)
     ap.add_argument("--seq", type=int, default=16384)
     ap.add_argument("--deterministic", action="store_true")
+    ap.add_argument("--d-qk", type=int, default=576, help="latent width (512: GLM-5.3-Flash's NoPE latent)")
     ap.add_argument("--grouped", action="store_true", help="the grouped kernels (16 heads: 4 queries per CTA)")
     ap.add_argument("--forward", action="store_true", help="profile the forward launch instead of the backward")
     ap.add_argument("--fwd-variant", default="auto", help="the forward kernel (sparse_mla_fwd_interface's variant)")
     ap.add_argument("--index-locality", type=float, default=None,
                     help="synthetic sets with this share of a recency window (local_mix_indices); default random")
-    ap.add_argument("--key-blocks", default=None, choices=("ws", "ws4", "split", "plain"),
+    ap.add_argument("--key-blocks", default=None, choices=("ws", "wsp", "split", "plain"),
                     help="profile the key-block dKV kernel (this schedule) alone")
     args = ap.parse_args()
     from megatron_glm5.kernels.sparse_mla_bwd import sparse_mla_bwd_interface
@@ -42,8 +43,8 @@ def main() -> int:
 
     g = torch.Generator(device="cuda").manual_seed(0)
     h, s = args.heads, args.seq
-    q = torch.randn(s, h, 576, device="cuda", dtype=torch.bfloat16, generator=g)
-    kv = torch.randn(s, 576, device="cuda", dtype=torch.bfloat16, generator=g)
+    q = torch.randn(s, h, args.d_qk, device="cuda", dtype=torch.bfloat16, generator=g)
+    kv = torch.randn(s, args.d_qk, device="cuda", dtype=torch.bfloat16, generator=g)
     dev = torch.device("cuda")
     loc = args.index_locality
     idx = causal_random_indices(s, 2048, dev) if loc is None else local_mix_indices(s, 2048, dev, loc)

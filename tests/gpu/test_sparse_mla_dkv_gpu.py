@@ -61,13 +61,13 @@ def test_key_blocks_match_oracle_and_atomic_route(t_len, heads, topk, d_qk, pack
     assert e_a <= 2 ** -7
 
 
-@pytest.mark.parametrize("schedule,heads,d_qk", [("ws", 16, 576), ("ws4", 16, 576), ("ws4", 64, 576),
-                                                 ("ws4", 8, 576), ("ws4", 16, 512)])
+@pytest.mark.parametrize("schedule,heads,d_qk", [("ws", 16, 576), ("wsp", 16, 576), ("wsp", 64, 576),
+                                                 ("wsp", 8, 576), ("wsp", 16, 512)])
 def test_key_blocks_kernel_matches_its_torch_form(schedule, heads, d_qk):
     """The kernel and ``dkv_key_blocks_reference`` (same bitmap, ranges, chunks; P and dS rounded to bf16 alike)
-    agree to fp32 summation order: a mask, range, chunk or stage-handover bug would be O(1) here. ``ws4`` (four
-    stages of 16-row tiles) is also checked run to run; with 1300 tokens its CTAs see tile counts of every residue
-    mod 4 and T % 16 != 0 leaves a partial last tile."""
+    agree to fp32 summation order: a mask, range, chunk or stage-handover bug would be O(1) here. ``wsp`` (the dKV
+    warpgroups load the tiles, two ahead) is also checked run to run; with 1300 tokens its CTAs see odd and even tile
+    counts, one and two tiles, and a partial last tile."""
     from megatron_glm5.kernels.sparse_mla_dkv import dkv_key_blocks
 
     t_len, topk, d_v = (900, 256, 512) if schedule == "ws" else (1300, 512, 512)
@@ -80,7 +80,7 @@ def test_key_blocks_kernel_matches_its_torch_form(schedule, heads, d_qk):
     err = scaled_err(got, want)
     print(f"key-block kernel ({schedule}, H={heads}, d_qk={d_qk}) vs its torch form: {err:.2e} of the max")
     assert err <= 1e-3
-    if schedule == "ws4":
+    if schedule == "wsp":
         again = dkv_key_blocks(q, kv, grad_out, lse, delta, idx, SCALE, d_v, n_chunks=5, schedule=schedule)
         assert torch.equal(got, again)
 
@@ -88,7 +88,8 @@ def test_key_blocks_kernel_matches_its_torch_form(schedule, heads, d_qk):
 @pytest.mark.parametrize("heads,d_qk", [(16, 576), (64, 576), (16, 512)])
 def test_schedules_equal_bitwise(heads, d_qk):
     """The split schedule (one warpgroup per score GEMM, LSE / Delta / mask staged by cp.async) and the
-    warp-specialised one form every element exactly as the plain one: same GEMM k-order, same fp32 P into dS."""
+    warp-specialised ones (loads by the score or by the dKV warpgroups) form every element exactly as the plain one:
+    same GEMM k-order, same fp32 P into dS."""
     from megatron_glm5.kernels.sparse_mla_dkv import dkv_key_blocks
 
     t_len, topk, d_v = 1300, 512, 512
@@ -99,10 +100,12 @@ def test_schedules_equal_bitwise(heads, d_qk):
     split = dkv_key_blocks(q, kv, grad_out, lse, delta, idx, SCALE, d_v, n_chunks=3, schedule="split")
     plain = dkv_key_blocks(q, kv, grad_out, lse, delta, idx, SCALE, d_v, n_chunks=3, schedule="plain")
     ws = dkv_key_blocks(q, kv, grad_out, lse, delta, idx, SCALE, d_v, n_chunks=3, schedule="ws")
+    wsp = dkv_key_blocks(q, kv, grad_out, lse, delta, idx, SCALE, d_v, n_chunks=3, schedule="wsp")
     print(f"split vs plain H={heads} d_qk={d_qk}: bitwise={torch.equal(split, plain)} "
           f"max diff {scaled_err(split, plain):.1e}; ws vs split bitwise={torch.equal(ws, split)} "
-          f"max diff {scaled_err(ws, split):.1e}")
-    assert torch.equal(split, plain) and torch.equal(ws, split)
+          f"max diff {scaled_err(ws, split):.1e}; wsp vs ws bitwise={torch.equal(wsp, ws)} "
+          f"max diff {scaled_err(wsp, ws):.1e}")
+    assert torch.equal(split, plain) and torch.equal(ws, split) and torch.equal(wsp, ws)
 
 
 def test_key_blocks_are_bitwise_reproducible():
