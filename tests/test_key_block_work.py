@@ -20,7 +20,7 @@ from megatron_glm5.kernels.key_block_work import (
     span_query_ranges,
 )
 from megatron_glm5.kernels.selection_bitmap import key_block_query_range, selection_bitmap_reference
-from megatron_glm5.kernels.sparse_mla_dkv import KEY_BLOCK_LATENTS, KEY_BLOCKS_MAX_TOKENS
+from megatron_glm5.kernels.sparse_mla_dkv import KEY_BLOCKS_MAX_DENSE_PER_SPARSE, KEY_BLOCKS_MAX_TOKENS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -127,7 +127,7 @@ def test_probe_ratio_follows_the_sequences_not_the_tokens():
         KeyBlockWorkProbe(i, (i >= 0).sum(1, dtype=torch.int32), i.shape[0]).dense_per_sparse()
         for i in (one, long_, packed)
     )
-    assert 2.2 < r_one < KEY_BLOCK_LATENTS[576, 512].max_dense_per_sparse < r_long < 4.8, (r_one, r_long)
+    assert 2.2 < r_one < KEY_BLOCKS_MAX_DENSE_PER_SPARSE[576, 512] < r_long < 4.8, (r_one, r_long)
     assert abs(r_packed - r_one) < 0.05, (r_packed, r_one)
     empty = torch.full((4, 8), -1, dtype=torch.int32)
     assert KeyBlockWorkProbe(empty, torch.zeros(4, dtype=torch.int32), 4).dense_per_sparse() == 0.0
@@ -138,11 +138,11 @@ def test_key_blocks_pay_past_8k_only_by_the_measured_work():
 
     big = 4 * KEY_BLOCKS_MAX_TOKENS
     assert not key_blocks_pay(16, big, 576, 512)  # nothing measured: the atomic backward
-    for (d_qk, d_v), latent in KEY_BLOCK_LATENTS.items():  # each latent its own limit
-        assert key_blocks_pay(16, big, d_qk, d_v, dense_per_sparse=latent.max_dense_per_sparse)
-        assert not key_blocks_pay(16, big, d_qk, d_v, dense_per_sparse=latent.max_dense_per_sparse + 0.01)
-    assert key_blocks_pay(16, big, 576, 512, dense_per_sparse=3.5)  # 12K (3.29) ran 1.08x with "wsp"
-    assert not key_blocks_pay(16, big, 512, 512, dense_per_sparse=3.5)  # NoPE: "ws", whose 1.0 is near 3.3
+    for (d_qk, d_v), limit in KEY_BLOCKS_MAX_DENSE_PER_SPARSE.items():  # each latent its own limit
+        assert key_blocks_pay(16, big, d_qk, d_v, dense_per_sparse=limit)
+        assert not key_blocks_pay(16, big, d_qk, d_v, dense_per_sparse=limit + 0.01)
+    assert key_blocks_pay(16, big, 576, 512, dense_per_sparse=3.5)  # 12K (3.29) ran 1.08x
+    assert not key_blocks_pay(16, big, 512, 512, dense_per_sparse=3.5)  # NoPE: not measured past 8K
     assert key_blocks_pay(16, KEY_BLOCKS_MAX_TOKENS, 576, 512, dense_per_sparse=9.0)  # measured faster to 8K
     assert not key_blocks_pay(64, big, 576, 512, dense_per_sparse=1.0)  # 64 heads: not there
     assert key_blocks_fit(16, 65536, 65536, 576, 512) and 65536 * 65536 // 8 == KEY_BLOCKS_BITMAP_BYTES

@@ -171,19 +171,9 @@ def test_key_blocks_pay_where_measured():
     assert key_blocks_pay(16, 8192, 576, 512) and key_blocks_pay(8, 1, 576, 512)
     assert not key_blocks_pay(16, KEY_BLOCKS_MAX_TOKENS + 1, 576, 512)  # 16K: 0.81x
     assert not key_blocks_pay(64, 4096, 576, 512)  # 64 heads: slower at every length measured
-    assert key_blocks_pay(16, 4096, 512, 512)  # GLM-5.3-Flash's NoPE latent: 1.54x at 4K ("ws")
+    assert key_blocks_pay(16, 4096, 512, 512)  # GLM-5.3-Flash's NoPE latent: 1.54x at 4K
     assert not key_blocks_pay(16, 4096, 640, 512)  # a latent not measured
     assert not key_blocks_pay(16, 0, 576, 512)
-
-
-def test_default_schedule_by_latent():
-    """Each measured latent has its schedule: "wsp" where the RoPE tail is (1.14-1.19x "ws" at 4K-16K), "ws" on the
-    NoPE latent ("wsp" measured 0.79x there) and on latents not measured."""
-    from megatron_glm5.kernels.sparse_mla_dkv import KEY_BLOCK_LATENTS, SCHEDULES, default_schedule
-
-    assert default_schedule(576, 512) == "wsp" and default_schedule(512, 512) == "ws"
-    assert default_schedule(320, 256) == "ws"
-    assert all(latent.schedule in SCHEDULES for latent in KEY_BLOCK_LATENTS.values())
 
 
 def test_default_chunks_bound_the_partial_buffer():
@@ -199,7 +189,7 @@ def test_dkv_key_blocks_names_its_schedules():
 
     assert SCHEDULES == ("ws", "wsp", "split", "plain")
     q = torch.zeros(4, 16, 576, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"'auto' or one of \('ws', 'wsp', 'split', 'plain'\), got 'tma'"):
+    with pytest.raises(ValueError, match=r"one of \('ws', 'wsp', 'split', 'plain'\), got 'tma'"):
         dkv_key_blocks(q, q[:, 0], q[..., :512], q[..., 0].float(), q[..., 0].float(),
                        torch.zeros(4, 8, dtype=torch.int32), 1 / 16, schedule="tma")
     with pytest.raises(ValueError, match="ranges must be 'bitmap' or 'span', got 'exact'"):

@@ -16,9 +16,9 @@ kernel's (``P`` and ``dS`` rounded to bf16 before their GEMMs, as there); pairs 
 but add exact zeros. The dense work is the price: every (key block, row tile) that the block's query range covers,
 about ``T / (2 * mean selected keys per query)`` times the sparse pairs for causal random sets (2.3x at 8K tokens and
 top-k 2048, 4.3x at 16K), against no reduction traffic at all. So it pays at short context (H200, 16 heads, with the
-``wsp`` schedule: 1.63x / 1.34x the atomic backward at 4K / 8K, 0.92x at 16K). Windowed sets cost the same as random
-ones: a few random keys per query reach every key block, so the query ranges skip nothing
-(``scripts/bench/RESULTS_kernels.md``, round 2, eighth session).
+``wsp`` schedule: 1.65x / 1.34x the atomic backward on packed 4K / 8K-token sequences, 0.92x on one of 16K).
+Windowed sets cost the same as random ones: a few random keys per query reach every key block, so the query ranges
+skip nothing (``scripts/bench/RESULTS_kernels.md``, round 2, eighth session).
 
 Kernels: ``_jit_dkv_key_blocks_ws`` (a score warpgroup and two dKV warpgroups over mbarriers; schedules ``ws`` and
 ``wsp``, which differ in who loads the row tiles) and ``_jit_dkv_key_blocks`` (``split`` / ``plain``, two warpgroups
@@ -38,7 +38,6 @@ No ``from __future__ import annotations`` here: TileLang evaluates the nested pr
 """
 
 import functools
-from dataclasses import dataclass
 
 import torch
 
@@ -49,46 +48,36 @@ from megatron_glm5.kernels.selection_bitmap import bitmap_words, key_block_query
 KEY_BLOCK = 64  # keys per CTA: the wgmma M of every GEMM here
 ROW_TILE = 32  # (query, head) rows per step: two stages of Q / dO tiles fit next to the key block (216 KB)
 MAX_CHUNKS = 32  # query chunks (32 vs 16: 0.57 vs 0.67 ms at 2K tokens, even at 8K)
-SCHEDULES = ("ws", "wsp", "split", "plain")  # dkv_key_blocks(schedule=...); "auto": the latent's (KEY_BLOCK_LATENTS)
+SCHEDULES = ("ws", "wsp", "split", "plain")  # dkv_key_blocks(schedule=...): "wsp" is the default
 PARTIAL_BYTES = 512 << 20  # the partial buffer, n_chunks x T_kv x d_qk fp32, stays below this
 
 
-# Where the route measured faster (H200, random causal top-2048 sets, 16 heads, ``wsp``: 1.63x / 1.34x / 0.92x the
-# atomic backward at 4K / 8K / 16K tokens, dense / sparse work 1.35 / 2.30 / 4.28; 64 heads 1.05x-0.42x with ``ws``:
-# the dQ pass alone is half the atomic backward there).
+# Where the route measured faster (H200, random causal top-2048 sets, 16 heads, ``wsp``: 1.65x / 1.34x / 0.92x the
+# atomic backward on 4K / 8K / 16K-token sequences, dense / sparse work 1.35 / 2.30 / 4.28; 64 heads 1.05x-0.42x in the
+# eighth session: the dQ pass alone is half the atomic backward there).
 KEY_BLOCKS_MAX_HEADS = 16
 KEY_BLOCKS_MAX_TOKENS = 8192
 
 
-@dataclass(frozen=True)
-class KeyBlockLatent:
-    """How the route serves one latent layout: the kernel schedule, and past :data:`KEY_BLOCKS_MAX_TOKENS` tokens the
-    largest dense / sparse work (``key_block_work``'s bound, from the forward) at which it is still taken."""
-
-    schedule: str
-    max_dense_per_sparse: float
-
-
-# By latent (d_qk, d_v); H200, 16 heads, random causal top-2048 sets (scripts/bench/RESULTS_kernels.md,
-# round 2, tenth session).
-# * (576, 512), GLM-5's latent: "wsp" (1.14-1.19x the "ws" kernel at 4K-16K). Single sequences measured 1.13x / 1.08x / 0.92x
-#   at ratios 3.04 / 3.29 / 4.28 (11K / 12K / 16K): 1.0 crosses near 3.8; 3.6 keeps a margin. Packed batches of 1K-8K
-#   sequences (ratios 1.03-2.87) ran 1.16-1.80x.
-# * (512, 512), GLM-5.3-Flash's NoPE latent: "ws" ("wsp" measured 0.79x of it there: its warpgroups stall on
-#   every wgmma wait, not yet explained); 1.61x / 1.54x / 1.15x at 2K / 4K / 8K. Past 8K not measured on this latent:
-#   the threshold "ws" measured on GLM-5's (1.0 near 3.3), 3.0. Top-k stays 2048 keys there (KPool pools expand to
-#   tokens), so the causal bound of the dense work up to 8K is the same.
-KEY_BLOCK_LATENTS = {(576, 512): KeyBlockLatent("wsp", 3.6), (512, 512): KeyBlockLatent("ws", 3.0)}
+# Past 8K tokens, the route is taken where the forward's bound of the dense work (``key_block_work``) is at most this
+# many times the selected pairs, by latent (d_qk, d_v); H200, 16 heads, random causal top-2048 sets, "wsp"
+# (scripts/bench/RESULTS_kernels.md, round 2, tenth session):
+# * (576, 512), GLM-5's latent: single sequences ran 1.13x / 1.08x / 0.92x at ratios 3.04 / 3.29 / 4.28 (11K / 12K /
+#   16K): 1.0 crosses near 3.8; 3.6 keeps a margin. Packed batches of 1K-8K sequences (ratios 1.03-2.87): 1.16-1.80x.
+# * (512, 512), GLM-5.3-Flash's NoPE latent: 1.25x at 8K (ratio 2.30, as on GLM-5's, 1.32x there); past 8K not
+#   measured: 3.0, below GLM-5's crossing by its smaller gain at 8K. Top-k stays 2048 keys there (KPool pools expand
+#   to tokens), so up to 8K the causal bound of the dense work is GLM-5's.
+KEY_BLOCKS_MAX_DENSE_PER_SPARSE = {(576, 512): 3.6, (512, 512): 3.0}
 KEY_BLOCKS_BITMAP_BYTES = 512 << 20  # the selection bitmap (T x T_kv / 8 bytes) stays below this: 64K x 64K
 
 
 def key_blocks_fit(heads: int, tokens: int, t_kv: int, d_qk: int, d_v: int) -> bool:
     """Whether the key-block dKV may serve this call at all: per-rank heads where it was measured, a measured latent
-    (:data:`KEY_BLOCK_LATENTS`: GLM-5's and GLM-5.3-Flash's NoPE one), and a selection bitmap within
+    (:data:`KEY_BLOCKS_MAX_DENSE_PER_SPARSE`: GLM-5's and GLM-5.3-Flash's NoPE one), and a selection bitmap within
     :data:`KEY_BLOCKS_BITMAP_BYTES` (at any length: ``T x T_kv / 8`` bytes, so a short call over more than 512K keys
     keeps the atomic backward too)."""
     bitmap_bytes = tokens * bitmap_words(t_kv, KEY_BLOCK) * 4
-    return (heads <= KEY_BLOCKS_MAX_HEADS and tokens > 0 and (d_qk, d_v) in KEY_BLOCK_LATENTS
+    return (heads <= KEY_BLOCKS_MAX_HEADS and tokens > 0 and (d_qk, d_v) in KEY_BLOCKS_MAX_DENSE_PER_SPARSE
             and bitmap_bytes <= KEY_BLOCKS_BITMAP_BYTES)
 
 
@@ -97,20 +86,13 @@ def key_blocks_pay(heads: int, tokens: int, d_qk: int, d_v: int, *, t_kv: int | 
     """Whether the autograd backward takes the key-block dKV (``SparseMLAFunction``'s ``key_blocks=True``): where
     :func:`key_blocks_fit` holds and either the call has at most :data:`KEY_BLOCKS_MAX_TOKENS` tokens (measured
     faster on single causal sequences, whose dense work is the largest for their length) or the measured
-    ``dense_per_sparse`` (``key_block_work.KeyBlockWorkProbe``) is at most the latent's ``max_dense_per_sparse``
-    (:data:`KEY_BLOCK_LATENTS`). ``t_kv``: the keys (default ``tokens``)."""
+    ``dense_per_sparse`` (``key_block_work.KeyBlockWorkProbe``) is at most the latent's
+    :data:`KEY_BLOCKS_MAX_DENSE_PER_SPARSE`. ``t_kv``: the keys (default ``tokens``)."""
     if not key_blocks_fit(heads, tokens, tokens if t_kv is None else t_kv, d_qk, d_v):
         return False
     if tokens <= KEY_BLOCKS_MAX_TOKENS:
         return True
-    limit = KEY_BLOCK_LATENTS[d_qk, d_v].max_dense_per_sparse
-    return dense_per_sparse is not None and dense_per_sparse <= limit
-
-
-def default_schedule(d_qk: int, d_v: int) -> str:
-    """The key-block kernel's schedule for this latent (:data:`KEY_BLOCK_LATENTS`; ``ws`` for one not measured)."""
-    latent = KEY_BLOCK_LATENTS.get((d_qk, d_v))
-    return latent.schedule if latent is not None else "ws"
+    return dense_per_sparse is not None and dense_per_sparse <= KEY_BLOCKS_MAX_DENSE_PER_SPARSE[d_qk, d_v]
 
 
 def default_chunks(t_len: int, t_kv: int, device: torch.device, block_k: int = KEY_BLOCK, d_qk: int = 576) -> int:
@@ -533,10 +515,14 @@ def _ws_macros(T, *, heads: int, d_v: int, d_tail: int, block_k: int, block_r: i
 def _jit_dkv_key_blocks_ws():
     tilelang, T = tilelang_modules()
 
+    # No thread-storage syncs: the mbarriers order every shared-memory handover (docstring). TileLang's inserted
+    # warpgroup syncs split a dKV warpgroup's ``if`` between its two GEMMs on the NoPE latent, and ptxas then
+    # serialised every wgmma of the kernel (C7514): "wsp" ran at 0.79x of "ws" there.
     @tilelang.jit(
         pass_configs={
             tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
             tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
+            tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True,
         },
     )
     def sparse_mla_dkv_key_blocks_ws(heads: int, d_qk: int, d_v: int, softmax_scale: float,
@@ -562,7 +548,8 @@ def _jit_dkv_key_blocks_ws():
         latency is exposed: the profile at 16 heads, 8K tokens has the score warpgroup busy 80 % of the time and the
         dKV warpgroups waiting for it 80 %), and the score warpgroup issues no loads but the key block's. ``bar_ready``
         of tile ``n + 2`` completes only after tile ``n``'s dKV GEMMs, so it also frees the ``P`` / ``dS`` buffer.
-        Same arithmetic: bitwise equal to ``ws``."""
+        Same arithmetic: bitwise equal to ``ws`` (GPU-tested); 8.05 -> 7.20 ms at 16 heads, 8K tokens (GLM-5's
+        latent), 7.40 -> 6.91 on the NoPE latent (H200)."""
         from megatron_glm5.kernels.sparse_mla_fwd import check_register_split
 
         check_register_split(nreg, (0, 1, 1))
@@ -773,9 +760,11 @@ def _jit_dkv_key_blocks_ws():
                         if has_tail:
                             T.clear(acc_t)
                         for ip in T.serial(T.ceildiv(n_tiles, 2)):
-                            updates_right(p0_s, ds0_s, q0_r, q0_t, do0_r, acc_r, acc_t, bar_full, bar_free, 0, 0, ip & 1)
+                            updates_right(p0_s, ds0_s, q0_r, q0_t, do0_r, acc_r, acc_t, bar_full, bar_free, 0, 0,
+                                          ip & 1)
                             if 2 * ip + 1 < n_tiles:
-                                updates_right(p1_s, ds1_s, q1_r, q1_t, do1_r, acc_r, acc_t, bar_full, bar_free, 1, 1, ip & 1)
+                                updates_right(p1_s, ds1_s, q1_r, q1_t, do1_r, acc_r, acc_t, bar_full, bar_free, 1, 1,
+                                              ip & 1)
                         store_right(Part, qc, k0, t_kv, acc_r, acc_t)
 
         return main
@@ -830,26 +819,24 @@ def dkv_key_blocks(
     *,
     n_chunks: int = 0,
     block_k: int = KEY_BLOCK,
-    schedule: str = "auto",
+    schedule: str = "wsp",
     ranges: str = "bitmap",
 ) -> torch.Tensor:
     """fp32 ``dKV [T_kv, d_qk]`` of sparse MLA from the saved ``lse`` and ``delta`` (``rowsum(O * dO) - dlse``, as
     the per-query backward's), by key blocks (module docstring). ``n_chunks`` 0: :func:`default_chunks`;
-    ``schedule``: ``"auto"`` (:func:`default_schedule`), ``"ws"`` (``_jit_dkv_key_blocks_ws``), ``"wsp"`` (the same
-    kernel with the dKV warpgroups loading the row tiles, two ahead) or ``_jit_dkv_key_blocks``'s ``"split"`` /
-    ``"plain"``.
+    ``schedule``: ``"wsp"`` (``_jit_dkv_key_blocks_ws`` with the dKV warpgroups loading the row tiles, two ahead),
+    ``"ws"`` (the same kernel, the score warpgroup loading) or ``_jit_dkv_key_blocks``'s ``"split"`` / ``"plain"``.
     ``ranges``: each key block's query range from the bitmap (``"bitmap"``, exact) or from the rows' key spans
     (``"span"``, ``key_block_work.span_query_ranges``: a superset, equal on random causal sets, without the
     ``[T, n_blocks]`` passes; it costs 0.27-0.31 ms at 4K-16K tokens against 0.13-0.22 ms for the bitmap's ranges,
     H200: not the default; tiles start where the range does, so the sums may differ from ``"bitmap"``'s in order)."""
-    if schedule != "auto" and schedule not in SCHEDULES:
-        raise ValueError(f"schedule must be 'auto' or one of {SCHEDULES}, got {schedule!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     if ranges not in ("bitmap", "span"):
         raise ValueError(f"ranges must be 'bitmap' or 'span', got {ranges!r}")
     _check_inputs(q, kv, grad_out, lse, delta, d_v)
     t_len, heads, d_qk = q.shape
     t_kv = kv.shape[0]
-    schedule = default_schedule(d_qk, d_v) if schedule == "auto" else schedule
     bits, _ = selection_bitmap(indices, t_kv, block_k=block_k)
     qrange = query_ranges(bits, indices, t_kv, block_k, ranges)
     n_chunks = n_chunks or default_chunks(t_len, t_kv, q.device, block_k, d_qk)

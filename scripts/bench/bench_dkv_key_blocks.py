@@ -274,9 +274,9 @@ def bench_packed(name: str, lengths: list[int], heads: int) -> dict:
 def report_packed(rows: list[dict]) -> list[str]:
     if not rows:
         return []
-    from megatron_glm5.kernels.sparse_mla_dkv import KEY_BLOCK_LATENTS
+    from megatron_glm5.kernels.sparse_mla_dkv import KEY_BLOCKS_MAX_DENSE_PER_SPARSE
 
-    limit = KEY_BLOCK_LATENTS[D_QK, D_V].max_dense_per_sparse
+    limit = KEY_BLOCKS_MAX_DENSE_PER_SPARSE[D_QK, D_V]
     lines = ["", "Packed (THD) batches: the route past 8K tokens by the forward's work bound "
              f"(take key blocks at dense / sparse <= {limit}):", "",
              "| batch | T | H | atomic bwd ms (TFLOP/s) | key blocks ms (TFLOP/s) | speed-up | probe ms | "
