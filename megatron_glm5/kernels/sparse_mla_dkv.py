@@ -828,7 +828,7 @@ def dkv_key_blocks(
     ``"ws"`` (the same kernel, the score warpgroup loading) or ``_jit_dkv_key_blocks``'s ``"split"`` / ``"plain"``.
     ``ranges``: each key block's query range from the bitmap (``"bitmap"``, exact) or from the rows' key spans
     (``"span"``, ``key_block_work.span_query_ranges``: a superset, equal on random causal sets, without the
-    ``[T, n_blocks]`` passes; it costs 0.27-0.31 ms at 4K-16K tokens against 0.13-0.22 ms for the bitmap's ranges,
+    ``[T, n_blocks]`` passes; it costs 0.21-0.34 ms at 4K-16K tokens against 0.11-0.23 ms for the bitmap's ranges,
     H200: not the default; tiles start where the range does, so the sums may differ from ``"bitmap"``'s in order)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
