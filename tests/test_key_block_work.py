@@ -261,3 +261,19 @@ def test_packed_bench_builds_per_sequence_sets_and_judges_the_route():
            "dkv_vs_atomic": 1e-3, "dq_bitwise_atomic": True}
     assert "| 2.00x |" in bench.report_packed([row])[-1] and "| NO |" in bench.report_packed([row])[-1]
     assert "| yes |" in bench.report_packed([dict(row, route="key_blocks")])[-1]
+
+
+def test_route_rule_picks_the_faster_backward_on_the_measured_batches():
+    """The committed H200 rows (tenth session, ``wsp``, GLM-5's latent: ``bench_dkv_key_blocks.py --packed all``,
+    packed batches and single sequences past 8K tokens): with today's limit, every measured ratio leads to the
+    backward that ran faster. Moving the limit past a measured crossing fails here."""
+    import json
+
+    from megatron_glm5.kernels.sparse_mla_dkv import key_blocks_pay
+
+    rows = json.loads((REPO / "scripts" / "bench" / "kernels_round10" / "4_dkv_packed_wsp.json").read_text())
+    assert len(rows) == 10
+    for r in rows:
+        takes = key_blocks_pay(r["H"], r["T"], 576, 512, dense_per_sparse=r["probe_ratio"])
+        faster = r["key_blocks_ms"] < r["atomic_ms"]
+        assert takes == faster, (r["batch"], r["probe_ratio"], r["atomic_ms"], r["key_blocks_ms"])

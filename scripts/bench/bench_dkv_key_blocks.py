@@ -8,9 +8,9 @@ bitmap + ranges, the key-block kernel at several chunk counts, the chunk sum), t
 
     source .gpu/install.sh && python scripts/bench/bench_dkv_key_blocks.py --precompile --workers 16 --out dkv.md
 
-``--packed all --seqs ''``: packed (THD) batches past 8K tokens, where the autograd route decides by the forward's
-bound of the dense work (``kernels.key_block_work``): both backwards, the probe's cost and ratio, and whether the route
-picked the faster one.
+``--packed all --seqs ''`` (``--d-qk 512``: on the NoPE latent): packed (THD) batches past 8K tokens, where the
+autograd route decides by the forward's bound of the dense work (``kernels.key_block_work``): both backwards, the
+probe's cost and ratio, and whether the route picked the faster one.
 """
 
 from __future__ import annotations
@@ -236,9 +236,10 @@ def packed_indices(lengths: list[int], dev: torch.device) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def bench_packed(name: str, lengths: list[int], heads: int) -> dict:
+def bench_packed(name: str, lengths: list[int], heads: int, d_qk: int = D_QK) -> dict:
     """One packed batch: the atomic and the key-block backward from saved ``out`` / ``lse``, the forward's work probe
-    (its ms and its dense / sparse ratio against the exact ranges') and the route ``key_blocks_pay`` picks."""
+    (its ms and its dense / sparse ratio against the exact ranges') and the route ``key_blocks_pay`` picks for the
+    latent ``(d_qk, 512)``."""
     from bench_dsa_kernels import timed
 
     from megatron_glm5.kernels._common import row_valid_len
@@ -250,22 +251,22 @@ def bench_packed(name: str, lengths: list[int], heads: int) -> dict:
     dev = torch.device("cuda")
     total = sum(lengths)
     torch.manual_seed(total + heads)
-    q = torch.randn(total, heads, D_QK, device=dev, dtype=torch.bfloat16)
-    kv = torch.randn(total, D_QK, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(total, heads, d_qk, device=dev, dtype=torch.bfloat16)
+    kv = torch.randn(total, d_qk, device=dev, dtype=torch.bfloat16)
     g = torch.randn(total, heads, D_V, device=dev, dtype=torch.bfloat16)
     idx = packed_indices(lengths, dev)
     vlen = row_valid_len(idx)
     pairs = int((idx >= 0).sum())
-    f_bwd = 2 * pairs * heads * (3 * D_QK + 2 * D_V)
+    f_bwd = 2 * pairs * heads * (3 * d_qk + 2 * D_V)
     out, lse = sparse_mla_fwd_interface(q, kv, idx, SCALE, D_V, valid_len=vlen)
-    row = {"batch": name, "T": total, "H": heads, "pairs": pairs}
+    row = {"batch": name, "T": total, "H": heads, "d_qk": d_qk, "pairs": pairs}
     row["probe_ms"] = timed(lambda: dense_pairs_bound(*row_key_span(idx, total), total))  # the forward's device work
     row["probe_ratio"] = KeyBlockWorkProbe(idx, vlen, total).dense_per_sparse()
     bits, _ = selection_bitmap(idx, total)
     rng = key_block_query_range(bits, KEY_BLOCK)
     row["exact_ratio"] = int((rng[:, 1] - rng[:, 0]).sum()) * KEY_BLOCK / pairs
     del bits, rng
-    row["route"] = "key_blocks" if key_blocks_pay(heads, total, D_QK, D_V, t_kv=total,
+    row["route"] = "key_blocks" if key_blocks_pay(heads, total, d_qk, D_V, t_kv=total,
                                                    dense_per_sparse=row["probe_ratio"]) else "atomic"
     row.update(compare_backwards(q, kv, out, lse, g, idx, vlen, f_bwd))
     return row
@@ -276,8 +277,9 @@ def report_packed(rows: list[dict]) -> list[str]:
         return []
     from megatron_glm5.kernels.sparse_mla_dkv import KEY_BLOCKS_MAX_DENSE_PER_SPARSE
 
-    limit = KEY_BLOCKS_MAX_DENSE_PER_SPARSE[D_QK, D_V]
-    lines = ["", "Packed (THD) batches: the route past 8K tokens by the forward's work bound "
+    d_qk = rows[0].get("d_qk", D_QK)
+    limit = KEY_BLOCKS_MAX_DENSE_PER_SPARSE[d_qk, D_V]
+    lines = ["", f"Packed (THD) batches, d_qk {d_qk}: the route past 8K tokens by the forward's work bound "
              f"(take key blocks at dense / sparse <= {limit}):", "",
              "| batch | T | H | atomic bwd ms (TFLOP/s) | key blocks ms (TFLOP/s) | speed-up | probe ms | "
              "dense / sparse (bound) | (exact) | route | right? | dKV vs atomic | dQ bitwise |",
@@ -368,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         for h in (int(x) for x in a.packed_heads.split(",") if x):
             t0 = time.time()
             try:
-                r = bench_packed(name, PACKED[name], h)
+                r = bench_packed(name, PACKED[name], h, a.d_qk)
             except Exception:
                 traceback.print_exc()
                 continue
