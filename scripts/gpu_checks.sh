@@ -106,7 +106,7 @@ for step in "$@"; do
     multi_tp2_tilelang) NPROC=2 SAVE=0 PARALLEL="--tensor-model-parallel-size 2 --sequence-parallel" run multi_tp2_tilelang 120 bash examples/pretrain_glm5_tiny.sh tilelang ;;
     multi_ep2) NPROC=2 SAVE=0 PARALLEL="--expert-model-parallel-size 2" run multi_ep2 120 bash examples/pretrain_glm5_tiny.sh megatron ;;
     multi_pp2) NPROC=2 SAVE=0 PARALLEL="--pipeline-model-parallel-size 2" run multi_pp2 120 bash examples/pretrain_glm5_tiny.sh megatron ;;
-    precompile_dkv) run precompile_dkv 150 python3 scripts/bench/bench_dkv_key_blocks.py --precompile-only --workers 16 ;;
+    precompile_dkv) run precompile_dkv 200 python3 scripts/bench/bench_dkv_key_blocks.py --precompile-only --workers 16 ;;
     dkv) run dkv 240 python3 -m pytest tests/gpu/test_sparse_mla_dkv_gpu.py -q -s -p no:cacheprovider ;;
     bench_dkv_packed) TAIL=20 run bench_dkv_packed 300 python3 scripts/bench/bench_dkv_key_blocks.py --packed all \
       --seqs "" --out "$OUT_DIR/dkv_packed.md" ;;
