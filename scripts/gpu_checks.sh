@@ -32,7 +32,7 @@
 # precompile_dkv (the key-block dKV kernels and what their tests build), dkv (tests/gpu/test_sparse_mla_dkv_gpu.py),
 # bench_dkv_packed (bench_dkv_key_blocks.py --packed all: the key-block route on packed batches past 8K tokens, and
 # whether its rule picked the faster backward), profile_dkv (ncu on one launch of the key-block kernel, 16 heads, 8K,
-# schedule $DKV_SCHEDULE, default ws: OUT_DIR/dkv_ncu.txt with the full set and OUT_DIR/dkv_source.csv for ncu_source_summary.py).
+# schedule $DKV_SCHEDULE, default wsp: OUT_DIR/dkv_ncu.txt with the full set and OUT_DIR/dkv_source.csv for ncu_source_summary.py).
 # kernels_ws (the kernel tests with the ws forward variant), bench_grouped (bench_grouped_experts.py), the indexer
 # training clients (indexer_client_sparse: Megatron-LM's pretrain_gpt.py with the sparse indexer loss, both specs;
 # indexer_client_warmup: the dense warm-up specs; indexer_pretrain_warmup: python -m megatron_glm5.pretrain with
@@ -111,11 +111,11 @@ for step in "$@"; do
     bench_dkv_packed) TAIL=20 run bench_dkv_packed 300 python3 scripts/bench/bench_dkv_key_blocks.py --packed all \
       --seqs "" --out "$OUT_DIR/dkv_packed.md" ;;
     profile_dkv) run profile_dkv 240 ncu --set full --profile-from-start off -k regex:main_kernel \
-        python3 scripts/bench/profile_bwd.py --heads 16 --seq 8192 --key-blocks "${DKV_SCHEDULE:-ws}"
+        python3 scripts/bench/profile_bwd.py --heads 16 --seq 8192 --key-blocks "${DKV_SCHEDULE:-wsp}"
       cp "$OUT_DIR/profile_dkv.log" "$OUT_DIR/dkv_ncu.txt"
       run profile_dkv_source 240 ncu --section WarpStateStats --section SourceCounters --page source \
         --print-source sass --csv --profile-from-start off -k regex:main_kernel \
-        python3 scripts/bench/profile_bwd.py --heads 16 --seq 8192 --key-blocks "${DKV_SCHEDULE:-ws}"
+        python3 scripts/bench/profile_bwd.py --heads 16 --seq 8192 --key-blocks "${DKV_SCHEDULE:-wsp}"
       grep -n '"Address"' "$OUT_DIR/profile_dkv_source.log" > /dev/null \
         && sed -n '/"Address"/,$p' "$OUT_DIR/profile_dkv_source.log" > "$OUT_DIR/dkv_source.csv" ;;
     *) echo "unknown step $step" ;;

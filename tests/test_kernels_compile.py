@@ -64,10 +64,8 @@ COMPILE_CASES = {
     "bwd_nope": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (64, 512, 512, 1 / 16, False)),
     "bwd_nope_small_deterministic": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (8, 128, 128, 0.125, True)),
     "delta_glm": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_delta", (64, 512)),
-    # the key-block dKV pass at 16 heads: the default warp-specialised schedule and "wsp" (the dKV warpgroups load)
-    "dkv_ws_glm": ("megatron_glm5.kernels.sparse_mla_dkv", "_jit_dkv_key_blocks_ws", (16, 576, 512, 1 / 16)),
-    "dkv_wsp_glm": ("megatron_glm5.kernels.sparse_mla_dkv", "_jit_dkv_key_blocks_ws",
-                    (16, 576, 512, 1 / 16, 64, 32, (136, 168, 200), True)),
+    # the key-block dKV pass at 16 heads: the warp-specialised kernel ("wsp", the default)
+    "dkv_wsp_glm": ("megatron_glm5.kernels.sparse_mla_dkv", "_jit_dkv_key_blocks_ws", (16, 576, 512, 1 / 16)),
     "dkv_reduce_glm": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_dkv_reduce", (576, 1)),
     "indexer_logits_small": ("megatron_glm5.kernels.indexer_topk", "_jit_logits", (8, 64)),
     "indexer_logits_glm": ("megatron_glm5.kernels.indexer_topk", "_jit_logits", (32, 128)),

@@ -187,9 +187,9 @@ def test_default_chunks_bound_the_partial_buffer():
 def test_dkv_key_blocks_names_its_schedules():
     from megatron_glm5.kernels.sparse_mla_dkv import SCHEDULES, dkv_key_blocks
 
-    assert SCHEDULES == ("ws", "wsp", "split", "plain")
+    assert SCHEDULES == ("wsp", "split", "plain")
     q = torch.zeros(4, 16, 576, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match=r"one of \('ws', 'wsp', 'split', 'plain'\), got 'tma'"):
+    with pytest.raises(ValueError, match=r"one of \('wsp', 'split', 'plain'\), got 'tma'"):
         dkv_key_blocks(q, q[:, 0], q[..., :512], q[..., 0].float(), q[..., 0].float(),
                        torch.zeros(4, 8, dtype=torch.int32), 1 / 16, schedule="tma")
     with pytest.raises(ValueError, match="ranges must be 'bitmap' or 'span', got 'exact'"):

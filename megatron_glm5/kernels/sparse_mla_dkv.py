@@ -20,9 +20,9 @@ top-k 2048, 4.3x at 16K), against no reduction traffic at all. So it pays at sho
 Windowed sets cost the same as random ones: a few random keys per query reach every key block, so the query ranges
 skip nothing (``scripts/bench/RESULTS_kernels.md``, round 2, eighth session).
 
-Kernels: ``_jit_dkv_key_blocks_ws`` (a score warpgroup and two dKV warpgroups over mbarriers; schedules ``ws`` and
-``wsp``, which differ in who loads the row tiles) and ``_jit_dkv_key_blocks`` (``split`` / ``plain``, two warpgroups
-in lockstep), every element formed the same way in all four (bitwise equal, GPU-tested).
+Kernels: ``_jit_dkv_key_blocks_ws`` (schedule ``wsp``, the default: a score warpgroup and two dKV warpgroups over
+mbarriers, the dKV warpgroups loading the row tiles) and ``_jit_dkv_key_blocks`` (``split`` / ``plain``, two
+warpgroups in lockstep), every element formed the same way in all three (bitwise equal, GPU-tested).
 
 Work split: the query axis is cut into ``n_chunks`` equal chunks; CTA ``(block, chunk)`` writes its block's partial
 sum into ``Part[chunk]`` (zeros when the chunk holds none of the block's queries), and the chunks are summed in
@@ -48,7 +48,7 @@ from megatron_glm5.kernels.selection_bitmap import bitmap_words, key_block_query
 KEY_BLOCK = 64  # keys per CTA: the wgmma M of every GEMM here
 ROW_TILE = 32  # (query, head) rows per step: two stages of Q / dO tiles fit next to the key block (216 KB)
 MAX_CHUNKS = 32  # query chunks (32 vs 16: 0.57 vs 0.67 ms at 2K tokens, even at 8K)
-SCHEDULES = ("ws", "wsp", "split", "plain")  # dkv_key_blocks(schedule=...): "wsp" is the default
+SCHEDULES = ("wsp", "split", "plain")  # dkv_key_blocks(schedule=...): "wsp" is the default
 PARTIAL_BYTES = 512 << 20  # the partial buffer, n_chunks x T_kv x d_qk fp32, stays below this
 
 
@@ -404,32 +404,33 @@ def _jit_dkv_key_blocks():
 
 
 # Registers per warpgroup of the warp-specialised build (sum 504 = 3 x 168): warpgroup 1 holds the [64, 256] left
-# accumulator, warpgroup 2 the right one and the RoPE tail ([64, 320]); the score warpgroup's loads want the rest.
-# ptxas, sm_90a, 16 heads: (136, 168, 200) spills 180 bytes per thread, (104, 184, 216) 316, (152, 168, 184) 1260.
+# accumulator, warpgroup 2 the right one and the RoPE tail ([64, 320]), the score warpgroup [64, 32] x 2. ptxas,
+# sm_90a, 16 heads: no spills; H200, 8K: 7.28-7.29 ms at (136, 168, 200), (120, 168, 216) and (104, 184, 216),
+# 10.5 ms at (152, 168, 184) and (168, 168, 168), whose right warpgroup spills (scripts/bench/sweep_dkv_ws.py).
 WS_NREG = (136, 168, 200)
 
 
 def _check_ws_shape(d_qk: int, d_v: int, block_k: int, block_r: int) -> None:
-    """The warp-specialised kernels' shape rules: 16-row cp.async passes of the score warpgroup over the halves of
-    ``d_v`` and the tail, and one cp.async per score thread for a tile's LSE, Delta and mask words."""
+    """The warp-specialised kernel's shape rules: 16-row cp.async passes of one warpgroup over the halves of ``d_v``
+    and the tail, and one cp.async per thread of the left dKV warpgroup for a tile's LSE, Delta and mask words."""
     dh, d_tail, lanes = d_v // 2, d_qk - d_v, 128 // 8
     if dh % 64 or d_tail % 64 or d_tail < 0 or block_k % lanes or block_r % lanes or block_k % 32:
         raise ValueError(f"key-block dKV needs d_v/2 and d_qk-d_v >= 0 multiples of 64, block_k a multiple of 32 "
                          f"and of 16, block_r a multiple of 16; got d_v={d_v}, d_qk={d_qk}, block_k={block_k}, "
                          f"block_r={block_r}")
     if 2 * block_r + block_r * (block_k // 32) > 128:
-        raise ValueError(f"a tile's LSE, Delta and mask words take one cp.async per score thread: "
+        raise ValueError(f"a tile's LSE, Delta and mask words take one cp.async per thread of a warpgroup: "
                          f"2 * block_r + block_r * block_k / 32 <= 128, got block_r={block_r}, block_k={block_k}")
 
 
 def _ws_macros(T, *, heads: int, d_v: int, d_tail: int, block_k: int, block_r: int, softmax_scale: float):
-    """``(load_rows, load_tile, scores, updates_left, updates_right, store_left, store_right)``, the steps of the
-    warp-specialised key-block kernel (``_jit_dkv_key_blocks_ws``, both schedules; ``T`` is
-    ``tilelang.language``):
+    """``(load_rows, load_left, load_right, scores, updates_left, updates_right, store_left, store_right)``, the steps
+    of the warp-specialised key-block kernel (``_jit_dkv_key_blocks_ws``; ``T`` is ``tilelang.language``):
 
-    * ``load_rows``: :func:`_load_macros`' row loader (the key block);
-    * ``load_tile(...)``: a row tile's Q, dO, LSE, Delta and mask words into one stage (cp.async), completion on
-      ``bar[stage]``;
+    * ``load_rows``: :func:`_load_macros`' row loader (the key block, by the score warpgroup);
+    * ``load_left(...)`` / ``load_right(...)``: a dKV warpgroup's share of a row tile into one stage (cp.async, ``lt``
+      its thread in ``[0, 128)``): the left halves of ``Q`` / ``dO`` and the tile's LSE, Delta and mask words, or the
+      right halves and the RoPE tail; each warpgroup loads the columns it alone reads. Completion on ``bar[stage]``;
     * ``scores(...)``: the score warpgroup's step: wait for the stage, ``S^T`` and ``dP^T``, then ``P`` and ``dS``
       (bf16) into the tile's buffers;
     * ``updates_left`` / ``updates_right(..., full, free, parity)``: a dKV warpgroup's step: wait for ``P`` / ``dS``
@@ -445,11 +446,33 @@ def _ws_macros(T, *, heads: int, d_v: int, d_tail: int, block_k: int, block_r: i
                                         words=words, heads=heads)
 
     @T.macro
-    def load_tile(Q, dO, Lse, Delta, Bits, kb, r0, r_hi, tx, q_l, q_r, q_t, do_l, do_r, lse_t, dl_t, bits_t,
-                  bar, stage):
-        load_rows(Q, r0, r_hi, tx, block_r, q_l, q_r, q_t, d_v)
-        load_rows(dO, r0, r_hi, tx, block_r, do_l, do_r, None, 0)
-        load_meta(Lse, Delta, Bits, kb, r0, r_hi, tx, lse_t, dl_t, bits_t)
+    def load_cols(src, r0, r_end, lt, buf, col0, width):
+        # rows [r0, r0 + block_r) of src's columns [col0, col0 + width) by one warpgroup (lt in [0, 128)), 8 lanes x
+        # 16 bytes per row; rows at or past r_end are zero-filled and never read
+        lane = lt % 8
+        for p in T.unroll(block_r // 16):
+            row = p * 16 + lt // 8
+            g = r0 + row
+            ok = g < r_end
+            src_row = T.if_then_else(ok, g, 0)
+            for c in T.unroll(width // 64):
+                col = c * 64 + lane * 8
+                T.ptx_cp_async(T.access_ptr(buf[row, col], "w", 8),
+                               T.access_ptr(src[src_row, col0 + col], "r", 8), 8, predicate=ok)
+
+    @T.macro
+    def load_left(Q, dO, Lse, Delta, Bits, kb, r0, r_hi, lt, q_l, do_l, lse_t, dl_t, bits_t, bar, stage):
+        load_cols(Q, r0, r_hi, lt, q_l, 0, dh)
+        load_cols(dO, r0, r_hi, lt, do_l, 0, dh)
+        load_meta(Lse, Delta, Bits, kb, r0, r_hi, lt, lse_t, dl_t, bits_t)
+        T.cp_async_barrier_noinc(bar[stage])
+
+    @T.macro
+    def load_right(Q, dO, r0, r_hi, lt, q_r, q_t, do_r, bar, stage):
+        load_cols(Q, r0, r_hi, lt, q_r, dh, dh)
+        if has_tail:
+            load_cols(Q, r0, r_hi, lt, q_t, d_v, d_tail)
+        load_cols(dO, r0, r_hi, lt, do_r, dh, dh)
         T.cp_async_barrier_noinc(bar[stage])
 
     @T.macro
@@ -508,7 +531,7 @@ def _ws_macros(T, *, heads: int, d_v: int, d_tail: int, block_k: int, block_r: i
                 if k0 + j < t_kv:
                     Part[qc, k0 + j, d_v + d] = acc_t[j, d]
 
-    return load_rows, load_tile, scores, updates_left, updates_right, store_left, store_right
+    return load_rows, load_left, load_right, scores, updates_left, updates_right, store_left, store_right
 
 
 @functools.cache
@@ -517,7 +540,7 @@ def _jit_dkv_key_blocks_ws():
 
     # No thread-storage syncs: the mbarriers order every shared-memory handover (docstring). TileLang's inserted
     # warpgroup syncs split a dKV warpgroup's ``if`` between its two GEMMs on the NoPE latent, and ptxas then
-    # serialised every wgmma of the kernel (C7514): "wsp" ran at 0.79x of "ws" there.
+    # serialised every wgmma of the kernel (C7514): 10.1 ms instead of 6.9 at 16 heads, 8K tokens (H200).
     @tilelang.jit(
         pass_configs={
             tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
@@ -527,29 +550,26 @@ def _jit_dkv_key_blocks_ws():
     )
     def sparse_mla_dkv_key_blocks_ws(heads: int, d_qk: int, d_v: int, softmax_scale: float,
                                      block_k: int = KEY_BLOCK, block_r: int = ROW_TILE,
-                                     nreg: tuple[int, int, int] = WS_NREG, dkv_loads: bool = False):
+                                     nreg: tuple[int, int, int] = WS_NREG):
         """The key-block dKV kernel (same contract, grid and ``Part`` as ``_jit_dkv_key_blocks``), warp-specialised
-        so that one tile's score GEMMs run under the previous tile's dKV GEMMs. 384 threads:
+        so that one tile's score GEMMs run under the previous tile's dKV GEMMs and the tile after next's loads
+        (schedule ``"wsp"``). 384 threads:
 
-        * warpgroup 0 (scores): loads each row tile (Q, dO, LSE, Delta, mask words) with ``cp.async`` into one of two
-          stages, completion on an mbarrier; forms ``S^T`` and ``dP^T`` of the tile, then ``P`` and ``dS`` in its
-          registers, writes them (bf16) into the tile's ``P`` / ``dS`` buffer (two, by tile parity) and signals;
+        * warpgroup 0 (scores): loads the key block once; per row tile, waits for its stage, forms ``S^T`` and
+          ``dP^T``, then ``P`` and ``dS`` in its registers, writes them (bf16) into the tile's ``P`` / ``dS`` buffer
+          (two, by tile parity) and signals;
         * warpgroups 1 and 2 (dKV): ``dKV += dS^T Q + P^T dO``, warpgroup 1 for the left half of ``d_v``, warpgroup 2
-          for the right half and the RoPE tail; then free the stage and the ``P`` / ``dS`` buffer.
+          for the right half and the RoPE tail. Each also loads the columns of the row tiles it alone reads
+          (warpgroup 1 the left halves of ``Q`` / ``dO`` and the tile's LSE, Delta and mask words, warpgroup 2 the
+          right halves and the tail) into two stages: tile ``n + 2`` as soon as both have finished tile ``n``.
 
-        A stage is refilled with tile ``n + 1`` once tile ``n - 1``'s dKV GEMMs have read it, so the loads overlap
-        tile ``n``'s dKV GEMMs. Every element is formed as in the ``split`` schedule (same GEMM k-order, same fp32
-        ``P`` into ``dS``): bitwise equal to it.
-
-        ``dkv_loads`` (schedule ``"wsp"``): the dKV warpgroups load the row tiles instead, each the columns it alone
-        reads (warpgroup 1 the left halves of ``Q`` / ``dO`` and the tile's LSE, Delta and mask words, warpgroup 2 the
-        right halves and the tail), tile ``n + 2`` as soon as both have finished tile ``n``. The load then runs under
-        the score warpgroup's tile ``n + 1`` instead of in front of its tile ``n + 2`` (in ``ws`` every tile's load
-        latency is exposed: the profile at 16 heads, 8K tokens has the score warpgroup busy 80 % of the time and the
-        dKV warpgroups waiting for it 80 %), and the score warpgroup issues no loads but the key block's. ``bar_ready``
-        of tile ``n + 2`` completes only after tile ``n``'s dKV GEMMs, so it also frees the ``P`` / ``dS`` buffer.
-        Same arithmetic: bitwise equal to ``ws`` (GPU-tested); 8.05 -> 7.20 ms at 16 heads, 8K tokens (GLM-5's
-        latent), 7.40 -> 6.91 on the NoPE latent (H200)."""
+        The load of tile ``n + 2`` runs under the score warpgroup's tile ``n + 1``. (The first version, ``ws``, had
+        the score warpgroup load each tile right before scoring it, so every tile's load latency was exposed: at 16
+        heads, 8K tokens the score warpgroup was busy 80 % of the time and the dKV warpgroups waited for it 80 %;
+        8.05 -> 7.20 ms on H200 with GLM-5's latent, 7.40 -> 6.91 on the NoPE one.) ``bar_ready`` of tile ``n + 2``
+        completes only after tile ``n``'s dKV GEMMs, so it also frees the ``P`` / ``dS`` buffer. Every element is
+        formed as in the ``split`` schedule (same GEMM k-order, same fp32 ``P`` into ``dS``): bitwise equal to it
+        (GPU-tested)."""
         from megatron_glm5.kernels.sparse_mla_fwd import check_register_split
 
         check_register_split(nreg, (0, 1, 1))
@@ -566,41 +586,9 @@ def _jit_dkv_key_blocks_ws():
         n_chunk = T.dynamic("n_chunk")
         bf16, f32, i32 = T.bfloat16, T.float32, T.int32
 
-        load_rows, load_tile, scores, updates_left, updates_right, store_left, store_right = _ws_macros(
-            T, heads=heads, d_v=d_v, d_tail=d_tail, block_k=block_k, block_r=block_r, softmax_scale=softmax_scale)
-        _, load_meta = _load_macros(T, rows_per_pass=128 // 8, dh=dh, d_tail=d_tail, d_v=d_v, block_r=block_r,
-                                    words=words, heads=heads)
-        ready_count = 256 if dkv_loads else 128  # threads whose cp.async complete a stage
-
-        @T.macro
-        def load_cols(src, r0, r_end, lt, buf, col0, width):
-            # rows [r0, r0 + block_r) of src's columns [col0, col0 + width) by one warpgroup (lt in [0, 128)), 8
-            # lanes x 16 bytes per row; rows at or past r_end are zero-filled and never read
-            lane = lt % 8
-            for p in T.unroll(block_r // 16):
-                row = p * 16 + lt // 8
-                g = r0 + row
-                ok = g < r_end
-                src_row = T.if_then_else(ok, g, 0)
-                for c in T.unroll(width // 64):
-                    col = c * 64 + lane * 8
-                    T.ptx_cp_async(T.access_ptr(buf[row, col], "w", 8),
-                                   T.access_ptr(src[src_row, col0 + col], "r", 8), 8, predicate=ok)
-
-        @T.macro
-        def load_left(Q, dO, Lse, Delta, Bits, kb, r0, r_hi, lt, q_l, do_l, lse_t, dl_t, bits_t, bar, stage):
-            load_cols(Q, r0, r_hi, lt, q_l, 0, dh)
-            load_cols(dO, r0, r_hi, lt, do_l, 0, dh)
-            load_meta(Lse, Delta, Bits, kb, r0, r_hi, lt, lse_t, dl_t, bits_t)
-            T.cp_async_barrier_noinc(bar[stage])
-
-        @T.macro
-        def load_right(Q, dO, r0, r_hi, lt, q_r, q_t, do_r, bar, stage):
-            load_cols(Q, r0, r_hi, lt, q_r, dh, dh)
-            if has_tail:
-                load_cols(Q, r0, r_hi, lt, q_t, d_v, d_tail)
-            load_cols(dO, r0, r_hi, lt, do_r, dh, dh)
-            T.cp_async_barrier_noinc(bar[stage])
+        (load_rows, load_left, load_right, scores, updates_left, updates_right, store_left,
+         store_right) = _ws_macros(T, heads=heads, d_v=d_v, d_tail=d_tail, block_k=block_k, block_r=block_r,
+                                   softmax_scale=softmax_scale)
 
         @T.prim_func
         def main(
@@ -644,11 +632,10 @@ def _jit_dkv_key_blocks_ws():
                 acc_r = T.alloc_fragment([block_k, dh], f32)
                 acc_t = T.alloc_fragment([block_k, d_tail], f32) if has_tail else None
 
-                # bar_ready: the loads' cp.async -> the score warpgroup, per stage (its own, or the dKV warpgroups')
-                bar_ready = T.alloc_barrier([ready_count, ready_count])
+                bar_ready = T.alloc_barrier([256, 256])  # dKV warpgroups' cp.async -> score warpgroup, per stage
                 bar_full = T.alloc_barrier([128, 128])  # score warpgroup -> dKV warpgroups: P / dS of a tile
-                bar_free = T.alloc_barrier([256, 256])  # dKV warpgroups -> loader: stage and P / dS read
-                bar_key = T.alloc_barrier([128]) if dkv_loads else None  # the key block (dkv_loads)
+                bar_free = T.alloc_barrier([256, 256])  # dKV warpgroups -> themselves: stage and P / dS read
+                bar_key = T.alloc_barrier([128])  # the score warpgroup's cp.async of the key block
 
                 tx = T.get_thread_binding()
                 k0 = kb * block_k
@@ -659,113 +646,68 @@ def _jit_dkv_key_blocks_ws():
                 r_hi = q_hi * heads
                 n_tiles = T.if_then_else(q_hi > q_lo, T.ceildiv(r_hi - r_lo, block_r), 0)
 
-                if dkv_loads:
-                    if tx < 128:
-                        T.set_max_nreg(nreg[0], 0)
-                        if n_tiles > 0:
-                            load_rows(KV, k0, t_kv, tx, block_k, kl, kr, kt, d_v)
-                            T.cp_async_barrier_noinc(bar_key[0])
-                            T.barrier_wait(bar_key[0], 0)
-                        for ip in T.serial(T.ceildiv(n_tiles, 2)):
-                            scores(kl, kr, kt, q0_l, q0_r, q0_t, do0_l, do0_r, lse0, dl0, bits0, s_f, dp_f, p0_s,
-                                   ds0_s, bar_ready, 0, ip & 1)
-                            T.barrier_arrive(bar_full[0])
-                            if 2 * ip + 1 < n_tiles:
-                                scores(kl, kr, kt, q1_l, q1_r, q1_t, do1_l, do1_r, lse1, dl1, bits1, s_f, dp_f, p1_s,
-                                       ds1_s, bar_ready, 1, ip & 1)
-                                T.barrier_arrive(bar_full[1])
-                    elif tx < 256:
-                        T.set_max_nreg(nreg[1], 1)
-                        lt = tx - 128
-                        T.clear(acc_l)
-                        if n_tiles > 0:
-                            load_left(Q, dO, Lse, Delta, Bits, kb, r_lo, r_hi, lt, q0_l, do0_l, lse0, dl0, bits0,
-                                      bar_ready, 0)
-                        if n_tiles > 1:
-                            load_left(Q, dO, Lse, Delta, Bits, kb, r_lo + block_r, r_hi, lt, q1_l, do1_l, lse1, dl1,
-                                      bits1, bar_ready, 1)
-                        for ip in T.serial(T.ceildiv(n_tiles, 2)):
-                            updates_left(p0_s, ds0_s, q0_l, do0_l, acc_l, bar_full, bar_free, 0, 0, ip & 1)
-                            if 2 * ip + 2 < n_tiles:  # both dKV warpgroups are done with stage 0: tile 2 ip + 2
-                                T.barrier_wait(bar_free[0], ip & 1)
-                                load_left(Q, dO, Lse, Delta, Bits, kb, r_lo + (2 * ip + 2) * block_r, r_hi, lt,
-                                          q0_l, do0_l, lse0, dl0, bits0, bar_ready, 0)
-                            if 2 * ip + 1 < n_tiles:
-                                updates_left(p1_s, ds1_s, q1_l, do1_l, acc_l, bar_full, bar_free, 1, 1, ip & 1)
-                                if 2 * ip + 3 < n_tiles:
-                                    T.barrier_wait(bar_free[1], ip & 1)
-                                    load_left(Q, dO, Lse, Delta, Bits, kb, r_lo + (2 * ip + 3) * block_r, r_hi, lt,
-                                              q1_l, do1_l, lse1, dl1, bits1, bar_ready, 1)
-                        store_left(Part, qc, k0, t_kv, acc_l)
-                    else:
-                        T.set_max_nreg(nreg[2], 1)
-                        lt = tx - 256
-                        T.clear(acc_r)
-                        if has_tail:
-                            T.clear(acc_t)
-                        if n_tiles > 0:
-                            load_right(Q, dO, r_lo, r_hi, lt, q0_r, q0_t, do0_r, bar_ready, 0)
-                        if n_tiles > 1:
-                            load_right(Q, dO, r_lo + block_r, r_hi, lt, q1_r, q1_t, do1_r, bar_ready, 1)
-                        for ip in T.serial(T.ceildiv(n_tiles, 2)):
-                            updates_right(p0_s, ds0_s, q0_r, q0_t, do0_r, acc_r, acc_t, bar_full, bar_free, 0, 0,
-                                          ip & 1)
-                            if 2 * ip + 2 < n_tiles:
-                                T.barrier_wait(bar_free[0], ip & 1)
-                                load_right(Q, dO, r_lo + (2 * ip + 2) * block_r, r_hi, lt, q0_r, q0_t, do0_r,
-                                           bar_ready, 0)
-                            if 2 * ip + 1 < n_tiles:
-                                updates_right(p1_s, ds1_s, q1_r, q1_t, do1_r, acc_r, acc_t, bar_full, bar_free, 1, 1,
-                                              ip & 1)
-                                if 2 * ip + 3 < n_tiles:
-                                    T.barrier_wait(bar_free[1], ip & 1)
-                                    load_right(Q, dO, r_lo + (2 * ip + 3) * block_r, r_hi, lt, q1_r, q1_t, do1_r,
-                                               bar_ready, 1)
-                        store_right(Part, qc, k0, t_kv, acc_r, acc_t)
+                if tx < 128:
+                    T.set_max_nreg(nreg[0], 0)
+                    if n_tiles > 0:
+                        load_rows(KV, k0, t_kv, tx, block_k, kl, kr, kt, d_v)
+                        T.cp_async_barrier_noinc(bar_key[0])
+                        T.barrier_wait(bar_key[0], 0)
+                    for ip in T.serial(T.ceildiv(n_tiles, 2)):
+                        scores(kl, kr, kt, q0_l, q0_r, q0_t, do0_l, do0_r, lse0, dl0, bits0, s_f, dp_f, p0_s,
+                               ds0_s, bar_ready, 0, ip & 1)
+                        T.barrier_arrive(bar_full[0])
+                        if 2 * ip + 1 < n_tiles:
+                            scores(kl, kr, kt, q1_l, q1_r, q1_t, do1_l, do1_r, lse1, dl1, bits1, s_f, dp_f, p1_s,
+                                   ds1_s, bar_ready, 1, ip & 1)
+                            T.barrier_arrive(bar_full[1])
+                elif tx < 256:
+                    T.set_max_nreg(nreg[1], 1)
+                    lt = tx - 128
+                    T.clear(acc_l)
+                    if n_tiles > 0:
+                        load_left(Q, dO, Lse, Delta, Bits, kb, r_lo, r_hi, lt, q0_l, do0_l, lse0, dl0, bits0,
+                                  bar_ready, 0)
+                    if n_tiles > 1:
+                        load_left(Q, dO, Lse, Delta, Bits, kb, r_lo + block_r, r_hi, lt, q1_l, do1_l, lse1, dl1,
+                                  bits1, bar_ready, 1)
+                    for ip in T.serial(T.ceildiv(n_tiles, 2)):
+                        updates_left(p0_s, ds0_s, q0_l, do0_l, acc_l, bar_full, bar_free, 0, 0, ip & 1)
+                        if 2 * ip + 2 < n_tiles:  # both dKV warpgroups are done with stage 0: tile 2 ip + 2
+                            T.barrier_wait(bar_free[0], ip & 1)
+                            load_left(Q, dO, Lse, Delta, Bits, kb, r_lo + (2 * ip + 2) * block_r, r_hi, lt,
+                                      q0_l, do0_l, lse0, dl0, bits0, bar_ready, 0)
+                        if 2 * ip + 1 < n_tiles:
+                            updates_left(p1_s, ds1_s, q1_l, do1_l, acc_l, bar_full, bar_free, 1, 1, ip & 1)
+                            if 2 * ip + 3 < n_tiles:
+                                T.barrier_wait(bar_free[1], ip & 1)
+                                load_left(Q, dO, Lse, Delta, Bits, kb, r_lo + (2 * ip + 3) * block_r, r_hi, lt,
+                                          q1_l, do1_l, lse1, dl1, bits1, bar_ready, 1)
+                    store_left(Part, qc, k0, t_kv, acc_l)
                 else:
-                    if tx < 128:
-                        T.set_max_nreg(nreg[0], 0)
-                        if n_tiles > 0:  # the key block rides on tile 0's completion
-                            load_rows(KV, k0, t_kv, tx, block_k, kl, kr, kt, d_v)
-                            load_tile(Q, dO, Lse, Delta, Bits, kb, r_lo, r_hi, tx, q0_l, q0_r, q0_t, do0_l, do0_r,
-                                      lse0, dl0, bits0, bar_ready, 0)
-                        for ip in T.serial(T.ceildiv(n_tiles, 2)):
-                            # tile 2 ip (stage 0); stage 1 then takes tile 2 ip + 1 once tile 2 ip - 1's dKV read it
-                            scores(kl, kr, kt, q0_l, q0_r, q0_t, do0_l, do0_r, lse0, dl0, bits0, s_f, dp_f, p0_s, ds0_s,
-                                   bar_ready, 0, ip & 1)
-                            T.barrier_arrive(bar_full[0])
-                            if 2 * ip + 1 < n_tiles:
-                                if ip > 0:
-                                    T.barrier_wait(bar_free[1], (ip - 1) & 1)
-                                load_tile(Q, dO, Lse, Delta, Bits, kb, r_lo + (2 * ip + 1) * block_r, r_hi, tx,
-                                          q1_l, q1_r, q1_t, do1_l, do1_r, lse1, dl1, bits1, bar_ready, 1)
-                                scores(kl, kr, kt, q1_l, q1_r, q1_t, do1_l, do1_r, lse1, dl1, bits1, s_f, dp_f, p1_s,
-                                       ds1_s, bar_ready, 1, ip & 1)
-                                T.barrier_arrive(bar_full[1])
-                                if 2 * ip + 2 < n_tiles:
-                                    T.barrier_wait(bar_free[0], ip & 1)
-                                    load_tile(Q, dO, Lse, Delta, Bits, kb, r_lo + (2 * ip + 2) * block_r, r_hi, tx,
-                                              q0_l, q0_r, q0_t, do0_l, do0_r, lse0, dl0, bits0, bar_ready, 0)
-                    elif tx < 256:
-                        T.set_max_nreg(nreg[1], 1)
-                        T.clear(acc_l)
-                        for ip in T.serial(T.ceildiv(n_tiles, 2)):
-                            updates_left(p0_s, ds0_s, q0_l, do0_l, acc_l, bar_full, bar_free, 0, 0, ip & 1)
-                            if 2 * ip + 1 < n_tiles:
-                                updates_left(p1_s, ds1_s, q1_l, do1_l, acc_l, bar_full, bar_free, 1, 1, ip & 1)
-                        store_left(Part, qc, k0, t_kv, acc_l)
-                    else:
-                        T.set_max_nreg(nreg[2], 1)
-                        T.clear(acc_r)
-                        if has_tail:
-                            T.clear(acc_t)
-                        for ip in T.serial(T.ceildiv(n_tiles, 2)):
-                            updates_right(p0_s, ds0_s, q0_r, q0_t, do0_r, acc_r, acc_t, bar_full, bar_free, 0, 0,
+                    T.set_max_nreg(nreg[2], 1)
+                    lt = tx - 256
+                    T.clear(acc_r)
+                    if has_tail:
+                        T.clear(acc_t)
+                    if n_tiles > 0:
+                        load_right(Q, dO, r_lo, r_hi, lt, q0_r, q0_t, do0_r, bar_ready, 0)
+                    if n_tiles > 1:
+                        load_right(Q, dO, r_lo + block_r, r_hi, lt, q1_r, q1_t, do1_r, bar_ready, 1)
+                    for ip in T.serial(T.ceildiv(n_tiles, 2)):
+                        updates_right(p0_s, ds0_s, q0_r, q0_t, do0_r, acc_r, acc_t, bar_full, bar_free, 0, 0,
+                                      ip & 1)
+                        if 2 * ip + 2 < n_tiles:
+                            T.barrier_wait(bar_free[0], ip & 1)
+                            load_right(Q, dO, r_lo + (2 * ip + 2) * block_r, r_hi, lt, q0_r, q0_t, do0_r,
+                                       bar_ready, 0)
+                        if 2 * ip + 1 < n_tiles:
+                            updates_right(p1_s, ds1_s, q1_r, q1_t, do1_r, acc_r, acc_t, bar_full, bar_free, 1, 1,
                                           ip & 1)
-                            if 2 * ip + 1 < n_tiles:
-                                updates_right(p1_s, ds1_s, q1_r, q1_t, do1_r, acc_r, acc_t, bar_full, bar_free, 1, 1,
-                                              ip & 1)
-                        store_right(Part, qc, k0, t_kv, acc_r, acc_t)
+                            if 2 * ip + 3 < n_tiles:
+                                T.barrier_wait(bar_free[1], ip & 1)
+                                load_right(Q, dO, r_lo + (2 * ip + 3) * block_r, r_hi, lt, q1_r, q1_t, do1_r,
+                                           bar_ready, 1)
+                    store_right(Part, qc, k0, t_kv, acc_r, acc_t)
 
         return main
 
@@ -793,10 +735,8 @@ def key_block_kernel(schedule: str, heads: int, d_qk: int, d_v: int, softmax_sca
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     args = (heads, d_qk, d_v, float(softmax_scale), block_k)
-    if schedule == "ws":
-        return _jit_dkv_key_blocks_ws()(*args)
     if schedule == "wsp":
-        return _jit_dkv_key_blocks_ws()(*args, dkv_loads=True)
+        return _jit_dkv_key_blocks_ws()(*args)
     return _jit_dkv_key_blocks()(*args, **({} if schedule == "split" else {"schedule": schedule}))
 
 
@@ -824,8 +764,8 @@ def dkv_key_blocks(
 ) -> torch.Tensor:
     """fp32 ``dKV [T_kv, d_qk]`` of sparse MLA from the saved ``lse`` and ``delta`` (``rowsum(O * dO) - dlse``, as
     the per-query backward's), by key blocks (module docstring). ``n_chunks`` 0: :func:`default_chunks`;
-    ``schedule``: ``"wsp"`` (``_jit_dkv_key_blocks_ws`` with the dKV warpgroups loading the row tiles, two ahead),
-    ``"ws"`` (the same kernel, the score warpgroup loading) or ``_jit_dkv_key_blocks``'s ``"split"`` / ``"plain"``.
+    ``schedule``: ``"wsp"`` (``_jit_dkv_key_blocks_ws``: warp-specialised, the dKV warpgroups loading the row tiles
+    two ahead) or ``_jit_dkv_key_blocks``'s ``"split"`` / ``"plain"`` (all three bitwise equal).
     ``ranges``: each key block's query range from the bitmap (``"bitmap"``, exact) or from the rows' key spans
     (``"span"``, ``key_block_work.span_query_ranges``: a superset, equal on random causal sets, without the
     ``[T, n_blocks]`` passes; it costs 0.21-0.34 ms at 4K-16K tokens against 0.11-0.23 ms for the bitmap's ranges,

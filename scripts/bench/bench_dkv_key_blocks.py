@@ -45,7 +45,6 @@ def kernel_cases(heads: tuple[int, ...], nope_heads: tuple[int, ...] = (16,)) ->
             cases.append((dkv, "_jit_dkv_key_blocks", (h, d_qk, d_v, SCALE, 64), {}))
             cases.append((dkv, "_jit_dkv_key_blocks", (h, d_qk, d_v, SCALE, 64), {"schedule": "plain"}))
             cases.append((dkv, "_jit_dkv_key_blocks_ws", (h, d_qk, d_v, SCALE, 64), {}))
-            cases.append((dkv, "_jit_dkv_key_blocks_ws", (h, d_qk, d_v, SCALE, 64), {"dkv_loads": True}))
             cases.append((bwd, "_jit_bwd", (h, d_qk, d_v, SCALE, False), {"with_target": False}))
             cases.append((bwd, "_jit_delta", (h, d_v), {}))
             cases.append(_fwd_case(h, d_qk, d_v))
@@ -173,19 +172,14 @@ def bench_shape(seq: int, heads: int, locality: float | None, chunks: list[int],
             row["plain_kernel_ms"] = timed(lambda: k_plain(*args))
             k_split = key_block_kernel("split", heads, d_qk, D_V, SCALE)
             row["split_kernel_ms"] = timed(lambda: k_split(*args))
-            k_ws = key_block_kernel("ws", heads, d_qk, D_V, SCALE)
-            row["ws_kernel_ms"] = timed(lambda: k_ws(*args))
-            row["ws_dense_tflops"] = dense_flop / row["ws_kernel_ms"] / 1e9
-            ref = part.clone()
-            k_split(*args)
-            ref.copy_(part)
-            k_ws(*args)
-            row["ws_bitwise_split"] = bool(torch.equal(ref, part))
             k_wsp = key_block_kernel("wsp", heads, d_qk, D_V, SCALE)
             row["wsp_kernel_ms"] = timed(lambda: k_wsp(*args))
             row["wsp_dense_tflops"] = dense_flop / row["wsp_kernel_ms"] / 1e9
+            ref = part.clone()
+            k_split(*args)
+            ref.copy_(part)
             k_wsp(*args)
-            row["wsp_bitwise_ws"] = bool(torch.equal(ref, part))
+            row["wsp_bitwise_split"] = bool(torch.equal(ref, part))
         del part
     if mcore:
         try:
@@ -301,10 +295,10 @@ def report(rows: list[dict], chunks: list[int]) -> list[str]:
 
     lines = [
         "| S | H | indices | atomic bwd ms (TFLOP/s) | key blocks ms (TFLOP/s) | speed-up | megatron-core bwd ms | "
-        "dQ pass | bitmap + ranges (bitmap alone; span ranges) | key-block kernel (chunks) | dense TFLOP/s | plain / split / ws kernel ms | "
-        "ws dense TFLOP/s | ws bitwise split | wsp kernel ms (dense TFLOP/s) | wsp bitwise ws | chunk sum | "
+        "dQ pass | bitmap + ranges (bitmap alone; span ranges) | key-block kernel (chunks) | dense TFLOP/s | "
+        "plain / split / wsp kernel ms | wsp dense TFLOP/s | wsp bitwise split | chunk sum | "
         "dense / sparse work | dKV vs atomic | dQ bitwise | repeatable |",
-        "|" + "---|" * 21,
+        "|" + "---|" * 19,
     ]
     for r in rows:
         c = r["default_chunks"]
@@ -314,9 +308,8 @@ def report(rows: list[dict], chunks: list[int]) -> list[str]:
             f"{f(r['atomic_ms'] / r['key_blocks_ms'])}x | {f(r.get('mc_bwd_ms'))} | {f(r['dq_pass_ms'])} | "
             f"{f(r['bitmap_ms'])} ({f(r.get('bitmap_only_ms'))}; {f(r.get('span_ranges_ms'), '{:.3f}')}) | "
             f"{f(r[f'kb_kernel_ms_c{c}'])} ({c}) | {f(r[f'kb_dense_tflops_c{c}'], '{:.0f}')} | "
-            f"{f(r.get('plain_kernel_ms'))} / {f(r.get('split_kernel_ms'))} / {f(r.get('ws_kernel_ms'))} | "
-            f"{f(r.get('ws_dense_tflops'), '{:.0f}')} | {r.get('ws_bitwise_split')} | "
-            f"{f(r.get('wsp_kernel_ms'))} ({f(r.get('wsp_dense_tflops'), '{:.0f}')}) | {r.get('wsp_bitwise_ws', '-')} | "
+            f"{f(r.get('plain_kernel_ms'))} / {f(r.get('split_kernel_ms'))} / {f(r.get('wsp_kernel_ms'))} | "
+            f"{f(r.get('wsp_dense_tflops'), '{:.0f}')} | {r.get('wsp_bitwise_split')} | "
             f"{f(r['sum_ms'])} | {f(r['dense_over_sparse'])} | {r['dkv_vs_atomic']:.1e} | {r['dq_bitwise_atomic']} | "
             f"{r['key_blocks_repeatable']} |")
     lines += ["", "Key-block kernel ms by query chunks:", "",

@@ -6,7 +6,7 @@ is one ``main_kernel`` launch, the backward two (its ``Delta`` preprocessing, th
     ncu --set full --profile-from-start off -k regex:main_kernel python scripts/bench/profile_bwd.py --heads 64
     ncu ... python scripts/bench/profile_bwd.py --heads 16 --grouped --index-locality 0.9   # the grouped backward
     ncu ... python scripts/bench/profile_bwd.py --heads 64 --forward                        # the forward
-    ncu ... python scripts/bench/profile_bwd.py --heads 16 --seq 8192 --key-blocks ws       # the key-block dKV kernel
+    ncu ... python scripts/bench/profile_bwd.py --heads 16 --seq 8192 --key-blocks wsp      # the key-block dKV kernel
 
 ``--key-blocks SCHEDULE`` profiles the key-block dKV kernel alone (``kernels.sparse_mla_dkv``, one launch; its
 bitmap, query ranges and ``Delta`` are built before the profiler starts).
@@ -35,7 +35,7 @@ def main() -> int:
     ap.add_argument("--fwd-variant", default="auto", help="the forward kernel (sparse_mla_fwd_interface's variant)")
     ap.add_argument("--index-locality", type=float, default=None,
                     help="synthetic sets with this share of a recency window (local_mix_indices); default random")
-    ap.add_argument("--key-blocks", default=None, choices=("ws", "wsp", "split", "plain"),
+    ap.add_argument("--key-blocks", default=None, choices=("wsp", "split", "plain"),
                     help="profile the key-block dKV kernel (this schedule) alone")
     args = ap.parse_args()
     from megatron_glm5.kernels.sparse_mla_bwd import sparse_mla_bwd_interface

@@ -1,6 +1,7 @@
-"""The warp-specialised key-block kernel (``sparse_mla_dkv._jit_dkv_key_blocks_ws``) by schedule (``ws``: the score
-warpgroup loads the row tiles; ``wsp``: the dKV warpgroups do) and register split, at one shape per latent width
-(random causal top-2048 sets, 16 heads): kernel ms, dense TFLOP/s, and whether the result is bitwise the default's.
+"""The warp-specialised key-block kernel (``sparse_mla_dkv._jit_dkv_key_blocks_ws``, schedule ``wsp``) by register
+split, at one shape per latent width (random causal top-2048 sets, 16 heads): kernel ms, dense TFLOP/s, and whether
+the result is bitwise the default split's. (Its first run, ``kernels_round10/5_sweep_dkv_ws.md``, also had the
+retired ``ws`` schedule.)
 
     source .gpu/install.sh && python scripts/bench/sweep_dkv_ws.py --seq 8192 --out sweep_dkv_ws.md
 """
@@ -22,16 +23,16 @@ SCALE, D_V, TOPK, HEADS = 1.0 / 16, 512, 2048, 16
 NREGS = ((136, 168, 200), (120, 168, 216), (152, 168, 184), (104, 184, 216), (168, 168, 168))
 
 
-def configs(d_qks: list[int]) -> list[tuple[int, bool, tuple[int, int, int]]]:
-    return [(d_qk, loads, nreg) for d_qk in d_qks for loads in (False, True) for nreg in NREGS]
+def configs(d_qks: list[int]) -> list[tuple[int, tuple[int, int, int]]]:
+    return [(d_qk, nreg) for d_qk in d_qks for nreg in NREGS]
 
 
 def _build(cfg) -> tuple[tuple, str]:
     from megatron_glm5.kernels.sparse_mla_dkv import _jit_dkv_key_blocks_ws
 
-    d_qk, loads, nreg = cfg
+    d_qk, nreg = cfg
     try:
-        _jit_dkv_key_blocks_ws()(HEADS, d_qk, D_V, SCALE, 64, 32, nreg, loads)
+        _jit_dkv_key_blocks_ws()(HEADS, d_qk, D_V, SCALE, 64, 32, nreg)
         return cfg, ""
     except Exception as e:  # a split ptxas refuses is a row, not a crash
         return cfg, f"{type(e).__name__}: {str(e)[:120]}"
@@ -75,7 +76,7 @@ def main(argv=None) -> int:
             if errors[cfg]:
                 rows.append((cfg, None, None, errors[cfg]))
                 continue
-            k = _jit_dkv_key_blocks_ws()(HEADS, d_qk, D_V, SCALE, 64, 32, cfg[2], cfg[1])
+            k = _jit_dkv_key_blocks_ws()(HEADS, d_qk, D_V, SCALE, 64, 32, cfg[1])
             part = torch.empty(n, s, d_qk, dtype=torch.float32, device=dev)
             args = (q, kv, g, lse, delta, bits, qrange, part)
             ms = timed(lambda: k(*args))
@@ -89,10 +90,10 @@ def main(argv=None) -> int:
              f"tree, {torch.cuda.get_device_name()}, torch {torch.__version__})", "",
              f"{s} tokens, {HEADS} heads, random causal top-{TOPK}, {n} chunks; nreg = registers of the score "
              "warpgroup, the left and the right dKV warpgroup; bitwise: equal to the first row of its latent width.",
-             "", "| d_qk | loads by | nreg | kernel ms | dense TFLOP/s | bitwise | note |", "|---|---|---|---|---|---|---|"]
-    for (d_qk, loads, nreg), ms, same, err in rows:
+             "", "| d_qk | nreg | kernel ms | dense TFLOP/s | bitwise | note |", "|---|---|---|---|---|---|"]
+    for (d_qk, nreg), ms, same, err in rows:
         dense = 2 * tiles * ROW_TILE * KEY_BLOCK * (2 * d_qk + 2 * D_V)
-        lines.append(f"| {d_qk} | {'dKV (wsp)' if loads else 'score (ws)'} | {nreg} | "
+        lines.append(f"| {d_qk} | {nreg} | "
                      f"{'-' if ms is None else f'{ms:.3f}'} | {'-' if ms is None else f'{dense / ms / 1e9:.0f}'} | "
                      f"{'-' if same is None else same} | {err} |")
     open(a.out, "w").write("\n".join(lines) + "\n")

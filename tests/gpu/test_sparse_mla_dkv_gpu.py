@@ -61,7 +61,7 @@ def test_key_blocks_match_oracle_and_atomic_route(t_len, heads, topk, d_qk, pack
     assert e_a <= 2 ** -7
 
 
-@pytest.mark.parametrize("schedule,heads,d_qk", [("ws", 16, 576), ("wsp", 16, 576), ("wsp", 64, 576),
+@pytest.mark.parametrize("schedule,heads,d_qk", [("split", 16, 576), ("wsp", 16, 576), ("wsp", 64, 576),
                                                  ("wsp", 8, 576), ("wsp", 16, 512)])
 def test_key_blocks_kernel_matches_its_torch_form(schedule, heads, d_qk):
     """The kernel and ``dkv_key_blocks_reference`` (same bitmap, ranges, chunks; P and dS rounded to bf16 alike)
@@ -70,7 +70,7 @@ def test_key_blocks_kernel_matches_its_torch_form(schedule, heads, d_qk):
     counts, one and two tiles, and a partial last tile."""
     from megatron_glm5.kernels.sparse_mla_dkv import dkv_key_blocks
 
-    t_len, topk, d_v = (900, 256, 512) if schedule == "ws" else (1300, 512, 512)
+    t_len, topk, d_v = (900, 256, 512) if schedule == "split" else (1300, 512, 512)
     q, kv, idx, grad_out, grad_lse = _inputs(t_len, heads, topk, d_qk, d_v, seed=4 + heads + d_qk)
     idx[7] = -1
     out, lse = fwd_mod.sparse_mla_fwd_interface(q, kv, idx, SCALE, d_v)
@@ -88,8 +88,8 @@ def test_key_blocks_kernel_matches_its_torch_form(schedule, heads, d_qk):
 @pytest.mark.parametrize("heads,d_qk", [(16, 576), (64, 576), (16, 512)])
 def test_schedules_equal_bitwise(heads, d_qk):
     """The split schedule (one warpgroup per score GEMM, LSE / Delta / mask staged by cp.async) and the
-    warp-specialised ones (loads by the score or by the dKV warpgroups) form every element exactly as the plain one:
-    same GEMM k-order, same fp32 P into dS."""
+    warp-specialised one (the default) form every element exactly as the plain one: same GEMM k-order, same fp32 P
+    into dS."""
     from megatron_glm5.kernels.sparse_mla_dkv import dkv_key_blocks
 
     t_len, topk, d_v = 1300, 512, 512
@@ -99,13 +99,11 @@ def test_schedules_equal_bitwise(heads, d_qk):
     delta = (out.float() * grad_out.float()).sum(-1) - grad_lse
     split = dkv_key_blocks(q, kv, grad_out, lse, delta, idx, SCALE, d_v, n_chunks=3, schedule="split")
     plain = dkv_key_blocks(q, kv, grad_out, lse, delta, idx, SCALE, d_v, n_chunks=3, schedule="plain")
-    ws = dkv_key_blocks(q, kv, grad_out, lse, delta, idx, SCALE, d_v, n_chunks=3, schedule="ws")
     wsp = dkv_key_blocks(q, kv, grad_out, lse, delta, idx, SCALE, d_v, n_chunks=3, schedule="wsp")
     print(f"split vs plain H={heads} d_qk={d_qk}: bitwise={torch.equal(split, plain)} "
-          f"max diff {scaled_err(split, plain):.1e}; ws vs split bitwise={torch.equal(ws, split)} "
-          f"max diff {scaled_err(ws, split):.1e}; wsp vs ws bitwise={torch.equal(wsp, ws)} "
-          f"max diff {scaled_err(wsp, ws):.1e}")
-    assert torch.equal(split, plain) and torch.equal(ws, split) and torch.equal(wsp, ws)
+          f"max diff {scaled_err(split, plain):.1e}; wsp vs split bitwise={torch.equal(wsp, split)} "
+          f"max diff {scaled_err(wsp, split):.1e}")
+    assert torch.equal(split, plain) and torch.equal(wsp, split)
 
 
 def test_key_blocks_are_bitwise_reproducible():
