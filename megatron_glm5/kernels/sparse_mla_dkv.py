@@ -423,7 +423,8 @@ def _check_ws_shape(d_qk: int, d_v: int, block_k: int, block_r: int) -> None:
                          f"2 * block_r + block_r * block_k / 32 <= 128, got block_r={block_r}, block_k={block_k}")
 
 
-def _ws_macros(T, *, heads: int, d_v: int, d_tail: int, block_k: int, block_r: int, softmax_scale: float):
+def _ws_macros(T, *, heads: int, d_v: int, d_tail: int, block_k: int, block_r: int, softmax_scale: float,
+               two_pass: bool = False):
     """``(load_rows, load_left, load_right, scores, updates_left, updates_right, store_left, store_right)``, the steps
     of the warp-specialised key-block kernel (``_jit_dkv_key_blocks_ws``; ``T`` is ``tilelang.language``):
 
@@ -432,7 +433,11 @@ def _ws_macros(T, *, heads: int, d_v: int, d_tail: int, block_k: int, block_r: i
       its thread in ``[0, 128)``): the left halves of ``Q`` / ``dO`` and the tile's LSE, Delta and mask words, or the
       right halves and the RoPE tail; each warpgroup loads the columns it alone reads. Completion on ``bar[stage]``;
     * ``scores(...)``: the score warpgroup's step: wait for the stage, ``S^T`` and ``dP^T``, then ``P`` and ``dS``
-      (bf16) into the tile's buffers;
+      (bf16) into the tile's buffers; ``two_pass``: ``P`` and ``dS`` formed in place of ``S^T`` / ``dP^T`` in
+      registers first, then stored (experimental, not yet run on a GPU: the one-pass loop interleaves the shared
+      stores with the per-element loads of LSE, Delta and mask words, which nvcc cannot hoist past stores that may
+      alias them; the profile has the pass waiting on those loads). Same expressions: bitwise the same ``P`` / ``dS``
+      unless nvcc contracts the exponent's argument differently;
     * ``updates_left`` / ``updates_right(..., full, free, parity)``: a dKV warpgroup's step: wait for ``P`` / ``dS``
       on ``bar_full[full]``, ``dKV += dS^T Q + P^T dO`` on its half (the right one with the RoPE tail), then arrive
       on ``bar_free[free]`` (the stage and the ``P`` / ``dS`` buffer are read);
@@ -488,11 +493,21 @@ def _ws_macros(T, *, heads: int, d_v: int, d_tail: int, block_k: int, block_r: i
         T.wgmma_gemm(kl, do_l, dp_f, transpose_B=True, clear_accum=True)
         T.wgmma_gemm(kr, do_r, dp_f, transpose_B=True)
         T.wait_wgmma(0)
-        for j, i in T.Parallel(block_k, block_r):
-            sel = ((bits_t[i, j // 32] >> (j % 32)) & 1) == 1
-            p = T.if_then_else(sel, T.exp2(s_f[j, i] * scale_log2 - lse_t[i] * LOG2E), 0)
-            p_s[j, i] = T.cast(p, bf16)
-            ds_s[j, i] = T.cast(p * (dp_f[j, i] - dl_t[i]) * softmax_scale, bf16)
+        if two_pass:
+            for j, i in T.Parallel(block_k, block_r):
+                sel = ((bits_t[i, j // 32] >> (j % 32)) & 1) == 1
+                p = T.if_then_else(sel, T.exp2(s_f[j, i] * scale_log2 - lse_t[i] * LOG2E), 0)
+                s_f[j, i] = p
+                dp_f[j, i] = p * (dp_f[j, i] - dl_t[i]) * softmax_scale
+            for j, i in T.Parallel(block_k, block_r):
+                p_s[j, i] = T.cast(s_f[j, i], bf16)
+                ds_s[j, i] = T.cast(dp_f[j, i], bf16)
+        else:
+            for j, i in T.Parallel(block_k, block_r):
+                sel = ((bits_t[i, j // 32] >> (j % 32)) & 1) == 1
+                p = T.if_then_else(sel, T.exp2(s_f[j, i] * scale_log2 - lse_t[i] * LOG2E), 0)
+                p_s[j, i] = T.cast(p, bf16)
+                ds_s[j, i] = T.cast(p * (dp_f[j, i] - dl_t[i]) * softmax_scale, bf16)
         T.fence_proxy_async()  # generic smem writes of P / dS, read next by the other warpgroups' MMAs
 
     @T.macro
@@ -550,7 +565,7 @@ def _jit_dkv_key_blocks_ws():
     )
     def sparse_mla_dkv_key_blocks_ws(heads: int, d_qk: int, d_v: int, softmax_scale: float,
                                      block_k: int = KEY_BLOCK, block_r: int = ROW_TILE,
-                                     nreg: tuple[int, int, int] = WS_NREG):
+                                     nreg: tuple[int, int, int] = WS_NREG, two_pass: bool = False):
         """The key-block dKV kernel (same contract, grid and ``Part`` as ``_jit_dkv_key_blocks``), warp-specialised
         so that one tile's score GEMMs run under the previous tile's dKV GEMMs and the tile after next's loads
         (schedule ``"wsp"``). 384 threads:
@@ -569,7 +584,7 @@ def _jit_dkv_key_blocks_ws():
         8.05 -> 7.20 ms on H200 with GLM-5's latent, 7.40 -> 6.91 on the NoPE one.) ``bar_ready`` of tile ``n + 2``
         completes only after tile ``n``'s dKV GEMMs, so it also frees the ``P`` / ``dS`` buffer. Every element is
         formed as in the ``split`` schedule (same GEMM k-order, same fp32 ``P`` into ``dS``): bitwise equal to it
-        (GPU-tested)."""
+        (GPU-tested). ``two_pass``: :func:`_ws_macros`' experimental score pass."""
         from megatron_glm5.kernels.sparse_mla_fwd import check_register_split
 
         check_register_split(nreg, (0, 1, 1))
@@ -588,7 +603,7 @@ def _jit_dkv_key_blocks_ws():
 
         (load_rows, load_left, load_right, scores, updates_left, updates_right, store_left,
          store_right) = _ws_macros(T, heads=heads, d_v=d_v, d_tail=d_tail, block_k=block_k, block_r=block_r,
-                                   softmax_scale=softmax_scale)
+                                   softmax_scale=softmax_scale, two_pass=two_pass)
 
         @T.prim_func
         def main(

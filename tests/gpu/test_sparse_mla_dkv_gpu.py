@@ -106,6 +106,41 @@ def test_schedules_equal_bitwise(heads, d_qk):
     assert torch.equal(split, plain) and torch.equal(wsp, split)
 
 
+@pytest.mark.parametrize("heads,d_qk", [(16, 576), (16, 512)])
+def test_two_pass_score_pass(heads, d_qk):
+    """The warp-specialised kernel's experimental ``two_pass`` score pass (P and dS formed in registers, then stored)
+    against the torch form, and whether it is bitwise the default (same expressions; nvcc may contract the exponent's
+    argument differently, which the print shows)."""
+    import os
+    import sys
+
+    from megatron_glm5.kernels.sparse_mla_dkv import (KEY_BLOCK, _jit_dkv_key_blocks_ws, dkv_key_blocks,
+                                                      query_ranges)
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "bench"))
+    try:
+        from bench_dkv_key_blocks import two_pass_args
+    finally:
+        sys.path.pop(0)
+    t_len, topk, d_v = 1300, 512, 512
+    q, kv, idx, grad_out, grad_lse = _inputs(t_len, heads, topk, d_qk, d_v, seed=11 + heads + d_qk)
+    idx[7] = -1
+    out, lse = fwd_mod.sparse_mla_fwd_interface(q, kv, idx, SCALE, d_v)
+    delta = (out.float() * grad_out.float()).sum(-1) - grad_lse
+    default = dkv_key_blocks(q, kv, grad_out, lse, delta, idx, SCALE, d_v, n_chunks=5)
+    bits, _ = selection_bitmap(idx, t_len)
+    part = torch.empty(5, t_len, d_qk, dtype=torch.float32, device=q.device)
+    _jit_dkv_key_blocks_ws()(*two_pass_args(heads, d_qk, d_v))(
+        q.view(t_len * heads, d_qk), kv, grad_out.view(t_len * heads, d_v), lse.view(-1), delta.view(-1), bits,
+        query_ranges(bits, idx, t_len, KEY_BLOCK, "bitmap"), part)
+    got = part.sum(0)
+    want = dkv_key_blocks_reference(q, kv, grad_out, lse, delta, idx, SCALE, d_v, n_chunks=5)
+    err = scaled_err(got, want)
+    print(f"two-pass score pass H={heads} d_qk={d_qk}: {err:.2e} of the max vs the torch form; bitwise the default: "
+          f"{torch.equal(got, default)}")
+    assert err <= 1e-3 and scaled_err(got, default) <= 1e-5
+
+
 def test_key_blocks_are_bitwise_reproducible():
     t_len, heads, topk, d_v = 2500, 16, 1024, 512
     q, kv, idx, grad_out, _ = _inputs(t_len, heads, topk, 576, d_v, seed=7)
