@@ -111,17 +111,9 @@ def test_two_pass_score_pass(heads, d_qk):
     """The warp-specialised kernel's experimental ``two_pass`` score pass (P and dS formed in registers, then stored)
     against the torch form, and whether it is bitwise the default (same expressions; nvcc may contract the exponent's
     argument differently, which the print shows)."""
-    import os
-    import sys
+    from megatron_glm5.kernels.sparse_mla_dkv import (KEY_BLOCK, ROW_TILE, WS_NREG, _jit_dkv_key_blocks_ws,
+                                                      dkv_key_blocks, query_ranges)
 
-    from megatron_glm5.kernels.sparse_mla_dkv import (KEY_BLOCK, _jit_dkv_key_blocks_ws, dkv_key_blocks,
-                                                      query_ranges)
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "bench"))
-    try:
-        from bench_dkv_key_blocks import two_pass_args
-    finally:
-        sys.path.pop(0)
     t_len, topk, d_v = 1300, 512, 512
     q, kv, idx, grad_out, grad_lse = _inputs(t_len, heads, topk, d_qk, d_v, seed=11 + heads + d_qk)
     idx[7] = -1
@@ -130,7 +122,8 @@ def test_two_pass_score_pass(heads, d_qk):
     default = dkv_key_blocks(q, kv, grad_out, lse, delta, idx, SCALE, d_v, n_chunks=5)
     bits, _ = selection_bitmap(idx, t_len)
     part = torch.empty(5, t_len, d_qk, dtype=torch.float32, device=q.device)
-    _jit_dkv_key_blocks_ws()(*two_pass_args(heads, d_qk, d_v))(
+    # called as scripts/bench/bench_dkv_key_blocks.two_pass_args builds it (its precompile fills the cache)
+    _jit_dkv_key_blocks_ws()(heads, d_qk, d_v, SCALE, KEY_BLOCK, ROW_TILE, WS_NREG, True)(
         q.view(t_len * heads, d_qk), kv, grad_out.view(t_len * heads, d_v), lse.view(-1), delta.view(-1), bits,
         query_ranges(bits, idx, t_len, KEY_BLOCK, "bitmap"), part)
     got = part.sum(0)
