@@ -105,35 +105,38 @@ def default_chunks(t_len: int, t_kv: int, device: torch.device, block_k: int = K
 
 
 def _load_macros(T, *, rows_per_pass: int, dh: int, d_tail: int, d_v: int, block_r: int, words: int, heads: int):
-    """``(load_rows, load_meta)``, the cp.async loads both key-block kernels share (``T`` is ``tilelang.language``).
+    """``(load_cols, load_rows, load_meta)``, the cp.async loads both key-block kernels share (``T`` is
+    ``tilelang.language``).
 
-    * ``load_rows(src, r0, r_end, tx, n_rows, buf_l, buf_r, buf_t, tail0)``: rows ``[r0, r0 + n_rows)`` of ``src``
-      into its halves (and tail from column ``tail0``), 8 lanes x 16 bytes per row, ``rows_per_pass`` rows per pass;
-      rows at or past ``r_end`` are zero-filled and never read.
+    * ``load_cols(src, r0, r_end, tx, n_rows, buf, col0, width)``: rows ``[r0, r0 + n_rows)`` of ``src``'s columns
+      ``[col0, col0 + width)`` into ``buf``, 8 lanes x 16 bytes per row, ``rows_per_pass`` rows per pass (``tx`` in
+      ``[0, 8 * rows_per_pass)``); rows at or past ``r_end`` are zero-filled and never read.
+    * ``load_rows(src, r0, r_end, tx, n_rows, buf_l, buf_r, buf_t, tail0)``: the same rows into the halves of ``d_v``
+      (and the tail from column ``tail0`` where ``buf_t`` is given).
     * ``load_meta(Lse, Delta, Bits, kb, r0, r_hi, tx, lse_t, dl_t, bits_t)``: a row tile's LSE, Delta and the mask
       words of key block ``kb``, one 4-byte cp.async per thread (zero past ``r_hi``: no mask bit, so no ``P``).
 
     Neither commits: the caller ends the tile with a commit group or an mbarrier arrival."""
 
     @T.macro
-    def load_rows(src, r0, r_end, tx, n_rows, buf_l, buf_r, buf_t, tail0):
+    def load_cols(src, r0, r_end, tx, n_rows, buf, col0, width):
         lane = tx % 8
         for p in T.unroll(n_rows // rows_per_pass):
             row = p * rows_per_pass + tx // 8
             g = r0 + row
             ok = g < r_end
             src_row = T.if_then_else(ok, g, 0)
-            for c in T.unroll(dh // 64):
+            for c in T.unroll(width // 64):
                 col = c * 64 + lane * 8
-                T.ptx_cp_async(T.access_ptr(buf_l[row, col], "w", 8), T.access_ptr(src[src_row, col], "r", 8),
-                               8, predicate=ok)
-                T.ptx_cp_async(T.access_ptr(buf_r[row, col], "w", 8),
-                               T.access_ptr(src[src_row, dh + col], "r", 8), 8, predicate=ok)
-            if buf_t is not None:
-                for c in T.unroll(d_tail // 64):
-                    col = c * 64 + lane * 8
-                    T.ptx_cp_async(T.access_ptr(buf_t[row, col], "w", 8),
-                                   T.access_ptr(src[src_row, tail0 + col], "r", 8), 8, predicate=ok)
+                T.ptx_cp_async(T.access_ptr(buf[row, col], "w", 8),
+                               T.access_ptr(src[src_row, col0 + col], "r", 8), 8, predicate=ok)
+
+    @T.macro
+    def load_rows(src, r0, r_end, tx, n_rows, buf_l, buf_r, buf_t, tail0):
+        load_cols(src, r0, r_end, tx, n_rows, buf_l, 0, dh)
+        load_cols(src, r0, r_end, tx, n_rows, buf_r, dh, dh)
+        if buf_t is not None:
+            load_cols(src, r0, r_end, tx, n_rows, buf_t, tail0, d_tail)
 
     @T.macro
     def load_meta(Lse, Delta, Bits, kb, r0, r_hi, tx, lse_t, dl_t, bits_t):
@@ -154,7 +157,7 @@ def _load_macros(T, *, rows_per_pass: int, dh: int, d_tail: int, d_v: int, block
                            T.access_ptr(Bits[T.if_then_else(ok, (r0 + i) // heads, 0), kb * words + w], "r", 1),
                            1, predicate=ok)
 
-    return load_rows, load_meta
+    return load_cols, load_rows, load_meta
 
 
 @functools.cache
@@ -203,7 +206,7 @@ def _jit_dkv_key_blocks():
         n_chunk = T.dynamic("n_chunk")
         bf16, f32, i32 = T.bfloat16, T.float32, T.int32
 
-        load_rows, load_meta = _load_macros(T, rows_per_pass=rows_per_pass, dh=dh, d_tail=d_tail, d_v=d_v,
+        _, load_rows, load_meta = _load_macros(T, rows_per_pass=rows_per_pass, dh=dh, d_tail=d_tail, d_v=d_v,
                                             block_r=block_r, words=words, heads=heads)
 
         @T.macro
@@ -438,46 +441,31 @@ def _ws_macros(T, *, heads: int, d_v: int, d_tail: int, block_k: int, block_r: i
       stores with the per-element loads of LSE, Delta and mask words, which nvcc cannot hoist past stores that may
       alias them; the profile has the pass waiting on those loads). Same expressions: bitwise the same ``P`` / ``dS``
       unless nvcc contracts the exponent's argument differently;
-    * ``updates_left`` / ``updates_right(..., full, free, parity)``: a dKV warpgroup's step: wait for ``P`` / ``dS``
-      on ``bar_full[full]``, ``dKV += dS^T Q + P^T dO`` on its half (the right one with the RoPE tail), then arrive
-      on ``bar_free[free]`` (the stage and the ``P`` / ``dS`` buffer are read);
+    * ``updates_left`` / ``updates_right(..., stage, parity)``: a dKV warpgroup's step: wait for ``P`` / ``dS`` on
+      ``bar_full[stage]``, ``dKV += dS^T Q + P^T dO`` on its half (the right one with the RoPE tail), then arrive on
+      ``bar_free[stage]`` (the stage and the ``P`` / ``dS`` buffer are read);
     * ``store_left`` / ``store_right``: a dKV warpgroup's accumulator into its columns of ``Part[qc]``."""
     dh = d_v // 2
     has_tail = d_tail > 0
     words = block_k // 32
     scale_log2 = softmax_scale * LOG2E
     bf16 = T.bfloat16
-    load_rows, load_meta = _load_macros(T, rows_per_pass=128 // 8, dh=dh, d_tail=d_tail, d_v=d_v, block_r=block_r,
-                                        words=words, heads=heads)
-
-    @T.macro
-    def load_cols(src, r0, r_end, lt, buf, col0, width):
-        # rows [r0, r0 + block_r) of src's columns [col0, col0 + width) by one warpgroup (lt in [0, 128)), 8 lanes x
-        # 16 bytes per row; rows at or past r_end are zero-filled and never read
-        lane = lt % 8
-        for p in T.unroll(block_r // 16):
-            row = p * 16 + lt // 8
-            g = r0 + row
-            ok = g < r_end
-            src_row = T.if_then_else(ok, g, 0)
-            for c in T.unroll(width // 64):
-                col = c * 64 + lane * 8
-                T.ptx_cp_async(T.access_ptr(buf[row, col], "w", 8),
-                               T.access_ptr(src[src_row, col0 + col], "r", 8), 8, predicate=ok)
+    load_cols, load_rows, load_meta = _load_macros(T, rows_per_pass=128 // 8, dh=dh, d_tail=d_tail, d_v=d_v,
+                                                   block_r=block_r, words=words, heads=heads)
 
     @T.macro
     def load_left(Q, dO, Lse, Delta, Bits, kb, r0, r_hi, lt, q_l, do_l, lse_t, dl_t, bits_t, bar, stage):
-        load_cols(Q, r0, r_hi, lt, q_l, 0, dh)
-        load_cols(dO, r0, r_hi, lt, do_l, 0, dh)
+        load_cols(Q, r0, r_hi, lt, block_r, q_l, 0, dh)
+        load_cols(dO, r0, r_hi, lt, block_r, do_l, 0, dh)
         load_meta(Lse, Delta, Bits, kb, r0, r_hi, lt, lse_t, dl_t, bits_t)
         T.cp_async_barrier_noinc(bar[stage])
 
     @T.macro
     def load_right(Q, dO, r0, r_hi, lt, q_r, q_t, do_r, bar, stage):
-        load_cols(Q, r0, r_hi, lt, q_r, dh, dh)
+        load_cols(Q, r0, r_hi, lt, block_r, q_r, dh, dh)
         if has_tail:
-            load_cols(Q, r0, r_hi, lt, q_t, d_v, d_tail)
-        load_cols(dO, r0, r_hi, lt, do_r, dh, dh)
+            load_cols(Q, r0, r_hi, lt, block_r, q_t, d_v, d_tail)
+        load_cols(dO, r0, r_hi, lt, block_r, do_r, dh, dh)
         T.cp_async_barrier_noinc(bar[stage])
 
     @T.macro
@@ -511,24 +499,24 @@ def _ws_macros(T, *, heads: int, d_v: int, d_tail: int, block_k: int, block_r: i
         T.fence_proxy_async()  # generic smem writes of P / dS, read next by the other warpgroups' MMAs
 
     @T.macro
-    def updates_left(p_s, ds_s, q_l, do_l, acc_l, bar_full, bar_free, full, free, parity):
-        T.barrier_wait(bar_full[full], parity)
+    def updates_left(p_s, ds_s, q_l, do_l, acc_l, bar_full, bar_free, stage, parity):
+        T.barrier_wait(bar_full[stage], parity)
         T.fence_proxy_async()
         T.wgmma_gemm(ds_s, q_l, acc_l)
         T.wgmma_gemm(p_s, do_l, acc_l)
         T.wait_wgmma(0)
-        T.barrier_arrive(bar_free[free])
+        T.barrier_arrive(bar_free[stage])
 
     @T.macro
-    def updates_right(p_s, ds_s, q_r, q_t, do_r, acc_r, acc_t, bar_full, bar_free, full, free, parity):
-        T.barrier_wait(bar_full[full], parity)
+    def updates_right(p_s, ds_s, q_r, q_t, do_r, acc_r, acc_t, bar_full, bar_free, stage, parity):
+        T.barrier_wait(bar_full[stage], parity)
         T.fence_proxy_async()
         T.wgmma_gemm(ds_s, q_r, acc_r)
         T.wgmma_gemm(p_s, do_r, acc_r)
         if has_tail:
             T.wgmma_gemm(ds_s, q_t, acc_t)
         T.wait_wgmma(0)
-        T.barrier_arrive(bar_free[free])
+        T.barrier_arrive(bar_free[stage])
 
     @T.macro
     def store_left(Part, qc, k0, t_kv, acc_l):
@@ -686,13 +674,13 @@ def _jit_dkv_key_blocks_ws():
                         load_left(Q, dO, Lse, Delta, Bits, kb, r_lo + block_r, r_hi, lt, q1_l, do1_l, lse1, dl1,
                                   bits1, bar_ready, 1)
                     for ip in T.serial(T.ceildiv(n_tiles, 2)):
-                        updates_left(p0_s, ds0_s, q0_l, do0_l, acc_l, bar_full, bar_free, 0, 0, ip & 1)
+                        updates_left(p0_s, ds0_s, q0_l, do0_l, acc_l, bar_full, bar_free, 0, ip & 1)
                         if 2 * ip + 2 < n_tiles:  # both dKV warpgroups are done with stage 0: tile 2 ip + 2
                             T.barrier_wait(bar_free[0], ip & 1)
                             load_left(Q, dO, Lse, Delta, Bits, kb, r_lo + (2 * ip + 2) * block_r, r_hi, lt,
                                       q0_l, do0_l, lse0, dl0, bits0, bar_ready, 0)
                         if 2 * ip + 1 < n_tiles:
-                            updates_left(p1_s, ds1_s, q1_l, do1_l, acc_l, bar_full, bar_free, 1, 1, ip & 1)
+                            updates_left(p1_s, ds1_s, q1_l, do1_l, acc_l, bar_full, bar_free, 1, ip & 1)
                             if 2 * ip + 3 < n_tiles:
                                 T.barrier_wait(bar_free[1], ip & 1)
                                 load_left(Q, dO, Lse, Delta, Bits, kb, r_lo + (2 * ip + 3) * block_r, r_hi, lt,
@@ -709,14 +697,13 @@ def _jit_dkv_key_blocks_ws():
                     if n_tiles > 1:
                         load_right(Q, dO, r_lo + block_r, r_hi, lt, q1_r, q1_t, do1_r, bar_ready, 1)
                     for ip in T.serial(T.ceildiv(n_tiles, 2)):
-                        updates_right(p0_s, ds0_s, q0_r, q0_t, do0_r, acc_r, acc_t, bar_full, bar_free, 0, 0,
-                                      ip & 1)
+                        updates_right(p0_s, ds0_s, q0_r, q0_t, do0_r, acc_r, acc_t, bar_full, bar_free, 0, ip & 1)
                         if 2 * ip + 2 < n_tiles:
                             T.barrier_wait(bar_free[0], ip & 1)
                             load_right(Q, dO, r_lo + (2 * ip + 2) * block_r, r_hi, lt, q0_r, q0_t, do0_r,
                                        bar_ready, 0)
                         if 2 * ip + 1 < n_tiles:
-                            updates_right(p1_s, ds1_s, q1_r, q1_t, do1_r, acc_r, acc_t, bar_full, bar_free, 1, 1,
+                            updates_right(p1_s, ds1_s, q1_r, q1_t, do1_r, acc_r, acc_t, bar_full, bar_free, 1,
                                           ip & 1)
                             if 2 * ip + 3 < n_tiles:
                                 T.barrier_wait(bar_free[1], ip & 1)
