@@ -123,7 +123,13 @@ def bench_shape(seq: int, heads: int, locality: float | None, chunks: list[int],
     from megatron_glm5.kernels.key_block_work import row_key_span, span_query_ranges
     from megatron_glm5.kernels.selection_bitmap import key_block_query_range, selection_bitmap
     from megatron_glm5.kernels.sparse_mla_bwd import _jit_bwd, _jit_delta
-    from megatron_glm5.kernels.sparse_mla_dkv import KEY_BLOCK, ROW_TILE, default_chunks, key_block_kernel
+    from megatron_glm5.kernels.sparse_mla_dkv import (
+        KEY_BLOCK,
+        ROW_TILE,
+        _jit_dkv_key_blocks_ws,
+        default_chunks,
+        key_block_kernel,
+    )
     from megatron_glm5.kernels.sparse_mla_fwd import sparse_mla_fwd_interface
 
     dev = torch.device("cuda")
@@ -189,8 +195,6 @@ def bench_shape(seq: int, heads: int, locality: float | None, chunks: list[int],
             ref.copy_(part)
             k_wsp(*args)
             row["wsp_bitwise_split"] = bool(torch.equal(ref, part))
-            from megatron_glm5.kernels.sparse_mla_dkv import _jit_dkv_key_blocks_ws
-
             k_two = _jit_dkv_key_blocks_ws()(*two_pass_args(heads, d_qk, D_V))
             row["two_pass_kernel_ms"] = timed(lambda: k_two(*args))
             k_two(*args)
@@ -337,6 +341,19 @@ def report(rows: list[dict], chunks: list[int]) -> list[str]:
     return lines
 
 
+def _one_row(fn, *args) -> list[dict]:
+    """``[fn(*args)]``, printed with its time, or ``[]`` with the traceback (one shape's failure ends no run)."""
+    t0 = time.time()
+    try:
+        r = fn(*args)
+    except Exception:
+        traceback.print_exc()
+        return []
+    print(json.dumps(r), f"({time.time() - t0:.0f}s)", flush=True)
+    torch.cuda.empty_cache()
+    return [r]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seqs", default="4096,8192,16384")
@@ -360,32 +377,11 @@ def main(argv: list[str] | None = None) -> int:
         if a.precompile_only:
             return 0 if ok else 1
     chunks = [int(x) for x in a.chunks.split(",")]
-    rows = []
-    for loc in a.localities.split(","):
-        for s in (int(x) for x in a.seqs.split(",") if x):
-            for h in heads:
-                t0 = time.time()
-                try:
-                    r = bench_shape(s, h, None if loc == "random" else float(loc), chunks, a.mcore, a.d_qk)
-                except Exception:
-                    traceback.print_exc()
-                    continue
-                print(json.dumps(r), f"({time.time() - t0:.0f}s)", flush=True)
-                rows.append(r)
-                torch.cuda.empty_cache()
-    packed_rows = []
+    rows = [r for loc in a.localities.split(",") for s in (int(x) for x in a.seqs.split(",") if x) for h in heads
+            for r in _one_row(bench_shape, s, h, None if loc == "random" else float(loc), chunks, a.mcore, a.d_qk)]
     names = list(PACKED) if a.packed == "all" else [n for n in a.packed.split(";") if n]
-    for name in names:
-        for h in (int(x) for x in a.packed_heads.split(",") if x):
-            t0 = time.time()
-            try:
-                r = bench_packed(name, PACKED[name], h, a.d_qk)
-            except Exception:
-                traceback.print_exc()
-                continue
-            print(json.dumps(r), f"({time.time() - t0:.0f}s)", flush=True)
-            packed_rows.append(r)
-            torch.cuda.empty_cache()
+    packed_rows = [r for name in names for h in (int(x) for x in a.packed_heads.split(",") if x)
+                   for r in _one_row(bench_packed, name, PACKED[name], h, a.d_qk)]
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
