@@ -66,9 +66,6 @@ COMPILE_CASES = {
     "delta_glm": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_delta", (64, 512)),
     # the key-block dKV pass at 16 heads: the warp-specialised kernel ("wsp", the default)
     "dkv_wsp_glm": ("megatron_glm5.kernels.sparse_mla_dkv", "_jit_dkv_key_blocks_ws", (16, 576, 512, 1 / 16)),
-    # experimental: its score pass in two loops (P and dS in registers, then stored)
-    "dkv_wsp_two_pass_glm": ("megatron_glm5.kernels.sparse_mla_dkv", "_jit_dkv_key_blocks_ws",
-                             (16, 576, 512, 1 / 16, 64, 32, (136, 168, 200), True)),
     "dkv_reduce_glm": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_dkv_reduce", (576, 1)),
     "indexer_logits_small": ("megatron_glm5.kernels.indexer_topk", "_jit_logits", (8, 64)),
     "indexer_logits_glm": ("megatron_glm5.kernels.indexer_topk", "_jit_logits", (32, 128)),

@@ -52,22 +52,23 @@ SCHEDULES = ("wsp", "split", "plain")  # dkv_key_blocks(schedule=...): "wsp" is 
 PARTIAL_BYTES = 512 << 20  # the partial buffer, n_chunks x T_kv x d_qk fp32, stays below this
 
 
-# Where the route measured faster (H200, random causal top-2048 sets, 16 heads, ``wsp``: 1.65x / 1.34x / 0.92x the
-# atomic backward on 4K / 8K / 16K-token sequences, dense / sparse work 1.35 / 2.30 / 4.28; 64 heads 1.05x-0.42x in the
-# eighth session: the dQ pass alone is half the atomic backward there).
+# Where the route measured faster (H200, random causal top-2048 sets, 16 heads, ``wsp`` with its two-loop score pass:
+# 2.04x / 1.67x / 1.20x the atomic backward on 4K / 8K / 16K-token sequences, dense / sparse work 1.35 / 2.30 / 4.28;
+# 64 heads 1.05x-0.42x in the eighth session: the dQ pass alone is half the atomic backward there).
 KEY_BLOCKS_MAX_HEADS = 16
 KEY_BLOCKS_MAX_TOKENS = 8192
 
 
 # Past 8K tokens, the route is taken where the forward's bound of the dense work (``key_block_work``) is at most this
-# many times the selected pairs, by latent (d_qk, d_v); H200, 16 heads, random causal top-2048 sets, "wsp"
-# (scripts/bench/RESULTS_kernels.md, round 2, tenth session):
-# * (576, 512), GLM-5's latent: single sequences ran 1.13x / 1.08x / 0.92x at ratios 3.04 / 3.29 / 4.28 (11K / 12K /
-#   16K): 1.0 crosses near 3.8; 3.6 keeps a margin. Packed batches of 1K-8K sequences (ratios 1.03-2.87): 1.16-1.80x.
-# * (512, 512), GLM-5.3-Flash's NoPE latent: 1.25x at 8K (ratio 2.30, as on GLM-5's, 1.32x there); past 8K not
-#   measured: 3.0, below GLM-5's crossing by its smaller gain at 8K. Top-k stays 2048 keys there (KPool pools expand
-#   to tokens), so up to 8K the causal bound of the dense work is GLM-5's.
-KEY_BLOCKS_MAX_DENSE_PER_SPARSE = {(576, 512): 3.6, (512, 512): 3.0}
+# many times the selected pairs, by latent (d_qk, d_v); H200, 16 heads, random causal top-2048 sets, "wsp" with its
+# two-loop score pass (scripts/bench/RESULTS_kernels.md, round 2, eleventh session):
+# * (576, 512), GLM-5's latent: single sequences ran 1.41x / 1.20x / 1.00x / 0.92x at ratios 3.29 / 4.28 / 5.28 /
+#   6.28 (12K / 16K / 20K / 24K), two 16K ones 1.12x: 1.0 crosses near 5.3; 4.8 keeps a margin. Packed batches of
+#   1K-8K sequences (ratios 1.03-2.87): 1.50-2.08x.
+# * (512, 512), GLM-5.3-Flash's NoPE latent: 1.33x / 1.14x / 0.95x at 3.29 / 4.28 / 5.28, two 16K ones 1.07x: 1.0
+#   crosses near 4.9; 4.5. Top-k stays 2048 keys there (KPool pools expand to tokens), so the causal bound of the
+#   dense work is GLM-5's.
+KEY_BLOCKS_MAX_DENSE_PER_SPARSE = {(576, 512): 4.8, (512, 512): 4.5}
 KEY_BLOCKS_BITMAP_BYTES = 512 << 20  # the selection bitmap (T x T_kv / 8 bytes) stays below this: 64K x 64K
 
 
@@ -426,8 +427,7 @@ def _check_ws_shape(d_qk: int, d_v: int, block_k: int, block_r: int) -> None:
                          f"2 * block_r + block_r * block_k / 32 <= 128, got block_r={block_r}, block_k={block_k}")
 
 
-def _ws_macros(T, *, heads: int, d_v: int, d_tail: int, block_k: int, block_r: int, softmax_scale: float,
-               two_pass: bool = False):
+def _ws_macros(T, *, heads: int, d_v: int, d_tail: int, block_k: int, block_r: int, softmax_scale: float):
     """``(load_rows, load_left, load_right, scores, updates_left, updates_right, store_left, store_right)``, the steps
     of the warp-specialised key-block kernel (``_jit_dkv_key_blocks_ws``; ``T`` is ``tilelang.language``):
 
@@ -436,11 +436,8 @@ def _ws_macros(T, *, heads: int, d_v: int, d_tail: int, block_k: int, block_r: i
       its thread in ``[0, 128)``): the left halves of ``Q`` / ``dO`` and the tile's LSE, Delta and mask words, or the
       right halves and the RoPE tail; each warpgroup loads the columns it alone reads. Completion on ``bar[stage]``;
     * ``scores(...)``: the score warpgroup's step: wait for the stage, ``S^T`` and ``dP^T``, then ``P`` and ``dS``
-      (bf16) into the tile's buffers; ``two_pass``: ``P`` and ``dS`` formed in place of ``S^T`` / ``dP^T`` in
-      registers first, then stored (experimental, not yet run on a GPU: the one-pass loop interleaves the shared
-      stores with the per-element loads of LSE, Delta and mask words, which nvcc cannot hoist past stores that may
-      alias them; the profile has the pass waiting on those loads). Same expressions: bitwise the same ``P`` / ``dS``
-      unless nvcc contracts the exponent's argument differently;
+      formed in place in registers and stored (bf16) into the tile's buffers; every element as in the ``split``
+      schedule (bitwise, GPU-tested);
     * ``updates_left`` / ``updates_right(..., stage, parity)``: a dKV warpgroup's step: wait for ``P`` / ``dS`` on
       ``bar_full[stage]``, ``dKV += dS^T Q + P^T dO`` on its half (the right one with the RoPE tail), then arrive on
       ``bar_free[stage]`` (the stage and the ``P`` / ``dS`` buffer are read);
@@ -481,21 +478,17 @@ def _ws_macros(T, *, heads: int, d_v: int, d_tail: int, block_k: int, block_r: i
         T.wgmma_gemm(kl, do_l, dp_f, transpose_B=True, clear_accum=True)
         T.wgmma_gemm(kr, do_r, dp_f, transpose_B=True)
         T.wait_wgmma(0)
-        if two_pass:
-            for j, i in T.Parallel(block_k, block_r):
-                sel = ((bits_t[i, j // 32] >> (j % 32)) & 1) == 1
-                p = T.if_then_else(sel, T.exp2(s_f[j, i] * scale_log2 - lse_t[i] * LOG2E), 0)
-                s_f[j, i] = p
-                dp_f[j, i] = p * (dp_f[j, i] - dl_t[i]) * softmax_scale
-            for j, i in T.Parallel(block_k, block_r):
-                p_s[j, i] = T.cast(s_f[j, i], bf16)
-                ds_s[j, i] = T.cast(dp_f[j, i], bf16)
-        else:
-            for j, i in T.Parallel(block_k, block_r):
-                sel = ((bits_t[i, j // 32] >> (j % 32)) & 1) == 1
-                p = T.if_then_else(sel, T.exp2(s_f[j, i] * scale_log2 - lse_t[i] * LOG2E), 0)
-                p_s[j, i] = T.cast(p, bf16)
-                ds_s[j, i] = T.cast(p * (dp_f[j, i] - dl_t[i]) * softmax_scale, bf16)
+        # P and dS in place of S^T / dP^T in registers first, then stored: one loop storing each element between the
+        # per-element loads of LSE, Delta and the mask word kept nvcc from hoisting those loads (it cannot move a
+        # shared load above a shared store that may alias it); 1.46x the kernel at 16 heads, 8K (H200)
+        for j, i in T.Parallel(block_k, block_r):
+            sel = ((bits_t[i, j // 32] >> (j % 32)) & 1) == 1
+            p = T.if_then_else(sel, T.exp2(s_f[j, i] * scale_log2 - lse_t[i] * LOG2E), 0)
+            s_f[j, i] = p
+            dp_f[j, i] = p * (dp_f[j, i] - dl_t[i]) * softmax_scale
+        for j, i in T.Parallel(block_k, block_r):
+            p_s[j, i] = T.cast(s_f[j, i], bf16)
+            ds_s[j, i] = T.cast(dp_f[j, i], bf16)
         T.fence_proxy_async()  # generic smem writes of P / dS, read next by the other warpgroups' MMAs
 
     @T.macro
@@ -553,7 +546,7 @@ def _jit_dkv_key_blocks_ws():
     )
     def sparse_mla_dkv_key_blocks_ws(heads: int, d_qk: int, d_v: int, softmax_scale: float,
                                      block_k: int = KEY_BLOCK, block_r: int = ROW_TILE,
-                                     nreg: tuple[int, int, int] = WS_NREG, two_pass: bool = False):
+                                     nreg: tuple[int, int, int] = WS_NREG):
         """The key-block dKV kernel (same contract, grid and ``Part`` as ``_jit_dkv_key_blocks``), warp-specialised
         so that one tile's score GEMMs run under the previous tile's dKV GEMMs and the tile after next's loads
         (schedule ``"wsp"``). 384 threads:
@@ -572,10 +565,11 @@ def _jit_dkv_key_blocks_ws():
         8.05 -> 7.20 ms on H200 with GLM-5's latent, 7.40 -> 6.91 on the NoPE one.) ``bar_ready`` of tile ``n + 2``
         completes only after tile ``n``'s dKV GEMMs, so it also frees the ``P`` / ``dS`` buffer. Every element is
         formed as in the ``split`` schedule (same GEMM k-order, same fp32 ``P`` into ``dS``): bitwise equal to it
-        (GPU-tested). ``two_pass``: :func:`_ws_macros`' experimental score pass."""
-        from megatron_glm5.kernels.sparse_mla_fwd import check_register_split
+        (GPU-tested)."""
+        from megatron_glm5.kernels.sparse_mla_fwd import LAUNCH_REGS_384, check_register_split
 
-        check_register_split(nreg, (0, 1, 1))
+        grow = tuple(int(n >= LAUNCH_REGS_384) for n in nreg)  # setmaxnreg.inc from the launch's share up, else .dec
+        check_register_split(nreg, grow)
         _check_ws_shape(d_qk, d_v, block_k, block_r)
         dh = d_v // 2
         d_tail = d_qk - d_v
@@ -591,7 +585,7 @@ def _jit_dkv_key_blocks_ws():
 
         (load_rows, load_left, load_right, scores, updates_left, updates_right, store_left,
          store_right) = _ws_macros(T, heads=heads, d_v=d_v, d_tail=d_tail, block_k=block_k, block_r=block_r,
-                                   softmax_scale=softmax_scale, two_pass=two_pass)
+                                   softmax_scale=softmax_scale)
 
         @T.prim_func
         def main(
@@ -650,7 +644,7 @@ def _jit_dkv_key_blocks_ws():
                 n_tiles = T.if_then_else(q_hi > q_lo, T.ceildiv(r_hi - r_lo, block_r), 0)
 
                 if tx < 128:
-                    T.set_max_nreg(nreg[0], 0)
+                    T.set_max_nreg(nreg[0], grow[0])
                     if n_tiles > 0:
                         load_rows(KV, k0, t_kv, tx, block_k, kl, kr, kt, d_v)
                         T.cp_async_barrier_noinc(bar_key[0])
@@ -664,7 +658,7 @@ def _jit_dkv_key_blocks_ws():
                                    ds1_s, bar_ready, 1, ip & 1)
                             T.barrier_arrive(bar_full[1])
                 elif tx < 256:
-                    T.set_max_nreg(nreg[1], 1)
+                    T.set_max_nreg(nreg[1], grow[1])
                     lt = tx - 128
                     T.clear(acc_l)
                     if n_tiles > 0:
@@ -687,7 +681,7 @@ def _jit_dkv_key_blocks_ws():
                                           q1_l, do1_l, lse1, dl1, bits1, bar_ready, 1)
                     store_left(Part, qc, k0, t_kv, acc_l)
                 else:
-                    T.set_max_nreg(nreg[2], 1)
+                    T.set_max_nreg(nreg[2], grow[2])
                     lt = tx - 256
                     T.clear(acc_r)
                     if has_tail:

@@ -45,19 +45,10 @@ def kernel_cases(heads: tuple[int, ...], nope_heads: tuple[int, ...] = (16,)) ->
             cases.append((dkv, "_jit_dkv_key_blocks", (h, d_qk, d_v, SCALE, 64), {}))
             cases.append((dkv, "_jit_dkv_key_blocks", (h, d_qk, d_v, SCALE, 64), {"schedule": "plain"}))
             cases.append((dkv, "_jit_dkv_key_blocks_ws", (h, d_qk, d_v, SCALE, 64), {}))
-            cases.append((dkv, "_jit_dkv_key_blocks_ws", two_pass_args(h, d_qk, d_v), {}))
             cases.append((bwd, "_jit_bwd", (h, d_qk, d_v, SCALE, False), {"with_target": False}))
             cases.append((bwd, "_jit_delta", (h, d_v), {}))
             cases.append(_fwd_case(h, d_qk, d_v))
     return cases
-
-
-def two_pass_args(heads: int, d_qk: int, d_v: int) -> tuple:
-    """``_jit_dkv_key_blocks_ws``'s arguments for its experimental ``two_pass`` score pass (default split otherwise),
-    as this benchmark and the GPU test build it."""
-    from megatron_glm5.kernels.sparse_mla_dkv import KEY_BLOCK, ROW_TILE, WS_NREG
-
-    return (heads, d_qk, d_v, SCALE, KEY_BLOCK, ROW_TILE, WS_NREG, True)
 
 
 def _fwd_case(heads: int, d_qk: int, d_v: int) -> tuple[str, str, tuple, dict]:
@@ -126,7 +117,6 @@ def bench_shape(seq: int, heads: int, locality: float | None, chunks: list[int],
     from megatron_glm5.kernels.sparse_mla_dkv import (
         KEY_BLOCK,
         ROW_TILE,
-        _jit_dkv_key_blocks_ws,
         default_chunks,
         key_block_kernel,
     )
@@ -195,10 +185,6 @@ def bench_shape(seq: int, heads: int, locality: float | None, chunks: list[int],
             ref.copy_(part)
             k_wsp(*args)
             row["wsp_bitwise_split"] = bool(torch.equal(ref, part))
-            k_two = _jit_dkv_key_blocks_ws()(*two_pass_args(heads, d_qk, D_V))
-            row["two_pass_kernel_ms"] = timed(lambda: k_two(*args))
-            k_two(*args)
-            row["two_pass_bitwise_split"] = bool(torch.equal(ref, part))
         del part
     if mcore:
         try:
@@ -234,6 +220,9 @@ PACKED = {
     "1 x 11K": [11264],
     "1 x 12K": [12288],
     "1 x 16K": [16384],
+    "2 x 16K": [16384] * 2,
+    "1 x 20K": [20480],
+    "1 x 24K": [24576],
 }
 
 
@@ -315,7 +304,7 @@ def report(rows: list[dict], chunks: list[int]) -> list[str]:
     lines = [
         "| S | H | indices | atomic bwd ms (TFLOP/s) | key blocks ms (TFLOP/s) | speed-up | megatron-core bwd ms | "
         "dQ pass | bitmap + ranges (bitmap alone; span ranges) | key-block kernel (chunks) | dense TFLOP/s | "
-        "plain / split / wsp kernel ms | wsp dense TFLOP/s | wsp bitwise split | wsp two-pass ms (bitwise split) | "
+        "plain / split / wsp kernel ms | wsp dense TFLOP/s | wsp bitwise split | "
         "chunk sum | dense / sparse work | dKV vs atomic | dQ bitwise | repeatable |",
         "|" + "---|" * 20,
     ]
@@ -329,7 +318,7 @@ def report(rows: list[dict], chunks: list[int]) -> list[str]:
             f"{f(r[f'kb_kernel_ms_c{c}'])} ({c}) | {f(r[f'kb_dense_tflops_c{c}'], '{:.0f}')} | "
             f"{f(r.get('plain_kernel_ms'))} / {f(r.get('split_kernel_ms'))} / {f(r.get('wsp_kernel_ms'))} | "
             f"{f(r.get('wsp_dense_tflops'), '{:.0f}')} | {r.get('wsp_bitwise_split')} | "
-            f"{f(r.get('two_pass_kernel_ms'))} ({r.get('two_pass_bitwise_split', '-')}) | "
+            f""
             f"{f(r['sum_ms'])} | {f(r['dense_over_sparse'])} | {r['dkv_vs_atomic']:.1e} | {r['dq_bitwise_atomic']} | "
             f"{r['key_blocks_repeatable']} |")
     lines += ["", "Key-block kernel ms by query chunks:", "",
