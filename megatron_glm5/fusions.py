@@ -106,10 +106,10 @@ environment variable read when a module or block spec is built (``0`` or ``1``; 
 * ``MEGATRON_GLM5_KEY_BLOCK_DKV`` - the sparse-MLA backward forms dKV by key blocks instead of fp32 atomics where
   that measured faster (``kernels.sparse_mla_dkv.key_blocks_pay``: at most 16 heads and 8K tokens per rank, or past
   8K a call whose dense work, bounded in the forward by ``kernels.key_block_work``, is at most
-  ``KEY_BLOCKS_MAX_DENSE_PER_SPARSE`` times the selected pairs (3.6 on GLM-5's latent, 3.0 on GLM-5.3-Flash's NoPE
-  one); no attention target; no float atomics, deterministic by construction). Backward 1.65x / 1.34x the atomic
-  one on packed 4K / 8K-token sequences; GLM-5 slice step 454.3 -> 434.2 ms on one H200, 429.1 ms (1.48x
-  megatron-core's kernel path) on another.
+  ``KEY_BLOCKS_MAX_DENSE_PER_SPARSE`` times the selected pairs (4.8 on GLM-5's latent, 4.5 on GLM-5.3-Flash's NoPE
+  one); no attention target; no float atomics, deterministic by construction). Backward 2.04x / 1.67x / 1.20x the
+  atomic one on 4K / 8K / 16K-token sequences (H200, 16 heads); GLM-5 slice step 413.2 ms, 1.56x megatron-core's
+  kernel path in the same run.
 * ``MEGATRON_GLM5_FUSED_ADAM`` - megatron-core's torch-fallback Adam
   (no TE / apex ``FusedAdam``) with torch's ``fused=True`` (:func:`megatron_glm5.optim_fusions.use_fused_adam`,
   through :func:`megatron_glm5.compat.route_fused_adam`).

@@ -15,8 +15,8 @@ problem around: one CTA owns a block of ``block_k`` keys and walks the queries t
 kernel's (``P`` and ``dS`` rounded to bf16 before their GEMMs, as there); pairs a query did not select cost MMA work
 but add exact zeros. The dense work is the price: every (key block, row tile) that the block's query range covers,
 about ``T / (2 * mean selected keys per query)`` times the sparse pairs for causal random sets (2.3x at 8K tokens and
-top-k 2048, 4.3x at 16K), against no reduction traffic at all. So it pays at short context (H200, 16 heads, with the
-``wsp`` schedule: 1.65x / 1.34x the atomic backward on packed 4K / 8K-token sequences, 0.92x on one of 16K).
+top-k 2048, 4.3x at 16K), against no reduction traffic at all. So it pays at short and middle context (H200, 16
+heads, ``wsp``: 2.04x / 1.67x / 1.20x the atomic backward on 4K / 8K / 16K-token sequences, 0.97x on one of 24K).
 Windowed sets cost the same as random ones: a few random keys per query reach every key block, so the query ranges
 skip nothing (``scripts/bench/RESULTS_kernels.md``, round 2, eighth session).
 
