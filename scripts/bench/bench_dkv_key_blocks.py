@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 SCALE = 1.0 / 16
 D_QK, D_V, TOPK = 576, 512, 2048
+GROUP = 4  # the grouped backward's queries per CTA at 16 heads (64 rows), as the autograd route takes it
 
 
 def kernel_cases(heads: tuple[int, ...], nope_heads: tuple[int, ...] = (16,)) -> list[tuple[str, str, tuple, dict]]:
@@ -46,6 +47,8 @@ def kernel_cases(heads: tuple[int, ...], nope_heads: tuple[int, ...] = (16,)) ->
             cases.append((dkv, "_jit_dkv_key_blocks", (h, d_qk, d_v, SCALE, 64), {"schedule": "plain"}))
             cases.append((dkv, "_jit_dkv_key_blocks_ws", (h, d_qk, d_v, SCALE, 64), {}))
             cases.append((bwd, "_jit_bwd", (h, d_qk, d_v, SCALE, False), {"with_target": False}))
+            if h * GROUP == 64:  # the grouped backward the shape rows compare with (compare_backwards)
+                cases.append((bwd, "_jit_bwd", (h, d_qk, d_v, SCALE, False), {"with_target": False, "group": GROUP}))
             cases.append((bwd, "_jit_delta", (h, d_v), {}))
             cases.append(_fwd_case(h, d_qk, d_v))
     return cases
@@ -84,11 +87,15 @@ def precompile(cases, workers: int) -> bool:
     return ok
 
 
-def compare_backwards(q, kv, out, lse, g, idx, vlen, f_bwd: float) -> dict:
+def compare_backwards(q, kv, out, lse, g, idx, vlen, f_bwd: float, grouped: bool = False) -> dict:
     """The atomic and the key-block backward from the same saved ``out`` / ``lse``: ms, TFLOP/s (``f_bwd`` FLOP),
-    dKV against the atomic route, dQ bitwise, and the key-block route's run-to-run equality."""
+    dKV against the atomic route, dQ bitwise, and the key-block route's run-to-run equality. ``grouped`` (16 heads):
+    also the grouped backward (4 queries per CTA over their union, the union built inside the timing as the autograd
+    backward builds it) and the sets' sharing (valid pairs per union entry), which decides between the two routes
+    (``sparse_mla_bwd.KEY_BLOCKS_BELOW_SHARING``)."""
     from bench_dsa_kernels import timed
 
+    from megatron_glm5.kernels.index_groups import group_union_indices
     from megatron_glm5.kernels.sparse_mla_bwd import sparse_mla_bwd_interface
 
     def bwd(reduce: str):
@@ -97,6 +104,16 @@ def compare_backwards(q, kv, out, lse, g, idx, vlen, f_bwd: float) -> dict:
     row = {"atomic_ms": timed(lambda: bwd("atomic")), "key_blocks_ms": timed(lambda: bwd("key_blocks"))}
     row["atomic_tflops"] = f_bwd / row["atomic_ms"] / 1e9
     row["key_blocks_tflops"] = f_bwd / row["key_blocks_ms"] / 1e9
+    if grouped:
+        group = GROUP
+
+        def bwd_grouped():
+            union = group_union_indices(idx, group, key_bound=kv.shape[0])
+            return sparse_mla_bwd_interface(q, kv, out, lse, g, idx, SCALE, D_V, group=group, union=union)
+
+        row["grouped_ms"] = timed(bwd_grouped)
+        _, union_len = group_union_indices(idx, group, key_bound=kv.shape[0])
+        row["sharing"] = float(vlen.sum()) / max(1, int(union_len.sum()))
     dq_a, dkv_a = bwd("atomic")
     dq_k, dkv_k = bwd("key_blocks")
     dq_k2, dkv_k2 = bwd("key_blocks")
@@ -135,7 +152,7 @@ def bench_shape(seq: int, heads: int, locality: float | None, chunks: list[int],
            + ("" if d_qk == D_QK else f", d_qk {d_qk}"), "pairs": pairs}
     out, lse = sparse_mla_fwd_interface(q, kv, idx, SCALE, D_V, valid_len=vlen)
 
-    row.update(compare_backwards(q, kv, out, lse, g, idx, vlen, f_bwd))
+    row.update(compare_backwards(q, kv, out, lse, g, idx, vlen, f_bwd, grouped=heads * GROUP == 64))
 
     # pieces
     delta = _jit_delta()(heads, D_V)(out, g, torch.zeros_like(lse))
@@ -270,7 +287,7 @@ def bench_packed(name: str, lengths: list[int], heads: int, d_qk: int = D_QK) ->
     del bits, rng
     row["route"] = "key_blocks" if key_blocks_pay(heads, total, d_qk, D_V, t_kv=total,
                                                    dense_per_sparse=row["probe_ratio"]) else "atomic"
-    row.update(compare_backwards(q, kv, out, lse, g, idx, vlen, f_bwd))
+    row.update(compare_backwards(q, kv, out, lse, g, idx, vlen, f_bwd, grouped=heads * GROUP == 64))
     return row
 
 
@@ -302,7 +319,8 @@ def report(rows: list[dict], chunks: list[int]) -> list[str]:
         return "-" if x is None else fmt.format(x)
 
     lines = [
-        "| S | H | indices | atomic bwd ms (TFLOP/s) | key blocks ms (TFLOP/s) | speed-up | megatron-core bwd ms | "
+        "| S | H | indices | atomic bwd ms (TFLOP/s) | key blocks ms (TFLOP/s) | speed-up | "
+        "grouped bwd ms (sharing) | megatron-core bwd ms | "
         "dQ pass | bitmap + ranges (bitmap alone; span ranges) | key-block kernel (chunks) | dense TFLOP/s | "
         "plain / split / wsp kernel ms | wsp dense TFLOP/s | wsp bitwise split | "
         "chunk sum | dense / sparse work | dKV vs atomic | dQ bitwise | repeatable |",
@@ -313,12 +331,12 @@ def report(rows: list[dict], chunks: list[int]) -> list[str]:
         lines.append(
             f"| {r['S']} | {r['H']} | {r['indices']} | {f(r['atomic_ms'])} ({f(r['atomic_tflops'], '{:.0f}')}) | "
             f"{f(r['key_blocks_ms'])} ({f(r['key_blocks_tflops'], '{:.0f}')}) | "
-            f"{f(r['atomic_ms'] / r['key_blocks_ms'])}x | {f(r.get('mc_bwd_ms'))} | {f(r['dq_pass_ms'])} | "
+            f"{f(r['atomic_ms'] / r['key_blocks_ms'])}x | {f(r.get('grouped_ms'))} ({f(r.get('sharing'))}) | "
+            f"{f(r.get('mc_bwd_ms'))} | {f(r['dq_pass_ms'])} | "
             f"{f(r['bitmap_ms'])} ({f(r.get('bitmap_only_ms'))}; {f(r.get('span_ranges_ms'), '{:.3f}')}) | "
             f"{f(r[f'kb_kernel_ms_c{c}'])} ({c}) | {f(r[f'kb_dense_tflops_c{c}'], '{:.0f}')} | "
             f"{f(r.get('plain_kernel_ms'))} / {f(r.get('split_kernel_ms'))} / {f(r.get('wsp_kernel_ms'))} | "
             f"{f(r.get('wsp_dense_tflops'), '{:.0f}')} | {r.get('wsp_bitwise_split')} | "
-            f""
             f"{f(r['sum_ms'])} | {f(r['dense_over_sparse'])} | {r['dkv_vs_atomic']:.1e} | {r['dq_bitwise_atomic']} | "
             f"{r['key_blocks_repeatable']} |")
     lines += ["", "Key-block kernel ms by query chunks:", "",
