@@ -39,7 +39,7 @@ def build(archive: str, command: list[str]) -> int:
     """Run ``command`` with a fresh TileLang cache and the sm_90a target, then pack that cache into ``archive``
     (xz tar; written beside it first and moved into place, so a failed run leaves any older archive as it was)."""
     if not command:
-        print("tl_cache build: no command after --", file=sys.stderr)
+        print("error: tl_cache build: no command after --", file=sys.stderr)
         return 2
     out = Path(archive)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -49,8 +49,8 @@ def build(archive: str, command: list[str]) -> int:
         rc = subprocess.run(command, env=env).returncode
         n = _kernels(cache) if cache.exists() else 0
         if n == 0:
-            print(f"tl_cache build: the command ({shlex.join(command)}) built no kernel (exit {rc}); {out} left as "
-                  "it was", file=sys.stderr)
+            print(f"error: tl_cache build: the command ({shlex.join(command)}) built no kernel (exit {rc}); {out} "
+                  "left as it was", file=sys.stderr)
             return rc or 1
         part = out.with_name(out.name + ".part")
         with tarfile.open(part, "w:xz") as tar:

@@ -61,9 +61,10 @@ def test_build_refuses_a_command_that_builds_nothing_and_keeps_the_old_archive(t
     archive = tmp_path / "k.tar.xz"
     archive.write_bytes(b"older archive")
     res = _run(["build", str(archive), "--", sys.executable, "-c", "pass"])
-    assert res.returncode != 0 and "built no kernel" in res.stderr
+    assert res.returncode != 0 and res.stderr.startswith("error: ") and "built no kernel" in res.stderr
     assert archive.read_bytes() == b"older archive"
-    assert _run(["build", str(archive)]).returncode == 2  # no command
+    bare = _run(["build", str(archive)])  # no command
+    assert bare.returncode == 2 and bare.stderr.startswith("error: ")
 
 
 def test_env_without_an_archive_says_so_and_exports_nothing(tmp_path):
