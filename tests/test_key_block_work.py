@@ -6,6 +6,7 @@ to them on causal sets, single and packed, and make the autograd backward take t
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -283,3 +284,19 @@ def test_route_rule_picks_the_faster_backward_on_the_measured_batches(d_qk):
         speed_up = r["atomic_ms"] / r["key_blocks_ms"]
         assert takes == (speed_up > 1) or abs(speed_up - 1) < 0.02, (r["batch"], r["probe_ratio"], speed_up)
     assert sum(abs(r["atomic_ms"] / r["key_blocks_ms"] - 1) >= 0.02 for r in rows) >= 12  # the ties are few
+
+
+def test_key_blocks_over_grouped_follows_the_measured_rows():
+    """The rule between the key-block route and the grouped backward picks the faster one on every row of the
+    measurement it was fitted to (16 heads, 8K and 16K tokens, random and local sets: ``kernels_round12``), where the
+    two differ by more than 2 %; a call within 8K (no work probe) is judged by the 8K ratio."""
+    from megatron_glm5.kernels.sparse_mla_bwd import key_blocks_over_grouped
+
+    rows = json.loads((REPO / "scripts/bench/kernels_round12/1_sharing_16h.json").read_text())
+    assert len(rows) == 8
+    for r in rows:
+        ratio = r["dense_over_sparse"]
+        if abs(r["key_blocks_ms"] / r["grouped_ms"] - 1) > 0.02:
+            assert key_blocks_over_grouped(r["sharing"], ratio) == (r["key_blocks_ms"] < r["grouped_ms"]), r
+    assert key_blocks_over_grouped(3.3) and not key_blocks_over_grouped(3.4)  # within 8K: 3.32
+    assert key_blocks_over_grouped(2.35, 4.28) and not key_blocks_over_grouped(2.45, 4.28)  # 16K: 2.40

@@ -76,10 +76,25 @@ from megatron_glm5.kernels.sparse_mla_fwd import (
 _log = logging.getLogger("megatron_glm5")
 
 DKV_REDUCTIONS = ("atomic", "bulk", "key_blocks")  # sparse_mla_bwd_interface(dkv_reduce=...)
-# Key blocks over the grouped backward below this sharing: at 16 heads the key-block route measured 1.6x / 1.23x the
-# atomic backward at 4K / 8K tokens whatever the sets; the grouped backward route 1.03x at sharing 2.27 and 1.60x at
-# 3.26 (16K tokens). 3.0 sits between; the crossover at 8K is not measured.
-KEY_BLOCKS_BELOW_SHARING = 3.0
+# Key blocks or the grouped backward, where both may serve (16 heads, sets sharing keys in groups of 4). Per selected
+# pair the grouped backward cost 2.17 / sharing and the key-block route 0.362 + 0.127 * dense_per_sparse (ns per pair;
+# H200, GLM-5's latent, 8K and 16K tokens at sharing 1.6-3.3: scripts/bench/kernels_round12/1_sharing_16h.json), so
+# key blocks while ``sharing * (1 + 0.35 * dense_per_sparse) < 6.0``: sharing 3.32 at 8K (ratio 2.30), 2.40 at 16K
+# (ratio 4.28). Up to ``KEY_BLOCKS_MAX_TOKENS`` no work probe runs; the ratio is then at most a single causal 8K
+# sequence's.
+KEY_BLOCKS_OVER_GROUPED = 6.0
+KEY_BLOCKS_DENSE_SLOPE = 0.35
+KEY_BLOCKS_SHORT_DENSE_PER_SPARSE = 2.30
+
+
+def key_blocks_over_grouped(sharing: float, dense_per_sparse: float | None = None) -> bool:
+    """Whether the key-block dKV beats the grouped backward for sets with this group ``sharing`` (the forward's
+    ``SharingProbe``) and the key blocks' ``dense_per_sparse`` (``KeyBlockWorkProbe``; ``None`` for a call of at most
+    ``KEY_BLOCKS_MAX_TOKENS`` tokens, bounded by ``KEY_BLOCKS_SHORT_DENSE_PER_SPARSE``)."""
+    ratio = KEY_BLOCKS_SHORT_DENSE_PER_SPARSE if dense_per_sparse is None else dense_per_sparse
+    return sharing * (1.0 + KEY_BLOCKS_DENSE_SLOPE * ratio) < KEY_BLOCKS_OVER_GROUPED
+
+
 DETERMINISTIC_PARTIAL_BYTES = 2 << 30  # budget for the per-chunk partial dKV buffer
 
 # The bulk dKV reduction's raw staging (``_jit_bwd(dkv_reduce="bulk")``): fp32 at float offsets from a shared buffer's
@@ -697,7 +712,7 @@ class SparseMLAFunction(torch.autograd.Function):
         the dense work, ``key_block_work``: packed batches of shorter sequences) and no ``target_box`` is given, the
         backward forms dKV by key blocks
         (``dkv_reduce="key_blocks"``: no float atomics, deterministic) unless the grouped forward measured a
-        sharing of at least ``KEY_BLOCKS_BELOW_SHARING`` (there the grouped backward is expected to be faster);
+        sharing where the grouped backward is faster (``key_blocks_over_grouped``);
         needs each row's valid indices distinct (the indexer's top-k).
     """
 
@@ -745,10 +760,10 @@ class SparseMLAFunction(torch.autograd.Function):
         box = ctx.target_box
         grouped = {}
         sharing = ctx.probe.sharing() if ctx.probe is not None else 0.0
+        dense_per_sparse = ctx.work.dense_per_sparse() if ctx.work is not None else None
         key_blocks = ctx.key_blocks and key_blocks_pay(
-            q.shape[1], q.shape[0], q.shape[2], ctx.d_v, t_kv=kv.shape[0],
-            dense_per_sparse=ctx.work.dense_per_sparse() if ctx.work is not None else None)
-        if key_blocks and sharing < KEY_BLOCKS_BELOW_SHARING:
+            q.shape[1], q.shape[0], q.shape[2], ctx.d_v, t_kv=kv.shape[0], dense_per_sparse=dense_per_sparse)
+        if key_blocks and key_blocks_over_grouped(sharing, dense_per_sparse):
             grouped = {"dkv_reduce": "key_blocks"}
         elif sharing >= GROUPED_BWD_MIN_SHARING:
             group = 64 // q.shape[1]  # grouped_group's, as in the forward

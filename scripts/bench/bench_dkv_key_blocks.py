@@ -92,7 +92,7 @@ def compare_backwards(q, kv, out, lse, g, idx, vlen, f_bwd: float, grouped: bool
     dKV against the atomic route, dQ bitwise, and the key-block route's run-to-run equality. ``grouped`` (16 heads):
     also the grouped backward (4 queries per CTA over their union, the union built inside the timing as the autograd
     backward builds it) and the sets' sharing (valid pairs per union entry), which decides between the two routes
-    (``sparse_mla_bwd.KEY_BLOCKS_BELOW_SHARING``)."""
+    (``sparse_mla_bwd.key_blocks_over_grouped``)."""
     from bench_dsa_kernels import timed
 
     from megatron_glm5.kernels.index_groups import group_union_indices
