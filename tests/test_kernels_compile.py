@@ -47,9 +47,10 @@ COMPILE_CASES = {
     "fwd_pp_glm": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_pp", (64, 576, 512, 1 / 16)),
     "fwd_pp_nope": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_pp", (64, 512, 512, 1 / 16)),
     "fwd_pp_grouped_glm": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_pp", (16, 576, 512, 1 / 16, 4)),
-    # the pp options off (both on by default): masks from the index row in L1, WG1's P copied under its GEMM
+    # the pp options off (all on by default): masks from the index row in L1, WG1's P copied under its GEMM, index
+    # entries loaded after each wait, TileLang's thread-storage syncs
     "fwd_pp_neither_grouped_glm": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_pp",
-                                   (16, 576, 512, 1 / 16, 4, (216, 216, 72), False, False)),
+                                   (16, 576, 512, 1 / 16, 4, (216, 216, 72), False, False, False, True)),
     # experimental: dKV chunks staged over the KV stage and added by sm90 bulk reductions
     "bwd_bulk_glm": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (16, 576, 512, 1 / 16, False, 32, 0, False,
                                                                          0, 1, "bulk")),
@@ -97,6 +98,15 @@ COMPILE_CASES = {
 }
 
 
+def _check_pp_source(src: str, lean: bool) -> None:
+    """The ``pp`` forward's default build has no TileLang thread-storage syncs and its producer loads the pair's index
+    entries before its first wait for a free stage; the build with every option off has both the syncs and the loads
+    after that wait."""
+    producer = src[src.index("warpgroup_reg_dealloc"):]
+    loads_first = producer.index("Idx[") < producer.index("bar_free[0].wait")
+    assert ("__sync_thread_partial" not in src) == lean and loads_first == lean, (lean, loads_first)
+
+
 def _compile_one(case: str) -> tuple[str, int, str]:
     """Worker: build one kernel for sm_90a; returns (case, CUDA source length, the kernel entry's name)."""
     os.environ["TILELANG_DEFAULT_TARGET"] = SM90
@@ -105,6 +115,8 @@ def _compile_one(case: str) -> tuple[str, int, str]:
     src = kernel.get_kernel_source()
     if "bulk" in case:  # an option silently dropped would still build: its bulk copies must be in the source
         assert "glm5_bulk_add_f32" in src, case
+    if case.startswith("fwd_pp"):  # the pp build options must reach the source
+        _check_pp_source(src, lean="neither" not in case)
     return case, len(src), "__global__" if "__global__" in src else ""
 
 

@@ -15,15 +15,33 @@ No ``from __future__ import annotations`` here: TileLang evaluates the macros' a
 """
 
 
+def slot_load_macro(T, *, rows: int, rows_per_pass: int):
+    """``load(Idx, t, topk, lane_id, regs, blk)``: the index entries (or -1 past ``topk``) that
+    :func:`latent_gather_macro` with ``prefetched=True`` copies for block ``blk``, into the thread's ``regs``
+    (``T.alloc_local([rows // rows_per_pass], int32)``). Issued before the wait for a free stage, the loads' latency
+    hides under the wait instead of sitting between the wait and the copies."""
+
+    @T.macro
+    def load(Idx, t, topk, lane_id, regs, blk):
+        for r in T.unroll(rows // rows_per_pass):
+            slot = blk * rows + r * rows_per_pass + lane_id // 8
+            regs[r] = T.if_then_else(slot < topk, Idx[t, T.min(slot, topk - 1)], -1)
+
+    return load
+
+
 def latent_gather_macro(T, *, rows: int, rows_per_pass: int, dh: int, d_tail: int, tail0: int, record_index: bool,
-                        commit: bool, key_bits: int = 0, halves: tuple[bool, bool] = (True, True)):
+                        commit: bool, key_bits: int = 0, halves: tuple[bool, bool] = (True, True),
+                        prefetched: bool = False):
     """``gather(KV, Idx, t, t_kv, topk, lane_id, kv_l, kv_r, kt, idx_s, blk)``: 8 lanes per KV row, 16 B (8 bf16) per
     ``cp.async``, ``rows_per_pass`` rows per pass of the calling threads (``lane_id`` counts them from 0); slot
     ``blk * rows + row`` of query row ``t``. ``record_index``: lane 0 of each row writes the slot's key (or -1) into
     ``idx_s``; ``commit``: ends with one ``cp.async`` commit group (else the caller signals completion itself);
     ``key_bits`` > 0: a non-negative index entry carries other bits above its low ``key_bits`` (the grouped forward's
     member bits, ``kernels.index_groups``), which are masked off to get the key. ``halves``: which of the left and
-    right halves this macro copies (a kernel whose two warpgroups each refill the half they read)."""
+    right halves this macro copies (a kernel whose two warpgroups each refill the half they read). ``prefetched``:
+    ``Idx`` is the thread's registers filled by :func:`slot_load_macro` for this block (``t``, ``topk`` and ``blk``
+    are then unused)."""
     has_tail = d_tail > 0
 
     @T.macro
@@ -31,8 +49,11 @@ def latent_gather_macro(T, *, rows: int, rows_per_pass: int, dh: int, d_tail: in
         lane = lane_id % 8
         for r in T.unroll(rows // rows_per_pass):
             row = r * rows_per_pass + lane_id // 8
-            slot = blk * rows + row
-            raw = T.if_then_else(slot < topk, Idx[t, T.min(slot, topk - 1)], -1)
+            if prefetched:
+                raw = Idx[r]
+            else:
+                slot = blk * rows + row
+                raw = T.if_then_else(slot < topk, Idx[t, T.min(slot, topk - 1)], -1)
             idx = T.if_then_else(raw >= 0, raw & ((1 << key_bits) - 1), -1) if key_bits else raw
             valid = (idx >= 0) and (idx < t_kv)
             src = T.if_then_else(valid, idx, 0)

@@ -52,7 +52,7 @@ from megatron_glm5.kernels._common import (
     row_valid_len,
     tilelang_modules,
 )
-from megatron_glm5.kernels.gather import latent_gather_macro
+from megatron_glm5.kernels.gather import latent_gather_macro, slot_load_macro
 from megatron_glm5.kernels.index_groups import (
     GROUPED_BWD_MIN_SHARING,
     KEY_LIMIT,
@@ -179,6 +179,7 @@ def _jit_bwd():
         group: int = 1,
         dkv_reduce: str = "atomic",
         with_dkv: bool = True,
+        slot_prefetch: bool = True,
     ):
         """Main backward kernel. ``deterministic`` switches the dKV epilogue from atomics to partial-buffer stores;
         ``dkv_split``: dKV column chunks (0: automatic); ``group`` > 1 (atomic dKV only): one CTA per ``group``
@@ -203,6 +204,10 @@ def _jit_bwd():
         ``with_dkv=False`` (per-query, not deterministic): ``dQ`` (and the target) only, no dKV GEMMs and no atomics;
         ``dKV`` is then a ``[1, d_qk]`` placeholder the kernel never touches (the key-block pass,
         ``kernels.sparse_mla_dkv``, forms it).
+
+        ``slot_prefetch`` (default): each gather's index entries are loaded into registers one gather ahead (right
+        after the previous gather is issued), so their latency hides under the previous block's math; without it
+        every thread waited for its entry between the block's last barrier and its copies. Bitwise unchanged.
 
         Grid ``(n_rows, head blocks)``; row ``bx`` is token ``row0 + bx`` (the deterministic path runs in chunks).
         """
@@ -270,7 +275,18 @@ def _jit_bwd():
                         )
 
         gather = latent_gather_macro(T, rows=bs, rows_per_pass=rows_per_pass, dh=dh, d_tail=d_tail, tail0=d_v,
-                                     record_index=True, commit=True, key_bits=MEMBER_SHIFT if group > 1 else 0)
+                                     record_index=True, commit=True, key_bits=MEMBER_SHIFT if group > 1 else 0,
+                                     prefetched=slot_prefetch)
+        load_slots = slot_load_macro(T, rows=bs, rows_per_pass=rows_per_pass)
+
+        @T.macro
+        def gather_block(KV, Idx, slots, t, t_kv, topk, tx, kv_l, kv_r, kt, idx_s, blk):
+            # block blk's rows; with slot_prefetch from the entries loaded one gather ahead, then block blk + 1's
+            if slot_prefetch:
+                gather(KV, slots, t, t_kv, topk, tx, kv_l, kv_r, kt, idx_s, blk)
+                load_slots(Idx, t, topk, tx, slots, blk + 1)
+            else:
+                gather(KV, Idx, t, t_kv, topk, tx, kv_l, kv_r, kt, idx_s, blk)
 
         @T.macro
         def scatter(dKV, acc, idx_s, bx, hb, blk, col0, width):
@@ -413,6 +429,7 @@ def _jit_bwd():
                 acc_dkv = T.alloc_fragment([bs, dc], f32)
                 acc_dkv_t = T.alloc_fragment([bs, d_tail], f32) if has_tail else None
                 tsum = T.alloc_fragment([bs], f32) if with_target else None
+                slots = T.alloc_local([bs // rows_per_pass], i32) if slot_prefetch else None  # the next gather's entries
                 if bulk:
                     T.import_source(BULK_ADD_F32_SRC + STAGE_SRC)
 
@@ -439,10 +456,12 @@ def _jit_bwd():
                 if has_tail:
                     T.clear(acc_dq_t)
                 if n_blk > 0:
-                    gather(KV, Idx, t, t_kv, topk, tx, kv0_l, kv0_r, kt0, idx0, 0)
+                    if slot_prefetch:
+                        load_slots(Idx, t, topk, tx, slots, 0)
+                    gather_block(KV, Idx, slots, t, t_kv, topk, tx, kv0_l, kv0_r, kt0, idx0, 0)
                 for ip in T.serial(T.ceildiv(n_blk, 2)):
                     if 2 * ip + 1 < n_blk:
-                        gather(KV, Idx, t, t_kv, topk, tx, kv1_l, kv1_r, kt1, idx1, 2 * ip + 1)
+                        gather_block(KV, Idx, slots, t, t_kv, topk, tx, kv1_l, kv1_r, kt1, idx1, 2 * ip + 1)
                         T.ptx_wait_group(1)
                     else:
                         T.ptx_wait_group(0)
@@ -456,7 +475,7 @@ def _jit_bwd():
                     T.sync_threads()
                     if 2 * ip + 1 < n_blk:
                         if 2 * ip + 2 < n_blk:
-                            gather(KV, Idx, t, t_kv, topk, tx, kv0_l, kv0_r, kt0, idx0, 2 * ip + 2)
+                            gather_block(KV, Idx, slots, t, t_kv, topk, tx, kv0_l, kv0_r, kt0, idx0, 2 * ip + 2)
                             T.ptx_wait_group(1)
                         else:
                             T.ptx_wait_group(0)

@@ -40,13 +40,14 @@ prim_funcs, which refer to closure variables.
 
 
 import functools
+import inspect
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from megatron_glm5.kernels._common import LOG2E, cdiv, check_tensor, next_power_of_2, row_valid_len, tilelang_modules
-from megatron_glm5.kernels.gather import latent_gather_macro
+from megatron_glm5.kernels.gather import latent_gather_macro, slot_load_macro
 from megatron_glm5.kernels.index_groups import KEY_LIMIT, MEMBER_SHIFT, RowMap, grouped_rows, grouped_tile_rows
 
 Variant = Literal["auto", "ws", "sv", "pp", "simple"]
@@ -577,16 +578,9 @@ def _jit_fwd_sv():
 def _jit_fwd_pp():
     tilelang, T = tilelang_modules()
 
-    @tilelang.jit(
-        out_idx=[4, 5],  # non-negative: see _common.OUT_IDX_NOTE
-        pass_configs={
-            tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
-            tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
-        },
-    )
     def sparse_mla_fwd_pp(heads: int, d_qk: int, d_v: int, softmax_scale: float, group: int = 1,
                           nreg: tuple[int, int, int] = (216, 216, 72), smem_mask: bool = True,
-                          p1_copy_first: bool = True):
+                          p1_copy_first: bool = True, slot_prefetch: bool = True, storage_sync: bool = False):
         """Ping-pong: two math warpgroups own alternate 64-slot blocks (WG0 the even ones in stage 0, WG1 the odd ones
         in stage 1) and each keeps half of ``d_v``; a producer warpgroup gathers. Per pair of blocks each math
         warpgroup computes ``Q K^T`` of its own block over all ``d_qk`` channels, and ``P V`` for its half of ``d_v``
@@ -619,6 +613,16 @@ def _jit_fwd_pp():
         wgmma reads those registers (FlashMLA's order copies while that wgmma is in flight, which the PTX ISA leaves
         undefined). Both are bitwise equal to the kernel without them; together 1.09x at 64 heads, 1.14-1.16x grouped
         at 16 heads (16K tokens, H200: ``scripts/bench/RESULTS_kernels.md``, fifth session).
+
+        ``slot_prefetch`` (default): the producer loads both blocks' index entries into registers at the top of each
+        pair, before it waits for a free stage; without it each gather loaded its entries after the wait, and the
+        first gather of each stage (which records the entries for ``smem_mask``) waited for each of its four rows'
+        entries in turn. ``storage_sync=False`` (default): built without TileLang's thread-storage syncs (the
+        mbarriers order every shared-memory handover, as the ``smem_mask`` / ``p1_copy_first`` notes say); they put a
+        warpgroup barrier between each recorded entry and its copies, and four into each math warpgroup's pair.
+        Both leave the results bitwise unchanged; 1.02x at 64 heads, 1.02-1.03x grouped at 16 heads (16K tokens,
+        H200: ``scripts/bench/RESULTS_kernels.md``, twelfth session, where an output staged through shared memory for
+        16-byte stores measured no faster and was left out).
         """
         n_hblk, dh, d_tail, has_tail, p_in_tail = _split_dims("pp", heads, d_qk, d_v, group)
         block_h = 64
@@ -669,7 +673,9 @@ def _jit_fwd_pp():
         def half_gather(left: bool, record: bool):
             return latent_gather_macro(T, rows=bi, rows_per_pass=16, dh=dh, d_tail=0 if left else d_tail, tail0=d_v,
                                        record_index=record, commit=False, key_bits=key_bits,
-                                       halves=(left, not left))
+                                       halves=(left, not left), prefetched=slot_prefetch)
+
+        load_slots = slot_load_macro(T, rows=bi, rows_per_pass=16)
 
         gather_l, gather_r = half_gather(True, False), half_gather(False, False)
         # the first half gathered of each stage's block (stage 0: left, stage 1: right); with smem_mask it also
@@ -746,6 +752,9 @@ def _jit_fwd_pp():
                 bar_p1 = T.alloc_barrier(128)  # WG1 -> WG0: P of the odd block in p1_s
                 bar_l = T.alloc_barrier([128, 128])  # each warpgroup's final row sums are in smem
                 bar_mask = T.alloc_barrier([128, 128]) if smem_mask else None  # producer -> WG0 / WG1: idx0_s / idx1_s
+                # the producer's index entries of the pair's two blocks (slot_prefetch)
+                slots0 = T.alloc_local([bi // 16], i32) if slot_prefetch else None
+                slots1 = T.alloc_local([bi // 16], i32) if slot_prefetch else None
 
                 h0 = hb * block_h
                 tx = T.get_thread_binding()
@@ -858,28 +867,50 @@ def _jit_fwd_pp():
                 else:
                     # Producer: the halves in the order the math warpgroups read them.
                     T.set_max_nreg(nreg[2], 0)
+                    lane = tx - 256
                     for jp in T.serial(n_pair):
                         free = (jp & 1) ^ 1
+                        if slot_prefetch:  # both blocks' entries, in flight during the wait below
+                            load_slots(Idx, t, topk, lane, slots0, 2 * jp)
+                            load_slots(Idx, t, topk, lane, slots1, 2 * jp + 1)
                         T.barrier_wait(bar_free[0], free)
-                        first_gather[0](KV, Idx, t, t_kv, topk, tx - 256, kv0_l, kv0_l, kt0, idx0_s, 2 * jp)
+                        first_gather[0](KV, slots0 if slot_prefetch else Idx, t, t_kv, topk, lane, kv0_l, kv0_l, kt0,
+                                        idx0_s, 2 * jp)
                         if smem_mask:
                             T.barrier_arrive(bar_mask[0])
                         T.cp_async_barrier_noinc(bar_ready[0])
                         T.barrier_wait(bar_free[3], free)
-                        first_gather[1](KV, Idx, t, t_kv, topk, tx - 256, kv1_r, kv1_r, kt1, idx1_s, 2 * jp + 1)
+                        first_gather[1](KV, slots1 if slot_prefetch else Idx, t, t_kv, topk, lane, kv1_r, kv1_r, kt1,
+                                        idx1_s, 2 * jp + 1)
                         if smem_mask:
                             T.barrier_arrive(bar_mask[1])
                         T.cp_async_barrier_noinc(bar_ready[3])
                         T.barrier_wait(bar_free[1], free)
-                        gather_r(KV, Idx, t, t_kv, topk, tx - 256, kv0_r, kv0_r, kt0, None, 2 * jp)
+                        gather_r(KV, slots0 if slot_prefetch else Idx, t, t_kv, topk, lane, kv0_r, kv0_r, kt0, None,
+                                 2 * jp)
                         T.cp_async_barrier_noinc(bar_ready[1])
                         T.barrier_wait(bar_free[2], free)
-                        gather_l(KV, Idx, t, t_kv, topk, tx - 256, kv1_l, kv1_l, kt1, None, 2 * jp + 1)
+                        gather_l(KV, slots1 if slot_prefetch else Idx, t, t_kv, topk, lane, kv1_l, kv1_l, kt1, None,
+                                 2 * jp + 1)
                         T.cp_async_barrier_noinc(bar_ready[2])
 
         return main
 
-    return sparse_mla_fwd_pp
+    configs = {tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
+               tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
+    # out_idx non-negative: see _common.OUT_IDX_NOTE
+    synced = tilelang.jit(out_idx=[4, 5], pass_configs=configs)(sparse_mla_fwd_pp)
+    lean = tilelang.jit(out_idx=[4, 5], pass_configs={
+        **configs, tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True})(sparse_mla_fwd_pp)
+
+    signature = inspect.signature(sparse_mla_fwd_pp)
+
+    @functools.wraps(sparse_mla_fwd_pp)
+    def build(*args, **kwargs):  # the arguments go on as passed: TileLang's cache keys on them
+        synced_build = signature.bind(*args, **kwargs).arguments.get("storage_sync", False)
+        return (synced if synced_build else lean)(*args, **kwargs)
+
+    return build
 
 
 @functools.cache

@@ -1,7 +1,8 @@
 """Sparse-MLA forward schedules side by side (one H200, issue 22's forward rows): each variant's time, TFLOP/s and
-its output / LSE difference from the first row's (``ws``, the reference), at 16K tokens and 64 heads (random causal
-sets, GLM-5 and NoPE latents), plus the 16-head grouped kernel (4 queries x 16 heads per CTA) on random and 90 %-local
-sets. ``pp`` is the default at 64 MMA rows (``pick_fwd_variant``).
+its output / LSE difference from the first row's (the reference: the previous default), at 16K tokens and 64 heads
+(random causal sets, GLM-5 and NoPE latents), the 16-head grouped kernel (4 queries x 16 heads per CTA) on random and
+90 %-local sets, and the 16-head per-query ``ws`` kernel. ``pp`` is the default at 64 MMA rows
+(``pick_fwd_variant``).
 
 Variants are (label, factory, args) over the factories of ``megatron_glm5.kernels.sparse_mla_fwd``; the first row of
 each table is the reference the others are compared with.
@@ -26,32 +27,32 @@ from bench_dsa_kernels import (  # noqa: E402
 FWD = "megatron_glm5.kernels.sparse_mla_fwd"
 SCALE = 1.0 / 16
 
-PP_DEFAULT = "pp 216/216/72 (default: mask from smem, P1 stored first)"
-# (label, factory, extra args after (heads, d_qk, d_v, scale)); the reference first
+PP_DEFAULT = "pp 216/216/72 (default: entries prefetched, no storage syncs)"
+PP = (216, 216, 72)
+# (label, factory, extra args after (heads, d_qk, d_v, scale)); the reference first. pp's positional options:
+# group, nreg, smem_mask, p1_copy_first, slot_prefetch, storage_sync; ws's: block_i, group, nreg.
 VARIANTS_64 = [
-    ("ws 256/168/80 (reference)", "_jit_fwd_ws", (64, 1, (256, 168, 80))),
-    ("ws 240/168/80 (round 2)", "_jit_fwd_ws", (64, 1, (240, 168, 80))),
-    ("sv 144/176/176", "_jit_fwd_sv", (1, (144, 176, 176))),
-    ("sv 136/184/184", "_jit_fwd_sv", (1, (136, 184, 184))),
-    ("sv 152/176/176", "_jit_fwd_sv", (1, (152, 176, 176))),
-    (PP_DEFAULT, "_jit_fwd_pp", (1, (216, 216, 72))),
+    ("pp, eleventh session's default (reference)", "_jit_fwd_pp", (1, PP, True, True, False, True)),
+    (PP_DEFAULT, "_jit_fwd_pp", (1, PP)),
+    ("pp, entries prefetched only", "_jit_fwd_pp", (1, PP, True, True, True, True)),
     ("pp 208/208/88", "_jit_fwd_pp", (1, (208, 208, 88))),
+    ("pp 216/200/88", "_jit_fwd_pp", (1, (216, 200, 88))),
     ("pp 224/208/72", "_jit_fwd_pp", (1, (224, 208, 72))),
-    ("pp, mask from L1", "_jit_fwd_pp", (1, (216, 216, 72), False, True)),
-    ("pp, P1 stored under its GEMM", "_jit_fwd_pp", (1, (216, 216, 72), True, False)),
-    ("pp, neither (fourth session's default)", "_jit_fwd_pp", (1, (216, 216, 72), False, False)),
+    ("ws 256/168/80", "_jit_fwd_ws", (64, 1, (256, 168, 80))),
 ]
 VARIANTS_NOPE = [
-    ("ws 256/168/80 (reference)", "_jit_fwd_ws", (64, 1, (256, 168, 80))),
-    ("pp 216/216/72 (default)", "_jit_fwd_pp", (1, (216, 216, 72))),
-    ("pp, neither (fourth session's default)", "_jit_fwd_pp", (1, (216, 216, 72), False, False)),
+    ("pp, eleventh session's default (reference)", "_jit_fwd_pp", (1, PP, True, True, False, True)),
+    (PP_DEFAULT, "_jit_fwd_pp", (1, PP)),
+    ("pp 208/208/88", "_jit_fwd_pp", (1, (208, 208, 88))),
 ]
 VARIANTS_16_GROUPED = [
-    ("ws grouped 256/168/80 (reference)", "_jit_fwd_ws", (64, 4, (256, 168, 80))),
-    ("ws grouped 240/168/80 (round 2)", "_jit_fwd_ws", (64, 4, (240, 168, 80))),
-    ("sv grouped 144/176/176", "_jit_fwd_sv", (4, (144, 176, 176))),
-    ("pp grouped 216/216/72 (default)", "_jit_fwd_pp", (4, (216, 216, 72))),
-    ("pp grouped, neither (fourth session's default)", "_jit_fwd_pp", (4, (216, 216, 72), False, False)),
+    ("pp grouped, eleventh session's default (reference)", "_jit_fwd_pp", (4, PP, True, True, False, True)),
+    ("pp grouped (default)", "_jit_fwd_pp", (4, PP)),
+    ("pp grouped 208/208/88", "_jit_fwd_pp", (4, (208, 208, 88))),
+    ("ws grouped 256/168/80", "_jit_fwd_ws", (64, 4, (256, 168, 80))),
+]
+VARIANTS_16 = [  # the per-query kernel at 16 heads (16-row mma.sync tiles): the default without grouping
+    ("ws 16 heads (default)", "_jit_fwd_ws", (64, 1, None)),
 ]
 
 
@@ -59,6 +60,7 @@ def kernels_to_build() -> list[tuple]:
     cases = [(FWD, f, (64, 576, 512, SCALE, *a)) for _, f, a in VARIANTS_64]
     cases += [(FWD, f, (16, 576, 512, SCALE, *a)) for _, f, a in VARIANTS_16_GROUPED]
     cases += [(FWD, f, (64, 512, 512, SCALE, *a)) for _, f, a in VARIANTS_NOPE]
+    cases += [(FWD, f, (16, 576, 512, SCALE, *a)) for _, f, a in VARIANTS_16]
     return cases
 
 
@@ -74,23 +76,23 @@ def _compare(lines, label, ms, flops, out, lse, ref):
     lines.append(f"| {label} | {ms:.3f} | {flops / ms / 1e9:.0f} | {err_o} | {err_l} |")
 
 
-def section_fwd64(seq: int = 16384, d_qk: int = 576, variants=None) -> list[str]:
+def section_fwd64(seq: int = 16384, d_qk: int = 576, variants=None, heads: int = 64) -> list[str]:
     """64 heads, random causal sets: the per-query kernels (one CTA per token); ``d_qk`` 512: the NoPE latent."""
     from megatron_glm5.kernels._common import row_valid_len
 
     mod = importlib.import_module(FWD)
     g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(seq, 64, d_qk, device="cuda", dtype=torch.bfloat16, generator=g)
+    q = torch.randn(seq, heads, d_qk, device="cuda", dtype=torch.bfloat16, generator=g)
     kv = torch.randn(seq, d_qk, device="cuda", dtype=torch.bfloat16, generator=g)
     idx = causal_random_indices(seq, 2048, torch.device("cuda"))
     vlen = row_valid_len(idx)
-    flops = 2 * float(vlen.sum()) * 64 * (d_qk + 512)
-    lines = [f"S = {seq}, 64 heads, d_qk {d_qk}, random causal top-2048 sets", "",
+    flops = 2 * float(vlen.sum()) * heads * (d_qk + 512)
+    lines = [f"S = {seq}, {heads} heads, d_qk {d_qk}, random causal top-2048 sets", "",
              "| variant | fwd ms | TFLOP/s | out max diff | lse max diff |", "|---|---|---|---|---|"]
     ref = None
     for label, fac, args in variants or VARIANTS_64:
         try:
-            kern = getattr(mod, fac)()(64, d_qk, 512, SCALE, *args)
+            kern = getattr(mod, fac)()(heads, d_qk, 512, SCALE, *args)
             ms = timed(lambda: kern(q, kv, idx, vlen))
             out, lse = kern(q, kv, idx, vlen)
         except Exception as err:  # report, go on
@@ -105,6 +107,11 @@ def section_fwd64(seq: int = 16384, d_qk: int = 576, variants=None) -> list[str]
 def section_nope64(seq: int = 16384) -> list[str]:
     """64 heads, the NoPE latent of GLM-5.3-Flash (d_qk = d_v = 512)."""
     return section_fwd64(seq, 512, VARIANTS_NOPE)
+
+
+def section_ws16(seq: int = 16384) -> list[str]:
+    """16 heads, the per-query ``ws`` kernel (the forward without grouping)."""
+    return section_fwd64(seq, 576, VARIANTS_16, heads=16)
 
 
 def section_fwd16(seq: int = 16384) -> list[str]:
@@ -150,7 +157,7 @@ def section_gather(seq: int = 16384) -> list[str]:
     vlen = torch.full((seq,), 2048, device="cuda", dtype=torch.int32)
     flops = 2 * float(seq * 2048) * 64 * (576 + 512)
     lines = ["| variant | sets | fwd ms | TFLOP/s |", "|---|---|---|---|"]
-    picked = ("ws 256/168/80 (reference)", "sv 152/176/176", PP_DEFAULT)
+    picked = ("ws 256/168/80", PP_DEFAULT)
     for label, fac, args in [v for v in VARIANTS_64 if v[0] in picked]:
         kern = getattr(mod, fac)()(64, 576, 512, SCALE, *args)
         for name, idx in (("random 2048 of all keys", rand), ("the same 2048 keys", same)):
@@ -161,12 +168,17 @@ def section_gather(seq: int = 16384) -> list[str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sections", default="fwd64,nope64,fwd16")
+    ap.add_argument("--sections", default="fwd64,nope64,fwd16,ws16")
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--precompile-only", action="store_true", help="build the variants' kernels and stop")
     args = ap.parse_args()
-    if args.workers and not build_in_parallel(kernels_to_build(), args.workers):
+    if (args.workers or args.precompile_only) and not build_in_parallel(kernels_to_build(), max(args.workers, 1)):
         print("some kernels failed to build (see above); their rows will fail", flush=True)
+        if args.precompile_only:
+            return 1
+    if args.precompile_only:
+        return 0
     sections = {k[len("section_"):]: v for k, v in globals().items() if k.startswith("section_")}
     run_sweep_sections(args.sections, sections, args.out)
     return 0

@@ -178,16 +178,21 @@ def test_fwd_pp_matches_reference_and_ws(heads, topk, t_len, d_qk):
     assert check_lse(lse, lse_ws) < 1e-4
 
 
-@pytest.mark.parametrize("options", [dict(smem_mask=False), dict(p1_copy_first=False),
-                                     dict(smem_mask=False, p1_copy_first=False)],
-                         ids=["l1_mask", "p1_under_gemm", "neither"])
+# (smem_mask, p1_copy_first, slot_prefetch, storage_sync), positional as bench_dsa_kernels.OUR_KERNELS builds them
+PP_OPTIONS = {"l1_mask_late_slots": (False, True, False, False), "p1_under_gemm_synced": (True, False, True, True),
+              "neither": (False, False, False, True)}
+
+
+@pytest.mark.parametrize("options", list(PP_OPTIONS.values()), ids=list(PP_OPTIONS))
 @pytest.mark.parametrize("heads,d_qk,group,window", [(64, 576, 1, False), (128, 576, 1, False), (64, 512, 1, False),
                                                      (16, 576, 4, False), (16, 576, 4, True)])
 def test_fwd_pp_options_equal_pp(heads, d_qk, group, window, options):
     """The ``pp`` options give bitwise the same output on or off: ``smem_mask`` (masks from the slot entries the
-    producer records in shared memory, else from the index row in L1) and ``p1_copy_first`` (WG1's ``P`` stored
-    before its own GEMM, else while it runs) change where a value comes from or when it is copied, not the GEMMs or
-    the softmax; a difference is a protocol bug (an index row rewritten before its warpgroup masked, a stale phase).
+    producer records in shared memory, else from the index row in L1), ``p1_copy_first`` (WG1's ``P`` stored
+    before its own GEMM, else while it runs), ``slot_prefetch`` (the producer's index entries loaded before its wait
+    for a free stage, else after) and ``storage_sync`` (TileLang's thread-storage syncs kept) change where a value
+    comes from or when it is copied, not the GEMMs or the softmax; a difference is a protocol bug (an index row
+    rewritten before its warpgroup masked, a stale phase, a handover the mbarriers do not order).
     Per-query and grouped (random sets and a sliding window), T not a multiple of anything, an all -1 row."""
     from megatron_glm5.kernels.index_groups import grouped_rows
 
@@ -198,7 +203,7 @@ def test_fwd_pp_options_equal_pp(heads, d_qk, group, window, options):
     else:
         rows, lengths = idx, row_valid_len(idx)
     base = fwd_mod._jit_fwd_pp()(heads, d_qk, D_V, SCALE, group)
-    smem = fwd_mod._jit_fwd_pp()(heads, d_qk, D_V, SCALE, group, (216, 216, 72), **options)
+    smem = fwd_mod._jit_fwd_pp()(heads, d_qk, D_V, SCALE, group, (216, 216, 72), *options)
     out, lse = base(q, kv, rows, lengths)
     out_s, lse_s = smem(q, kv, rows, lengths)
     assert torch.equal(out, out_s) and torch.equal(lse, lse_s)
