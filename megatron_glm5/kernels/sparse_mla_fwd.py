@@ -620,9 +620,9 @@ def _jit_fwd_pp():
         entries in turn. ``storage_sync=False`` (default): built without TileLang's thread-storage syncs (the
         mbarriers order every shared-memory handover, as the ``smem_mask`` / ``p1_copy_first`` notes say); they put a
         warpgroup barrier between each recorded entry and its copies, and four into each math warpgroup's pair.
-        Both leave the results bitwise unchanged; 1.02x at 64 heads, 1.02-1.03x grouped at 16 heads (16K tokens,
-        H200: ``scripts/bench/RESULTS_kernels.md``, twelfth session, where an output staged through shared memory for
-        16-byte stores measured no faster and was left out).
+        Both leave the results bitwise unchanged; together 1.01-1.03x at 64 heads and grouped at 16 heads (16K
+        tokens, H200: ``scripts/bench/RESULTS_kernels.md``, twelfth session, where an output staged through shared
+        memory for 16-byte stores measured no faster and was left out).
         """
         n_hblk, dh, d_tail, has_tail, p_in_tail = _split_dims("pp", heads, d_qk, d_v, group)
         block_h = 64
