@@ -226,6 +226,8 @@ def test_sparse_mla_fwd_variants_and_register_splits():
         _jit_fwd_pp()(64, 576, 512, 1 / 16, 1, (160, 176, 168))
     with pytest.raises(ValueError, match="64 MMA rows"):
         _jit_fwd_pp()(32, 576, 512, 1 / 16)
+    with pytest.raises(ValueError, match="named_exchange needs storage_sync=False"):  # barrier ids would collide
+        _jit_fwd_pp()(64, 576, 512, 1 / 16, 1, (216, 216, 72), True, True, True, True, True)
 
 
 def test_sparse_mla_bwd_bulk_dkv_refuses_what_it_cannot_stage():

@@ -30,6 +30,19 @@ __device__ __forceinline__ void glm5_bulk_add_f32(float* smem, float* gmem, int 
 }
 """
 
+# Named hardware barriers (PTX ``bar.arrive`` / ``bar.sync`` with a thread count): one side arrives without waiting,
+# the other waits until ``count`` threads (both sides together) have arrived; ordering like ``__syncthreads`` among
+# the participants. A kernel declares them with ``T.import_source(NAMED_BARRIER_SRC)`` and calls
+# ``glm5_bar_arrive(id, count)`` / ``glm5_bar_sync(id, count)``; id 0 is ``__syncthreads``'s.
+NAMED_BARRIER_SRC = r"""
+__device__ __forceinline__ void glm5_bar_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void glm5_bar_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(count) : "memory");
+}
+"""
+
 # OUT_IDX_NOTE: factories give ``out_idx`` as non-negative positions. With tilelang 0.1.15: after a
 # factory's first kernel ran, later kernels of the same factory missed TileLang's disk cache when ``out_idx`` was
 # negative (the logged ``out_idx`` had been normalised to positions), so each further shape recompiled (~10 s);

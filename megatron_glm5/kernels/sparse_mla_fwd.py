@@ -46,7 +46,15 @@ from typing import Literal
 
 import torch
 
-from megatron_glm5.kernels._common import LOG2E, cdiv, check_tensor, next_power_of_2, row_valid_len, tilelang_modules
+from megatron_glm5.kernels._common import (
+    LOG2E,
+    NAMED_BARRIER_SRC,
+    cdiv,
+    check_tensor,
+    next_power_of_2,
+    row_valid_len,
+    tilelang_modules,
+)
 from megatron_glm5.kernels.gather import latent_gather_macro, slot_load_macro
 from megatron_glm5.kernels.index_groups import KEY_LIMIT, MEMBER_SHIFT, RowMap, grouped_rows, grouped_tile_rows
 
@@ -580,7 +588,8 @@ def _jit_fwd_pp():
 
     def sparse_mla_fwd_pp(heads: int, d_qk: int, d_v: int, softmax_scale: float, group: int = 1,
                           nreg: tuple[int, int, int] = (216, 216, 72), smem_mask: bool = True,
-                          p1_copy_first: bool = True, slot_prefetch: bool = True, storage_sync: bool = False):
+                          p1_copy_first: bool = True, slot_prefetch: bool = True, storage_sync: bool = False,
+                          named_exchange: bool = False):
         """Ping-pong: two math warpgroups own alternate 64-slot blocks (WG0 the even ones in stage 0, WG1 the odd ones
         in stage 1) and each keeps half of ``d_v``; a producer warpgroup gathers. Per pair of blocks each math
         warpgroup computes ``Q K^T`` of its own block over all ``d_qk`` channels, and ``P V`` for its half of ``d_v``
@@ -623,8 +632,18 @@ def _jit_fwd_pp():
         Both leave the results bitwise unchanged; together 1.01-1.03x at 64 heads and grouped at 16 heads (16K
         tokens, H200: ``scripts/bench/RESULTS_kernels.md``, twelfth session, where an output staged through shared
         memory for 16-byte stores measured no faster and was left out).
+
+        ``named_exchange`` (opt-in, not yet measured): the four per-pair handovers between the math warpgroups (the
+        row maxima ``sm0`` / ``sm1`` and ``P`` of each block) go through named hardware barriers (``bar.arrive`` on
+        the publishing side, ``bar.sync`` on the waiting one, ids 1-4 over 256 threads) instead of mbarriers, as
+        FlashMLA's schedule has them: no try-wait loop. Each handover happens once per pair in strict alternation (a
+        side publishes the next pair's value only after waiting for the other side's handover that follows the
+        read), so a named barrier never sees one side arrive twice; needs ``storage_sync=False`` (TileLang's own
+        syncs use other ids). Results are the same bitwise.
         """
         n_hblk, dh, d_tail, has_tail, p_in_tail = _split_dims("pp", heads, d_qk, d_v, group)
+        if named_exchange and storage_sync:
+            raise ValueError("named_exchange needs storage_sync=False: TileLang's syncs would share barrier ids")
         block_h = 64
         check_register_split(nreg, (1, 1, 0))
         scale_log2 = softmax_scale * LOG2E
@@ -682,12 +701,30 @@ def _jit_fwd_pp():
         # records the slots' entries (its index buffer is None otherwise)
         first_gather = (half_gather(True, smem_mask), half_gather(False, smem_mask))
 
+        exchange_ids = {"m0": 1, "m1": 2, "p0": 3, "p1": 4}  # named_exchange: the barrier id of each handover
+
+        @T.macro
+        def hand_over(bar, name):
+            # the publishing side of a handover between the math warpgroups
+            if named_exchange:
+                T.call_extern("handle", "glm5_bar_arrive", exchange_ids[name], 256)
+            else:
+                T.barrier_arrive(bar)
+
+        @T.macro
+        def take_over(bar, name, parity):
+            # the waiting side: the other warpgroup's value is in shared memory
+            if named_exchange:
+                T.call_extern("handle", "glm5_bar_sync", exchange_ids[name], 256)
+            else:
+                T.barrier_wait(bar, parity)
+
         @T.macro
         def publish_p1(p1_r, p1_s, bar_p1):
             # WG1's P (bf16 registers) to shared memory for WG0's MMA, then WG0 told
             T.copy(p1_r, p1_s)
             T.fence_proxy_async()  # generic smem writes, read next by the tensor cores (async proxy)
-            T.barrier_arrive(bar_p1)
+            hand_over(bar_p1, "p1")
 
         @T.macro
         def block_mask(Idx, t, t_kv, blk, idx_s, bar_mask, stage, parity, acc_s):
@@ -756,6 +793,8 @@ def _jit_fwd_pp():
                 slots0 = T.alloc_local([bi // 16], i32) if slot_prefetch else None
                 slots1 = T.alloc_local([bi // 16], i32) if slot_prefetch else None
 
+                if named_exchange:
+                    T.import_source(NAMED_BARRIER_SRC)
                 h0 = hb * block_h
                 tx = T.get_thread_binding()
                 n_pair = T.ceildiv(VLen[t], 2 * bi)
@@ -777,13 +816,13 @@ def _jit_fwd_pp():
                         T.copy(m0, m0_new)
                         T.reduce_max(s0, m0_new, dim=1, clear=False)
                         T.copy(m0_new, sm0)
-                        T.barrier_arrive(bar_m0)
+                        hand_over(bar_m0, "m0")
                         for h in T.Parallel(block_h):
                             alpha0[h] = T.exp2((m0[h] - m0_new[h]) * scale_log2)
                         exp_scores(s0, m0_new, l0, alpha0, l0_blk, o0, p0_r)
                         T.wgmma_gemm(p0_r, kv0_l, o0)  # own P from registers
                         # the pair's final max from WG1: rescale what was computed against m0_new
-                        T.barrier_wait(bar_m1, jp & 1)
+                        take_over(bar_m1, "m1", jp & 1)
                         for h in T.Parallel(block_h):
                             m0[h] = sm1[h]
                             alpha0[h] = T.exp2((m0_new[h] - m0[h]) * scale_log2)
@@ -792,12 +831,12 @@ def _jit_fwd_pp():
                         for h, j in T.Parallel(block_h, bi):
                             p0_s[h, j] = T.cast(s0[h, j] * alpha0[h], bf16)
                         T.fence_proxy_async()  # generic smem writes of P, read next by WG1's MMA
-                        T.barrier_arrive(bar_p0)
+                        hand_over(bar_p0, "p0")
                         for h in T.Parallel(block_h):
                             l0[h] *= alpha0[h]
                         for h, d in T.Parallel(block_h, dh):
                             o0[h, d] *= alpha0[h]
-                        T.barrier_wait(bar_p1, jp & 1)
+                        take_over(bar_p1, "p1", jp & 1)
                         T.fence_proxy_async()
                         T.wgmma_gemm(p1_s, kv1_l, o0)  # WG1's P from smem
                         if jp + 1 < n_pair:  # the next even block's scores, issued under this P V
@@ -829,12 +868,12 @@ def _jit_fwd_pp():
                         qk_right(q_r, q_t, kv1_r, kt1, s1, bar_ready, 3, jp & 1)
                         qk_left(q_l, kv1_l, s1, bar_ready, 2, jp & 1)
                         T.wait_wgmma(0)
-                        T.barrier_wait(bar_m0, jp & 1)
+                        take_over(bar_m0, "m0", jp & 1)
                         for h in T.Parallel(block_h):
                             m1_new[h] = sm0[h]
                         T.reduce_max(s1, m1_new, dim=1, clear=False)
                         T.copy(m1_new, sm1)
-                        T.barrier_arrive(bar_m1)
+                        hand_over(bar_m1, "m1")
                         for h in T.Parallel(block_h):
                             alpha1[h] = T.exp2((m1[h] - m1_new[h]) * scale_log2)
                         T.copy(m1_new, m1)
@@ -846,7 +885,7 @@ def _jit_fwd_pp():
                             # P1's registers are read (stmatrix) while that wgmma reads them too: FlashMLA's order;
                             # the PTX ISA calls touching wgmma A registers before its wait undefined
                             publish_p1(p1_r, p1_s, bar_p1)
-                        T.barrier_wait(bar_p0, jp & 1)
+                        take_over(bar_p0, "p0", jp & 1)
                         T.fence_proxy_async()
                         T.wgmma_gemm(p0_s, kv0_r, o1)  # WG0's P from smem
                         T.wait_wgmma(1)

@@ -57,7 +57,8 @@ OUR_KERNELS = (
     + [("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_pp", (16, D_QK, D_V, SCALE, 4))]  # grouped
     + [("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_pp", (h, d, D_V, SCALE, g, (216, 216, 72), *opts))
        for h, d, g in ((64, D_QK, 1), (128, D_QK, 1), (64, 512, 1), (16, D_QK, 4))
-       for opts in ((False, True, False, False), (True, False, True, True), (False, False, False, True))]
+       for opts in ((False, True, False, False), (True, False, True, True), (False, False, False, True),
+                    (True, True, True, False, True))]
     # ^ the pp options off, for their tests (tests/gpu/test_kernels_gpu.py PP_OPTIONS)
     + [("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (h, d, D_V, SCALE, False, 32, 0, False, 0, g, "bulk"))
        for h, d, g in ((16, D_QK, 1), (64, D_QK, 1), (128, D_QK, 1), (64, 512, 1), (16, D_QK, 4))]  # bulk dKV

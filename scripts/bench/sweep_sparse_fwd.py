@@ -30,11 +30,13 @@ SCALE = 1.0 / 16
 PP_DEFAULT = "pp 216/216/72 (default: entries prefetched, no storage syncs)"
 PP = (216, 216, 72)
 # (label, factory, extra args after (heads, d_qk, d_v, scale)); the reference first. pp's positional options:
-# group, nreg, smem_mask, p1_copy_first, slot_prefetch, storage_sync; ws's: block_i, group, nreg.
+# group, nreg, smem_mask, p1_copy_first, slot_prefetch, storage_sync, named_exchange; ws's: block_i, group,
+# nreg.
 VARIANTS_64 = [
     ("pp, eleventh session's default (reference)", "_jit_fwd_pp", (1, PP, True, True, False, True)),
     (PP_DEFAULT, "_jit_fwd_pp", (1, PP)),
     ("pp, entries prefetched only", "_jit_fwd_pp", (1, PP, True, True, True, True)),
+    ("pp, named barriers for the exchanges", "_jit_fwd_pp", (1, PP, True, True, True, False, True)),
     ("pp 208/208/88", "_jit_fwd_pp", (1, (208, 208, 88))),
     ("pp 216/200/88", "_jit_fwd_pp", (1, (216, 200, 88))),
     ("pp 224/208/72", "_jit_fwd_pp", (1, (224, 208, 72))),
@@ -43,12 +45,12 @@ VARIANTS_64 = [
 VARIANTS_NOPE = [
     ("pp, eleventh session's default (reference)", "_jit_fwd_pp", (1, PP, True, True, False, True)),
     (PP_DEFAULT, "_jit_fwd_pp", (1, PP)),
-    ("pp 208/208/88", "_jit_fwd_pp", (1, (208, 208, 88))),
+    ("pp, named barriers for the exchanges", "_jit_fwd_pp", (1, PP, True, True, True, False, True)),
 ]
 VARIANTS_16_GROUPED = [
     ("pp grouped, eleventh session's default (reference)", "_jit_fwd_pp", (4, PP, True, True, False, True)),
     ("pp grouped (default)", "_jit_fwd_pp", (4, PP)),
-    ("pp grouped 208/208/88", "_jit_fwd_pp", (4, (208, 208, 88))),
+    ("pp grouped, named barriers for the exchanges", "_jit_fwd_pp", (4, PP, True, True, True, False, True)),
     ("ws grouped 256/168/80", "_jit_fwd_ws", (64, 4, (256, 168, 80))),
 ]
 VARIANTS_16 = [  # the per-query kernel at 16 heads (16-row mma.sync tiles): the default without grouping

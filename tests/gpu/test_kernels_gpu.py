@@ -178,9 +178,10 @@ def test_fwd_pp_matches_reference_and_ws(heads, topk, t_len, d_qk):
     assert check_lse(lse, lse_ws) < 1e-4
 
 
-# (smem_mask, p1_copy_first, slot_prefetch, storage_sync), positional as bench_dsa_kernels.OUR_KERNELS builds them
+# (smem_mask, p1_copy_first, slot_prefetch, storage_sync[, named_exchange]), positional as
+# bench_dsa_kernels.OUR_KERNELS builds them
 PP_OPTIONS = {"l1_mask_late_slots": (False, True, False, False), "p1_under_gemm_synced": (True, False, True, True),
-              "neither": (False, False, False, True)}
+              "neither": (False, False, False, True), "named_exchange": (True, True, True, False, True)}
 
 
 @pytest.mark.parametrize("options", list(PP_OPTIONS.values()), ids=list(PP_OPTIONS))
@@ -190,7 +191,8 @@ def test_fwd_pp_options_equal_pp(heads, d_qk, group, window, options):
     """The ``pp`` options give bitwise the same output on or off: ``smem_mask`` (masks from the slot entries the
     producer records in shared memory, else from the index row in L1), ``p1_copy_first`` (WG1's ``P`` stored
     before its own GEMM, else while it runs), ``slot_prefetch`` (the producer's index entries loaded before its wait
-    for a free stage, else after) and ``storage_sync`` (TileLang's thread-storage syncs kept) change where a value
+    for a free stage, else after), ``storage_sync`` (TileLang's thread-storage syncs kept) and ``named_exchange``
+    (the math warpgroups' handovers through named barriers instead of mbarriers) change where a value
     comes from or when it is copied, not the GEMMs or the softmax; a difference is a protocol bug (an index row
     rewritten before its warpgroup masked, a stale phase, a handover the mbarriers do not order).
     Per-query and grouped (random sets and a sliding window), T not a multiple of anything, an all -1 row."""
