@@ -51,6 +51,9 @@ COMPILE_CASES = {
     # entries loaded after each wait, TileLang's thread-storage syncs
     "fwd_pp_neither_grouped_glm": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_pp",
                                    (16, 576, 512, 1 / 16, 4, (216, 216, 72), False, False, False, True)),
+    # opt-in: the math warpgroups' handovers through named barriers
+    "fwd_pp_named_glm": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_pp",
+                         (64, 576, 512, 1 / 16, 1, (216, 216, 72), True, True, True, False, True)),
     # experimental: dKV chunks staged over the KV stage and added by sm90 bulk reductions
     "bwd_bulk_glm": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (16, 576, 512, 1 / 16, False, 32, 0, False,
                                                                          0, 1, "bulk")),
@@ -117,6 +120,8 @@ def _compile_one(case: str) -> tuple[str, int, str]:
         assert "glm5_bulk_add_f32" in src, case
     if case.startswith("fwd_pp"):  # the pp build options must reach the source
         _check_pp_source(src, lean="neither" not in case)
+        named = ["glm5_bar_arrive(8, 256)", "glm5_bar_sync(8, 256)", "glm5_bar_arrive(11, 256)", "glm5_bar_sync(11, 256)"]
+        assert all(n in src for n in named) == ("named" in case), case
     return case, len(src), "__global__" if "__global__" in src else ""
 
 

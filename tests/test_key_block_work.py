@@ -153,7 +153,7 @@ def test_key_blocks_pay_past_8k_only_by_the_measured_work():
 
 
 def _route_of(monkeypatch, idx: torch.Tensor, heads: int = 16, requires_grad: bool = True,
-              d_qk: int = 576) -> list[str]:
+              d_qk: int = 576, grouped: bool = False) -> list[str]:
     """Run ``SparseMLAFunction`` with the kernels replaced by shape-only stand-ins and return the ``dkv_reduce`` each
     backward asked for (``"atomic"`` when it passed none): the route's decision, not the kernels' math."""
     from megatron_glm5.kernels import sparse_mla_bwd as bwd
@@ -173,7 +173,7 @@ def _route_of(monkeypatch, idx: torch.Tensor, heads: int = 16, requires_grad: bo
     q = torch.zeros(1, 1, 1, dtype=torch.bfloat16).expand(t, heads, d_qk).requires_grad_(requires_grad)
     kv = torch.zeros(1, 1, dtype=torch.bfloat16).expand(t, d_qk)
     with torch.set_grad_enabled(requires_grad):
-        out, _ = bwd.sparse_mla_autograd(q, kv, idx, 0.04, 512, key_blocks=True)
+        out, _ = bwd.sparse_mla_autograd(q, kv, idx, 0.04, 512, key_blocks=True, grouped=grouped)
     if requires_grad:
         out.float().sum().backward()
     return seen
@@ -300,3 +300,36 @@ def test_key_blocks_over_grouped_follows_the_measured_rows():
             assert key_blocks_over_grouped(r["sharing"], ratio) == (r["key_blocks_ms"] < r["grouped_ms"]), r
     assert key_blocks_over_grouped(3.3) and not key_blocks_over_grouped(3.4)  # within 8K: 3.32
     assert key_blocks_over_grouped(2.35, 4.28) and not key_blocks_over_grouped(2.45, 4.28)  # 16K: 2.40
+
+
+def test_key_blocks_below_the_grouped_backwards_threshold(monkeypatch):
+    """Where the rule would prefer the grouped backward but the sets share too few keys for it
+    (``GROUPED_BWD_MIN_SHARING``), the backward still takes the key blocks, not the atomic backward: at the route's
+    own limit (dense / sparse 4.8) the rule's crossing, 2.239, lies below 2.25."""
+    from megatron_glm5.kernels import sparse_mla_bwd as bwd
+    from megatron_glm5.kernels.index_groups import GROUPED_BWD_MIN_SHARING, SharingProbe
+
+    limit = KEY_BLOCKS_MAX_DENSE_PER_SPARSE[576, 512]
+    sharing = (6.0 / (1 + 0.35 * limit) + GROUPED_BWD_MIN_SHARING) / 2  # between the crossing and 2.25
+    assert not bwd.key_blocks_over_grouped(sharing, limit) and sharing < GROUPED_BWD_MIN_SHARING
+
+    class Probe:
+        def sharing(self):
+            return sharing
+
+    class Work:
+        def __init__(self, *a):
+            pass
+
+        def dense_per_sparse(self):
+            return limit
+
+    monkeypatch.setattr(bwd, "KeyBlockWorkProbe", Work)
+    monkeypatch.setattr(SharingProbe, "start", classmethod(lambda cls, *a: Probe()))
+    monkeypatch.setattr(bwd, "grouped_group", lambda *a, **k: 4)
+    monkeypatch.setattr(bwd, "group_union_indices", lambda idx, g, key_bound: (idx, idx))
+    monkeypatch.setattr(bwd, "load_grouped_backward", lambda *a: None)
+    packed = causal_sets([256] * 40, 128, seed=5)  # past 8K tokens: the work probe runs
+    assert _route_of(monkeypatch, packed, grouped=True) == ["key_blocks"]
+    monkeypatch.setattr(bwd, "GROUPED_BWD_MIN_SHARING", sharing - 0.001)  # grouped possible: the rule prefers it
+    assert _route_of(monkeypatch, packed, grouped=True) == ["atomic"]  # the stub's label for any other route

@@ -782,7 +782,8 @@ class SparseMLAFunction(torch.autograd.Function):
         dense_per_sparse = ctx.work.dense_per_sparse() if ctx.work is not None else None
         key_blocks = ctx.key_blocks and key_blocks_pay(
             q.shape[1], q.shape[0], q.shape[2], ctx.d_v, t_kv=kv.shape[0], dense_per_sparse=dense_per_sparse)
-        if key_blocks and key_blocks_over_grouped(sharing, dense_per_sparse):
+        # below GROUPED_BWD_MIN_SHARING the grouped backward is not an option: key blocks wherever they pay
+        if key_blocks and (sharing < GROUPED_BWD_MIN_SHARING or key_blocks_over_grouped(sharing, dense_per_sparse)):
             grouped = {"dkv_reduce": "key_blocks"}
         elif sharing >= GROUPED_BWD_MIN_SHARING:
             group = 64 // q.shape[1]  # grouped_group's, as in the forward

@@ -635,11 +635,12 @@ def _jit_fwd_pp():
 
         ``named_exchange`` (opt-in, not yet measured): the four per-pair handovers between the math warpgroups (the
         row maxima ``sm0`` / ``sm1`` and ``P`` of each block) go through named hardware barriers (``bar.arrive`` on
-        the publishing side, ``bar.sync`` on the waiting one, ids 1-4 over 256 threads) instead of mbarriers, as
+        the publishing side, ``bar.sync`` on the waiting one, ids 8-11 over 256 threads) instead of mbarriers, as
         FlashMLA's schedule has them: no try-wait loop. Each handover happens once per pair in strict alternation (a
         side publishes the next pair's value only after waiting for the other side's handover that follows the
-        read), so a named barrier never sees one side arrive twice; needs ``storage_sync=False`` (TileLang's own
-        syncs use other ids). Results are the same bitwise.
+        read), so a named barrier never sees one side arrive twice; needs ``storage_sync=False`` (TileLang's
+        inserted syncs take ids from 3 up, its cross-warp reductions 1 and 2: ids 8-11 stay clear of both).
+        Results are the same bitwise.
         """
         n_hblk, dh, d_tail, has_tail, p_in_tail = _split_dims("pp", heads, d_qk, d_v, group)
         if named_exchange and storage_sync:
@@ -701,7 +702,7 @@ def _jit_fwd_pp():
         # records the slots' entries (its index buffer is None otherwise)
         first_gather = (half_gather(True, smem_mask), half_gather(False, smem_mask))
 
-        exchange_ids = {"m0": 1, "m1": 2, "p0": 3, "p1": 4}  # named_exchange: the barrier id of each handover
+        exchange_ids = {"m0": 8, "m1": 9, "p0": 10, "p1": 11}  # named_exchange: the barrier id of each handover
 
         @T.macro
         def hand_over(bar, name):
