@@ -303,15 +303,17 @@ def test_key_blocks_over_grouped_follows_the_measured_rows():
 
 
 def test_key_blocks_below_the_grouped_backwards_threshold(monkeypatch):
-    """Where the rule would prefer the grouped backward but the sets share too few keys for it
+    """Where the fitted costs would prefer the grouped backward but the sets share too few keys for it
     (``GROUPED_BWD_MIN_SHARING``), the backward still takes the key blocks, not the atomic backward: at the route's
-    own limit (dense / sparse 4.8) the rule's crossing, 2.239, lies below 2.25."""
+    own limit (dense / sparse 4.8) the fitted crossing, 2.239, lies below 2.25."""
     from megatron_glm5.kernels import sparse_mla_bwd as bwd
     from megatron_glm5.kernels.index_groups import GROUPED_BWD_MIN_SHARING, SharingProbe
 
     limit = KEY_BLOCKS_MAX_DENSE_PER_SPARSE[576, 512]
     sharing = (6.0 / (1 + 0.35 * limit) + GROUPED_BWD_MIN_SHARING) / 2  # between the crossing and 2.25
-    assert not bwd.key_blocks_over_grouped(sharing, limit) and sharing < GROUPED_BWD_MIN_SHARING
+    fitted = sharing * (1 + bwd.KEY_BLOCKS_DENSE_SLOPE * limit) < bwd.KEY_BLOCKS_OVER_GROUPED
+    assert not fitted and sharing < GROUPED_BWD_MIN_SHARING  # the costs alone say grouped; it is not there
+    assert bwd.key_blocks_over_grouped(sharing, limit)
 
     class Probe:
         def sharing(self):

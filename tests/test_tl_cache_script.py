@@ -1,7 +1,7 @@
 """``scripts/tl_cache.py``: a TileLang kernel cache packed on a machine without a GPU and loaded elsewhere. The round
 trip is checked here on the CPU (sm_90a, as the compile tests build): the archive holds the kernel, and a process
-that loads it with ``env``'s exports gets the kernel from the cache instead of compiling it. Whether the device
-machine's keys agree is for a device call to show (the script's docstring)."""
+that loads it with ``env``'s exports gets the kernel from the cache instead of compiling it (on the device machine
+too: the script's docstring)."""
 
 from __future__ import annotations
 

@@ -81,7 +81,8 @@ DKV_REDUCTIONS = ("atomic", "bulk", "key_blocks")  # sparse_mla_bwd_interface(dk
 # H200, GLM-5's latent, 8K and 16K tokens at sharing 1.6-3.3: scripts/bench/kernels_round12/1_sharing_16h.json), so
 # key blocks while ``sharing * (1 + 0.35 * dense_per_sparse) < 6.0``: sharing 3.32 at 8K (ratio 2.30), 2.40 at 16K
 # (ratio 4.28). Up to ``KEY_BLOCKS_MAX_TOKENS`` no work probe runs; the ratio is then at most a single causal 8K
-# sequence's.
+# sequence's. Below ``GROUPED_BWD_MIN_SHARING`` there is no grouped backward to beat (at the route's own limit, ratio
+# 4.8, the fitted crossing 2.239 lies just below it).
 KEY_BLOCKS_OVER_GROUPED = 6.0
 KEY_BLOCKS_DENSE_SLOPE = 0.35
 KEY_BLOCKS_SHORT_DENSE_PER_SPARSE = 2.30
@@ -90,9 +91,11 @@ KEY_BLOCKS_SHORT_DENSE_PER_SPARSE = 2.30
 def key_blocks_over_grouped(sharing: float, dense_per_sparse: float | None = None) -> bool:
     """Whether the key-block dKV beats the grouped backward for sets with this group ``sharing`` (the forward's
     ``SharingProbe``) and the key blocks' ``dense_per_sparse`` (``KeyBlockWorkProbe``; ``None`` for a call of at most
-    ``KEY_BLOCKS_MAX_TOKENS`` tokens, bounded by ``KEY_BLOCKS_SHORT_DENSE_PER_SPARSE``)."""
+    ``KEY_BLOCKS_MAX_TOKENS`` tokens, bounded by ``KEY_BLOCKS_SHORT_DENSE_PER_SPARSE``); always below
+    ``GROUPED_BWD_MIN_SHARING``, where the grouped backward is not taken."""
     ratio = KEY_BLOCKS_SHORT_DENSE_PER_SPARSE if dense_per_sparse is None else dense_per_sparse
-    return sharing * (1.0 + KEY_BLOCKS_DENSE_SLOPE * ratio) < KEY_BLOCKS_OVER_GROUPED
+    return (sharing < GROUPED_BWD_MIN_SHARING
+            or sharing * (1.0 + KEY_BLOCKS_DENSE_SLOPE * ratio) < KEY_BLOCKS_OVER_GROUPED)
 
 
 DETERMINISTIC_PARTIAL_BYTES = 2 << 30  # budget for the per-chunk partial dKV buffer
@@ -782,8 +785,7 @@ class SparseMLAFunction(torch.autograd.Function):
         dense_per_sparse = ctx.work.dense_per_sparse() if ctx.work is not None else None
         key_blocks = ctx.key_blocks and key_blocks_pay(
             q.shape[1], q.shape[0], q.shape[2], ctx.d_v, t_kv=kv.shape[0], dense_per_sparse=dense_per_sparse)
-        # below GROUPED_BWD_MIN_SHARING the grouped backward is not an option: key blocks wherever they pay
-        if key_blocks and (sharing < GROUPED_BWD_MIN_SHARING or key_blocks_over_grouped(sharing, dense_per_sparse)):
+        if key_blocks and key_blocks_over_grouped(sharing, dense_per_sparse):
             grouped = {"dkv_reduce": "key_blocks"}
         elif sharing >= GROUPED_BWD_MIN_SHARING:
             group = 64 // q.shape[1]  # grouped_group's, as in the forward

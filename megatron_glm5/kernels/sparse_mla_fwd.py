@@ -946,7 +946,7 @@ def _jit_fwd_pp():
     signature = inspect.signature(sparse_mla_fwd_pp)
 
     @functools.wraps(sparse_mla_fwd_pp)
-    def build(*args, **kwargs):  # the arguments go on as passed: TileLang's cache keys on them
+    def build(*args, **kwargs):  # the arguments go on as passed (TileLang's in-process kernel cache keys on them)
         synced_build = signature.bind(*args, **kwargs).arguments.get("storage_sync", False)
         return (synced if synced_build else lean)(*args, **kwargs)
 

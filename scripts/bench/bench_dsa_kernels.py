@@ -135,6 +135,17 @@ def precompile(workers: int, include_mcore: bool = True, sections: tuple[str, ..
     return build_in_parallel(cases, workers)
 
 
+def precompile_step(cases: list[tuple], workers: int, only: bool) -> int | None:
+    """A benchmark's ``--workers`` / ``--precompile-only`` step: build ``cases`` in parallel when asked; the exit code
+    when the script stops here (``only``: 0, or 1 if a kernel failed), else None (failures are printed and their
+    rows fail later)."""
+    if (workers or only) and not build_in_parallel(cases, max(workers, 1)):
+        print("some kernels failed to build (see above)", flush=True)
+        if only:
+            return 1
+    return 0 if only else None
+
+
 def build_in_parallel(cases: list[tuple], workers: int) -> bool:
     """Build ``(module, getter, args)`` kernels in ``workers`` spawned processes (fills TileLang's disk cache), each
     once; every failure is printed and the others still build. True when all built."""

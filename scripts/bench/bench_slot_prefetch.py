@@ -17,7 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_dsa_kernels import build_in_parallel, causal_random_indices, timed  # noqa: E402
+from bench_dsa_kernels import causal_random_indices, precompile_step, timed  # noqa: E402
 from report import emit  # noqa: E402
 
 BWD = "megatron_glm5.kernels.sparse_mla_bwd"
@@ -95,12 +95,9 @@ def main() -> int:
     ap.add_argument("--precompile-only", action="store_true")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    if (a.workers or a.precompile_only) and not build_in_parallel(kernels_to_build(), max(a.workers, 1)):
-        print("some kernels failed to build (see above)", flush=True)
-        if a.precompile_only:
-            return 1
-    if a.precompile_only:
-        return 0
+    stop = precompile_step(kernels_to_build(), a.workers, a.precompile_only)
+    if stop is not None:
+        return stop
     lines = ["Sparse-MLA backward: gather entries prefetched one gather ahead (H200, random causal top-2048)", "",
              "| case | S | entries after the barrier ms | prefetched ms | speed-up | TFLOP/s | dQ bitwise | "
              "dKV max diff / max |", "|---|---|---|---|---|---|---|---|"]

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_dsa_kernels import (  # noqa: E402
-    build_in_parallel, causal_random_indices, local_mix_indices, run_sweep_sections, timed,
+    causal_random_indices, local_mix_indices, precompile_step, run_sweep_sections, timed,
 )
 
 FWD = "megatron_glm5.kernels.sparse_mla_fwd"
@@ -30,8 +30,8 @@ SCALE = 1.0 / 16
 PP_DEFAULT = "pp 216/216/72 (default: entries prefetched, no storage syncs)"
 PP = (216, 216, 72)
 # (label, factory, extra args after (heads, d_qk, d_v, scale)); the reference first. pp's positional options:
-# group, nreg, smem_mask, p1_copy_first, slot_prefetch, storage_sync, named_exchange; ws's: block_i, group,
-# nreg.
+# group, nreg, smem_mask, p1_copy_first, slot_prefetch, storage_sync, named_exchange;
+# ws's: block_i, group, nreg.
 VARIANTS_64 = [
     ("pp, eleventh session's default (reference)", "_jit_fwd_pp", (1, PP, True, True, False, True)),
     (PP_DEFAULT, "_jit_fwd_pp", (1, PP)),
@@ -175,12 +175,9 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--precompile-only", action="store_true", help="build the variants' kernels and stop")
     args = ap.parse_args()
-    if (args.workers or args.precompile_only) and not build_in_parallel(kernels_to_build(), max(args.workers, 1)):
-        print("some kernels failed to build (see above); their rows will fail", flush=True)
-        if args.precompile_only:
-            return 1
-    if args.precompile_only:
-        return 0
+    stop = precompile_step(kernels_to_build(), args.workers, args.precompile_only)
+    if stop is not None:
+        return stop
     sections = {k[len("section_"):]: v for k, v in globals().items() if k.startswith("section_")}
     run_sweep_sections(args.sections, sections, args.out)
     return 0
