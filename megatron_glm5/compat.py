@@ -981,6 +981,67 @@ def _probe_device_grad_clip() -> None:
         assert "get_grad_norm_fp32" in inspect.unwrap(fn).__code__.co_names
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# 19. megatron-core's DDP gradient checks decided before the optimizer step (distributed.param_and_grad_buffer's
+#     _ParamAndGradBucketGroup.check_grads; torch.optim's global step pre-hooks)
+# --------------------------------------------------------------------------------------------------------------------
+
+_optimizer_pre_hook: Any = None
+
+
+def route_deferred_grad_checks(check_grads: Callable, before_optimizer_step: Callable) -> bool:
+    """megatron-core's DDP bucket groups check their gradients through ``check_grads(original, group,
+    check_for_nan_or_inf, check_for_large)``, and ``before_optimizer_step(optimizer, args, kwargs)`` runs before every
+    torch optimizer's ``step`` (torch's global step pre-hook, registered once per process: it must stay a no-op when
+    nothing is pending). Returns whether the route is installed."""
+    global _optimizer_pre_hook
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+
+    owner = pgb._ParamAndGradBucketGroup
+    if not is_patched(owner, "check_grads"):
+        original = owner.check_grads
+
+        def routed_check_grads(self, check_for_nan_or_inf, check_for_large):
+            return check_grads(original, self, check_for_nan_or_inf, check_for_large)
+
+        with _patch_lock:
+            if _optimizer_pre_hook is None:
+                from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+                _optimizer_pre_hook = register_optimizer_step_pre_hook(before_optimizer_step)
+        install_patches(((owner, "check_grads", routed_check_grads),))
+    return deferred_grad_checks_routed()
+
+
+def deferred_grad_checks_routed() -> bool:
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+
+    return is_patched(pgb._ParamAndGradBucketGroup, "check_grads") and _optimizer_pre_hook is not None
+
+
+@_hook("distributed.param_and_grad_buffer: _ParamAndGradBucketGroup.check_grads(check_for_nan_or_inf, "
+       "check_for_large) reads only its buckets' grad_data.norm(p=2) and calls the rerun state machine; "
+       "start_grad_sync calls it before the collective; rerun_state_machine.RerunMode.DISABLED; torch.optim's "
+       "register_optimizer_step_pre_hook", "deferred_grad_checks.py", f"{MCORE} / {TORCH}")
+def _probe_deferred_grad_checks() -> None:
+    import inspect
+
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+    from megatron.core.rerun_state_machine import RerunMode
+
+    check = unpatched(pgb._ParamAndGradBucketGroup, "check_grads")
+    assert list(inspect.signature(check).parameters) == ["self", "check_for_nan_or_inf", "check_for_large"]
+    # the replay hands check_grads a stand-in with only .buckets[i].grad_data.norm(p=2): nothing else may be read
+    assert set(check.__code__.co_names) <= {"get_rerun_state_machine", "range", "len", "buckets", "grad_data", "norm",
+                                            "validate_result", "torch", "isnan", "isinf", "partial",
+                                            "is_unexpectedly_large"}, check.__code__.co_names
+    assert "self.check_grads(" in inspect.getsource(pgb._ParamAndGradBucketGroup.start_grad_sync)
+    assert RerunMode.DISABLED.value == "disabled"
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    assert callable(register_optimizer_step_pre_hook)
+
+
 def check_all() -> list[str]:
     """Run every probe; the names of those that fail (an empty list: every internal is where it was)."""
     failed = []

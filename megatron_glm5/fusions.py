@@ -33,6 +33,15 @@ environment variable read when a module or block spec is built (``0`` or ``1``; 
   issue 23 round 9: -1.9 ms by the median in one call, within the noise in two others): the host's own work after
   the norm is queued (the clip's parameter loop, Adam's launch) outlasts the norm on the GPU, so the GPU still waits.
   Routed through :func:`megatron_glm5.compat.route_device_grad_clip`.
+* ``MEGATRON_GLM5_DEFERRED_GRAD_CHECKS`` (experimental, off: not yet measured on a GPU) - megatron-core's DDP
+  gradient checks (Megatron-LM's default ``--check-for-nan-in-loss-and-grad``: each bucket's local gradient norm
+  tested on the host, so the host waits for the whole backward at its end) decided on host copies of the same norms
+  just before the optimizer's step, by megatron-core's own check (:mod:`megatron_glm5.deferred_grad_checks`): a NaN
+  or Inf gradient still raises megatron-core's error before any parameter changes, and the host queues the
+  optimizer's preparation while the backward still runs. Only in rerun mode ``disabled`` and where no
+  data-parallel collective spreads the gradients (one data-parallel rank); elsewhere megatron-core's check runs as it
+  is. With ``MEGATRON_GLM5_DEVICE_GRAD_CLIP`` the optimizer phase then has no host sync left (issue 23, round 9: the
+  host's work there is GPU idle time). Routed through :func:`megatron_glm5.compat.route_deferred_grad_checks`.
 * ``MEGATRON_GLM5_CACHED_ROUTER_WALKS`` - megatron-core's two per-step walks over every module after the backward
   (router expert-bias update, temporary-tensor reset) over the router modules only, found once
   (:mod:`megatron_glm5.finalize_walks`; megatron-core's own functions, same result). H200, GLM-5 slice: 2.95 -> 0.69
@@ -124,7 +133,7 @@ import os
 
 import torch
 
-from megatron_glm5 import compat, finalize_walks
+from megatron_glm5 import compat, deferred_grad_checks, finalize_walks
 from megatron_glm5.kernels.moe_permute import (
     expert_rows,
     moe_permute_supported,
@@ -148,6 +157,7 @@ FUSED_MULTI_TENSOR_SCALE_ENV = "MEGATRON_GLM5_FUSED_MULTI_TENSOR_SCALE"
 MASK_RANGES_KERNEL_ENV = "MEGATRON_GLM5_MASK_RANGES_KERNEL"
 DEVICE_GRAD_CLIP_ENV = "MEGATRON_GLM5_DEVICE_GRAD_CLIP"
 CACHED_ROUTER_WALKS_ENV = "MEGATRON_GLM5_CACHED_ROUTER_WALKS"
+DEFERRED_GRAD_CHECKS_ENV = "MEGATRON_GLM5_DEFERRED_GRAD_CHECKS"
 FUSED_WGRAD_ENV = "MEGATRON_GLM5_FUSED_WGRAD_ACCUMULATION"
 FUSED_ADAM_ENV = "MEGATRON_GLM5_FUSED_ADAM"
 MOE_DEVICE_COUNTS_ENV = "MEGATRON_GLM5_MOE_DEVICE_COUNTS"
@@ -165,6 +175,7 @@ _DEFAULTS = {FUSED_RMSNORM_ENV: "1", FUSED_SWIGLU_ENV: "1", FUSED_MOE_PERMUTE_EN
              ZERO_GROUPS_KERNEL_ENV: "1", GROUPED_SPARSE_MLA_ENV: "1", GROUPED_WGRAD_ACCUMULATION_ENV: "1",
              SPLIT_RECOMPUTE_ENV: "1", MLP_CHUNKS_BY_LENGTH_ENV: "1", FUSED_MULTI_TENSOR_SCALE_ENV: "1",
              MASK_RANGES_KERNEL_ENV: "1", DEVICE_GRAD_CLIP_ENV: "0", CACHED_ROUTER_WALKS_ENV: "1",
+             DEFERRED_GRAD_CHECKS_ENV: "0",
              EXPERT_WGRAD_GEMMS_ENV: "1", KEY_BLOCK_DKV_ENV: "1"}
 
 
@@ -316,6 +327,9 @@ def install_fusions() -> dict[str, bool]:
         compat.route_fused_adam(use_fused_adam)
     if enabled(DEVICE_GRAD_CLIP_ENV) and enabled(FUSED_GRAD_NORM_ENV):
         compat.route_device_grad_clip(grad_norm_on_device, clip_scale_tensor)
+    if enabled(DEFERRED_GRAD_CHECKS_ENV):
+        compat.route_deferred_grad_checks(deferred_grad_checks.check_grads_deferred,
+                                          deferred_grad_checks.before_optimizer_step)
     if enabled(CACHED_ROUTER_WALKS_ENV):
         compat.route_finalize_walks(finalize_walks.update_router_expert_bias,
                                     finalize_walks.reset_model_temporary_tensors, finalize_walks.model_changed)
@@ -323,6 +337,7 @@ def install_fusions() -> dict[str, bool]:
               "grad_norm": compat.grad_norm_routed(), "multi_tensor_scale": compat.multi_tensor_scale_routed(),
               "wgrad_accumulation": compat.wgrad_accumulation_routed(),
               "adam": compat.fused_adam_routed(), "device_grad_clip": compat.device_grad_clip_routed(),
+              "deferred_grad_checks": compat.deferred_grad_checks_routed(),
               "router_walks": compat.finalize_walks_routed(),
               "moe_device_counts": compat.dispatch_postprocess_routed()}
     own = {"RMSNorm": enabled(FUSED_RMSNORM_ENV), "RoPE": enabled(FUSED_ROPE_ENV)}

@@ -142,6 +142,15 @@ VARIANTS = {
                 "(a) with grouped-GEMM experts and the experimental device gradient clip (the norm kept on the "
                 "device, the scale kernel writing nothing below the clip; `MEGATRON_GLM5_DEVICE_GRAD_CLIP=1`)",
                 (("MEGATRON_GLM5_DEVICE_GRAD_CLIP", "1"),)),
+        Variant("tilelang-grouped-deferred-checks", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
+                "(a) with grouped-GEMM experts, DDP's gradient NaN / Inf checks decided before the optimizer step "
+                "instead of at the backward's end, and the device gradient clip: no host sync left between the "
+                "backward and Adam (`MEGATRON_GLM5_DEFERRED_GRAD_CHECKS=1`, `MEGATRON_GLM5_DEVICE_GRAD_CLIP=1`)",
+                (("MEGATRON_GLM5_DEFERRED_GRAD_CHECKS", "1"), ("MEGATRON_GLM5_DEVICE_GRAD_CLIP", "1"))),
+        Variant("tilelang-grouped-deferred-checks-host-clip", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
+                "(a) with grouped-GEMM experts, DDP's gradient checks deferred to the optimizer step, megatron-core's "
+                "host clip (its norm read on the host stays a sync; `MEGATRON_GLM5_DEFERRED_GRAD_CHECKS=1`)",
+                (("MEGATRON_GLM5_DEFERRED_GRAD_CHECKS", "1"),)),
         Variant("tilelang-grouped-grouped-wgrad", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
                 "(a) with grouped-GEMM experts whose weight gradients are one grouped GEMM (bf16) added into "
                 "`main_grad` in one launch (round 8's default; one GEMM per expert adding into `main_grad` is the "

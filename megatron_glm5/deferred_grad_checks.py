@@ -1,0 +1,138 @@
+"""megatron-core's DDP gradient checks without the host sync at the end of every backward, decided before the
+optimizer updates any parameter.
+
+Why: with Megatron-LM's default ``--check-for-nan-in-loss-and-grad``, DDP's ``finish_grad_sync`` computes each
+bucket's local gradient norm and megatron-core's ``RerunStateMachine.validate_result`` tests it on the host
+(``if torch.isnan(norm)``). The host then waits for the GPU to drain the whole backward, and everything it queues
+next before the optimizer's first long kernel (the rest of ``finalize_model_grads``, megatron-core's walks over the
+parameters, the clip's norm, Adam's launch) is time the GPU idles: about 7 ms per step of the one-GPU GLM-5 slice
+(issue 23, round 9's profile, "GPU idle ended by the norm, the clip and Adam's launch").
+
+What :func:`check_grads_deferred` does instead: the same norms (each bucket's ``grad_data.norm(p=2)``) are copied to
+host memory behind an event (:class:`~megatron_glm5.kernels._common.HostValues`: pinned, non-blocking), and
+megatron-core's own ``check_grads`` is replayed on those host values by :func:`resolve_pending`: the same rerun
+state machine, rejection functions, messages, validation log file and ``RuntimeError``. :func:`resolve_pending`
+runs
+* before any torch optimizer's ``step`` (a global step pre-hook, :func:`megatron_glm5.compat.route_deferred_grad_checks`):
+  megatron-core's optimizers step torch optimizers (torch's Adam / SGD, apex's and TE's fused Adam subclass them), so
+  a NaN gradient still raises before a parameter changes, in the same iteration, after the host has queued the
+  optimizer's preparation (the GPU has the clip's norm still to run when the host waits there);
+* at the same bucket group's next check, for a loop that steps no torch optimizer (it raises one backward later).
+
+Taken only where it changes nothing but the moment of the raise: megatron-core's rerun mode ``disabled`` (Megatron-LM's
+default; the other modes decide re-runs from the result at once) and a bucket group whose gradients no collective
+spreads (a data-parallel group of one rank, one distributed-optimizer instance). With more data-parallel ranks the
+local check must come before the collective that would carry a NaN to every rank, so megatron-core's check runs
+as it is. Not under CUDA graph capture.
+
+Tests: ``tests/test_deferred_grad_checks.py`` (megatron-core's DDP on the CPU: the raise before the parameters
+change, the messages, the fallbacks); ``tests/gpu/test_deferred_grad_checks_gpu.py`` (no host sync under torch's
+sync debug mode).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, Callable
+
+import torch
+
+from megatron_glm5.kernels._common import HostValues
+
+
+@dataclass
+class PendingCheck:
+    """One deferred ``check_grads``: the bucket norms on their way to the host and how to replay the check."""
+
+    norms: HostValues
+    dtype: torch.dtype
+    replay: Callable[[Any], None]  # megatron-core's check_grads bound to its flags, given a stand-in bucket group
+    group: int  # id() of the bucket group checked: its next check means a later backward
+
+
+_pending: list[PendingCheck] = []
+
+
+class _HostNorm:
+    """Stands for a bucket's ``grad_data`` in the replay: its ``norm(p=2)`` is the value computed on the device."""
+
+    def __init__(self, value: torch.Tensor):
+        self.value = value
+
+    def norm(self, p=2) -> torch.Tensor:
+        assert p == 2, "megatron-core's check_grads takes the 2-norm"
+        return self.value
+
+
+def _collective_size(bucket_group: Any) -> int | None:
+    """How many ranks the bucket group's gradient collective spans (None where that cannot be told)."""
+    config = getattr(bucket_group, "ddp_config", None)
+    if config is None or getattr(config, "num_distributed_optimizer_instances", 1) != 1:
+        return None
+    size = getattr(bucket_group, "intra_distributed_optimizer_instance_size", None)
+    if size is None:
+        group = getattr(bucket_group, "data_parallel_group", None)
+        size = group.size() if group is not None else None
+    return size
+
+
+def deferrable(bucket_group: Any) -> bool:
+    """Whether this bucket group's check may be decided later (module docstring): rerun mode ``disabled``, a
+    collective of one rank, gradient buffers on one device, no CUDA graph capture."""
+    from megatron.core.rerun_state_machine import RerunMode, get_rerun_state_machine
+
+    if get_rerun_state_machine().mode != RerunMode.DISABLED or _collective_size(bucket_group) != 1:
+        return False
+    buffers = [b.grad_data for b in bucket_group.buckets]
+    if not buffers or len({t.device for t in buffers}) != 1:
+        return False
+    return not (buffers[0].is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def check_grads_deferred(original: Callable, bucket_group: Any, check_for_nan_or_inf: bool,
+                         check_for_large: bool) -> None:
+    """megatron-core's ``_ParamAndGradBucketGroup.check_grads`` (``original``) decided later where
+    :func:`deferrable`, else at once by ``original``. Checks still pending from an earlier backward (this bucket group
+    has one pending) are decided first; those of the other bucket groups of this backward (DDP's expert-parallel
+    groups, other buffers) are left to the optimizer step."""
+    if any(check.group == id(bucket_group) for check in _pending):
+        resolve_pending()
+    if not deferrable(bucket_group):
+        return original(bucket_group, check_for_nan_or_inf, check_for_large)
+    with torch.no_grad():
+        norms = torch.stack([b.grad_data.norm(p=2) for b in bucket_group.buckets])  # megatron-core's expression
+
+    def replay(stand_in: Any) -> None:
+        original(stand_in, check_for_nan_or_inf, check_for_large)
+
+    _pending.append(PendingCheck(HostValues(norms), norms.dtype, replay, id(bucket_group)))
+
+
+def resolve_pending() -> None:
+    """Decide every deferred check, oldest first, waiting for its norms if the GPU has not reached them; raises
+    megatron-core's error for the first one rejected (the others are dropped with it: the run stops there)."""
+    while _pending:
+        check = _pending.pop(0)
+        values = check.norms.get()
+        buckets = [SimpleNamespace(grad_data=_HostNorm(torch.tensor(v, dtype=check.dtype))) for v in values]
+        try:
+            check.replay(SimpleNamespace(buckets=buckets))
+        except BaseException:
+            _pending.clear()
+            raise
+
+
+def pending_checks() -> int:
+    """How many checks wait for :func:`resolve_pending` (for tests and logs)."""
+    return len(_pending)
+
+
+def before_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    """torch's global optimizer step pre-hook: the pending checks are decided before the step changes a parameter."""
+    if _pending:
+        resolve_pending()
+
+
+__all__ = ["PendingCheck", "before_optimizer_step", "check_grads_deferred", "deferrable", "pending_checks",
+           "resolve_pending"]

@@ -1,0 +1,216 @@
+"""megatron-core's DDP gradient checks decided before the optimizer step (:mod:`megatron_glm5.deferred_grad_checks`,
+issue 23): run through megatron-core's own ``DistributedDataParallel`` on the CPU (one gloo rank), its
+``finish_grad_sync`` and a torch optimizer's ``step``. A NaN / Inf gradient raises megatron-core's own error (the
+same text as without the route) before any parameter changes; where the route does not apply megatron-core's check
+runs at once."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from megatron_glm5 import compat, deferred_grad_checks
+
+
+@pytest.fixture
+def ddp_model(model_parallel, monkeypatch):
+    """A two-layer model in megatron-core's DDP with its gradient checks on (Megatron-LM's
+    ``--check-for-nan-in-loss-and-grad``), one bucket group over a data-parallel group of one rank."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer import TransformerConfig
+
+    # start_grad_sync asks for the current CUDA stream (CUDA-graph replays); there is none on the CPU
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda *a, **k: types.SimpleNamespace(wait_event=lambda event: None))
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, use_cpu_initialization=True)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(check_for_nan_in_grad=True), module)
+    assert len(ddp.bucket_groups) == 1
+    yield ddp
+    deferred_grad_checks._pending.clear()
+
+
+@pytest.fixture
+def routed(monkeypatch):
+    """The route as ``install_fusions`` leaves it; taken out again after the test (the pre-hook stays: it is a no-op
+    with nothing pending)."""
+    assert compat.route_deferred_grad_checks(deferred_grad_checks.check_grads_deferred,
+                                             deferred_grad_checks.before_optimizer_step)
+    yield
+    _unroute()
+    assert not compat.deferred_grad_checks_routed()
+
+
+def _unroute() -> None:
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+
+    compat.remove_patches(((pgb._ParamAndGradBucketGroup, "check_grads", None),))
+
+
+def _backward(ddp, poison: float | None = None) -> None:
+    ddp.zero_grad_buffer()
+    ddp(torch.randn(3, 8, generator=torch.Generator().manual_seed(1))).square().sum().backward()
+    if poison is not None:
+        with torch.no_grad():
+            next(ddp.module.parameters()).main_grad[0, 0] = poison
+
+
+def _sgd(ddp) -> torch.optim.Optimizer:
+    params = list(ddp.module.parameters())
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def _step(ddp, optimizer) -> None:
+    for p in ddp.module.parameters():
+        p.grad = p.main_grad
+    try:
+        optimizer.step()
+    finally:
+        for p in ddp.module.parameters():
+            p.grad = None  # as megatron-core's optimizers leave them: DDP's hook would add a .grad in again
+
+
+def _megatron_cores_error(ddp, poison: float) -> str:
+    """The error megatron-core's own check raises at ``finish_grad_sync`` for this gradient (the route off)."""
+    _backward(ddp, poison)
+    with pytest.raises(RuntimeError) as err:
+        ddp.finish_grad_sync()
+    return str(err.value)
+
+
+@pytest.mark.parametrize("poison, what", [(float("nan"), "found NaN"), (float("inf"), "found Inf")])
+def test_bad_gradient_raises_megatron_cores_error_before_the_step_changes_a_parameter(ddp_model, routed, poison,
+                                                                                     what):
+    ddp, opt = ddp_model, _sgd(ddp_model)
+    _backward(ddp, poison)
+    ddp.finish_grad_sync()  # decided later: no raise here
+    assert deferred_grad_checks.pending_checks() == 1
+    before = [p.detach().clone() for p in ddp.module.parameters()]
+    with pytest.raises(RuntimeError) as err:
+        _step(ddp, opt)
+    assert what in str(err.value) and "bucket #0" in str(err.value)
+    assert all(torch.equal(a, p) for a, p in zip(before, ddp.module.parameters())), "a parameter changed"
+    assert deferred_grad_checks.pending_checks() == 0
+    _unroute()
+    assert str(err.value) == _megatron_cores_error(ddp, poison)  # word for word megatron-core's
+
+
+def test_good_gradients_step_as_without_the_route(ddp_model, routed):
+    ddp = ddp_model
+    start = [p.detach().clone() for p in ddp.module.parameters()]
+    opt = _sgd(ddp)
+    for _ in range(2):
+        _backward(ddp)
+        ddp.finish_grad_sync()
+        assert deferred_grad_checks.pending_checks() == 1
+        _step(ddp, opt)
+        assert deferred_grad_checks.pending_checks() == 0
+    routed_params = [p.detach().clone() for p in ddp.module.parameters()]
+    with torch.no_grad():
+        for p, s in zip(ddp.module.parameters(), start):
+            p.copy_(s)
+    _unroute()
+    opt = _sgd(ddp)
+    for _ in range(2):
+        _backward(ddp)
+        ddp.finish_grad_sync()
+        _step(ddp, opt)
+    assert all(torch.equal(a, p) for a, p in zip(routed_params, ddp.module.parameters()))
+    assert all(not torch.equal(a, s) for a, s in zip(routed_params, start))
+
+
+def test_a_check_left_pending_is_decided_at_the_next_check(ddp_model, routed):
+    """A loop that steps no torch optimizer: the NaN of one backward raises at the next backward's check."""
+    ddp = ddp_model
+    _backward(ddp, float("nan"))
+    ddp.finish_grad_sync()
+    _backward(ddp)  # clean gradients now
+    with pytest.raises(RuntimeError, match="found NaN in local grad norm for bucket #0"):
+        ddp.finish_grad_sync()
+    assert deferred_grad_checks.pending_checks() == 0
+
+
+def test_the_bucket_groups_of_one_backward_wait_for_the_step(model_parallel, monkeypatch):
+    """Two bucket groups (dense and expert-parallel parameters): the second group's check does not decide the first
+    one's (that would be a host sync in the middle of the backward); a NaN in either raises at the step, naming its
+    bucket."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer import TransformerConfig
+
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda *a, **k: types.SimpleNamespace(wait_event=lambda event: None))
+    module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+    for p in module[1].parameters():
+        p.allreduce = False  # megatron-core's mark of expert-parallel parameters: a bucket group of their own
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, use_cpu_initialization=True)
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(check_for_nan_in_grad=True), module)
+    assert len(ddp.bucket_groups) == 1 and len(ddp.expert_parallel_bucket_groups) == 1
+    assert compat.route_deferred_grad_checks(deferred_grad_checks.check_grads_deferred,
+                                             deferred_grad_checks.before_optimizer_step)
+    try:
+        decided = []
+        monkeypatch.setattr(deferred_grad_checks, "resolve_pending",
+                            lambda real=deferred_grad_checks.resolve_pending: (decided.append(1), real())[1])
+        opt = _sgd(ddp)
+        for poisoned in (None, module[1].weight, module[0].weight):
+            _backward(ddp)
+            if poisoned is not None:
+                with torch.no_grad():
+                    poisoned.main_grad[0, 0] = float("nan")
+            ddp.finish_grad_sync()
+            assert deferred_grad_checks.pending_checks() == 2 and not decided
+            if poisoned is None:
+                _step(ddp, opt)
+                assert deferred_grad_checks.pending_checks() == 0 and decided
+                decided.clear()
+            else:
+                with pytest.raises(RuntimeError, match="found NaN in local grad norm for bucket #0"):
+                    _step(ddp, opt)
+                decided.clear()
+    finally:
+        deferred_grad_checks._pending.clear()
+        _unroute()
+
+
+def test_megatron_cores_check_runs_at_once_where_a_collective_spreads_the_gradients(ddp_model, routed, monkeypatch):
+    """Two data-parallel ranks (the group's size, as megatron-core keeps it), or a rerun mode other than
+    ``disabled``: megatron-core's check runs in ``finish_grad_sync`` as without the route."""
+    from megatron.core.rerun_state_machine import RerunMode, get_rerun_state_machine
+
+    ddp = ddp_model
+    group = ddp.bucket_groups[0]
+    assert deferred_grad_checks.deferrable(group)
+    monkeypatch.setattr(group, "data_parallel_group", types.SimpleNamespace(size=lambda: 2))
+    assert not deferred_grad_checks.deferrable(group)
+    _backward(ddp, float("nan"))
+    with pytest.raises(RuntimeError, match="found NaN"):
+        ddp.finish_grad_sync()
+    monkeypatch.undo()
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda *a, **k: types.SimpleNamespace(wait_event=lambda event: None))
+    machine = get_rerun_state_machine()
+    monkeypatch.setattr(machine, "mode", RerunMode.REPORT_DETERMINISM_STATS)
+    assert not deferred_grad_checks.deferrable(group)
+    monkeypatch.setattr(group.ddp_config, "num_distributed_optimizer_instances", 2)
+    monkeypatch.setattr(machine, "mode", RerunMode.DISABLED)
+    assert not deferred_grad_checks.deferrable(group)
+    assert deferred_grad_checks.pending_checks() == 0
+
+
+def test_route_off_by_default_and_installed_by_its_switch(monkeypatch):
+    from megatron_glm5 import fusions
+
+    monkeypatch.delenv(fusions.DEFERRED_GRAD_CHECKS_ENV, raising=False)
+    assert not fusions.enabled(fusions.DEFERRED_GRAD_CHECKS_ENV)
+    monkeypatch.setenv(fusions.DEFERRED_GRAD_CHECKS_ENV, "1")
+    try:
+        assert fusions.install_fusions()["deferred_grad_checks"]
+    finally:
+        _unroute()
+
+
+def test_probe_passes():
+    compat._probe_deferred_grad_checks()
