@@ -13,10 +13,11 @@ host memory behind an event (:class:`~megatron_glm5.kernels._common.HostValues`:
 megatron-core's own ``check_grads`` is replayed on those host values by :func:`resolve_pending`: the same rerun
 state machine, rejection functions, messages, validation log file and ``RuntimeError``. :func:`resolve_pending`
 runs
-* before any torch optimizer's ``step`` (a global step pre-hook, :func:`megatron_glm5.compat.route_deferred_grad_checks`):
-  megatron-core's optimizers step torch optimizers (torch's Adam / SGD, apex's and TE's fused Adam subclass them), so
-  a NaN gradient still raises before a parameter changes, in the same iteration, after the host has queued the
-  optimizer's preparation (the GPU has the clip's norm still to run when the host waits there);
+* before any torch optimizer's ``step`` (a global step pre-hook,
+  :func:`megatron_glm5.compat.route_deferred_grad_checks`): megatron-core's optimizers step torch optimizers
+  (torch's Adam / SGD; apex's and TE's fused Adam subclass them), so a NaN gradient still raises before a parameter
+  changes, in the same iteration, after the host has queued the optimizer's preparation (the GPU has the clip's
+  norm still to run when the host waits there);
 * at the same bucket group's next check, for a loop that steps no torch optimizer (it raises one backward later).
 
 Taken only where it changes nothing but the moment of the raise: megatron-core's rerun mode ``disabled`` (Megatron-LM's

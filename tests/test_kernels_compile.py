@@ -54,6 +54,9 @@ COMPILE_CASES = {
     # opt-in: the math warpgroups' handovers through named barriers
     "fwd_pp_named_glm": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_pp",
                          (64, 576, 512, 1 / 16, 1, (216, 216, 72), True, True, True, False, True)),
+    # opt-in: a persistent grid of 132 CTAs walking (query group, head block) items
+    "fwd_pp_persistent_grouped_glm": ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_pp",
+                                      (16, 576, 512, 1 / 16, 4, (216, 216, 72), True, True, True, False, False, 132)),
     # experimental: dKV chunks staged over the KV stage and added by sm90 bulk reductions
     "bwd_bulk_glm": ("megatron_glm5.kernels.sparse_mla_bwd", "_jit_bwd", (16, 576, 512, 1 / 16, False, 32, 0, False,
                                                                          0, 1, "bulk")),
@@ -122,6 +125,9 @@ def _compile_one(case: str) -> tuple[str, int, str]:
         _check_pp_source(src, lean="neither" not in case)
         named = ["glm5_bar_arrive(8, 256)", "glm5_bar_sync(8, 256)", "glm5_bar_arrive(11, 256)", "glm5_bar_sync(11, 256)"]
         assert all(n in src for n in named) == ("named" in case), case
+        # the persistent walk: Q's and the row sums' barriers change phase per item, the per-pair ones run on
+        walk = ["bar_q[0].wait((k & 1))", "bar_l[1].wait((k & 1))", "done[0] = (done[0] + item[2])"]
+        assert all(w in src for w in walk) == ("persistent" in case), case
     return case, len(src), "__global__" if "__global__" in src else ""
 
 

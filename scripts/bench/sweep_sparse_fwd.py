@@ -2,7 +2,8 @@
 its output / LSE difference from the first row's (the reference: the previous default), at 16K tokens and 64 heads
 (random causal sets, GLM-5 and NoPE latents), the 16-head grouped kernel (4 queries x 16 heads per CTA) on random and
 90 %-local sets, and the 16-head per-query ``ws`` kernel. ``pp`` is the default at 64 MMA rows
-(``pick_fwd_variant``).
+(``pick_fwd_variant``); its opt-in builds (named barriers, the persistent grid of ``SMS`` CTAs) have rows of their
+own.
 
 Variants are (label, factory, args) over the factories of ``megatron_glm5.kernels.sparse_mla_fwd``; the first row of
 each table is the reference the others are compared with.
@@ -29,14 +30,17 @@ SCALE = 1.0 / 16
 
 PP_DEFAULT = "pp 216/216/72 (default: entries prefetched, no storage syncs)"
 PP = (216, 216, 72)
+SMS = 132  # the H200's SMs: the persistent grid's CTAs (a constant, so that scripts/tl_cache.py can build it ahead)
 # (label, factory, extra args after (heads, d_qk, d_v, scale)); the reference first. pp's positional options:
-# group, nreg, smem_mask, p1_copy_first, slot_prefetch, storage_sync, named_exchange;
+# group, nreg, smem_mask, p1_copy_first, slot_prefetch, storage_sync, named_exchange, ctas;
 # ws's: block_i, group, nreg.
 VARIANTS_64 = [
     ("pp, eleventh session's default (reference)", "_jit_fwd_pp", (1, PP, True, True, False, True)),
     (PP_DEFAULT, "_jit_fwd_pp", (1, PP)),
     ("pp, entries prefetched only", "_jit_fwd_pp", (1, PP, True, True, True, True)),
     ("pp, named barriers for the exchanges", "_jit_fwd_pp", (1, PP, True, True, True, False, True)),
+    ("pp, persistent grid", "_jit_fwd_pp", (1, PP, True, True, True, False, False, SMS)),
+    ("pp, persistent grid and named barriers", "_jit_fwd_pp", (1, PP, True, True, True, False, True, SMS)),
     ("pp 208/208/88", "_jit_fwd_pp", (1, (208, 208, 88))),
     ("pp 216/200/88", "_jit_fwd_pp", (1, (216, 200, 88))),
     ("pp 224/208/72", "_jit_fwd_pp", (1, (224, 208, 72))),
@@ -46,11 +50,13 @@ VARIANTS_NOPE = [
     ("pp, eleventh session's default (reference)", "_jit_fwd_pp", (1, PP, True, True, False, True)),
     (PP_DEFAULT, "_jit_fwd_pp", (1, PP)),
     ("pp, named barriers for the exchanges", "_jit_fwd_pp", (1, PP, True, True, True, False, True)),
+    ("pp, persistent grid", "_jit_fwd_pp", (1, PP, True, True, True, False, False, SMS)),
 ]
 VARIANTS_16_GROUPED = [
     ("pp grouped, eleventh session's default (reference)", "_jit_fwd_pp", (4, PP, True, True, False, True)),
     ("pp grouped (default)", "_jit_fwd_pp", (4, PP)),
     ("pp grouped, named barriers for the exchanges", "_jit_fwd_pp", (4, PP, True, True, True, False, True)),
+    ("pp grouped, persistent grid", "_jit_fwd_pp", (4, PP, True, True, True, False, False, SMS)),
     ("ws grouped 256/168/80", "_jit_fwd_ws", (64, 4, (256, 168, 80))),
 ]
 VARIANTS_16 = [  # the per-query kernel at 16 heads (16-row mma.sync tiles): the default without grouping

@@ -212,14 +212,39 @@ def test_fwd_pp_options_equal_pp(heads, d_qk, group, window, options):
     assert (out[7] == 0).all() and torch.isinf(lse[7]).all()
 
 
+@pytest.mark.parametrize("ctas,named", [(132, False), (7, False), (132, True)], ids=["sms", "7_ctas", "sms_named"])
+@pytest.mark.parametrize("heads,d_qk,group,window,t_len", [(64, 576, 1, False, 1001), (128, 576, 1, False, 1001),
+                                                           (64, 512, 1, False, 1001), (16, 576, 4, False, 1001),
+                                                           (16, 576, 4, True, 1001), (64, 576, 1, False, 5)])
+def test_fwd_pp_persistent_equals_pp(heads, d_qk, group, window, t_len, ctas, named):
+    """The persistent ``pp`` grid (``ctas`` CTAs, each walking (query, head block) items ``b, b + ctas, ...``; the
+    barrier parities carried across a CTA's items by its running pair count) gives bitwise the one-query grid's
+    output: the same per-query schedule. 7 CTAs make each walk ~140 items of varying pair counts (T < top-k rows,
+    an all -1 row: an item without pairs in the middle of a walk); 5 queries at 132 CTAs leave most CTAs without
+    an item. A difference or a hang is a protocol bug (a phase not carried over, Q or the row sums overwritten
+    before the other warpgroup read them)."""
+    from megatron_glm5.kernels.index_groups import grouped_rows
+
+    q, kv, idx = _grouped_inputs(window, heads + d_qk + group, t_len=t_len, heads=heads, topk=515, d_qk=d_qk)
+    if group > 1:
+        _, rows, lengths = grouped_rows(idx, heads, group, None, q.shape[0])
+    else:
+        rows, lengths = idx, row_valid_len(idx)
+    base = fwd_mod._jit_fwd_pp()(heads, d_qk, D_V, SCALE, group)
+    persistent = fwd_mod._jit_fwd_pp()(heads, d_qk, D_V, SCALE, group, named_exchange=named, ctas=ctas)
+    out, lse = base(q, kv, rows, lengths)
+    out_p, lse_p = persistent(q, kv, rows, lengths)
+    assert torch.equal(out, out_p) and torch.equal(lse, lse_p)
+
+
 def _grouped_inputs(window: bool, seed: int, t_len: int = 1001, heads: int = 16, topk: int = 512, d_qk: int = D_QK):
-    """Inputs of the grouped kernels' tests: T not a multiple of the group, row 7 all -1, random index sets (little
-    sharing) or a sliding window (neighbours share almost every key)."""
+    """Inputs of the grouped kernels' tests: T not a multiple of the group, row 7 (the last row below 8 rows) all -1,
+    random index sets (little sharing) or a sliding window (neighbours share almost every key)."""
     q, kv, idx = make_inputs(t_len, heads, topk, seed=seed, d_qk=d_qk)
     if window:
         keys = torch.arange(t_len, device="cuda")[:, None] - torch.arange(topk, device="cuda")[None]
         idx = torch.where(keys >= 0, keys, -1).int()
-    idx[7] = -1
+    idx[min(7, t_len - 1)] = -1
     return q, kv, idx
 
 
