@@ -20,11 +20,18 @@ runs
   norm still to run when the host waits there);
 * at the same bucket group's next check, for a loop that steps no torch optimizer (it raises one backward later).
 
-Taken only where it changes nothing but the moment of the raise: megatron-core's rerun mode ``disabled`` (Megatron-LM's
-default; the other modes decide re-runs from the result at once) and a bucket group whose gradients no collective
-spreads (a data-parallel group of one rank, one distributed-optimizer instance). With more data-parallel ranks the
-local check must come before the collective that would carry a NaN to every rank, so megatron-core's check runs
-as it is. Not under CUDA graph capture.
+With several data-parallel ranks the gradient collective carries a local NaN to every rank before any rank has
+decided its check. So each rank also adds to the values whether any of its norms is NaN / Inf and takes the
+maximum over the bucket group's collective group (one small all-reduce, queued ahead of the gradient collective,
+no host sync): at the decision the rank whose gradients were bad raises megatron-core's error, and every other
+rank raises one that says another rank did, all before their optimizer steps (where megatron-core's own check
+leaves the other ranks waiting in the gradient collective). Only NaN / Inf spread; the non-fatal "unexpectedly
+large" check stays local, as megatron-core's is.
+
+Taken where the route changes nothing but the moment of the raise: megatron-core's rerun mode ``disabled``
+(Megatron-LM's default; the other modes decide re-runs from the result at once) and one distributed-optimizer
+instance (with more, a second collective spans the instances). Elsewhere megatron-core's check runs as it is. Not
+under CUDA graph capture.
 
 Tests: ``tests/test_deferred_grad_checks.py`` (megatron-core's DDP on the CPU: the raise before the parameters
 change, the messages, the fallbacks); ``tests/gpu/test_deferred_grad_checks_gpu.py`` (no host sync under torch's
@@ -44,12 +51,14 @@ from megatron_glm5.kernels._common import HostValues
 
 @dataclass
 class PendingCheck:
-    """One deferred ``check_grads``: the bucket norms on their way to the host and how to replay the check."""
+    """One deferred ``check_grads``: the bucket norms (and, over several ranks, whether any rank's were NaN / Inf)
+    on their way to the host, and how to replay the check."""
 
-    norms: HostValues
-    dtype: torch.dtype
+    values: HostValues  # the norms as fp32, then the all-reduced NaN / Inf flag where spread is True
+    dtype: torch.dtype  # the norms' own dtype (the replay gets them back exactly)
     replay: Callable[[Any], None]  # megatron-core's check_grads bound to its flags, given a stand-in bucket group
     group: int  # id() of the bucket group checked: its next check means a later backward
+    spread: bool
 
 
 _pending: list[PendingCheck] = []
@@ -66,24 +75,24 @@ class _HostNorm:
         return self.value
 
 
-def _collective_size(bucket_group: Any) -> int | None:
-    """How many ranks the bucket group's gradient collective spans (None where that cannot be told)."""
+def _collective(bucket_group: Any) -> tuple[Any, int] | None:
+    """``(process group, size)`` of the bucket group's gradient collective; None where there is a second collective
+    (several distributed-optimizer instances) or the group cannot be told."""
     config = getattr(bucket_group, "ddp_config", None)
     if config is None or getattr(config, "num_distributed_optimizer_instances", 1) != 1:
         return None
-    size = getattr(bucket_group, "intra_distributed_optimizer_instance_size", None)
-    if size is None:
+    group = getattr(bucket_group, "intra_distributed_optimizer_instance_group", None)
+    if group is None:
         group = getattr(bucket_group, "data_parallel_group", None)
-        size = group.size() if group is not None else None
-    return size
+    return None if group is None else (group, group.size())
 
 
 def deferrable(bucket_group: Any) -> bool:
-    """Whether this bucket group's check may be decided later (module docstring): rerun mode ``disabled``, a
-    collective of one rank, gradient buffers on one device, no CUDA graph capture."""
+    """Whether this bucket group's check may be decided later (module docstring): rerun mode ``disabled``, one
+    gradient collective, gradient buffers on one device, no CUDA graph capture."""
     from megatron.core.rerun_state_machine import RerunMode, get_rerun_state_machine
 
-    if get_rerun_state_machine().mode != RerunMode.DISABLED or _collective_size(bucket_group) != 1:
+    if get_rerun_state_machine().mode != RerunMode.DISABLED or _collective(bucket_group) is None:
         return False
     buffers = [b.grad_data for b in bucket_group.buckets]
     if not buffers or len({t.device for t in buffers}) != 1:
@@ -101,13 +110,20 @@ def check_grads_deferred(original: Callable, bucket_group: Any, check_for_nan_or
         resolve_pending()
     if not deferrable(bucket_group):
         return original(bucket_group, check_for_nan_or_inf, check_for_large)
+    process_group, size = _collective(bucket_group)
+    spread = check_for_nan_or_inf and size > 1
     with torch.no_grad():
         norms = torch.stack([b.grad_data.norm(p=2) for b in bucket_group.buckets])  # megatron-core's expression
+        values = norms.float()
+        if spread:  # any rank's NaN / Inf, known to all before the collective's result is used
+            flag = (~torch.isfinite(values)).any().float().reshape(1)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=process_group)
+            values = torch.cat([values, flag])
 
     def replay(stand_in: Any) -> None:
         original(stand_in, check_for_nan_or_inf, check_for_large)
 
-    _pending.append(PendingCheck(HostValues(norms), norms.dtype, replay, id(bucket_group)))
+    _pending.append(PendingCheck(HostValues(values), norms.dtype, replay, id(bucket_group), spread))
 
 
 def resolve_pending() -> None:
@@ -115,10 +131,17 @@ def resolve_pending() -> None:
     megatron-core's error for the first one rejected (the others are dropped with it: the run stops there)."""
     while _pending:
         check = _pending.pop(0)
-        values = check.norms.get()
-        buckets = [SimpleNamespace(grad_data=_HostNorm(torch.tensor(v, dtype=check.dtype))) for v in values]
+        values = check.values.get()
+        norms = values[:-1] if check.spread else values
+        buckets = [SimpleNamespace(grad_data=_HostNorm(torch.tensor(v, dtype=check.dtype))) for v in norms]
         try:
             check.replay(SimpleNamespace(buckets=buckets))
+            if check.spread and values[-1] > 0:
+                raise RuntimeError(
+                    "megatron-glm5: another data-parallel rank found a NaN or Inf in its local gradient norm before "
+                    f"the gradient collective of a bucket group of {len(norms)} bucket(s) (that rank raised "
+                    "megatron-core's error); this rank's reduced gradients carry it, so it stops before its "
+                    "optimizer step too")
         except BaseException:
             _pending.clear()
             raise

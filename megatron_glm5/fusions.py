@@ -38,9 +38,10 @@ environment variable read when a module or block spec is built (``0`` or ``1``; 
   tested on the host, so the host waits for the whole backward at its end) decided on host copies of the same norms
   just before the optimizer's step, by megatron-core's own check (:mod:`megatron_glm5.deferred_grad_checks`): a NaN
   or Inf gradient still raises megatron-core's error before any parameter changes, and the host queues the
-  optimizer's preparation while the backward still runs. Only in rerun mode ``disabled`` and where no
-  data-parallel collective spreads the gradients (one data-parallel rank); elsewhere megatron-core's check runs as it
-  is. With ``MEGATRON_GLM5_DEVICE_GRAD_CLIP`` the optimizer phase then has no host sync left (issue 23, round 9: the
+  optimizer's preparation while the backward still runs. Over several data-parallel ranks one small all-reduce
+  tells every rank whether any rank's norms were NaN / Inf, and all of them stop before their step (megatron-core's
+  check leaves the other ranks waiting in the gradient collective). Only in rerun mode ``disabled`` and with one
+  distributed-optimizer instance; elsewhere megatron-core's check runs as it is. With ``MEGATRON_GLM5_DEVICE_GRAD_CLIP`` the optimizer phase then has no host sync left (issue 23, round 9: the
   host's work there is GPU idle time). Routed through :func:`megatron_glm5.compat.route_deferred_grad_checks`.
 * ``MEGATRON_GLM5_CACHED_ROUTER_WALKS`` - megatron-core's two per-step walks over every module after the backward
   (router expert-bias update, temporary-tensor reset) over the router modules only, found once

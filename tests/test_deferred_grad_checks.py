@@ -1,6 +1,6 @@
 """megatron-core's DDP gradient checks decided before the optimizer step (:mod:`megatron_glm5.deferred_grad_checks`,
-issue 23): run through megatron-core's own ``DistributedDataParallel`` on the CPU (one gloo rank), its
-``finish_grad_sync`` and a torch optimizer's ``step``. A NaN / Inf gradient raises megatron-core's own error (the
+issue 23): run through megatron-core's own ``DistributedDataParallel`` on the CPU (one gloo rank; two under
+torchrun), its ``finish_grad_sync`` and a torch optimizer's ``step``. A NaN / Inf gradient raises megatron-core's own error (the
 same text as without the route) before any parameter changes; where the route does not apply megatron-core's check
 runs at once."""
 
@@ -175,29 +175,48 @@ def test_the_bucket_groups_of_one_backward_wait_for_the_step(model_parallel, mon
         _unroute()
 
 
-def test_megatron_cores_check_runs_at_once_where_a_collective_spreads_the_gradients(ddp_model, routed, monkeypatch):
-    """Two data-parallel ranks (the group's size, as megatron-core keeps it), or a rerun mode other than
-    ``disabled``: megatron-core's check runs in ``finish_grad_sync`` as without the route."""
+def test_megatron_cores_check_runs_at_once_in_other_rerun_modes_and_with_instances(ddp_model, routed, monkeypatch):
+    """A rerun mode other than ``disabled`` (it decides re-runs from the result at once), or several
+    distributed-optimizer instances (a second collective): megatron-core's check runs in ``finish_grad_sync``."""
     from megatron.core.rerun_state_machine import RerunMode, get_rerun_state_machine
 
     ddp = ddp_model
     group = ddp.bucket_groups[0]
     assert deferred_grad_checks.deferrable(group)
-    monkeypatch.setattr(group, "data_parallel_group", types.SimpleNamespace(size=lambda: 2))
+    monkeypatch.setattr(group.ddp_config, "num_distributed_optimizer_instances", 2)
     assert not deferred_grad_checks.deferrable(group)
     _backward(ddp, float("nan"))
     with pytest.raises(RuntimeError, match="found NaN"):
         ddp.finish_grad_sync()
-    monkeypatch.undo()
-    monkeypatch.setattr(torch.cuda, "current_stream",
-                        lambda *a, **k: types.SimpleNamespace(wait_event=lambda event: None))
+    assert deferred_grad_checks.pending_checks() == 0
+    monkeypatch.setattr(group.ddp_config, "num_distributed_optimizer_instances", 1)
     machine = get_rerun_state_machine()
     monkeypatch.setattr(machine, "mode", RerunMode.REPORT_DETERMINISM_STATS)
     assert not deferred_grad_checks.deferrable(group)
-    monkeypatch.setattr(group.ddp_config, "num_distributed_optimizer_instances", 2)
-    monkeypatch.setattr(machine, "mode", RerunMode.DISABLED)
-    assert not deferred_grad_checks.deferrable(group)
-    assert deferred_grad_checks.pending_checks() == 0
+
+
+@pytest.mark.parametrize("poison_rank", [None, 0, 1], ids=["clean", "nan_on_rank0", "nan_on_rank1"])
+def test_two_data_parallel_ranks_both_stop_before_their_step(tmp_path, poison_rank):
+    """DP = 2 (torchrun, gloo): the rank whose local gradient is NaN raises megatron-core's own error and the other
+    rank one that says another rank did, both at the optimizer step and before it changed a parameter (megatron-core's
+    check raises on the bad rank only and leaves the other in the collective). Clean gradients: both ranks step,
+    their parameters equal to megatron-core's synchronous check's run."""
+    from tests.distributed import run_torchrun
+
+    routed = run_torchrun("tests.grad_check_workers:two_rank_check", tmp_path / "routed", nproc=2, timeout=180,
+                          poison_rank=poison_rank, routed=True, steps=2)
+    assert all(r["deferred"] and r["pending"] == 0 for r in routed)
+    if poison_rank is None:
+        plain = run_torchrun("tests.grad_check_workers:two_rank_check", tmp_path / "plain", nproc=2, timeout=180,
+                             poison_rank=None, routed=False, steps=2)
+        assert all(r["raised_at"] is None for r in routed + plain)
+        assert [r["params"] for r in routed] == [r["params"] for r in plain]
+        assert routed[0]["params"] == routed[1]["params"]
+        return
+    bad, good = routed[poison_rank], routed[1 - poison_rank]
+    assert bad["raised_at"] == good["raised_at"] == "step" and not bad["changed"] and not good["changed"]
+    assert "found NaN in local grad norm for bucket #0" in bad["error"], bad["error"]
+    assert "another data-parallel rank found a NaN or Inf" in good["error"], good["error"]
 
 
 def test_route_off_by_default_and_installed_by_its_switch(monkeypatch):
