@@ -1019,9 +1019,22 @@ def deferred_grad_checks_routed() -> bool:
     return is_patched(pgb._ParamAndGradBucketGroup, "check_grads") and _optimizer_pre_hook is not None
 
 
+def optimizer_cuda_graph_used() -> bool:
+    """Whether megatron-core's optimizer CUDA graph wrapper (``--optimizer-cuda-graph``) has stepped in this process:
+    its replayed step runs no torch optimizer pre-hook (its first, warm-up step does)."""
+    import sys as _sys
+
+    module = _sys.modules.get("megatron.core.optimizer.optimizer_cuda_graph")
+    if module is None:  # never imported: never used
+        return False
+    wrapper = module.OptimizerCudaGraphWrapper
+    return wrapper.curr_iteration > 0 or wrapper.cuda_graph is not None
+
+
 @_hook("distributed.param_and_grad_buffer: _ParamAndGradBucketGroup.check_grads(check_for_nan_or_inf, "
        "check_for_large) reads only its buckets' grad_data.norm(p=2) and calls the rerun state machine; "
-       "start_grad_sync calls it before the collective; rerun_state_machine.RerunMode.DISABLED; torch.optim's "
+       "start_grad_sync calls it before the collective; rerun_state_machine.RerunMode.DISABLED; "
+       "optimizer.optimizer_cuda_graph.OptimizerCudaGraphWrapper's class counters; torch.optim's "
        "register_optimizer_step_pre_hook", "deferred_grad_checks.py", f"{MCORE} / {TORCH}")
 def _probe_deferred_grad_checks() -> None:
     import inspect
@@ -1037,6 +1050,11 @@ def _probe_deferred_grad_checks() -> None:
                                             "is_unexpectedly_large"}, check.__code__.co_names
     assert "self.check_grads(" in inspect.getsource(pgb._ParamAndGradBucketGroup.start_grad_sync)
     assert RerunMode.DISABLED.value == "disabled"
+    from megatron.core.optimizer import optimizer_cuda_graph as ocg
+
+    wrapper = ocg.OptimizerCudaGraphWrapper
+    assert isinstance(wrapper.curr_iteration, int) and hasattr(wrapper, "cuda_graph")  # class-level counters
+    assert "OptimizerCudaGraphWrapper.curr_iteration += 1" in inspect.getsource(wrapper.__call__)
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     assert callable(register_optimizer_step_pre_hook)

@@ -21,17 +21,21 @@ runs
 * at the same bucket group's next check, for a loop that steps no torch optimizer (it raises one backward later).
 
 With several data-parallel ranks the gradient collective carries a local NaN to every rank before any rank has
-decided its check. So each rank also adds to the values whether any of its norms is NaN / Inf and takes the
-maximum over the bucket group's collective group (one small all-reduce, queued ahead of the gradient collective,
-no host sync): at the decision the rank whose gradients were bad raises megatron-core's error, and every other
-rank raises one that says another rank did, all before their optimizer steps (where megatron-core's own check
-leaves the other ranks waiting in the gradient collective). Only NaN / Inf spread; the non-fatal "unexpectedly
-large" check stays local, as megatron-core's is.
+decided its check. So each rank also all-reduces (MAX) whether any of its norms is NaN / Inf, on a side stream (the
+compute stream never waits for it; NCCL orders it after the collectives queued before): at the decision the rank
+whose gradients were bad raises megatron-core's error, and every other rank raises one that says another rank did,
+all before their optimizer steps (where megatron-core's own check leaves the other ranks waiting in the gradient
+collective). Only NaN / Inf spread; the non-fatal "unexpectedly large" check stays local, as megatron-core's is.
 
-Taken where the route changes nothing but the moment of the raise: megatron-core's rerun mode ``disabled``
-(Megatron-LM's default; the other modes decide re-runs from the result at once) and one distributed-optimizer
-instance (with more, a second collective spans the instances). Elsewhere megatron-core's check runs as it is. Not
-under CUDA graph capture.
+Taken only where that reaches every rank the NaN can reach before an update: a gradient collective over the whole
+job (one process, or pure data parallelism; with tensor, pipeline or expert parallelism a NaN also travels by the
+other groups' collectives, e.g. the sequence-parallel norm gradients and the gradient norm's all-reduce, to ranks
+outside the flag's group, so megatron-core's check runs there as it is), megatron-core's rerun mode ``disabled``
+(Megatron-LM's default; the other modes decide re-runs from the result at once), one distributed-optimizer
+instance, and no CUDA graph of the optimizer step (``--optimizer-cuda-graph``: a replayed step runs no pre-hook).
+A backward whose bucket group finds its previous check still pending (no torch optimizer stepped in between: a
+custom loop, a skipped step) decides it and turns the route off for the process (logged once). Not under CUDA graph
+capture.
 
 Tests: ``tests/test_deferred_grad_checks.py`` (megatron-core's DDP on the CPU: the raise before the parameters
 change, the messages, the fallbacks); ``tests/gpu/test_deferred_grad_checks_gpu.py`` (no host sync under torch's
@@ -40,6 +44,7 @@ sync debug mode).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Callable
@@ -54,14 +59,17 @@ class PendingCheck:
     """One deferred ``check_grads``: the bucket norms (and, over several ranks, whether any rank's were NaN / Inf)
     on their way to the host, and how to replay the check."""
 
-    values: HostValues  # the norms as fp32, then the all-reduced NaN / Inf flag where spread is True
+    norms: HostValues  # this rank's bucket norms
     dtype: torch.dtype  # the norms' own dtype (the replay gets them back exactly)
     replay: Callable[[Any], None]  # megatron-core's check_grads bound to its flags, given a stand-in bucket group
     group: int  # id() of the bucket group checked: its next check means a later backward
-    spread: bool
+    any_rank: HostValues | None  # the all-reduced NaN / Inf flag (several ranks), else None
 
 
 _pending: list[PendingCheck] = []
+_side_streams: dict[Any, Any] = {}
+_log = logging.getLogger("megatron_glm5")
+_turned_off: list[str] = []  # why the route stopped deferring in this process (empty: it defers)
 
 
 class _HostNorm:
@@ -76,54 +84,90 @@ class _HostNorm:
 
 
 def _collective(bucket_group: Any) -> tuple[Any, int] | None:
-    """``(process group, size)`` of the bucket group's gradient collective; None where there is a second collective
-    (several distributed-optimizer instances) or the group cannot be told."""
+    """``(process group, size)`` of the bucket group's gradient collective where it spans the whole job (module
+    docstring); None otherwise, or where there is a second collective (several distributed-optimizer instances)."""
     config = getattr(bucket_group, "ddp_config", None)
     if config is None or getattr(config, "num_distributed_optimizer_instances", 1) != 1:
         return None
     group = getattr(bucket_group, "intra_distributed_optimizer_instance_group", None)
     if group is None:
         group = getattr(bucket_group, "data_parallel_group", None)
-    return None if group is None else (group, group.size())
+    if group is None:
+        return None
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    return (group, group.size()) if group.size() == world else None
 
 
 def deferrable(bucket_group: Any) -> bool:
     """Whether this bucket group's check may be decided later (module docstring): rerun mode ``disabled``, one
-    gradient collective, gradient buffers on one device, no CUDA graph capture."""
+    gradient collective over the whole job, gradient buffers on one device, no optimizer CUDA graph, no CUDA graph
+    capture, and the route not turned off."""
     from megatron.core.rerun_state_machine import RerunMode, get_rerun_state_machine
 
-    if get_rerun_state_machine().mode != RerunMode.DISABLED or _collective(bucket_group) is None:
+    if _turned_off or get_rerun_state_machine().mode != RerunMode.DISABLED or _collective(bucket_group) is None:
         return False
     buffers = [b.grad_data for b in bucket_group.buckets]
     if not buffers or len({t.device for t in buffers}) != 1:
         return False
+    from megatron_glm5.compat import optimizer_cuda_graph_used
+
+    if optimizer_cuda_graph_used():
+        return False
     return not (buffers[0].is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def _turn_off(reason: str) -> None:
+    if not _turned_off:
+        _log.warning("megatron-glm5: DDP's gradient checks run at the end of each backward again (%s)", reason)
+    _turned_off.append(reason)
+
+
+def _side_stream(device: torch.device):
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
+
+
+def _any_rank_flag(values: torch.Tensor, process_group: Any) -> HostValues:
+    """Whether any rank's norms hold a NaN / Inf (all-reduced MAX), on its way to the host. On CUDA the flag is
+    formed and reduced on a side stream that first waits for the norms, so the compute stream never waits for the
+    collective."""
+    if not values.is_cuda:
+        flag = (~torch.isfinite(values)).any().float().reshape(1)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=process_group)
+        return HostValues(flag)
+    side = _side_stream(values.device)
+    side.wait_stream(torch.cuda.current_stream(values.device))
+    with torch.cuda.stream(side):
+        flag = (~torch.isfinite(values)).any().float().reshape(1)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=process_group)
+        host = HostValues(flag)  # copied and its event recorded on the side stream
+    values.record_stream(side)
+    return host
 
 
 def check_grads_deferred(original: Callable, bucket_group: Any, check_for_nan_or_inf: bool,
                          check_for_large: bool) -> None:
     """megatron-core's ``_ParamAndGradBucketGroup.check_grads`` (``original``) decided later where
-    :func:`deferrable`, else at once by ``original``. Checks still pending from an earlier backward (this bucket group
-    has one pending) are decided first; those of the other bucket groups of this backward (DDP's expert-parallel
-    groups, other buffers) are left to the optimizer step."""
+    :func:`deferrable`, else at once by ``original``. A check of this bucket group still pending is from an earlier
+    backward with no torch optimizer step since: it is decided now, and the route turns itself off. The pending checks
+    of the other bucket groups of this backward (DDP's expert-parallel groups, other buffers) are left to the
+    optimizer step."""
     if any(check.group == id(bucket_group) for check in _pending):
+        _turn_off("no torch optimizer step between two backwards: a custom loop, a skipped or graphed step")
         resolve_pending()
     if not deferrable(bucket_group):
         return original(bucket_group, check_for_nan_or_inf, check_for_large)
     process_group, size = _collective(bucket_group)
-    spread = check_for_nan_or_inf and size > 1
     with torch.no_grad():
         norms = torch.stack([b.grad_data.norm(p=2) for b in bucket_group.buckets])  # megatron-core's expression
         values = norms.float()
-        if spread:  # any rank's NaN / Inf, known to all before the collective's result is used
-            flag = (~torch.isfinite(values)).any().float().reshape(1)
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=process_group)
-            values = torch.cat([values, flag])
+        any_rank = _any_rank_flag(values, process_group) if check_for_nan_or_inf and size > 1 else None
 
     def replay(stand_in: Any) -> None:
         original(stand_in, check_for_nan_or_inf, check_for_large)
 
-    _pending.append(PendingCheck(HostValues(values), norms.dtype, replay, id(bucket_group), spread))
+    _pending.append(PendingCheck(HostValues(values), norms.dtype, replay, id(bucket_group), any_rank))
 
 
 def resolve_pending() -> None:
@@ -131,12 +175,11 @@ def resolve_pending() -> None:
     megatron-core's error for the first one rejected (the others are dropped with it: the run stops there)."""
     while _pending:
         check = _pending.pop(0)
-        values = check.values.get()
-        norms = values[:-1] if check.spread else values
+        norms = check.norms.get()
         buckets = [SimpleNamespace(grad_data=_HostNorm(torch.tensor(v, dtype=check.dtype))) for v in norms]
         try:
             check.replay(SimpleNamespace(buckets=buckets))
-            if check.spread and values[-1] > 0:
+            if check.any_rank is not None and check.any_rank.get()[0] > 0:
                 raise RuntimeError(
                     "megatron-glm5: another data-parallel rank found a NaN or Inf in its local gradient norm before "
                     f"the gradient collective of a bucket group of {len(norms)} bucket(s) (that rank raised "
@@ -153,8 +196,10 @@ def pending_checks() -> int:
 
 
 def before_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
-    """torch's global optimizer step pre-hook: the pending checks are decided before the step changes a parameter."""
-    if _pending:
+    """torch's global optimizer step pre-hook: the pending checks are decided before the step changes a parameter
+    (not while a CUDA graph captures the step: there is nothing pending then, as :func:`deferrable` refuses once
+    megatron-core's optimizer graph wrapper has run)."""
+    if _pending and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         resolve_pending()
 
 

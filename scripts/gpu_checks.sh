@@ -33,6 +33,8 @@
 # bench_dkv_packed (bench_dkv_key_blocks.py --packed all: the key-block route on packed batches past 8K tokens, and
 # whether its rule picked the faster backward), profile_dkv (ncu on one launch of the key-block kernel, 16 heads, 8K,
 # schedule $DKV_SCHEDULE, default wsp: OUT_DIR/dkv_ncu.txt with the full set and OUT_DIR/dkv_source.csv for ncu_source_summary.py).
+# pp_options (the pp forward's opt-in builds against its default, bitwise: named barriers, the persistent grid),
+# sweep_fwd (sweep_sparse_fwd.py, sections $SWEEP_SECTIONS, default fwd64,nope64,fwd16: OUT_DIR/fwd.md),
 # kernels_ws (the kernel tests with the ws forward variant), bench_grouped (bench_grouped_experts.py), the indexer
 # training clients (indexer_client_sparse: Megatron-LM's pretrain_gpt.py with the sparse indexer loss, both specs;
 # indexer_client_warmup: the dense warm-up specs; indexer_pretrain_warmup: python -m megatron_glm5.pretrain with
@@ -70,6 +72,10 @@ for step in "$@"; do
     optim_fusions) run optim_fusions 120 python3 -m pytest tests/gpu/test_optim_fusions_gpu.py tests/gpu/test_optimizer_phase_gpu.py tests/gpu/test_deferred_grad_checks_gpu.py -q -s -p no:cacheprovider ;;
     expert_wgrad) run expert_wgrad 120 python3 scripts/bench/bench_expert_wgrad.py ;;
     rope_cat) run rope_cat 120 python3 -m pytest tests/gpu/test_rope_cat_gpu.py -q -s -p no:cacheprovider ;;
+    pp_options) run pp_options 300 python3 -m pytest tests/gpu/test_kernels_gpu.py -q -s -p no:cacheprovider \
+      -k "fwd_pp_options or fwd_pp_persistent" ;;
+    sweep_fwd) TAIL=60 run sweep_fwd 300 python3 scripts/bench/sweep_sparse_fwd.py --sections "${SWEEP_SECTIONS:-fwd64,nope64,fwd16}" \
+      --out "$OUT_DIR/fwd.md" ;;
     kernels_ws) MEGATRON_GLM5_TEST_FWD_VARIANT=ws run kernels_ws 200 python3 -m pytest tests/gpu/test_kernels_gpu.py -q -s -p no:cacheprovider ;;
     grouped_route) MEGATRON_GLM5_TEST_GROUPED=1 run grouped_route 300 python3 -m pytest tests/gpu/test_kernels_gpu.py \
       -q -s -p no:cacheprovider ;;

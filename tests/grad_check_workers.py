@@ -11,15 +11,17 @@ from megatron_glm5 import compat, deferred_grad_checks
 from megatron_glm5.parallel import initialize_model_parallel
 
 
-def two_rank_check(rank: int, world_size: int, poison_rank: int | None, routed: bool, steps: int = 1) -> dict:
-    """One backward per step (each rank its own batch) through megatron-core's DDP at DP = 2, a NaN written into
+def two_rank_check(rank: int, world_size: int, poison_rank: int | None, routed: bool, steps: int = 1,
+                   tp: int = 1) -> dict:
+    """One backward per step (each rank its own batch) through megatron-core's DDP at DP = 2 (or TP = 2 and DP = 1:
+    ``tp``), a NaN written into
     ``poison_rank``'s local gradient after the last backward (None: none), then ``finish_grad_sync`` and an SGD step.
     Returns where each rank raised, the message, and whether a parameter changed in the step that raised."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import TransformerConfig
 
     torch.cuda.current_stream = lambda *a, **k: types.SimpleNamespace(wait_event=lambda event: None)
-    initialize_model_parallel()
+    initialize_model_parallel(tensor_model_parallel_size=tp)
     if routed:
         assert compat.route_deferred_grad_checks(deferred_grad_checks.check_grads_deferred,
                                                  deferred_grad_checks.before_optimizer_step)

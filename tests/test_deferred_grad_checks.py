@@ -31,6 +31,7 @@ def ddp_model(model_parallel, monkeypatch):
     assert len(ddp.bucket_groups) == 1
     yield ddp
     deferred_grad_checks._pending.clear()
+    deferred_grad_checks._turned_off.clear()
 
 
 @pytest.fixture
@@ -122,21 +123,41 @@ def test_good_gradients_step_as_without_the_route(ddp_model, routed):
     assert all(not torch.equal(a, s) for a, s in zip(routed_params, start))
 
 
-def test_a_check_left_pending_is_decided_at_the_next_check(ddp_model, routed):
-    """A loop that steps no torch optimizer: the NaN of one backward raises at the next backward's check."""
+def test_a_check_left_pending_is_decided_at_the_next_check_and_the_route_turns_off(ddp_model, routed, caplog):
+    """A loop that steps no torch optimizer between two backwards (a custom loop, a skipped or graphed step): the
+    NaN of one backward raises at the next backward's check, and from then on megatron-core's check runs at once."""
     ddp = ddp_model
     _backward(ddp, float("nan"))
     ddp.finish_grad_sync()
     _backward(ddp)  # clean gradients now
-    with pytest.raises(RuntimeError, match="found NaN in local grad norm for bucket #0"):
+    with caplog.at_level("WARNING", logger="megatron_glm5"), pytest.raises(
+            RuntimeError, match="found NaN in local grad norm for bucket #0"):
         ddp.finish_grad_sync()
     assert deferred_grad_checks.pending_checks() == 0
+    assert not deferred_grad_checks.deferrable(ddp.bucket_groups[0])
+    assert "no torch optimizer step between two backwards" in caplog.text
+    _backward(ddp, float("inf"))
+    with pytest.raises(RuntimeError, match="found Inf in local grad norm"):
+        ddp.finish_grad_sync()  # synchronous now
+
+
+def test_not_deferred_once_the_optimizer_step_is_a_cuda_graph(ddp_model, routed, monkeypatch):
+    """megatron-core's optimizer CUDA graph wrapper (``--optimizer-cuda-graph``) replays the step without torch's
+    pre-hooks: once it has stepped, the checks run at once."""
+    from megatron.core.optimizer import optimizer_cuda_graph as ocg
+
+    group = ddp_model.bucket_groups[0]
+    assert deferred_grad_checks.deferrable(group)
+    monkeypatch.setattr(ocg.OptimizerCudaGraphWrapper, "curr_iteration", 1)
+    assert compat.optimizer_cuda_graph_used() and not deferred_grad_checks.deferrable(group)
+    _backward(ddp_model, float("nan"))
+    with pytest.raises(RuntimeError, match="found NaN"):
+        ddp_model.finish_grad_sync()
 
 
 def test_the_bucket_groups_of_one_backward_wait_for_the_step(model_parallel, monkeypatch):
     """Two bucket groups (dense and expert-parallel parameters): the second group's check does not decide the first
-    one's (that would be a host sync in the middle of the backward); a NaN in either raises at the step, naming its
-    bucket."""
+    one's (that would be a host sync in the middle of the backward); a NaN in either group raises at the step."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import TransformerConfig
 
@@ -176,8 +197,9 @@ def test_the_bucket_groups_of_one_backward_wait_for_the_step(model_parallel, mon
 
 
 def test_megatron_cores_check_runs_at_once_in_other_rerun_modes_and_with_instances(ddp_model, routed, monkeypatch):
-    """A rerun mode other than ``disabled`` (it decides re-runs from the result at once), or several
-    distributed-optimizer instances (a second collective): megatron-core's check runs in ``finish_grad_sync``."""
+    """Several distributed-optimizer instances (a second collective): megatron-core's check runs in
+    ``finish_grad_sync``. A rerun mode other than ``disabled`` (it decides re-runs from the result at once) is not
+    deferrable either (only that decision is checked here: those modes need megatron-core's rerun loop)."""
     from megatron.core.rerun_state_machine import RerunMode, get_rerun_state_machine
 
     ddp = ddp_model
@@ -217,6 +239,18 @@ def test_two_data_parallel_ranks_both_stop_before_their_step(tmp_path, poison_ra
     assert bad["raised_at"] == good["raised_at"] == "step" and not bad["changed"] and not good["changed"]
     assert "found NaN in local grad norm for bucket #0" in bad["error"], bad["error"]
     assert "another data-parallel rank found a NaN or Inf" in good["error"], good["error"]
+
+
+def test_tensor_parallel_ranks_keep_megatron_cores_check(tmp_path):
+    """TP = 2, DP = 1: a NaN would reach the tensor-parallel peer by collectives outside the data-parallel group, so
+    the check is not deferred: the bad rank raises in ``finish_grad_sync``, as without the route."""
+    from tests.distributed import run_torchrun
+
+    results = run_torchrun("tests.grad_check_workers:two_rank_check", tmp_path, nproc=2, timeout=180,
+                           poison_rank=1, routed=True, steps=1, tp=2)
+    assert not any(r["deferred"] for r in results)
+    assert results[1]["raised_at"] == "finish_grad_sync" and "found NaN" in results[1]["error"]
+    assert results[0]["raised_at"] is None
 
 
 def test_route_off_by_default_and_installed_by_its_switch(monkeypatch):
