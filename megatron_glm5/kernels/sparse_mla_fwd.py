@@ -647,8 +647,10 @@ def _jit_fwd_pp():
         (the SM count: one CTA fits an SM), CTA ``b`` serving the (query, head block) items ``b, b + ctas, ...`` in
         the one-query grid's order. Each warpgroup runs the same per-query code; every per-pair barrier's parity
         continues from the pairs of the CTA's earlier items, and ``Q``'s and the row sums' barriers change phase once
-        per item. ``Q`` of the next item is loaded only after the row-sum exchange, by when both math warpgroups'
-        GEMMs of the item are done. What it should buy: the producer gathers the next item's first blocks while the
+        per item. ``Q`` of the next item is loaded after the row-sum exchange (by when both math warpgroups' GEMMs of
+        the item are done) and this item's store: loaded before the store, to hide its latency, it spilled 108-132
+        bytes per thread (ptxas; register loads of ``Q`` with ``O`` still live), so that needs ``Q`` by ``cp.async``
+        (not built). What it should buy: the producer gathers the next item's first blocks while the
         math warpgroups finish this item's last ``P V`` and store it, and no CTA launch and prologue per query
         (about 4-5 % of a CTA's time at 16K tokens, by arithmetic). Results are the same bitwise (the same per-query
         schedule); the default build's generated source is byte-identical to the kernel before this option.
@@ -808,10 +810,9 @@ def _jit_fwd_pp():
             return jp if base is None else base + jp
 
         @T.macro
-        def wg0_query(S, Q, Idx, Out, t, t_kv, h0, tx, n_pair, base, q_parity, next_q):
+        def wg0_query(S, Q, Idx, Out, t, t_kv, h0, tx, n_pair, base, q_parity):
             # WG0: even blocks' scores (stage 0), left half of d_v over both blocks.
-            if next_q is None:  # one query per CTA: its Q first (a persistent CTA's was loaded by the item before)
-                load_q_tile(Q, t, h0, tx, S.q_l, S.q_r, S.q_t, dh, d_v, d_tail, S.bar_q)
+            load_q_tile(Q, t, h0, tx, S.q_l, S.q_r, S.q_t, dh, d_v, d_tail, S.bar_q)
             T.fill(S.o0, 0)
             T.fill(S.l0, 0)
             T.fill(S.m0, -(2.0**30))  # finite start: a fully masked block gives exp2(-inf) = 0, never NaN
@@ -861,18 +862,14 @@ def _jit_fwd_pp():
             T.copy(S.l0, S.sl0)
             T.barrier_arrive(S.bar_l[0])
             T.barrier_wait(S.bar_l[1], q_parity)
-            if next_q is not None:  # Q is free (both warpgroups' GEMMs are done): the next item's, under the store
-                if next_q[0]:
-                    load_q_tile(Q, next_q[1], next_q[2], tx, S.q_l, S.q_r, S.q_t, dh, d_v, d_tail, S.bar_q)
             for h in T.Parallel(block_h):
                 S.l0[h] += S.sl1[h]
             store_half(Out, t, h0, S.o0, S.l0, 0, dh)
 
         @T.macro
-        def wg1_query(S, Q, Idx, Out, Lse, t, t_kv, h0, tx, n_pair, base, q_parity, next_q):
+        def wg1_query(S, Q, Idx, Out, Lse, t, t_kv, h0, tx, n_pair, base, q_parity):
             # WG1: odd blocks' scores (stage 1), right half of d_v over both blocks; writes the LSE.
-            if next_q is None:
-                load_q_tile(Q, t, h0, tx, S.q_l, S.q_r, S.q_t, dh, d_v, d_tail, S.bar_q)
+            load_q_tile(Q, t, h0, tx, S.q_l, S.q_r, S.q_t, dh, d_v, d_tail, S.bar_q)
             T.fill(S.o1, 0)
             T.fill(S.l1, 0)
             T.fill(S.m1, -(2.0**30))
@@ -909,9 +906,6 @@ def _jit_fwd_pp():
             T.copy(S.l1, S.sl1)
             T.barrier_arrive(S.bar_l[1])
             T.barrier_wait(S.bar_l[0], q_parity)
-            if next_q is not None:
-                if next_q[0]:
-                    load_q_tile(Q, next_q[1], next_q[2], tx, S.q_l, S.q_r, S.q_t, dh, d_v, d_tail, S.bar_q)
             for h in T.Parallel(block_h):
                 S.l1[h] += S.sl0[h]
             store_half(Out, t, h0, S.o1, S.l1, dh, dh)
@@ -970,10 +964,10 @@ def _jit_fwd_pp():
                     n_pair = T.ceildiv(VLen[t], 2 * bi)
                     if tx < 128:
                         T.set_max_nreg(nreg[0], 1)
-                        wg0_query(S, Q, Idx, Out, t, t_kv, h0, tx, n_pair, None, 0, None)
+                        wg0_query(S, Q, Idx, Out, t, t_kv, h0, tx, n_pair, None, 0)
                     elif tx < 256:
                         T.set_max_nreg(nreg[1], 1)
-                        wg1_query(S, Q, Idx, Out, Lse, t, t_kv, h0, tx, n_pair, None, 0, None)
+                        wg1_query(S, Q, Idx, Out, Lse, t, t_kv, h0, tx, n_pair, None, 0)
                     else:
                         T.set_max_nreg(nreg[2], 0)
                         lane = tx - 256
@@ -1004,29 +998,19 @@ def _jit_fwd_pp():
                     done[0] = 0
                     if tx < 128:
                         T.set_max_nreg(nreg[0], 1)
-                        if n_mine > 0:  # the first item's Q; each item loads the next one's under its store
-                            load_q_tile(Q, bx % n_idx, bx // n_idx * block_h, tx, S.q_l, S.q_r, S.q_t, dh, d_v,
-                                        d_tail, S.bar_q)
                         for k in T.serial(n_mine):
                             item[0] = (bx + k * ctas) % n_idx
                             item[1] = (bx + k * ctas) // n_idx * block_h
                             item[2] = T.ceildiv(VLen[item[0]], 2 * bi)
-                            wg0_query(S, Q, Idx, Out, item[0], t_kv, item[1], tx, item[2], done[0], k & 1,
-                                      (k + 1 < n_mine, (bx + k * ctas + ctas) % n_idx,
-                                       (bx + k * ctas + ctas) // n_idx * block_h))
+                            wg0_query(S, Q, Idx, Out, item[0], t_kv, item[1], tx, item[2], done[0], k & 1)
                             done[0] = done[0] + item[2]
                     elif tx < 256:
                         T.set_max_nreg(nreg[1], 1)
-                        if n_mine > 0:
-                            load_q_tile(Q, bx % n_idx, bx // n_idx * block_h, tx, S.q_l, S.q_r, S.q_t, dh, d_v,
-                                        d_tail, S.bar_q)
                         for k in T.serial(n_mine):
                             item[0] = (bx + k * ctas) % n_idx
                             item[1] = (bx + k * ctas) // n_idx * block_h
                             item[2] = T.ceildiv(VLen[item[0]], 2 * bi)
-                            wg1_query(S, Q, Idx, Out, Lse, item[0], t_kv, item[1], tx, item[2], done[0], k & 1,
-                                      (k + 1 < n_mine, (bx + k * ctas + ctas) % n_idx,
-                                       (bx + k * ctas + ctas) // n_idx * block_h))
+                            wg1_query(S, Q, Idx, Out, Lse, item[0], t_kv, item[1], tx, item[2], done[0], k & 1)
                             done[0] = done[0] + item[2]
                     else:
                         T.set_max_nreg(nreg[2], 0)
