@@ -35,7 +35,8 @@ REMOVED_CIRCLES = (
 RANKS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("floor", ("megatron_glm5/kernels/", "megatron_glm5/compat.py", "megatron_glm5/device_check.py",
                "megatron_glm5/version.py", "megatron_glm5/fusions.py", "megatron_glm5/optim_fusions.py",
-               "megatron_glm5/moe_dispatch.py", "megatron_glm5/finalize_walks.py", "megatron_glm5/__init__.py")),
+               "megatron_glm5/moe_dispatch.py", "megatron_glm5/finalize_walks.py",
+               "megatron_glm5/deferred_grad_checks.py", "megatron_glm5/__init__.py")),
     ("dsa", ("megatron_glm5/dsa/", "megatron_glm5/moe/")),
     ("core", ("megatron_glm5/core/", "megatron_glm5/offload.py", "megatron_glm5/cpu.py", "megatron_glm5/providers.py",
               "megatron_glm5/parallel.py")),
