@@ -29,6 +29,7 @@ def ddp(parallel):
     model = DistributedDataParallel(config, DistributedDataParallelConfig(check_for_nan_in_grad=True), module)
     yield model
     deferred_grad_checks._pending.clear()
+    deferred_grad_checks._turned_off.clear()
     _unroute()
 
 
