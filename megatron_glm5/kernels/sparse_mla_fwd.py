@@ -944,17 +944,24 @@ def _jit_fwd_pp():
                          2 * jp + 1)
                 T.cp_async_barrier_noinc(S.bar_ready[2])
 
-        if not ctas:
+        @T.macro
+        def take_item(item, VLen, bx, k, head: bool):
+            # a persistent CTA's k-th item: its query (row of Idx), first head (the math warpgroups') and pairs
+            item[0] = (bx + k * ctas) % n_idx
+            if head:
+                item[1] = (bx + k * ctas) // n_idx * block_h
+            item[2] = T.ceildiv(VLen[item[0]], 2 * bi)
 
-            @T.prim_func
-            def main(
-                Q: T.Tensor([t_len, heads, d_qk], bf16),
-                KV: T.Tensor([t_kv, d_qk], bf16),
-                Idx: T.Tensor([n_idx, topk], i32),
-                VLen: T.Tensor([n_idx], i32),
-                Out: T.Tensor([t_len, heads, d_v], bf16),
-                Lse: T.Tensor([t_len, heads], f32),
-            ):
+        @T.prim_func
+        def main(
+            Q: T.Tensor([t_len, heads, d_qk], bf16),
+            KV: T.Tensor([t_kv, d_qk], bf16),
+            Idx: T.Tensor([n_idx, topk], i32),
+            VLen: T.Tensor([n_idx], i32),
+            Out: T.Tensor([t_len, heads, d_v], bf16),
+            Lse: T.Tensor([t_len, heads], f32),
+        ):
+            if not ctas:  # one CTA per (query, head block)
                 with T.Kernel(n_idx, n_hblk, threads=threads) as (t, hb):
                     S = alloc()
                     if named_exchange:
@@ -972,18 +979,7 @@ def _jit_fwd_pp():
                         T.set_max_nreg(nreg[2], 0)
                         lane = tx - 256
                         producer_query(S, KV, Idx, t, t_kv, lane, n_pair, None)
-
-        else:
-
-            @T.prim_func
-            def main(
-                Q: T.Tensor([t_len, heads, d_qk], bf16),
-                KV: T.Tensor([t_kv, d_qk], bf16),
-                Idx: T.Tensor([n_idx, topk], i32),
-                VLen: T.Tensor([n_idx], i32),
-                Out: T.Tensor([t_len, heads, d_v], bf16),
-                Lse: T.Tensor([t_len, heads], f32),
-            ):
+            else:
                 # persistent: CTA b serves (query, head block) items b, b + ctas, ... (queries fastest, the order
                 # of the one-query grid), so the producer gathers the next item's first blocks while the math
                 # warpgroups finish this one's last P V and store it
@@ -999,25 +995,20 @@ def _jit_fwd_pp():
                     if tx < 128:
                         T.set_max_nreg(nreg[0], 1)
                         for k in T.serial(n_mine):
-                            item[0] = (bx + k * ctas) % n_idx
-                            item[1] = (bx + k * ctas) // n_idx * block_h
-                            item[2] = T.ceildiv(VLen[item[0]], 2 * bi)
+                            take_item(item, VLen, bx, k, True)
                             wg0_query(S, Q, Idx, Out, item[0], t_kv, item[1], tx, item[2], done[0], k & 1)
                             done[0] = done[0] + item[2]
                     elif tx < 256:
                         T.set_max_nreg(nreg[1], 1)
                         for k in T.serial(n_mine):
-                            item[0] = (bx + k * ctas) % n_idx
-                            item[1] = (bx + k * ctas) // n_idx * block_h
-                            item[2] = T.ceildiv(VLen[item[0]], 2 * bi)
+                            take_item(item, VLen, bx, k, True)
                             wg1_query(S, Q, Idx, Out, Lse, item[0], t_kv, item[1], tx, item[2], done[0], k & 1)
                             done[0] = done[0] + item[2]
                     else:
                         T.set_max_nreg(nreg[2], 0)
                         lane = tx - 256
                         for k in T.serial(n_mine):
-                            item[0] = (bx + k * ctas) % n_idx
-                            item[2] = T.ceildiv(VLen[item[0]], 2 * bi)
+                            take_item(item, VLen, bx, k, False)
                             producer_query(S, KV, Idx, item[0], t_kv, lane, item[2], done[0])
                             done[0] = done[0] + item[2]
 
