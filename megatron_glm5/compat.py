@@ -1022,9 +1022,7 @@ def deferred_grad_checks_routed() -> bool:
 def optimizer_cuda_graph_used() -> bool:
     """Whether megatron-core's optimizer CUDA graph wrapper (``--optimizer-cuda-graph``) has stepped in this process:
     its replayed step runs no torch optimizer pre-hook (its first, warm-up step does)."""
-    import sys as _sys
-
-    module = _sys.modules.get("megatron.core.optimizer.optimizer_cuda_graph")
+    module = sys.modules.get("megatron.core.optimizer.optimizer_cuda_graph")
     if module is None:  # never imported: never used
         return False
     wrapper = module.OptimizerCudaGraphWrapper

@@ -43,8 +43,9 @@ environment variable read when a module or block spec is built (``0`` or ``1``; 
   step (megatron-core's check leaves the other ranks waiting in the gradient collective). Only where the gradient
   collective spans the whole job (one process, or pure data parallelism: with tensor, pipeline or expert
   parallelism a NaN also travels outside that group), in rerun mode ``disabled``, with one distributed-optimizer
-  instance and no optimizer CUDA graph; elsewhere megatron-core's check runs as it is. With ``MEGATRON_GLM5_DEVICE_GRAD_CLIP`` the optimizer phase then has no host sync left (issue 23, round 9: the
-  host's work there is GPU idle time). Routed through :func:`megatron_glm5.compat.route_deferred_grad_checks`.
+  instance and no optimizer CUDA graph; elsewhere megatron-core's check runs as it is. With
+  ``MEGATRON_GLM5_DEVICE_GRAD_CLIP`` the optimizer phase then has no host sync left (issue 23, round 9: the host's
+  work there is GPU idle time). Routed through :func:`megatron_glm5.compat.route_deferred_grad_checks`.
 * ``MEGATRON_GLM5_CACHED_ROUTER_WALKS`` - megatron-core's two per-step walks over every module after the backward
   (router expert-bias update, temporary-tensor reset) over the router modules only, found once
   (:mod:`megatron_glm5.finalize_walks`; megatron-core's own functions, same result). H200, GLM-5 slice: 2.95 -> 0.69

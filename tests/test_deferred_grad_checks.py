@@ -1,8 +1,8 @@
 """megatron-core's DDP gradient checks decided before the optimizer step (:mod:`megatron_glm5.deferred_grad_checks`,
 issue 23): run through megatron-core's own ``DistributedDataParallel`` on the CPU (one gloo rank; two under
-torchrun), its ``finish_grad_sync`` and a torch optimizer's ``step``. A NaN / Inf gradient raises megatron-core's own error (the
-same text as without the route) before any parameter changes; where the route does not apply megatron-core's check
-runs at once."""
+torchrun), its ``finish_grad_sync`` and a torch optimizer's ``step``. A NaN / Inf gradient raises megatron-core's own
+error (the same text as without the route) before any parameter changes; where the route does not apply
+megatron-core's check runs at once."""
 
 from __future__ import annotations
 

@@ -123,7 +123,8 @@ def _compile_one(case: str) -> tuple[str, int, str]:
         assert "glm5_bulk_add_f32" in src, case
     if case.startswith("fwd_pp"):  # the pp build options must reach the source
         _check_pp_source(src, lean="neither" not in case)
-        named = ["glm5_bar_arrive(8, 256)", "glm5_bar_sync(8, 256)", "glm5_bar_arrive(11, 256)", "glm5_bar_sync(11, 256)"]
+        named = ["glm5_bar_arrive(8, 256)", "glm5_bar_sync(8, 256)",
+                 "glm5_bar_arrive(11, 256)", "glm5_bar_sync(11, 256)"]
         assert all(n in src for n in named) == ("named" in case), case
         # the persistent walk: Q's and the row sums' barriers change phase per item, the per-pair ones run on
         walk = ["bar_q[0].wait((k & 1))", "bar_l[1].wait((k & 1))", "done[0] = (done[0] + item[2])"]

@@ -151,8 +151,9 @@ def multiprocessor_count(device: torch.device) -> int:
 class HostValues:
     """A few device values (integers, or the gradient norms of ``deferred_grad_checks``) read on the host later
     without a sync: copied to pinned host memory behind an event recorded on the copy's stream when made (in a
-    forward), read by :meth:`get` (in its backward), by when the copy has normally long finished. Under a recompute that re-runs the forward inside the backward, :meth:`get` waits
-    for the GPU to reach the just-queued copy. CPU values are kept as they are. Not capturable into a CUDA graph."""
+    forward), read by :meth:`get` (in its backward), by when the copy has normally long finished. Under a recompute
+    that re-runs the forward inside the backward, :meth:`get` waits for the GPU to reach the just-queued copy. CPU
+    values are kept as they are. Not capturable into a CUDA graph."""
 
     def __init__(self, values: torch.Tensor):
         values = values.reshape(-1)
