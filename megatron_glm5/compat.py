@@ -1058,6 +1058,59 @@ def _probe_deferred_grad_checks() -> None:
     assert callable(register_optimizer_step_pre_hook)
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# 20. megatron-core's rerun state machine: the forward loss checks decided at the optimizer step
+#     (rerun_state_machine.RerunStateMachine.validate_result; the step pre-hook of hook 19)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def route_deferred_loss_checks(validate_result: Callable) -> bool:
+    """Every ``RerunStateMachine.validate_result(result, rejection_func, message, comparison_func, tolerance,
+    fatal)`` goes through ``validate_result(original, machine, ...)``. Decided at the optimizer step pre-hook of
+    :func:`route_deferred_grad_checks`, so it is installed only with that route (returns False without it)."""
+    if not deferred_grad_checks_routed():
+        return False
+    from megatron.core.rerun_state_machine import RerunStateMachine
+
+    if not is_patched(RerunStateMachine, "validate_result"):
+        original = RerunStateMachine.validate_result
+
+        def routed_validate_result(self, result, rejection_func, message, comparison_func=None, tolerance=0.0,
+                                   fatal=True):
+            return validate_result(original, self, result, rejection_func, message, comparison_func, tolerance,
+                                   fatal)
+
+        install_patches(((RerunStateMachine, "validate_result", routed_validate_result),))
+    return deferred_loss_checks_routed()
+
+
+def deferred_loss_checks_routed() -> bool:
+    from megatron.core.rerun_state_machine import RerunStateMachine
+
+    return is_patched(RerunStateMachine, "validate_result") and deferred_grad_checks_routed()
+
+
+@_hook("rerun_state_machine: RerunStateMachine.validate_result(result, rejection_func, message, comparison_func, "
+       "tolerance, fatal) in mode DISABLED calls rejection_func(result) and raises with current_iteration + 1; "
+       "should_run_forward_backward counts current_iteration once per iteration in that mode",
+       "deferred_grad_checks.py", MCORE)
+def _probe_deferred_loss_checks() -> None:
+    import inspect
+
+    from megatron.core.rerun_state_machine import RerunStateMachine
+
+    check = unpatched(RerunStateMachine, "validate_result")
+    assert list(inspect.signature(check).parameters) == ["self", "result", "rejection_func", "message",
+                                                         "comparison_func", "tolerance", "fatal"]
+    source = inspect.getsource(check)
+    disabled = source[source.index("if self.mode == RerunMode.DISABLED:"):source.index("if comparison_func is None")]
+    for piece in ("rejection_func(result)", "self.current_iteration + 1", "raise RuntimeError(full_message)",
+                  "self._log_validation_error_to_file("):
+        assert piece in disabled, piece
+    run = inspect.getsource(RerunStateMachine.should_run_forward_backward)
+    assert "self.current_iteration += 1" in run and "RerunMode.DISABLED" in run
+
+
 def check_all() -> list[str]:
     """Run every probe; the names of those that fail (an empty list: every internal is where it was)."""
     failed = []

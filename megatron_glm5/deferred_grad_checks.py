@@ -37,6 +37,20 @@ A backward whose bucket group finds its previous check still pending (no torch o
 custom loop, a skipped step) decides it and turns the route off for the process (logged once). Not under CUDA graph
 capture.
 
+The forward's loss checks (Megatron-LM's ``loss_func``: ``validate_result(loss, torch.isnan, ...)`` and the same
+with ``torch.isinf``, one host sync each per micro-batch; :func:`validate_result_deferred`) are decided at the same
+point, before the gradient checks of their iteration, once the gradient checks have been deferred (so the first
+iteration checks its losses at once, and a layout whose gradient checks run at once keeps its loss checks at once
+too). Only for a loss that will be back-propagated (it requires a gradient: a training forward; evaluation and
+forward-only log-probs run under ``torch.no_grad`` and check at once). The flag ``rejection_func(loss)`` goes to the
+host as the norms do; only a rejected one replays megatron-core's ``validate_result``, on a detached copy of the loss
+taken at the check (Megatron-LM divides the loss in place afterwards), in the iteration it came from: the same log
+file entry and the same error, word for word (a 0-dim loss, which its message formats as a number). Over
+several data-parallel ranks the flags ride on the next gradient check's all-reduced NaN / Inf flag, so a NaN loss
+whose gradients stay finite (a NaN under the loss mask) stops every rank before its step too. A loss check of an
+earlier iteration still pending (no torch optimizer stepped since) is decided at the next one, and the route turns
+off.
+
 Tests: ``tests/test_deferred_grad_checks.py`` (megatron-core's DDP on the CPU: the raise before the parameters
 change, the messages, the fallbacks); ``tests/gpu/test_deferred_grad_checks_gpu.py`` (no host sync under torch's
 sync debug mode).
@@ -65,11 +79,41 @@ class PendingCheck:
     group: int  # id() of the bucket group checked: its next check means a later backward
     any_rank: HostValues | None  # the all-reduced NaN / Inf flag (several ranks), else None
 
+    def decide(self) -> None:
+        """megatron-core's check on the host values; over several ranks, then the other ranks' flag."""
+        norms = self.norms.get()
+        self.replay(SimpleNamespace(buckets=[SimpleNamespace(grad_data=_HostNorm(torch.tensor(v, dtype=self.dtype)))
+                                             for v in norms]))
+        if self.any_rank is not None and self.any_rank.get()[0] > 0:
+            raise RuntimeError(
+                "megatron-glm5: another data-parallel rank found a NaN or Inf in its local forward loss or gradient "
+                f"norm before the gradient collective of a bucket group of {len(norms)} bucket(s) (that rank "
+                "raised megatron-core's error); this rank's reduced gradients carry it, so it stops before its "
+                "optimizer step too")
+
+
+@dataclass
+class PendingLossCheck:
+    """One deferred ``validate_result`` of a forward loss: whether ``rejection_func`` rejected it, on its way to the
+    host, and megatron-core's ``validate_result`` on a copy of the loss to replay if it did."""
+
+    rejected: HostValues
+    replay: Callable[[], None]
+    iteration: int  # the rerun state machine's iteration of the check
+
+    def decide(self) -> None:
+        if self.rejected.get()[0]:
+            self.replay()
+
 
 _pending: list[PendingCheck] = []
 _side_streams: dict[Any, Any] = {}
 _log = logging.getLogger("megatron_glm5")
 _turned_off: list[str] = []  # why the route stopped deferring in this process (empty: it defers)
+# Gradient checks decided later / at once in this process: loss checks are deferred only once the former happened
+# and never the latter.
+_grad_checks = {"deferred": 0, "at_once": 0, "unflagged": 0}  # unflagged: deferred over several ranks, no flag
+_loss_flags: list[torch.Tensor] = []  # deferred loss flags not yet carried by a gradient check's all-reduced flag
 
 
 class _HostNorm:
@@ -129,7 +173,8 @@ def _side_stream(device: torch.device):
 
 
 def _any_rank_flag(values: torch.Tensor, process_group: Any) -> HostValues:
-    """Whether any rank's norms hold a NaN / Inf (all-reduced MAX), on its way to the host. On CUDA the flag is
+    """Whether any rank's ``values`` (norms, and Inf for each rejected loss) hold a NaN / Inf (all-reduced MAX), on
+    its way to the host. On CUDA the flag is
     formed and reduced on a side stream that first waits for the norms, so the compute stream never waits for the
     collective."""
     if not values.is_cuda:
@@ -153,16 +198,24 @@ def check_grads_deferred(original: Callable, bucket_group: Any, check_for_nan_or
     backward with no torch optimizer step since: it is decided now, and the route turns itself off. The pending checks
     of the other bucket groups of this backward (DDP's expert-parallel groups, other buffers) are left to the
     optimizer step."""
-    if any(check.group == id(bucket_group) for check in _pending):
+    if any(getattr(check, "group", None) == id(bucket_group) for check in _pending):
         _turn_off("no torch optimizer step between two backwards: a custom loop, a skipped or graphed step")
         resolve_pending()
     if not deferrable(bucket_group):
+        _grad_checks["at_once"] += 1
         return original(bucket_group, check_for_nan_or_inf, check_for_large)
+    _grad_checks["deferred"] += 1
     process_group, size = _collective(bucket_group)
     with torch.no_grad():
         norms = torch.stack([b.grad_data.norm(p=2) for b in bucket_group.buckets])  # megatron-core's expression
         values = norms.float()
-        any_rank = _any_rank_flag(values, process_group) if check_for_nan_or_inf and size > 1 else None
+        any_rank = None
+        if check_for_nan_or_inf and size > 1:
+            losses = [torch.where(flag.to(values.device), float("inf"), 0.0).to(values.dtype) for flag in _loss_flags]
+            any_rank = _any_rank_flag(torch.cat([values] + losses) if losses else values, process_group)
+        elif size > 1:
+            _grad_checks["unflagged"] += 1
+        _loss_flags.clear()  # carried to every rank by this flag (one rank: nothing to carry)
 
     def replay(stand_in: Any) -> None:
         original(stand_in, check_for_nan_or_inf, check_for_large)
@@ -170,23 +223,65 @@ def check_grads_deferred(original: Callable, bucket_group: Any, check_for_nan_or
     _pending.append(PendingCheck(HostValues(values), norms.dtype, replay, id(bucket_group), any_rank))
 
 
+def loss_deferrable(machine: Any, result: Any, rejection_func: Callable) -> bool:
+    """Whether this ``validate_result`` is a forward loss check that may be decided at the optimizer step (module
+    docstring): megatron-core's NaN / Inf rejection of a 0-dim loss that requires a gradient, rerun mode
+    ``disabled``, not under CUDA graph capture, the route on, gradient checks deferred in this process and none run
+    at once, and over several ranks each of them carrying the NaN / Inf flag the loss flags ride on."""
+    from megatron.core.rerun_state_machine import RerunMode
+
+    if _turned_off or rejection_func not in (torch.isnan, torch.isinf) or machine.mode != RerunMode.DISABLED:
+        return False
+    if not isinstance(result, torch.Tensor) or result.dim() != 0 or not result.requires_grad:
+        return False
+    if not torch.is_grad_enabled() or (result.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return False
+    from megatron_glm5.compat import deferred_grad_checks_routed
+
+    if not deferred_grad_checks_routed():  # nothing would decide it
+        return False
+    return _grad_checks["deferred"] > 0 and not _grad_checks["at_once"] and not _grad_checks["unflagged"]
+
+
+def validate_result_deferred(original: Callable, machine: Any, result: Any, rejection_func: Callable, message: str,
+                             comparison_func: Callable | None = None, tolerance: float = 0.0,
+                             fatal: bool = True) -> None:
+    """megatron-core's ``RerunStateMachine.validate_result`` (``original``) decided at the optimizer step where
+    :func:`loss_deferrable`, else at once. A loss check of an earlier iteration still pending means no torch
+    optimizer stepped since: everything pending is decided now and the route turns off."""
+    if not loss_deferrable(machine, result, rejection_func):
+        return original(machine, result, rejection_func, message, comparison_func, tolerance, fatal)
+    iteration = machine.current_iteration
+    if any(getattr(check, "iteration", iteration) != iteration for check in _pending):
+        _turn_off("no torch optimizer step between two iterations' loss checks: a custom loop or a skipped step")
+        resolve_pending()
+        return original(machine, result, rejection_func, message, comparison_func, tolerance, fatal)
+    with torch.no_grad():
+        value = result.detach().clone()  # Megatron-LM divides the loss in place after its checks
+        rejected = rejection_func(value).reshape(1)
+    _loss_flags.append(rejected)
+
+    def replay() -> None:
+        now = machine.current_iteration
+        machine.current_iteration = iteration
+        try:
+            original(machine, value, rejection_func, message, comparison_func, tolerance, fatal)
+        finally:
+            machine.current_iteration = now
+
+    _pending.append(PendingLossCheck(HostValues(rejected), replay, iteration))
+
+
 def resolve_pending() -> None:
-    """Decide every deferred check, oldest first, waiting for its norms if the GPU has not reached them; raises
+    """Decide every deferred check, oldest first, waiting for its values if the GPU has not reached them; raises
     megatron-core's error for the first one rejected (the others are dropped with it: the run stops there)."""
     while _pending:
         check = _pending.pop(0)
-        norms = check.norms.get()
-        buckets = [SimpleNamespace(grad_data=_HostNorm(torch.tensor(v, dtype=check.dtype))) for v in norms]
         try:
-            check.replay(SimpleNamespace(buckets=buckets))
-            if check.any_rank is not None and check.any_rank.get()[0] > 0:
-                raise RuntimeError(
-                    "megatron-glm5: another data-parallel rank found a NaN or Inf in its local gradient norm before "
-                    f"the gradient collective of a bucket group of {len(norms)} bucket(s) (that rank raised "
-                    "megatron-core's error); this rank's reduced gradients carry it, so it stops before its "
-                    "optimizer step too")
+            check.decide()
         except BaseException:
             _pending.clear()
+            _loss_flags.clear()
             raise
 
 
@@ -203,5 +298,5 @@ def before_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs:
         resolve_pending()
 
 
-__all__ = ["PendingCheck", "before_optimizer_step", "check_grads_deferred", "deferrable", "pending_checks",
-           "resolve_pending"]
+__all__ = ["PendingCheck", "PendingLossCheck", "before_optimizer_step", "check_grads_deferred", "deferrable",
+           "loss_deferrable", "pending_checks", "resolve_pending", "validate_result_deferred"]

@@ -45,7 +45,11 @@ environment variable read when a module or block spec is built (``0`` or ``1``; 
   parallelism a NaN also travels outside that group), in rerun mode ``disabled``, with one distributed-optimizer
   instance and no optimizer CUDA graph; elsewhere megatron-core's check runs as it is. With
   ``MEGATRON_GLM5_DEVICE_GRAD_CLIP`` the optimizer phase then has no host sync left (issue 23, round 9: the host's
-  work there is GPU idle time). Routed through :func:`megatron_glm5.compat.route_deferred_grad_checks`.
+  work there is GPU idle time). The forward loss checks of Megatron-LM's ``loss_func`` (NaN and Inf, one host sync
+  each per micro-batch) are decided at the same point once the gradient checks are deferred, before them and with the
+  same error; over several ranks their flags ride on the gradient checks'
+  all-reduced one. Routed through :func:`megatron_glm5.compat.route_deferred_grad_checks` and
+  :func:`megatron_glm5.compat.route_deferred_loss_checks`.
 * ``MEGATRON_GLM5_CACHED_ROUTER_WALKS`` - megatron-core's two per-step walks over every module after the backward
   (router expert-bias update, temporary-tensor reset) over the router modules only, found once
   (:mod:`megatron_glm5.finalize_walks`; megatron-core's own functions, same result). H200, GLM-5 slice: 2.95 -> 0.69
@@ -100,7 +104,8 @@ environment variable read when a module or block spec is built (``0`` or ``1``; 
   ``gradient_accumulation_fusion``), instead of the grouped GEMM's bf16 gradient plus the add; the row ends reach
   the host by a pinned copy in the forward, which the backward waits for (no sync in the forward; under recompute
   the wait is on just-queued work), or from host counts directly; at least 4096 mean rows per expert
-  (``PER_EXPERT_WGRAD_MIN_MEAN_ROWS``, the one measured point), refused under CUDA graph capture. H200, 16 experts x ~4096 rows: 4.87 vs 5.61 ms per
+  (``PER_EXPERT_WGRAD_MIN_MEAN_ROWS``, the one measured point), refused under CUDA graph capture. H200, 16 experts
+  x ~4096 rows: 4.87 vs 5.61 ms per
   ``[16, 4096, 6144]`` gradient, 2.81 vs 2.77 per ``[16, 6144, 2048]``; the GLM-5 slice's step -6.5 ms by the median
   (459.9 vs 466.4) in one call, 467.1 vs 471.1 (50 iterations) in another. The fp32 sum is also more accurate (no
   bf16 rounding of the gradient).
@@ -334,6 +339,7 @@ def install_fusions() -> dict[str, bool]:
     if enabled(DEFERRED_GRAD_CHECKS_ENV):
         compat.route_deferred_grad_checks(deferred_grad_checks.check_grads_deferred,
                                           deferred_grad_checks.before_optimizer_step)
+        compat.route_deferred_loss_checks(deferred_grad_checks.validate_result_deferred)
     if enabled(CACHED_ROUTER_WALKS_ENV):
         compat.route_finalize_walks(finalize_walks.update_router_expert_bias,
                                     finalize_walks.reset_model_temporary_tensors, finalize_walks.model_changed)
@@ -342,6 +348,7 @@ def install_fusions() -> dict[str, bool]:
               "wgrad_accumulation": compat.wgrad_accumulation_routed(),
               "adam": compat.fused_adam_routed(), "device_grad_clip": compat.device_grad_clip_routed(),
               "deferred_grad_checks": compat.deferred_grad_checks_routed(),
+              "deferred_loss_checks": compat.deferred_loss_checks_routed(),
               "router_walks": compat.finalize_walks_routed(),
               "moe_device_counts": compat.dispatch_postprocess_routed()}
     own = {"RMSNorm": enabled(FUSED_RMSNORM_ENV), "RoPE": enabled(FUSED_ROPE_ENV)}

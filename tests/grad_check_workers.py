@@ -12,19 +12,26 @@ from megatron_glm5.parallel import initialize_model_parallel
 
 
 def two_rank_check(rank: int, world_size: int, poison_rank: int | None, routed: bool, steps: int = 1,
-                   tp: int = 1) -> dict:
+                   tp: int = 1, loss_poison_rank: int | None = None) -> dict:
     """One backward per step (each rank its own batch) through megatron-core's DDP at DP = 2 (or TP = 2 and DP = 1:
     ``tp``), a NaN written into
     ``poison_rank``'s local gradient after the last backward (None: none), then ``finish_grad_sync`` and an SGD step.
-    Returns where each rank raised, the message, and whether a parameter changed in the step that raised."""
+    Each step's loss goes through Megatron-LM's two loss checks (``validate_result`` with ``torch.isnan`` and
+    ``torch.isinf``) inside the rerun state machine's iteration; ``loss_poison_rank``'s last loss is NaN with finite
+    gradients (a NaN added that no parameter feeds). Returns where each rank raised, the message, and whether a
+    parameter changed in the step that raised."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import TransformerConfig
 
     torch.cuda.current_stream = lambda *a, **k: types.SimpleNamespace(wait_event=lambda event: None)
     initialize_model_parallel(tensor_model_parallel_size=tp)
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
     if routed:
         assert compat.route_deferred_grad_checks(deferred_grad_checks.check_grads_deferred,
                                                  deferred_grad_checks.before_optimizer_step)
+        assert compat.route_deferred_loss_checks(deferred_grad_checks.validate_result_deferred)
+    machine = get_rerun_state_machine()
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
     config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, use_cpu_initialization=True)
@@ -36,7 +43,19 @@ def two_rank_check(rank: int, world_size: int, poison_rank: int | None, routed: 
     for step in range(steps):
         ddp.zero_grad_buffer()
         x = torch.randn(3, 8, generator=torch.Generator().manual_seed(10 * step + rank))
-        ddp(x).square().sum().backward()
+        assert machine.should_run_forward_backward(None)
+        loss = ddp(x).square().sum()
+        if loss_poison_rank == rank and step == steps - 1:
+            loss = loss + torch.tensor(float("nan"))
+        try:
+            for reject, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+                machine.validate_result(result=loss, rejection_func=reject, message=f"found {what} in local "
+                                        "forward loss calculation", tolerance=0.0, fatal=True)
+        except RuntimeError as err:
+            result.update(raised_at="loss", error=str(err))
+            break
+        loss.backward()
+        assert not machine.should_run_forward_backward(None)
         if poison_rank == rank and step == steps - 1:
             with torch.no_grad():
                 params[0].main_grad[1, 2] = float("nan")

@@ -22,7 +22,7 @@ def test_probe_passes_on_installed_versions(hook):
 
 
 def test_the_hooks_cover_the_design_list():
-    assert len(compat.HOOKS) == 24
+    assert len(compat.HOOKS) == 25
     assert compat.check_all() == []
 
 
@@ -47,6 +47,21 @@ def test_probe_fails_when_the_dispatcher_keeps_its_state_elsewhere(monkeypatch):
     compat.remove_patches(((MoEAllGatherTokenDispatcher, "dispatch_postprocess", None),))
     monkeypatch.setattr(MoEAllGatherTokenDispatcher, "dispatch_postprocess", dispatch_postprocess)
     assert any("dispatch_postprocess" in f for f in compat.check_all())
+
+
+def test_probe_fails_when_the_rerun_state_machine_stops_raising_in_disabled_mode(monkeypatch):
+    from megatron.core.rerun_state_machine import RerunStateMachine
+
+    def validate_result(self, result, rejection_func, message, comparison_func=None, tolerance=0.0, fatal=True):
+        if self.mode == RerunMode.DISABLED:  # noqa: F821 - a release that only logs there
+            self._log_validation_error_to_file(status=None, result=result, message=message)
+            return
+        if comparison_func is None:
+            return
+
+    compat.remove_patches(((RerunStateMachine, "validate_result", None),))
+    monkeypatch.setattr(RerunStateMachine, "validate_result", validate_result)
+    assert any("validate_result" in f for f in compat.check_all())
 
 
 def test_probe_fails_when_the_linear_layers_stop_using_apex_by_name(monkeypatch):

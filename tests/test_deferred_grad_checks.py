@@ -30,8 +30,14 @@ def ddp_model(model_parallel, monkeypatch):
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(check_for_nan_in_grad=True), module)
     assert len(ddp.bucket_groups) == 1
     yield ddp
+    _reset()
+
+
+def _reset() -> None:
     deferred_grad_checks._pending.clear()
     deferred_grad_checks._turned_off.clear()
+    deferred_grad_checks._loss_flags.clear()
+    deferred_grad_checks._grad_checks.update(deferred=0, at_once=0, unflagged=0)
 
 
 @pytest.fixture
@@ -40,15 +46,18 @@ def routed(monkeypatch):
     with nothing pending)."""
     assert compat.route_deferred_grad_checks(deferred_grad_checks.check_grads_deferred,
                                              deferred_grad_checks.before_optimizer_step)
+    assert compat.route_deferred_loss_checks(deferred_grad_checks.validate_result_deferred)
     yield
     _unroute()
-    assert not compat.deferred_grad_checks_routed()
+    assert not compat.deferred_grad_checks_routed() and not compat.deferred_loss_checks_routed()
 
 
 def _unroute() -> None:
     from megatron.core.distributed import param_and_grad_buffer as pgb
+    from megatron.core.rerun_state_machine import RerunStateMachine
 
-    compat.remove_patches(((pgb._ParamAndGradBucketGroup, "check_grads", None),))
+    compat.remove_patches(((pgb._ParamAndGradBucketGroup, "check_grads", None),
+                           (RerunStateMachine, "validate_result", None)))
 
 
 def _backward(ddp, poison: float | None = None) -> None:
@@ -260,10 +269,172 @@ def test_route_off_by_default_and_installed_by_its_switch(monkeypatch):
     assert not fusions.enabled(fusions.DEFERRED_GRAD_CHECKS_ENV)
     monkeypatch.setenv(fusions.DEFERRED_GRAD_CHECKS_ENV, "1")
     try:
-        assert fusions.install_fusions()["deferred_grad_checks"]
+        routed = fusions.install_fusions()
+        assert routed["deferred_grad_checks"] and routed["deferred_loss_checks"]
     finally:
         _unroute()
 
 
 def test_probe_passes():
     compat._probe_deferred_grad_checks()
+    compat._probe_deferred_loss_checks()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The forward loss checks (Megatron-LM's loss_func) decided at the same step
+# --------------------------------------------------------------------------------------------------------------------
+
+LOSS_CHECKS = ((torch.isnan, "found NaN in local forward loss calculation"),
+               (torch.isinf, "found Inf in local forward loss calculation"))
+
+
+def _loss_checks(loss: torch.Tensor) -> None:
+    """Megatron-LM's ``loss_func`` checks (``pretrain_gpt.py``, ``--check-for-nan-in-loss-and-grad``)."""
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    for reject, message in LOSS_CHECKS:
+        get_rerun_state_machine().validate_result(result=loss, rejection_func=reject, message=message,
+                                                  tolerance=0.0, fatal=True)
+
+
+def _iteration(ddp, optimizer, bad_loss: float | None = None, no_step: bool = False) -> None:
+    """One training iteration as Megatron-LM's ``train_step`` runs it: the rerun state machine's iteration, the
+    forward, its loss checks (``loss_func``), the backward, ``finish_grad_sync``, the optimizer step. ``bad_loss``
+    is added to the loss through no parameter: the loss is NaN / Inf while the gradients stay finite."""
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    machine = get_rerun_state_machine()
+    assert machine.should_run_forward_backward(None)
+    try:
+        ddp.zero_grad_buffer()
+        loss = ddp(torch.randn(3, 8, generator=torch.Generator().manual_seed(1))).square().sum()
+        if bad_loss is not None:
+            loss = loss + torch.tensor(bad_loss)
+        _loss_checks(loss)
+        loss.backward()
+    finally:
+        assert not machine.should_run_forward_backward(None)  # the iteration ends, raised or not
+    ddp.finish_grad_sync()
+    if not no_step:
+        _step(ddp, optimizer)
+
+
+def _megatron_cores_loss_error(loss: torch.Tensor, reject) -> str:
+    from megatron.core.rerun_state_machine import RerunStateMachine, get_rerun_state_machine
+
+    message = dict((r, m) for r, m in LOSS_CHECKS)[reject]
+    with pytest.raises(RuntimeError) as err:
+        compat.unpatched(RerunStateMachine, "validate_result")(get_rerun_state_machine(), loss, reject, message)
+    return str(err.value)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_a_bad_loss_raises_megatron_cores_error_at_the_step_once_grad_checks_are_deferred(ddp_model, routed, bad):
+    """The first iteration checks its losses at once (no gradient check deferred yet); later ones at the optimizer
+    step, first of that iteration's checks, with megatron-core's error word for word (the rerun state machine's
+    iteration of the loss), and no parameter changed. The gradients are finite: only the loss
+    check can stop this step."""
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    ddp, opt = ddp_model, _sgd(ddp_model)
+    calls = []
+    original = deferred_grad_checks.resolve_pending
+    _iteration(ddp, opt)
+    assert deferred_grad_checks.pending_checks() == 0
+    machine = get_rerun_state_machine()
+    assert machine.should_run_forward_backward(None)
+    ddp.zero_grad_buffer()
+    loss = ddp(torch.randn(3, 8, generator=torch.Generator().manual_seed(1))).square().sum() + torch.tensor(bad)
+    _loss_checks(loss)  # no raise here
+    assert deferred_grad_checks.pending_checks() == 2
+    calls.append(machine.current_iteration)
+    loss.backward()
+    assert not machine.should_run_forward_backward(None)
+    ddp.finish_grad_sync()
+    assert deferred_grad_checks.pending_checks() == 3
+    assert all(torch.isfinite(p.main_grad).all() for p in ddp.module.parameters())
+    before = [p.detach().clone() for p in ddp.module.parameters()]
+    with pytest.raises(RuntimeError) as err:
+        _step(ddp, opt)
+    assert all(torch.equal(a, p) for a, p in zip(before, ddp.module.parameters())), "a parameter changed"
+    assert deferred_grad_checks.pending_checks() == 0 and original is deferred_grad_checks.resolve_pending
+    reject = torch.isnan if bad != bad else torch.isinf
+    assert str(err.value) == _megatron_cores_loss_error(loss, reject)  # word for word megatron-core's
+    assert f"iteration {calls[0] + 1}:" in str(err.value)
+
+
+def test_good_losses_are_deferred_and_step_as_without_the_route(ddp_model, routed):
+    ddp = ddp_model
+    start = [p.detach().clone() for p in ddp.module.parameters()]
+    opt = _sgd(ddp)
+    pending = []
+    real = deferred_grad_checks.before_optimizer_step
+    for _ in range(3):
+        _iteration(ddp, opt)
+        pending.append(deferred_grad_checks.pending_checks())
+    assert pending == [0, 0, 0] and deferred_grad_checks._grad_checks["deferred"] == 3
+    assert real is deferred_grad_checks.before_optimizer_step
+    routed_params = [p.detach().clone() for p in ddp.module.parameters()]
+    with torch.no_grad():
+        for p, s in zip(ddp.module.parameters(), start):
+            p.copy_(s)
+    _unroute()
+    opt = _sgd(ddp)
+    for _ in range(3):
+        _iteration(ddp, opt)
+    assert all(torch.equal(a, p) for a, p in zip(routed_params, ddp.module.parameters()))
+
+
+def test_loss_checks_deferred_only_in_a_training_forward_after_deferred_grad_checks(ddp_model, routed, monkeypatch):
+    """Deferred: a loss that requires a gradient, under grad mode, once a gradient check was deferred and none ran at
+    once. At once: the first iteration, an evaluation forward (``torch.no_grad``), another rejection function, a
+    process where a gradient check ran at once (that layout's NaN gradients do not wait for the step)."""
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    machine = get_rerun_state_machine()
+    loss = torch.ones((), requires_grad=True) * 2
+    assert not deferred_grad_checks.loss_deferrable(machine, loss, torch.isnan)  # no gradient check yet
+    _iteration(ddp_model, _sgd(ddp_model))
+    assert deferred_grad_checks.loss_deferrable(machine, loss, torch.isnan)
+    assert deferred_grad_checks.loss_deferrable(machine, loss, torch.isinf)
+    assert not deferred_grad_checks.loss_deferrable(machine, loss.detach(), torch.isnan)
+    assert not deferred_grad_checks.loss_deferrable(machine, loss.reshape(1), torch.isnan)  # printed as a tensor
+    assert not deferred_grad_checks.loss_deferrable(machine, loss, lambda x: bool(torch.isnan(x)))
+    with torch.no_grad():
+        assert not deferred_grad_checks.loss_deferrable(machine, loss, torch.isnan)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="found NaN in local forward loss"):
+        _loss_checks(torch.tensor(float("nan")))  # an evaluation's loss: at once
+    deferred_grad_checks._grad_checks["at_once"] += 1
+    assert not deferred_grad_checks.loss_deferrable(machine, loss, torch.isnan)
+
+
+def test_a_loss_check_left_pending_is_decided_at_the_next_iteration_and_the_route_turns_off(ddp_model, routed,
+                                                                                             caplog):
+    ddp, opt = ddp_model, _sgd(ddp_model)
+    _iteration(ddp, opt)
+    _iteration(ddp, opt, bad_loss=float("nan"), no_step=True)  # a loop that skips its step
+    assert deferred_grad_checks.pending_checks() == 3
+    with caplog.at_level("WARNING", logger="megatron_glm5"), pytest.raises(
+            RuntimeError, match="found NaN in local forward loss calculation"):
+        _iteration(ddp, opt)
+    assert "no torch optimizer step between two iterations' loss checks" in caplog.text
+    assert deferred_grad_checks.pending_checks() == 0
+    with pytest.raises(RuntimeError, match="found Inf in local forward loss"):
+        _iteration(ddp, opt, bad_loss=float("inf"))  # at once now: the route is off
+
+
+@pytest.mark.parametrize("loss_poison_rank", [0, 1], ids=["rank0", "rank1"])
+def test_two_data_parallel_ranks_stop_before_their_step_on_one_ranks_nan_loss(tmp_path, loss_poison_rank):
+    """DP = 2: one rank's loss is NaN while every gradient stays finite. Its loss check waits for the step, its flag
+    rides on the gradient check's all-reduced one, and both ranks stop before their step: that rank with
+    megatron-core's loss error, the other with the other-rank error (megatron-core's check leaves it in the
+    gradient collective)."""
+    from tests.distributed import run_torchrun
+
+    results = run_torchrun("tests.grad_check_workers:two_rank_check", tmp_path, nproc=2, timeout=180,
+                           poison_rank=None, routed=True, steps=2, loss_poison_rank=loss_poison_rank)
+    bad, good = results[loss_poison_rank], results[1 - loss_poison_rank]
+    assert bad["raised_at"] == good["raised_at"] == "step" and not bad["changed"] and not good["changed"]
+    assert "found NaN in local forward loss calculation" in bad["error"], bad["error"]
+    assert "another data-parallel rank found a NaN or Inf in its local forward loss" in good["error"], good["error"]
+    assert all(r["pending"] == 0 for r in results)

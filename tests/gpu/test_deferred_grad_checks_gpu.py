@@ -1,6 +1,7 @@
 """megatron-core's DDP gradient checks decided before the optimizer step (:mod:`megatron_glm5.deferred_grad_checks`)
 on CUDA: ``finish_grad_sync`` makes no host sync with the route (torch's sync debug mode; megatron-core's own check
-syncs there), and a NaN gradient still raises megatron-core's error before the optimizer changes a parameter."""
+syncs there), and a NaN gradient still raises megatron-core's error before the optimizer changes a parameter; the
+same for Megatron-LM's forward loss checks (``validate_result`` on the loss with ``torch.isnan`` / ``torch.isinf``)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ pytestmark = pytest.mark.gpu
 
 def _unroute() -> None:
     from megatron.core.distributed import param_and_grad_buffer as pgb
+    from megatron.core.rerun_state_machine import RerunStateMachine
 
-    compat.remove_patches(((pgb._ParamAndGradBucketGroup, "check_grads", None),))
+    compat.remove_patches(((pgb._ParamAndGradBucketGroup, "check_grads", None),
+                           (RerunStateMachine, "validate_result", None)))
 
 
 @pytest.fixture
@@ -30,6 +33,8 @@ def ddp(parallel):
     yield model
     deferred_grad_checks._pending.clear()
     deferred_grad_checks._turned_off.clear()
+    deferred_grad_checks._loss_flags.clear()
+    deferred_grad_checks._grad_checks.update(deferred=0, at_once=0, unflagged=0)
     _unroute()
 
 
@@ -74,5 +79,59 @@ def test_nan_gradient_raises_before_the_step_changes_a_parameter(ddp):
         p.grad = p.main_grad
     with pytest.raises(RuntimeError, match="found NaN in local grad norm for bucket #0"):
         opt.step()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, p) for a, p in zip(before, params))
+
+
+def _loss_checks_without_sync(loss: torch.Tensor) -> None:
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for reject, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+            get_rerun_state_machine().validate_result(result=loss, rejection_func=reject, tolerance=0.0, fatal=True,
+                                                      message=f"found {what} in local forward loss calculation")
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def test_loss_checks_make_no_sync_and_a_nan_loss_raises_before_the_step(ddp):
+    """Megatron-LM's loss checks sync the host once each without the route; with it (after one deferred gradient
+    check) none do, and a NaN loss (finite gradients) raises megatron-core's error at the step, parameters unchanged."""
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    assert compat.route_deferred_grad_checks(deferred_grad_checks.check_grads_deferred,
+                                             deferred_grad_checks.before_optimizer_step)
+    params = list(ddp.module.parameters())
+    opt = torch.optim.Adam(params, lr=1e-3, fused=True)
+    machine = get_rerun_state_machine()
+
+    def iteration(bad: float | None, routed: bool) -> None:
+        assert machine.should_run_forward_backward(None)
+        try:
+            ddp.zero_grad_buffer()
+            loss = ddp(torch.randn(64, 256, device="cuda")).square().sum()
+            if bad is not None:
+                loss = loss + torch.tensor(bad, device="cuda")
+            torch.cuda.synchronize()
+            if routed:
+                _loss_checks_without_sync(loss)
+            else:
+                with pytest.raises(RuntimeError, match="synchroniz"):
+                    _loss_checks_without_sync(loss)
+            loss.backward()
+        finally:
+            assert not machine.should_run_forward_backward(None)
+        _finish_without_sync(ddp)
+        for p in params:
+            p.grad = p.main_grad
+        opt.step()
+
+    iteration(None, routed=False)  # no loss route yet
+    assert compat.route_deferred_loss_checks(deferred_grad_checks.validate_result_deferred)
+    iteration(None, routed=True)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(RuntimeError, match="found NaN in local forward loss calculation"):
+        iteration(float("nan"), routed=True)
     torch.cuda.synchronize()
     assert all(torch.equal(a, p) for a, p in zip(before, params))
