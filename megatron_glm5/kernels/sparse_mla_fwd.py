@@ -41,6 +41,7 @@ prim_funcs, which refer to closure variables.
 
 import functools
 import inspect
+import os
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Literal
@@ -52,6 +53,7 @@ from megatron_glm5.kernels._common import (
     NAMED_BARRIER_SRC,
     cdiv,
     check_tensor,
+    multiprocessor_count,
     next_power_of_2,
     row_valid_len,
     tilelang_modules,
@@ -60,6 +62,14 @@ from megatron_glm5.kernels.gather import latent_gather_macro, slot_load_macro
 from megatron_glm5.kernels.index_groups import KEY_LIMIT, MEMBER_SHIFT, RowMap, grouped_rows, grouped_tile_rows
 
 Variant = Literal["auto", "ws", "sv", "pp", "simple"]
+
+# The ping-pong forward's opt-in builds the interface runs (``_jit_fwd_pp``'s ``named_exchange`` and ``ctas``):
+# ``MEGATRON_GLM5_PP_OPTIONS``, a comma list of ``named_exchange`` / ``persistent`` (read at each call, so a benchmark
+# variant can set it), else ``PP_OPTIONS``. Empty until the sweep measures them on the GPU
+# (``docs/design/kernels_round2.md``, next list, item 1).
+PP_OPTIONS_ENV = "MEGATRON_GLM5_PP_OPTIONS"
+PP_OPTION_NAMES = ("named_exchange", "persistent")
+PP_OPTIONS: tuple[str, ...] = ()
 
 
 def head_block(heads: int) -> tuple[int, int]:
@@ -1178,6 +1188,34 @@ def pick_fwd_variant(heads: int, d_qk: int, d_v: int, variant: Variant = "auto")
     return "pp" if head_block(heads)[0] == 64 else "ws"
 
 
+def pp_options() -> tuple[str, ...]:
+    """The ``pp`` options in force: ``MEGATRON_GLM5_PP_OPTIONS`` when set (``""`` or ``none``: none), else
+    ``PP_OPTIONS``."""
+    raw = os.environ.get(PP_OPTIONS_ENV)
+    if raw is None:
+        return PP_OPTIONS
+    names = tuple(n.strip() for n in raw.split(",") if n.strip() and n.strip() != "none")
+    unknown = [n for n in names if n not in PP_OPTION_NAMES]
+    if unknown:
+        raise ValueError(f"{PP_OPTIONS_ENV}={raw!r}: unknown option(s) {unknown}; known: {', '.join(PP_OPTION_NAMES)}")
+    return names
+
+
+def pp_kernel(heads: int, d_qk: int, d_v: int, softmax_scale: float, group: int, device: torch.device):
+    """The ``pp`` forward with :func:`pp_options` (``persistent``: one CTA per SM of ``device``). Without options
+    the call is the one the precompiled kernels were built by (``group`` passed only when grouped), so their cache
+    entries still hit."""
+    options = pp_options()
+    extra = {}
+    if "named_exchange" in options:
+        extra["named_exchange"] = True
+    if "persistent" in options:
+        extra["ctas"] = multiprocessor_count(device)
+    if group != 1 or extra:
+        return _jit_fwd_pp()(heads, d_qk, d_v, float(softmax_scale), group, **extra)
+    return _jit_fwd_pp()(heads, d_qk, d_v, float(softmax_scale))
+
+
 def sparse_mla_fwd_interface(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -1195,7 +1233,7 @@ def sparse_mla_fwd_interface(
     ``valid_len`` (``row_valid_len(indices)``) may be passed in when the caller already has it. ``group`` != 1
     (``pp`` by default, ``ws`` or ``sv``; 0: ``64 // H``): one CTA serves ``group`` consecutive queries over the union
     of their index sets (``kernels.index_groups``; ``union``: a prebuilt ``group_union_indices(indices, group)``),
-    same contract.
+    same contract. The ``pp`` kernel runs with :func:`pp_options`.
     The autograd path runs it with ``grouped=True`` (``MEGATRON_GLM5_GROUPED_SPARSE_MLA``, on by default); measured
     against the per-query kernel by ``scripts/bench/sweep_dsa_round2.py`` (sections ``grouped``, ``route``) and the
     schedules by ``scripts/bench/sweep_sparse_fwd.py``.
@@ -1211,7 +1249,7 @@ def sparse_mla_fwd_interface(
         if variant == "sv":
             kernel = _jit_fwd_sv()(heads, d_qk, d_v, float(softmax_scale), group)
         elif variant in ("auto", "pp"):
-            kernel = _jit_fwd_pp()(heads, d_qk, d_v, float(softmax_scale), group)
+            kernel = pp_kernel(heads, d_qk, d_v, softmax_scale, group, q.device)
         else:
             kernel = _jit_fwd_ws()(heads, d_qk, d_v, float(softmax_scale), 64, group)
         return kernel(q, kv, rows, lengths)
@@ -1223,7 +1261,10 @@ def sparse_mla_fwd_interface(
     elif kind in ("sv", "pp"):
         if head_block(heads)[0] != 64:
             raise ValueError(f"variant {kind!r} needs 64 MMA rows per CTA (more than 32 heads), got {heads} heads")
-        kernel = (_jit_fwd_sv if kind == "sv" else _jit_fwd_pp)()(heads, d_qk, d_v, float(softmax_scale))
+        if kind == "sv":
+            kernel = _jit_fwd_sv()(heads, d_qk, d_v, float(softmax_scale))
+        else:
+            kernel = pp_kernel(heads, d_qk, d_v, softmax_scale, 1, q.device)
     elif kind == "simple":
         kernel = _jit_fwd_simple()(heads, d_qk, d_v, float(softmax_scale))
     else:

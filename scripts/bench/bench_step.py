@@ -143,14 +143,22 @@ VARIANTS = {
                 "device, the scale kernel writing nothing below the clip; `MEGATRON_GLM5_DEVICE_GRAD_CLIP=1`)",
                 (("MEGATRON_GLM5_DEVICE_GRAD_CLIP", "1"),)),
         Variant("tilelang-grouped-deferred-checks", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
-                "(a) with grouped-GEMM experts, DDP's gradient NaN / Inf checks decided before the optimizer step "
-                "instead of at the backward's end, and the device gradient clip: no host sync left between the "
-                "backward and Adam (`MEGATRON_GLM5_DEFERRED_GRAD_CHECKS=1`, `MEGATRON_GLM5_DEVICE_GRAD_CLIP=1`)",
+                "(a) with grouped-GEMM experts, DDP's gradient NaN / Inf checks and Megatron-LM's loss checks decided "
+                "before the optimizer step instead of at the backward's end and after each loss, and the device "
+                "gradient clip: no host sync left between the backward and Adam, none after the losses "
+                "(`MEGATRON_GLM5_DEFERRED_GRAD_CHECKS=1`, `MEGATRON_GLM5_DEVICE_GRAD_CLIP=1`)",
                 (("MEGATRON_GLM5_DEFERRED_GRAD_CHECKS", "1"), ("MEGATRON_GLM5_DEVICE_GRAD_CLIP", "1"))),
         Variant("tilelang-grouped-deferred-checks-host-clip", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
                 "(a) with grouped-GEMM experts, DDP's gradient checks deferred to the optimizer step, megatron-core's "
                 "host clip (its norm read on the host stays a sync; `MEGATRON_GLM5_DEFERRED_GRAD_CHECKS=1`)",
                 (("MEGATRON_GLM5_DEFERRED_GRAD_CHECKS", "1"),)),
+        Variant("tilelang-grouped-pp-named", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
+                "(a) with grouped-GEMM experts, the `pp` sparse-MLA forward with named barriers for the math "
+                "warpgroups' exchanges (experimental; `MEGATRON_GLM5_PP_OPTIONS=named_exchange`)",
+                (("MEGATRON_GLM5_PP_OPTIONS", "named_exchange"),)),
+        Variant("tilelang-grouped-pp-persistent", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
+                "(a) with grouped-GEMM experts, the `pp` sparse-MLA forward as a persistent grid of one CTA per SM "
+                "(experimental; `MEGATRON_GLM5_PP_OPTIONS=persistent`)", (("MEGATRON_GLM5_PP_OPTIONS", "persistent"),)),
         Variant("tilelang-grouped-grouped-wgrad", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
                 "(a) with grouped-GEMM experts whose weight gradients are one grouped GEMM (bf16) added into "
                 "`main_grad` in one launch (round 8's default; one GEMM per expert adding into `main_grad` is the "
