@@ -997,6 +997,8 @@ def route_deferred_grad_checks(check_grads: Callable, before_optimizer_step: Cal
     global _optimizer_pre_hook
     from megatron.core.distributed import param_and_grad_buffer as pgb
 
+    from megatron.core.optimizer import optimizer_cuda_graph as ocg
+
     owner = pgb._ParamAndGradBucketGroup
     if not is_patched(owner, "check_grads"):
         original = owner.check_grads
@@ -1010,6 +1012,15 @@ def route_deferred_grad_checks(check_grads: Callable, before_optimizer_step: Cal
 
                 _optimizer_pre_hook = register_optimizer_step_pre_hook(before_optimizer_step)
         install_patches(((owner, "check_grads", routed_check_grads),))
+    wrapper = ocg.OptimizerCudaGraphWrapper
+    if not is_patched(wrapper, "__init__"):
+        wrapper_init = wrapper.__init__
+
+        def noting_init(self, *args, **kwargs):
+            _optimizer_graphs_built.append(id(self))
+            wrapper_init(self, *args, **kwargs)
+
+        install_patches(((wrapper, "__init__", noting_init),))
     return deferred_grad_checks_routed()
 
 
@@ -1019,9 +1030,17 @@ def deferred_grad_checks_routed() -> bool:
     return is_patched(pgb._ParamAndGradBucketGroup, "check_grads") and _optimizer_pre_hook is not None
 
 
+_optimizer_graphs_built: list[int] = []  # OptimizerCudaGraphWrapper instances made since the route was installed
+
+
 def optimizer_cuda_graph_used() -> bool:
-    """Whether megatron-core's optimizer CUDA graph wrapper (``--optimizer-cuda-graph``) has stepped in this process:
-    its replayed step runs no torch optimizer pre-hook (its first, warm-up step does)."""
+    """Whether megatron-core's optimizer CUDA graph wrapper (``--optimizer-cuda-graph``) is in use in this process:
+    one was made since :func:`route_deferred_grad_checks` (Megatron-LM wraps ``optimizer.step`` before its first
+    iteration), or it has stepped. Its captured step runs no torch optimizer pre-hook that could decide (the capture
+    runs the pre-hook under capture, where it cannot read the host), and with ``--cuda-graph-warmup-steps 0`` the very
+    first step is the capture."""
+    if _optimizer_graphs_built:
+        return True
     module = sys.modules.get("megatron.core.optimizer.optimizer_cuda_graph")
     if module is None:  # never imported: never used
         return False
@@ -1052,6 +1071,7 @@ def _probe_deferred_grad_checks() -> None:
 
     wrapper = ocg.OptimizerCudaGraphWrapper
     assert isinstance(wrapper.curr_iteration, int) and hasattr(wrapper, "cuda_graph")  # class-level counters
+    assert list(inspect.signature(unpatched(wrapper, "__init__")).parameters)[:2] == ["self", "optimizer_step_func"]
     assert "OptimizerCudaGraphWrapper.curr_iteration += 1" in inspect.getsource(wrapper.__call__)
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 

@@ -114,6 +114,7 @@ _turned_off: list[str] = []  # why the route stopped deferring in this process (
 # and never the latter.
 _grad_checks = {"deferred": 0, "at_once": 0, "unflagged": 0}  # unflagged: deferred over several ranks, no flag
 _loss_flags: list[torch.Tensor] = []  # deferred loss flags not yet carried by a gradient check's all-reduced flag
+_deciding: list[bool] = []  # non-empty while resolve_pending runs
 
 
 class _HostNorm:
@@ -203,6 +204,8 @@ def check_grads_deferred(original: Callable, bucket_group: Any, check_for_nan_or
         resolve_pending()
     if not deferrable(bucket_group):
         _grad_checks["at_once"] += 1
+        resolve_pending()  # loss checks deferred before the layout stopped deferring: decided first, in order
+        _loss_flags.clear()
         return original(bucket_group, check_for_nan_or_inf, check_for_large)
     _grad_checks["deferred"] += 1
     process_group, size = _collective(bucket_group)
@@ -225,20 +228,22 @@ def check_grads_deferred(original: Callable, bucket_group: Any, check_for_nan_or
 
 def loss_deferrable(machine: Any, result: Any, rejection_func: Callable) -> bool:
     """Whether this ``validate_result`` is a forward loss check that may be decided at the optimizer step (module
-    docstring): megatron-core's NaN / Inf rejection of a 0-dim loss that requires a gradient, rerun mode
-    ``disabled``, not under CUDA graph capture, the route on, gradient checks deferred in this process and none run
-    at once, and over several ranks each of them carrying the NaN / Inf flag the loss flags ride on."""
+    docstring): megatron-core's NaN / Inf rejection of a 0-dim plain tensor loss that requires a gradient, rerun mode
+    ``disabled``, not under CUDA graph capture, no optimizer CUDA graph, the route on, gradient checks deferred in
+    this process and none run at once, and over several ranks each of them carrying the NaN / Inf flag the loss
+    flags ride on."""
     from megatron.core.rerun_state_machine import RerunMode
 
     if _turned_off or rejection_func not in (torch.isnan, torch.isinf) or machine.mode != RerunMode.DISABLED:
         return False
-    if not isinstance(result, torch.Tensor) or result.dim() != 0 or not result.requires_grad:
+    # a plain tensor: the message formats it as its number (a subclass would print its repr, with grad_fn)
+    if type(result) is not torch.Tensor or result.dim() != 0 or not result.requires_grad:
         return False
     if not torch.is_grad_enabled() or (result.is_cuda and torch.cuda.is_current_stream_capturing()):
         return False
-    from megatron_glm5.compat import deferred_grad_checks_routed
+    from megatron_glm5.compat import deferred_grad_checks_routed, optimizer_cuda_graph_used
 
-    if not deferred_grad_checks_routed():  # nothing would decide it
+    if not deferred_grad_checks_routed() or optimizer_cuda_graph_used():  # nothing would decide it
         return False
     return _grad_checks["deferred"] > 0 and not _grad_checks["at_once"] and not _grad_checks["unflagged"]
 
@@ -250,6 +255,7 @@ def validate_result_deferred(original: Callable, machine: Any, result: Any, reje
     :func:`loss_deferrable`, else at once. A loss check of an earlier iteration still pending means no torch
     optimizer stepped since: everything pending is decided now and the route turns off."""
     if not loss_deferrable(machine, result, rejection_func):
+        resolve_pending()  # anything pending is older: decided first, in order
         return original(machine, result, rejection_func, message, comparison_func, tolerance, fatal)
     iteration = machine.current_iteration
     if any(getattr(check, "iteration", iteration) != iteration for check in _pending):
@@ -274,15 +280,23 @@ def validate_result_deferred(original: Callable, machine: Any, result: Any, reje
 
 def resolve_pending() -> None:
     """Decide every deferred check, oldest first, waiting for its values if the GPU has not reached them; raises
-    megatron-core's error for the first one rejected (the others are dropped with it: the run stops there)."""
-    while _pending:
-        check = _pending.pop(0)
-        try:
-            check.decide()
-        except BaseException:
-            _pending.clear()
-            _loss_flags.clear()
-            raise
+    megatron-core's error for the first one rejected (the others are dropped with it: the run stops there). A call
+    from inside a decision (a replayed ``check_grads`` goes through the routed ``validate_result``) does nothing: the
+    outer call decides the rest in order."""
+    if _deciding:
+        return
+    _deciding.append(True)
+    try:
+        while _pending:
+            check = _pending.pop(0)
+            try:
+                check.decide()
+            except BaseException:
+                _pending.clear()
+                _loss_flags.clear()
+                raise
+    finally:
+        _deciding.clear()
 
 
 def pending_checks() -> int:

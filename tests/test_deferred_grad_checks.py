@@ -34,6 +34,7 @@ def ddp_model(model_parallel, monkeypatch):
 
 
 def _reset() -> None:
+    compat._optimizer_graphs_built.clear()
     deferred_grad_checks._pending.clear()
     deferred_grad_checks._turned_off.clear()
     deferred_grad_checks._loss_flags.clear()
@@ -54,10 +55,11 @@ def routed(monkeypatch):
 
 def _unroute() -> None:
     from megatron.core.distributed import param_and_grad_buffer as pgb
+    from megatron.core.optimizer.optimizer_cuda_graph import OptimizerCudaGraphWrapper
     from megatron.core.rerun_state_machine import RerunStateMachine
 
     compat.remove_patches(((pgb._ParamAndGradBucketGroup, "check_grads", None),
-                           (RerunStateMachine, "validate_result", None)))
+                           (RerunStateMachine, "validate_result", None), (OptimizerCudaGraphWrapper, "__init__", None)))
 
 
 def _backward(ddp, poison: float | None = None) -> None:
@@ -337,8 +339,6 @@ def test_a_bad_loss_raises_megatron_cores_error_at_the_step_once_grad_checks_are
     from megatron.core.rerun_state_machine import get_rerun_state_machine
 
     ddp, opt = ddp_model, _sgd(ddp_model)
-    calls = []
-    original = deferred_grad_checks.resolve_pending
     _iteration(ddp, opt)
     assert deferred_grad_checks.pending_checks() == 0
     machine = get_rerun_state_machine()
@@ -347,7 +347,6 @@ def test_a_bad_loss_raises_megatron_cores_error_at_the_step_once_grad_checks_are
     loss = ddp(torch.randn(3, 8, generator=torch.Generator().manual_seed(1))).square().sum() + torch.tensor(bad)
     _loss_checks(loss)  # no raise here
     assert deferred_grad_checks.pending_checks() == 2
-    calls.append(machine.current_iteration)
     loss.backward()
     assert not machine.should_run_forward_backward(None)
     ddp.finish_grad_sync()
@@ -357,10 +356,9 @@ def test_a_bad_loss_raises_megatron_cores_error_at_the_step_once_grad_checks_are
     with pytest.raises(RuntimeError) as err:
         _step(ddp, opt)
     assert all(torch.equal(a, p) for a, p in zip(before, ddp.module.parameters())), "a parameter changed"
-    assert deferred_grad_checks.pending_checks() == 0 and original is deferred_grad_checks.resolve_pending
+    assert deferred_grad_checks.pending_checks() == 0
     reject = torch.isnan if bad != bad else torch.isinf
     assert str(err.value) == _megatron_cores_loss_error(loss, reject)  # word for word megatron-core's
-    assert f"iteration {calls[0] + 1}:" in str(err.value)
 
 
 def test_good_losses_are_deferred_and_step_as_without_the_route(ddp_model, routed):
@@ -368,12 +366,12 @@ def test_good_losses_are_deferred_and_step_as_without_the_route(ddp_model, route
     start = [p.detach().clone() for p in ddp.module.parameters()]
     opt = _sgd(ddp)
     pending = []
-    real = deferred_grad_checks.before_optimizer_step
     for _ in range(3):
-        _iteration(ddp, opt)
-        pending.append(deferred_grad_checks.pending_checks())
-    assert pending == [0, 0, 0] and deferred_grad_checks._grad_checks["deferred"] == 3
-    assert real is deferred_grad_checks.before_optimizer_step
+        _iteration(ddp, opt, no_step=True)
+        pending.append(deferred_grad_checks.pending_checks())  # two loss checks and the gradient check
+        _step(ddp, opt)
+        assert deferred_grad_checks.pending_checks() == 0
+    assert pending == [1, 3, 3] and deferred_grad_checks._grad_checks["deferred"] == 3
     routed_params = [p.detach().clone() for p in ddp.module.parameters()]
     with torch.no_grad():
         for p, s in zip(ddp.module.parameters(), start):
@@ -402,21 +400,37 @@ def test_loss_checks_deferred_only_in_a_training_forward_after_deferred_grad_che
     assert not deferred_grad_checks.loss_deferrable(machine, loss, lambda x: bool(torch.isnan(x)))
     with torch.no_grad():
         assert not deferred_grad_checks.loss_deferrable(machine, loss, torch.isnan)
+    nan_loss = torch.tensor(float("nan"), requires_grad=True) * 1.0
     with torch.no_grad(), pytest.raises(RuntimeError, match="found NaN in local forward loss"):
-        _loss_checks(torch.tensor(float("nan")))  # an evaluation's loss: at once
-    deferred_grad_checks._grad_checks["at_once"] += 1
+        _loss_checks(nan_loss.detach())  # an evaluation's loss (no graph under no_grad): at once
+    assert not deferred_grad_checks.loss_deferrable(machine, loss.as_subclass(_Printed), torch.isnan)
+    group = ddp_model.bucket_groups[0]
+    group.ddp_config.num_distributed_optimizer_instances = 2  # now a gradient check runs at once
+    try:
+        _iteration(ddp_model, _sgd(ddp_model))
+    finally:
+        group.ddp_config.num_distributed_optimizer_instances = 1
+    assert deferred_grad_checks._grad_checks["at_once"] == 1
     assert not deferred_grad_checks.loss_deferrable(machine, loss, torch.isnan)
+
+
+class _Printed(torch.Tensor):
+    """A tensor subclass: megatron-core's message would print its repr, not its number."""
 
 
 def test_a_loss_check_left_pending_is_decided_at_the_next_iteration_and_the_route_turns_off(ddp_model, routed,
                                                                                              caplog):
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
     ddp, opt = ddp_model, _sgd(ddp_model)
     _iteration(ddp, opt)
     _iteration(ddp, opt, bad_loss=float("nan"), no_step=True)  # a loop that skips its step
+    bad_iteration = get_rerun_state_machine().current_iteration + 1  # as megatron-core's messages count
     assert deferred_grad_checks.pending_checks() == 3
     with caplog.at_level("WARNING", logger="megatron_glm5"), pytest.raises(
-            RuntimeError, match="found NaN in local forward loss calculation"):
+            RuntimeError, match="found NaN in local forward loss calculation") as err:
         _iteration(ddp, opt)
+    assert f"iteration {bad_iteration}:" in str(err.value)  # the iteration of the loss, not the one deciding it
     assert "no torch optimizer step between two iterations' loss checks" in caplog.text
     assert deferred_grad_checks.pending_checks() == 0
     with pytest.raises(RuntimeError, match="found Inf in local forward loss"):
@@ -438,3 +452,38 @@ def test_two_data_parallel_ranks_stop_before_their_step_on_one_ranks_nan_loss(tm
     assert "found NaN in local forward loss calculation" in bad["error"], bad["error"]
     assert "another data-parallel rank found a NaN or Inf in its local forward loss" in good["error"], good["error"]
     assert all(r["pending"] == 0 for r in results)
+
+
+
+def test_no_loss_or_gradient_check_is_deferred_with_an_optimizer_cuda_graph(ddp_model, routed):
+    """``--optimizer-cuda-graph``: Megatron-LM wraps ``optimizer.step`` before the first iteration; the captured
+    step runs no pre-hook that could decide (and with no warm-up the first step is the capture), so from the
+    wrapper's construction on every check runs at once."""
+    from megatron.core.optimizer.optimizer_cuda_graph import OptimizerCudaGraphWrapper
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+    ddp, opt = ddp_model, _sgd(ddp_model)
+    _iteration(ddp, opt)
+    assert deferred_grad_checks.loss_deferrable(get_rerun_state_machine(), torch.ones((), requires_grad=True) * 2,
+                                                torch.isnan)
+    OptimizerCudaGraphWrapper(opt.step, cuda_graph_warmup_steps=0)
+    assert compat.optimizer_cuda_graph_used() and not deferred_grad_checks.deferrable(ddp.bucket_groups[0])
+    with pytest.raises(RuntimeError, match="found NaN in local forward loss calculation"):
+        _iteration(ddp, opt, bad_loss=float("nan"))  # raised in the forward, as without the route
+    assert deferred_grad_checks.pending_checks() == 0
+
+
+def test_pending_loss_checks_are_decided_before_a_gradient_check_that_runs_at_once(ddp_model, routed):
+    """A layout that stops deferring mid-iteration (here a second distributed-optimizer instance appears): the
+    iteration's deferred loss checks are decided before megatron-core's gradient check, so a NaN loss still raises
+    before the gradient collective, with its own error."""
+    ddp, opt = ddp_model, _sgd(ddp_model)
+    _iteration(ddp, opt)
+    group = ddp.bucket_groups[0]
+    group.ddp_config.num_distributed_optimizer_instances = 2
+    try:
+        with pytest.raises(RuntimeError, match="found NaN in local forward loss calculation"):
+            _iteration(ddp, opt, bad_loss=float("nan"))
+    finally:
+        group.ddp_config.num_distributed_optimizer_instances = 1
+    assert deferred_grad_checks.pending_checks() == 0 and deferred_grad_checks._grad_checks["at_once"] == 1

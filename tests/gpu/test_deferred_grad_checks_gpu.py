@@ -15,10 +15,19 @@ pytestmark = pytest.mark.gpu
 
 def _unroute() -> None:
     from megatron.core.distributed import param_and_grad_buffer as pgb
+    from megatron.core.optimizer.optimizer_cuda_graph import OptimizerCudaGraphWrapper
     from megatron.core.rerun_state_machine import RerunStateMachine
 
     compat.remove_patches(((pgb._ParamAndGradBucketGroup, "check_grads", None),
-                           (RerunStateMachine, "validate_result", None)))
+                           (RerunStateMachine, "validate_result", None), (OptimizerCudaGraphWrapper, "__init__", None)))
+
+
+def _reset() -> None:
+    deferred_grad_checks._pending.clear()
+    deferred_grad_checks._turned_off.clear()
+    deferred_grad_checks._loss_flags.clear()
+    deferred_grad_checks._grad_checks.update(deferred=0, at_once=0, unflagged=0)
+    compat._optimizer_graphs_built.clear()
 
 
 @pytest.fixture
@@ -26,15 +35,13 @@ def ddp(parallel):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import TransformerConfig
 
+    _reset()  # another module of the same process may have used the route
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 64)).cuda()
     config = TransformerConfig(num_layers=1, hidden_size=256, num_attention_heads=1)
     model = DistributedDataParallel(config, DistributedDataParallelConfig(check_for_nan_in_grad=True), module)
     yield model
-    deferred_grad_checks._pending.clear()
-    deferred_grad_checks._turned_off.clear()
-    deferred_grad_checks._loss_flags.clear()
-    deferred_grad_checks._grad_checks.update(deferred=0, at_once=0, unflagged=0)
+    _reset()
     _unroute()
 
 
@@ -125,7 +132,11 @@ def test_loss_checks_make_no_sync_and_a_nan_loss_raises_before_the_step(ddp):
         _finish_without_sync(ddp)
         for p in params:
             p.grad = p.main_grad
-        opt.step()
+        try:
+            opt.step()
+        finally:
+            for p in params:
+                p.grad = None  # as megatron-core's optimizers leave them
 
     iteration(None, routed=False)  # no loss route yet
     assert compat.route_deferred_loss_checks(deferred_grad_checks.validate_result_deferred)
