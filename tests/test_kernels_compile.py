@@ -80,6 +80,10 @@ COMPILE_CASES = {
     "indexer_logits_plain_glm": ("megatron_glm5.kernels.indexer_topk", "_jit_logits_plain", (32, 128)),
     # 8 queries per CTA over 64-key tiles (a [64, 256] accumulator; measured no faster than the default)
     "indexer_logits_plain_q8": ("megatron_glm5.kernels.indexer_topk", "_jit_logits_plain", (32, 128, 64, 128, 2, 8)),
+    # opt-in: tile n + 1's GEMM under tile n's epilogue (two accumulators, 3 or 4 key stages)
+    "indexer_logits_overlap_glm": ("megatron_glm5.kernels.indexer_topk", "_jit_logits_overlap", (32, 128)),
+    "indexer_logits_overlap4_small": ("megatron_glm5.kernels.indexer_topk", "_jit_logits_overlap",
+                                      (8, 64, 64, 128, 2, 4)),
     "topk_select_small": ("megatron_glm5.kernels.indexer_topk", "_jit_select", (64,)),
     "topk_select_glm": ("megatron_glm5.kernels.indexer_topk", "_jit_select", (2048,)),
     # the select before the lean one (clamped iterations, TileLang's access guards; the GPU test's reference)
@@ -154,6 +158,29 @@ def test_kernel_compiles_for_sm90(compiled, case):
     assert case in compiled, f"{case} did not compile: {compiled.get('_errors')}"
     n, entry = compiled[case]
     assert n > 0 and entry == "__global__"
+
+
+@pytest.mark.parametrize("stages", [3, 4])
+def test_overlapped_logits_kernel_keeps_its_wgmma_in_flight(stages):
+    """The overlapped logits kernel exists to run tile n + 1's ``wgmma`` under tile n's epilogue; ``ptxas``
+    serialises every ``wgmma`` of a kernel (warnings C7514 / C7515, or injects waits: C7517) when a non-``wgmma``
+    instruction may touch an in-flight accumulator, which an innocent-looking change to the loop (a guard around the
+    next GEMM, a GEMM in flight across the loop's back edge) brings back. Also no spills."""
+    pytest.importorskip("tilelang")
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not found")
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, os.path.join(root, "scripts", "bench", "ptxas_regs.py"),
+                          "megatron_glm5.kernels.indexer_topk", "_jit_logits_overlap", "32", "128", "--kw",
+                          f"stages={stages}"], capture_output=True, text=True, cwd=root, timeout=900,
+                         env=dict(os.environ, TILELANG_DEFAULT_TARGET=SM90, PYTHONPATH=root))
+    report = res.stdout + res.stderr
+    assert "Used " in report and " 0 bytes spill stores" in report, report[-2000:]
+    for code in ("C7514", "C7515", "C7517"):
+        assert code not in report, report[-2000:]
 
 
 # --------------------------------------------------------------------------------------------------------------------

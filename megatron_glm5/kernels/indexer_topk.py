@@ -42,12 +42,18 @@ No ``from __future__ import annotations`` here: TileLang evaluates the nested pr
 """
 
 import functools
+import math
+import os
 
 import torch
 
 from megatron_glm5.kernels._common import cdiv, check_tensor, next_power_of_2, tilelang_modules
 
 LOGITS_CHUNK_BYTES = 1 << 30
+# The logits kernel with tile n + 1's GEMM under tile n's epilogue (``_jit_logits_overlap``): its key stages (3 or 4);
+# 0 runs the plain kernel. ``MEGATRON_GLM5_LOGITS_OVERLAP`` overrides it per run. Off until measured on a GPU.
+LOGITS_OVERLAP_ENV = "MEGATRON_GLM5_LOGITS_OVERLAP"
+LOGITS_OVERLAP_STAGES = 0
 # Shortlist entries of the select's third pass (``topk_select(shortlist=...)``): a few dozen keys share the k-th
 # key's 16-bit prefix on indexer scores; 256 leaves room for ties and costs 2 KB of shared memory per CTA.
 SHORTLIST = 256
@@ -59,8 +65,9 @@ SHORTLIST = 256
 
 
 def _logits_macros(T, heads: int, dim: int, block_n: int, block_q: int, exact_products: bool):
-    """The two logits kernels' shared pieces (TileLang macros): the CTA's query rows and head weights into shared
-    memory / registers, and one key tile's scores (GEMM, ReLU, weights, head sum, store)."""
+    """The logits kernels' shared pieces (TileLang macros): the CTA's query rows and head weights into shared
+    memory / registers, one key tile's scores (GEMM, then ``finish_tile``), and ``finish_tile`` alone (ReLU, weights,
+    head sum and store of a tile's GEMM result)."""
     f32 = T.float32
 
     @T.macro
@@ -73,8 +80,7 @@ def _logits_macros(T, heads: int, dim: int, block_n: int, block_q: int, exact_pr
             w_f[i, h] = T.if_then_else(r_base + i < n_rows, W[T.min(t_base + i, t_len - 1), h], 0)
 
     @T.macro
-    def score_tile(k_s, q_s, s_f, s_r, w_f, l_s, Logits, r_base, k0, n_rows, hi):
-        T.gemm(k_s, q_s, s_f, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
+    def finish_tile(s_f, s_r, w_f, l_s, Logits, r_base, k0, n_rows, hi):
         for n, i, h in T.Parallel(block_n, block_q, heads):
             if exact_products:
                 s_r[n, i, h] = T.call_extern(f32, "__fmul_rn", T.max(s_r[n, i, h], 0), w_f[i, h])
@@ -85,7 +91,12 @@ def _logits_macros(T, heads: int, dim: int, block_n: int, block_q: int, exact_pr
             if r_base + i < n_rows and k0 + n < hi:
                 Logits[r_base + i, k0 + n] = l_s[n, i]
 
-    return load_query_rows, score_tile
+    @T.macro
+    def score_tile(k_s, q_s, s_f, s_r, w_f, l_s, Logits, r_base, k0, n_rows, hi):
+        T.gemm(k_s, q_s, s_f, transpose_B=True, clear_accum=True, policy=T.GemmWarpPolicy.FullCol)
+        finish_tile(s_f, s_r, w_f, l_s, Logits, r_base, k0, n_rows, hi)
+
+    return load_query_rows, score_tile, finish_tile
 
 
 @functools.cache
@@ -108,7 +119,7 @@ def _jit_logits():
         t_kv = T.dynamic("t_kv")
         n_rows = T.dynamic("n_rows")
         bf16, f32, i32 = T.bfloat16, T.float32, T.int32
-        load_query_rows, score_tile = _logits_macros(T, heads, dim, block_n, block_q, exact_products)
+        load_query_rows, score_tile, _ = _logits_macros(T, heads, dim, block_n, block_q, exact_products)
 
         @T.prim_func
         def main(
@@ -199,7 +210,7 @@ def _jit_logits_plain():
                 )
             T.ptx_commit_group()
 
-        load_query_rows, score_tile = _logits_macros(T, heads, dim, block_n, block_q, True)
+        load_query_rows, score_tile, _ = _logits_macros(T, heads, dim, block_n, block_q, True)
 
         @T.prim_func
         def main(
@@ -266,6 +277,156 @@ def _jit_logits_plain():
         return main
 
     return indexer_logits_plain
+
+
+@functools.cache
+def _jit_logits_overlap():
+    tilelang, T = tilelang_modules()
+
+    @tilelang.jit(
+        pass_configs={
+            tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
+            tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
+        },
+    )
+    def indexer_logits_overlap(heads: int, dim: int, block_n: int = 64, threads: int = 128, min_blocks: int = 2,
+                               stages: int = 3):
+        """The logits kernel's contract (``indexer_logits``, exact products) with tile ``n + 1``'s GEMM running while
+        the warpgroup finishes tile ``n`` (opt-in, not yet measured on a GPU). Why: the plain kernel (the interface's)
+        runs each tile's load wait -> GEMM -> ReLU / weights / head sum / store in series on its one warpgroup, and
+        only the second CTA on the SM overlaps it (ncu, H200, 32K: SM 50.7 %, L2 27.6 %, latency-bound; the tensor
+        pipe at about 45 % of its peak). Here two accumulators alternate: tile ``n + 1``'s ``wgmma`` is issued
+        (asynchronously) before tile ``n``'s epilogue, whose register math then runs under it (FA3's intra-warpgroup
+        overlap), and ``stages`` key stages keep the next tiles' ``cp.async`` in flight meanwhile (tile
+        ``n + stages - 1`` is loaded in step ``n``, into the stage tile ``n - 1`` used). ``block_n`` 64: two
+        ``[64, 128]`` fp32 accumulators are 128 registers per thread, where two 128-key ones would not fit.
+
+        How the steps are laid out is what keeps ``ptxas`` from serialising the ``wgmma`` (its C7514 / C7515: a
+        non-``wgmma`` instruction touching an in-flight accumulator; checked with ``scripts/bench/ptxas_regs.py``):
+        every step issues its next GEMM and waits ``wait_group 1`` unconditionally (past the CTA's last tile the GEMM
+        reads a stale stage and its scores are never stored; only the epilogue is skipped, whose accumulator is no
+        longer in flight), so no control-flow merge copies an in-flight accumulator; and no GEMM is in flight across
+        the loop's back edge (``wait_group 0`` at the end of each pass over the unrolled steps), whose phi copies
+        did the same. The steps are unrolled by ``lcm(stages, 2)``, so every stage and accumulator index is static;
+        a CTA runs up to ``lcm - 1`` steps past its last tile (their loads skipped).
+
+        Bitwise equal to the plain kernel by construction: each score is the same 8-step ``k16`` dot product over
+        ``dim`` (the key tiling does not change a row's reduction) and the same per-head products and head sum
+        (``finish_tile``, shared with the other kernels)."""
+        block_q = max(1, 128 // heads)
+        n_cols = block_q * heads
+        chunks = dim // 8  # 16-byte cp.async pieces per key row
+        if not plain_logits_fits(heads, dim, block_n, threads) or n_cols % 16 or threads != 128 or block_n != 64 \
+                or stages not in (3, 4):
+            raise ValueError(f"overlap logits kernel needs one warpgroup (threads=128), 64-key tiles, 3 or 4 stages, "
+                             f"(128 // heads) * heads % 16 == 0 and dim % 64 == 0; got heads={heads}, dim={dim}, "
+                             f"block_n={block_n}, threads={threads}, stages={stages}")
+        rows_per_pass = threads // chunks
+        t_len = T.dynamic("t_len")
+        t_kv = T.dynamic("t_kv")
+        n_rows = T.dynamic("n_rows")
+        bf16, f32, i32 = T.bfloat16, T.float32, T.int32
+        n_acc = 2
+        unroll = math.lcm(stages, n_acc)
+        steps = list(range(unroll))  # a Python list expands at trace time; range() would become a TIR loop
+        ahead = stages - 1  # tiles loaded ahead of the one whose GEMM runs
+        first_tiles = list(range(ahead))
+        acc_regs = block_n * n_cols // threads  # fp32 accumulator registers per thread
+
+        @T.macro
+        def load_tile(K, k_s, k0, t_kv, tx):
+            for r in T.unroll(block_n // rows_per_pass):
+                row = r * rows_per_pass + tx // chunks
+                col = (tx % chunks) * 8
+                key = k0 + row
+                T.ptx_cp_async(
+                    T.access_ptr(k_s[row, col], "w", 8),
+                    T.access_ptr(K[T.min(key, t_kv - 1), col], "r", 8),
+                    8,
+                    predicate=key < t_kv,
+                )
+            T.ptx_commit_group()
+
+        @T.macro
+        def load_or_skip(K, k_s, n, n_tiles, lo, t_kv, tx):
+            # one commit group per tile whether or not it exists, so that "all but the newest ``stages - 2``
+            # groups done" always means the next tile has landed
+            if n < n_tiles:
+                load_tile(K, k_s, lo + n * block_n, t_kv, tx)
+            else:
+                T.ptx_commit_group()
+
+        load_query_rows, _, finish_tile = _logits_macros(T, heads, dim, block_n, block_q, True)
+
+        @T.macro
+        def issue(k_s, q_s, s_f):
+            # this thread's copies of the tile are done; the barrier makes everyone's visible, the fence hands them
+            # (generic proxy) to the tensor cores (async proxy); the GEMM is left running
+            T.ptx_wait_group(stages - 2)
+            T.sync_threads()
+            T.fence_proxy_async()
+            T.wgmma_gemm(k_s, q_s, s_f, transpose_B=True, clear_accum=True)
+
+        @T.prim_func
+        def main(
+            Q: T.Tensor([t_len, heads, dim], bf16),
+            K: T.Tensor([t_kv, dim], bf16),
+            W: T.Tensor([t_len, heads], f32),
+            Starts: T.Tensor([t_len], i32),
+            Ends: T.Tensor([t_len], i32),
+            RowOffset: T.Tensor([1], i32),
+            Logits: T.Tensor([n_rows, t_kv], f32),
+        ):
+            with T.Kernel(T.ceildiv(n_rows, block_q), threads=threads) as bx:
+                T.annotate_min_blocks_per_sm(min_blocks)
+                q_s = T.alloc_shared([n_cols, dim], bf16)
+                k_stages = [T.alloc_shared([block_n, dim], bf16) for _ in range(stages)]
+                s0_f = T.alloc_fragment([block_n, n_cols], f32)
+                s1_f = T.alloc_fragment([block_n, n_cols], f32)
+                s0_r = T.reshape(s0_f, [block_n, block_q, heads])
+                s1_r = T.reshape(s1_f, [block_n, block_q, heads])
+                w_f = T.alloc_fragment([block_q, heads], f32)
+                l_s = T.alloc_shared([block_n, block_q], f32)
+                lo = T.alloc_var(i32)
+                hi = T.alloc_var(i32)
+                accs = ((s0_f, s0_r), (s1_f, s1_r))
+
+                tx = T.get_thread_binding()
+                r_base = bx * block_q
+                t_base = RowOffset[0] + r_base
+                lo = t_kv
+                hi = 0
+                for i in T.serial(block_q):
+                    if r_base + i < n_rows:
+                        s = T.max(T.min(Starts[t_base + i], t_kv), 0)
+                        e = T.max(T.min(Ends[t_base + i], t_kv), 0)
+                        if e > s:
+                            lo = T.min(lo, s)
+                            hi = T.max(hi, e)
+                n_tiles = T.ceildiv(T.max(hi - lo, 0), block_n)
+                for a in first_tiles:  # tiles 0 .. stages - 2
+                    load_or_skip(K, k_stages[a], a, n_tiles, lo, t_kv, tx)
+                load_query_rows(Q, W, q_s, w_f, r_base, t_base, n_rows, t_len)
+                if n_tiles > 0:
+                    issue(k_stages[0], q_s, s0_f)
+                    T.wait_wgmma(0)
+
+                for ip in T.serial(T.ceildiv(n_tiles, unroll)):
+                    for j in steps:  # static stage and accumulator of each tile
+                        n = ip * unroll + j
+                        cur_f, cur_r = accs[j % n_acc]
+                        nxt_f, _ = accs[(j + 1) % n_acc]
+                        load_or_skip(K, k_stages[(j + ahead) % stages], n + ahead, n_tiles, lo, t_kv, tx)
+                        issue(k_stages[(j + 1) % stages], q_s, nxt_f)
+                        T.wait_wgmma(1)  # tile n's GEMM done; tile n + 1's keeps running
+                        T.warpgroup_fence_operand(cur_f, num_regs=acc_regs)  # no read of tile n's scores above it
+                        if n < n_tiles:
+                            finish_tile(cur_f, cur_r, w_f, l_s, Logits, r_base, lo + n * block_n, n_rows, hi)
+                    T.wait_wgmma(0)
+
+        return main
+
+    return indexer_logits_overlap
 
 
 @functools.cache
@@ -695,12 +856,27 @@ def plain_logits_fits(heads: int, dim: int, block_n: int = 128, threads: int = 1
         and block_n % (threads // chunks) == 0
 
 
+def logits_overlap_stages() -> int:
+    """Key stages of the overlapped logits kernel in force (0: the plain kernel): ``MEGATRON_GLM5_LOGITS_OVERLAP``
+    when set (``0``, ``3`` or ``4``), else ``LOGITS_OVERLAP_STAGES``."""
+    raw = os.environ.get(LOGITS_OVERLAP_ENV)
+    if raw is None or not raw.strip():
+        return LOGITS_OVERLAP_STAGES
+    if raw.strip() not in ("0", "3", "4"):
+        raise ValueError(f"{LOGITS_OVERLAP_ENV}={raw!r}: the overlapped logits kernel's key stages are 3 or 4 (0: off)")
+    return int(raw)
+
+
 def logits_kernel(heads: int, dim: int):
     """The logits kernel :func:`indexer_topk_interface` runs: the one without warp specialisation (128 threads, two
     CTAs per SM so one's epilogue overlaps the other's GEMM) where the shape fits, else the warp-specialised one. Both
     write bitwise equal logits (H200 sweep: 9.56 against 10.54 ms at 32K tokens, 32 x 128 heads;
-    ``scripts/bench/RESULTS_kernels.md``, round 2, second session)."""
+    ``scripts/bench/RESULTS_kernels.md``, round 2, second session). With :func:`logits_overlap_stages` the
+    overlapped kernel instead (``_jit_logits_overlap``: experimental, bitwise equal by construction)."""
     if plain_logits_fits(heads, dim):
+        stages = logits_overlap_stages()
+        if stages and plain_logits_fits(heads, dim, 64, 128):
+            return _jit_logits_overlap()(heads, dim, 64, 128, 2, stages)
         return _jit_logits_plain()(heads, dim)
     return _jit_logits()(heads, dim)
 

@@ -6,8 +6,9 @@ Sections (each prints one markdown table; ``--out`` also writes them):
   and without ``exact_products``, plus one-hot head weights (the GEMM alone), and the full ``indexer_topk`` against
   the closed form (the first ``topk`` keys of each row).
 * ``logits``: the indexer logits kernel at 32K (32 x 128 heads): tiles, stages and ``exact_products`` of the
-  warp-specialised kernel, and the experimental kernel without warp specialisation (``_jit_logits_plain``, 2-3 CTAs
-  per SM); outputs compared bitwise with the default's.
+  warp-specialised kernel, the kernel without warp specialisation (``_jit_logits_plain``, 2-3 CTAs per SM; the
+  interface's) and the overlapped one (``_jit_logits_overlap``: tile n + 1's GEMM under tile n's epilogue, 3 or 4
+  key stages); outputs compared bitwise with the first's.
 * ``select``: the top-k select at 8K / 32K / 64K: threads and the CTAs per SM its registers leave room for; every
   variant's output must equal the default's (the selection is exact, so any difference is a bug).
 * ``bwd``: the sparse-MLA backward at 16K, 64 and 16 heads: ``block_s`` / threads / ``dkv_split`` / ``dkv_reduce``
@@ -49,6 +50,9 @@ LOGITS_VARIANTS = [(128, 2, 256, 4, True)]
 # the logits kernel without warp specialisation (_jit_logits_plain): (block_n, threads, min_blocks[, block_q]);
 # the interface's default first
 PLAIN_VARIANTS = [(128, 128, 2), (64, 128, 3), (64, 128, 2)]
+# the overlapped logits kernel (_jit_logits_overlap: tile n + 1's GEMM under tile n's epilogue): (block_n, threads,
+# min_blocks, stages)
+OVERLAP_VARIANTS = [(64, 128, 2, 3), (64, 128, 2, 4)]
 # (threads, min_blocks: 0 = 2048 // threads, batch: scores loaded per thread before binning[, digit_bits: the score
 # digits' width, 8 by default[, lean: fewer instructions per score[, shortlist entries]]]); the kernel before the
 # lean one first
@@ -60,12 +64,14 @@ BWD_VARIANTS = {64: [(32, 0, 4, "atomic"), (32, 0, 4, "bulk"), (32, 0, 2, "atomi
 
 
 # sections whose kernels are known by factory name (the others build the whole list)
-SECTION_KERNELS = {"select": {"_jit_select", "_jit_logits"}, "logits": {"_jit_logits", "_jit_logits_plain"}}
+SECTION_KERNELS = {"select": {"_jit_select", "_jit_logits"},
+                   "logits": {"_jit_logits", "_jit_logits_plain", "_jit_logits_overlap"}}
 
 
 def kernels_to_build() -> list[tuple]:
     cases = [(IDX, "_jit_logits", (32, 128, *v)) for v in LOGITS_VARIANTS]
     cases += [(IDX, "_jit_logits_plain", (32, 128, *v)) for v in PLAIN_VARIANTS]
+    cases += [(IDX, "_jit_logits_overlap", (32, 128, *v)) for v in OVERLAP_VARIANTS]
     cases += [(IDX, "_jit_select", (2048, *v)) for v in SELECT_VARIANTS]
     cases += [("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_ws", (16, 576, 512, SCALE)),
               ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_ws", (16, 576, 512, SCALE, 64, 4)),
@@ -135,14 +141,17 @@ def section_logits(seq: int = 32768, check_seq: int = 5000) -> list[str]:
     cq, ck, cw, cs, ce = indexer_inputs(check_seq, seed=3)
     cbuf = torch.empty(check_seq, check_seq, device="cuda")
     causal = torch.ones(check_seq, check_seq, dtype=torch.bool, device="cuda").tril()
-    lines = [f"| logits (S={seq}): ws (block_n, stages, threads, block_q, exact) or plain (block_n, threads, "
-             f"min CTAs per SM[, queries per CTA]) | ms | TFLOP/s (causal pairs) "
+    lines = [f"| logits (S={seq}): ws (block_n, stages, threads, block_q, exact), plain (block_n, threads, "
+             f"min CTAs per SM[, queries per CTA]) or overlap (block_n, threads, min CTAs, stages) | ms "
+             f"| TFLOP/s (causal pairs) "
              f"| bitwise equal to the first at {check_seq} tokens |",
              "|---|---|---|---|"]
     ref = None
-    variants = [("ws", v) for v in LOGITS_VARIANTS] + [("plain", v) for v in PLAIN_VARIANTS]
+    variants = ([("ws", v) for v in LOGITS_VARIANTS] + [("plain", v) for v in PLAIN_VARIANTS]
+                + [("overlap", v) for v in OVERLAP_VARIANTS])
+    factories = {"ws": im._jit_logits, "plain": im._jit_logits_plain, "overlap": im._jit_logits_overlap}
     for family, v in variants:
-        kern = im._jit_logits()(32, 128, *v) if family == "ws" else im._jit_logits_plain()(32, 128, *v)
+        kern = factories[family]()(32, 128, *v)
         ms = timed(lambda: run_logits(kern, q, k, w, starts, ends, rows, buf))
         cbuf.fill_(float("nan"))  # an entry the kernel does not write fails the comparison
         run_logits(kern, cq, ck, cw, cs, ce, check_seq, cbuf)
@@ -417,12 +426,16 @@ def main() -> int:
     ap.add_argument("--sections", default="ties,logits,select,bwd,grouped")
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--precompile-only", action="store_true",
+                    help="build the sections' kernels (--workers of them at a time) and stop: for scripts/tl_cache.py")
     args = ap.parse_args()
     wanted = set(args.sections.split(","))
     cases = kernels_to_build()
     if wanted <= set(SECTION_KERNELS):  # only these sections: build only their kernels
         getters = set().union(*(SECTION_KERNELS[w] for w in wanted))
         cases = [c for c in cases if c[1] in getters]
+    if args.precompile_only:
+        return 0 if build_in_parallel(cases, max(1, args.workers)) else 1
     if args.workers and not build_in_parallel(cases, args.workers):
         print("some kernels failed to build (see above); the sections that need them will fail", flush=True)
     sections = {k[len("section_"):]: v for k, v in globals().items() if k.startswith("section_")}

@@ -610,6 +610,39 @@ def test_indexer_topk_short_rows_pad_with_minus_one():
     assert mismatched == 0
 
 
+@pytest.mark.parametrize("stages", [3, 4])
+def test_logits_overlap_equals_plain_bitwise(stages, monkeypatch):
+    """The overlapped logits kernel (tile n + 1's GEMM under tile n's epilogue, ``_jit_logits_overlap``) writes the
+    plain kernel's logits bitwise and no other entry (both buffers NaN-filled first, compared as bits): causal rows
+    with partial tiles, packed sequences, a sliding window, empty rows, and chunks that start mid-sequence with a row
+    count off the CTA's 4 queries. Then the whole indexer top-k with the switch equals the default's."""
+    im = importlib.import_module("megatron_glm5.kernels.indexer_topk")
+    t_len = 3001
+    q, k, w = _indexer_inputs(t_len, seed=11)
+    ar = torch.arange(t_len, dtype=torch.int32, device="cuda")
+    causal = ref.causal_bounds(ref.uniform_cu_seqlens(1, t_len, device="cuda"))
+    cases = {
+        "causal": causal,
+        "packed": ref.causal_bounds(torch.tensor([0, 500, 520, 2100, t_len], dtype=torch.int32, device="cuda")),
+        "window": ((ar - 700).clamp(min=0), ar + 1),
+        "empty rows": (torch.where(ar % 7 == 0, ar + 1, causal[0]), ar + 1),
+    }
+    plain = im._jit_logits_plain()(32, 128)
+    over = im._jit_logits_overlap()(32, 128, 64, 128, 2, stages)
+    for name, (starts, ends) in cases.items():
+        for row0, rows in ((0, t_len), (1000, 777), (2990, 11)):
+            a = torch.full((rows, t_len), float("nan"), device="cuda")
+            b = a.clone()
+            off = torch.tensor([row0], dtype=torch.int32, device="cuda")
+            plain(q, k, w, starts, ends, off, a)
+            over(q, k, w, starts, ends, off, b)
+            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (name, row0, rows)
+    starts, ends = causal
+    expect = im.indexer_topk_interface(q, k, w, starts, ends, 512)
+    monkeypatch.setenv(im.LOGITS_OVERLAP_ENV, str(stages))
+    assert torch.equal(im.indexer_topk_interface(q, k, w, starts, ends, 512), expect)
+
+
 @pytest.mark.parametrize("batch,digit_bits,lean,shortlist", [
     (1, 8, False, 0), (2, 8, False, 0), (8, 8, False, 0), (4, 11, False, 0), (1, 11, False, 0), (4, 12, False, 0),
     (4, 8, True, 0), (8, 8, True, 0), (1, 8, True, 0), (4, 11, True, 0),
