@@ -34,8 +34,9 @@
 # whether its rule picked the faster backward), profile_dkv (ncu on one launch of the key-block kernel, 16 heads, 8K,
 # schedule $DKV_SCHEDULE, default wsp: OUT_DIR/dkv_ncu.txt with the full set and OUT_DIR/dkv_source.csv for ncu_source_summary.py).
 # pp_options (the pp forward's opt-in builds against its default, bitwise: named barriers, the persistent grid),
-# logits_overlap (the overlapped indexer logits kernel against the plain one, bitwise, and the indexer with it),
-# sweep_logits (sweep_dsa_round2.py --sections logits: every logits kernel at 32K, bitwise: OUT_DIR/logits.md),
+# logits_overlap (the overlapped indexer logits kernel and the counted first select round against the plain kernel
+# and the default select, bitwise), sweep_logits (sweep_dsa_round2.py --sections logits,first_round: every logits
+# kernel at 32K causal and packed, and the indexer with the first round counted: OUT_DIR/logits.md),
 # sweep_fwd (sweep_sparse_fwd.py, sections $SWEEP_SECTIONS, default fwd64,nope64,fwd16: OUT_DIR/fwd.md),
 # kernels_ws (the kernel tests with the ws forward variant), bench_grouped (bench_grouped_experts.py), the indexer
 # training clients (indexer_client_sparse: Megatron-LM's pretrain_gpt.py with the sparse indexer loss, both specs;
@@ -77,9 +78,9 @@ for step in "$@"; do
     pp_options) run pp_options 300 python3 -m pytest tests/gpu/test_kernels_gpu.py -q -s -p no:cacheprovider \
       -k "fwd_pp_options or fwd_pp_persistent" ;;
     logits_overlap) run logits_overlap 300 python3 -m pytest tests/gpu/test_kernels_gpu.py -q -s -p no:cacheprovider \
-      -k "logits_overlap" ;;
-    sweep_logits) TAIL=20 run sweep_logits 240 python3 scripts/bench/sweep_dsa_round2.py --sections logits --workers 16 \
-      --out "$OUT_DIR/logits.md" ;;
+      -k "logits_overlap or fused_first_round" ;;
+    sweep_logits) TAIL=30 run sweep_logits 300 python3 scripts/bench/sweep_dsa_round2.py --sections logits,first_round \
+      --workers 16 --out "$OUT_DIR/logits.md" ;;
     sweep_fwd) TAIL=60 run sweep_fwd 300 python3 scripts/bench/sweep_sparse_fwd.py --sections "${SWEEP_SECTIONS:-fwd64,nope64,fwd16}" \
       --out "$OUT_DIR/fwd.md" ;;
     kernels_ws) MEGATRON_GLM5_TEST_FWD_VARIANT=ws run kernels_ws 200 python3 -m pytest tests/gpu/test_kernels_gpu.py -q -s -p no:cacheprovider ;;

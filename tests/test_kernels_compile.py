@@ -84,6 +84,13 @@ COMPILE_CASES = {
     "indexer_logits_overlap_glm": ("megatron_glm5.kernels.indexer_topk", "_jit_logits_overlap", (32, 128)),
     "indexer_logits_overlap4_small": ("megatron_glm5.kernels.indexer_topk", "_jit_logits_overlap",
                                       (8, 64, 64, 128, 2, 4)),
+    # opt-in: the select's first radix round counted as the logits are stored, and the select that starts after it
+    "indexer_logits_plain_hist_glm": ("megatron_glm5.kernels.indexer_topk", "_jit_logits_plain",
+                                      (32, 128, 128, 128, 2, 0, True)),
+    "indexer_logits_overlap_hist_glm": ("megatron_glm5.kernels.indexer_topk", "_jit_logits_overlap",
+                                        (32, 128, 64, 128, 2, 3, True)),
+    "topk_select_pre_hist_glm": ("megatron_glm5.kernels.indexer_topk", "_jit_select",
+                                 (2048, 256, 0, 4, 8, True, None, True)),
     "topk_select_small": ("megatron_glm5.kernels.indexer_topk", "_jit_select", (64,)),
     "topk_select_glm": ("megatron_glm5.kernels.indexer_topk", "_jit_select", (2048,)),
     # the select before the lean one (clamped iterations, TileLang's access guards; the GPU test's reference)
@@ -125,6 +132,9 @@ def _compile_one(case: str) -> tuple[str, int, str]:
     src = kernel.get_kernel_source()
     if "bulk" in case:  # an option silently dropped would still build: its bulk copies must be in the source
         assert "glm5_bulk_add_f32" in src, case
+    if "hist" in case:  # the counts reach the source; the select's only warp match (its first pass) is gone
+        matches = src.count("__match_any_sync")
+        assert "Hist[" in src and (matches == 0 if case.startswith("topk") else matches > 0), (case, matches)
     if case.startswith("fwd_pp"):  # the pp build options must reach the source
         _check_pp_source(src, lean="neither" not in case)
         named = ["glm5_bar_arrive(8, 256)", "glm5_bar_sync(8, 256)",
@@ -160,8 +170,8 @@ def test_kernel_compiles_for_sm90(compiled, case):
     assert n > 0 and entry == "__global__"
 
 
-@pytest.mark.parametrize("stages", [3, 4])
-def test_overlapped_logits_kernel_keeps_its_wgmma_in_flight(stages):
+@pytest.mark.parametrize("stages,hist", [(3, False), (4, False), (3, True)])
+def test_overlapped_logits_kernel_keeps_its_wgmma_in_flight(stages, hist):
     """The overlapped logits kernel exists to run tile n + 1's ``wgmma`` under tile n's epilogue; ``ptxas``
     serialises every ``wgmma`` of a kernel (warnings C7514 / C7515, or injects waits: C7517) when a non-``wgmma``
     instruction may touch an in-flight accumulator, which an innocent-looking change to the loop (a guard around the
@@ -175,12 +185,24 @@ def test_overlapped_logits_kernel_keeps_its_wgmma_in_flight(stages):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     res = subprocess.run([sys.executable, os.path.join(root, "scripts", "bench", "ptxas_regs.py"),
                           "megatron_glm5.kernels.indexer_topk", "_jit_logits_overlap", "32", "128", "--kw",
-                          f"stages={stages}"], capture_output=True, text=True, cwd=root, timeout=900,
+                          f"stages={stages}", "--kw", f"hist={hist}"], capture_output=True, text=True, cwd=root,
+                         timeout=900,
                          env=dict(os.environ, TILELANG_DEFAULT_TARGET=SM90, PYTHONPATH=root))
     report = res.stdout + res.stderr
     assert "Used " in report and " 0 bytes spill stores" in report, report[-2000:]
-    for code in ("C7514", "C7515", "C7517"):
-        assert code not in report, report[-2000:]
+    for sign in ("C7514", "C7515", "C7517", "Potential Performance Loss", "serialized", "injected"):
+        assert sign not in report, report[-2000:]
+    # and the overlap itself, which no warning would report lost: in every step the next GEMM is issued, tile n's
+    # is waited for with one group left in flight, and only then does the epilogue run
+    os.environ["TILELANG_DEFAULT_TARGET"] = SM90
+    src = indexer_mod._jit_logits_overlap()(32, 128, 64, 128, 2, stages, *((True,) if hist else ()))
+    src = src.get_kernel_source()
+    loop = src[src.index("for (int ip = 0;"):]
+    steps = loop.split("tl::wait_wgmma<1>();")
+    assert len(steps) - 1 == (6 if stages == 3 else 4), len(steps)
+    for before, after in zip(steps[:-1], steps[1:]):
+        assert "wgmma_ss" in before.rsplit("__fmul_rn", 1)[-1]  # the next GEMM issued since the last epilogue
+        assert "__fmul_rn" in after  # the epilogue after the wait
 
 
 # --------------------------------------------------------------------------------------------------------------------

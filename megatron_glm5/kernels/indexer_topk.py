@@ -54,9 +54,20 @@ LOGITS_CHUNK_BYTES = 1 << 30
 # 0 runs the plain kernel. ``MEGATRON_GLM5_LOGITS_OVERLAP`` overrides it per run. Off until measured on a GPU.
 LOGITS_OVERLAP_ENV = "MEGATRON_GLM5_LOGITS_OVERLAP"
 LOGITS_OVERLAP_STAGES = 0
+# Indexer (heads, dim) the overlapped kernel and the counted first round were screened at (ptxas, no spills): GLM-5's.
+# Other shapes keep the plain kernel (a review's ptxas runs: the overlapped kernel spills 300-1160 bytes at 8 or 16
+# heads and at dim 256).
+LOGITS_OPTION_SHAPES = frozenset({(32, 128)})
+# The select's first radix round counted by the logits kernel as it stores the logits (``hist=True`` /
+# ``topk_select(pre_hist=True)``): one pass over each row fewer. ``MEGATRON_GLM5_INDEXER_FUSED_HIST`` (1 / 0)
+# overrides it per run. Off until measured on a GPU.
+INDEXER_FUSED_HIST_ENV = "MEGATRON_GLM5_INDEXER_FUSED_HIST"
+INDEXER_FUSED_HIST = False
 # Shortlist entries of the select's third pass (``topk_select(shortlist=...)``): a few dozen keys share the k-th
 # key's 16-bit prefix on indexer scores; 256 leaves room for ties and costs 2 KB of shared memory per CTA.
 SHORTLIST = 256
+# Bins of the select's first radix round: the top byte of its 32-bit score key (``first_round_histogram``).
+FIRST_ROUND_BINS = 256
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -97,6 +108,63 @@ def _logits_macros(T, heads: int, dim: int, block_n: int, block_q: int, exact_pr
         finish_tile(s_f, s_r, w_f, l_s, Logits, r_base, k0, n_rows, hi)
 
     return load_query_rows, score_tile, finish_tile
+
+
+def _hist_macros(T, block_n: int, block_q: int, threads: int):
+    """The logits kernels' optional first radix round of the select (``hist=True``): per chunk row, how many of its
+    keys have each top byte of the select's order-preserving score key (:func:`first_round_histogram`). The CTA
+    counts its ``block_q`` rows in shared memory as it stores each tile (one shared atomic per distinct (row, byte)
+    per warp, as the select's first round aggregates them) and writes ``Hist[r, 256]`` at the end, so the select
+    starts at its second round (``topk_select(pre_hist=True)``): one pass over each row fewer."""
+    i32, u32 = T.int32, T.uint32
+    bins = block_q * FIRST_ROUND_BINS
+    per_thread_bins = bins // threads
+    per_thread_scores = block_q * block_n // threads
+    if bins % threads or (block_q * block_n) % threads:
+        raise ValueError(f"the histogram needs block_q * 256 and block_q * block_n multiples of threads; got "
+                         f"block_q={block_q}, block_n={block_n}, threads={threads}")
+
+    @T.macro
+    def hist_start(Starts, Ends, rs_s, re_s, h_s, t_base, r_base, n_rows, t_kv, tx):
+        # each row's own key range, clamped as the select clamps it (empty past n_rows), and zero counts
+        if tx < block_q:
+            live = r_base + tx < n_rows
+            s = T.max(T.min(Starts[t_base + T.if_then_else(live, tx, 0)], t_kv), 0)
+            e = T.max(T.min(Ends[t_base + T.if_then_else(live, tx, 0)], t_kv), s)
+            rs_s[tx] = T.if_then_else(live, s, 0)
+            re_s[tx] = T.if_then_else(live, e, 0)
+        for v in T.unroll(per_thread_bins):
+            h_s[v * threads + tx] = 0
+        T.sync_threads()
+
+    @T.macro
+    def hist_tile(l_s, h_s, rs_s, re_s, k0, tx):
+        # after the tile's store: its scores are still in l_s [block_n, block_q]
+        lane = tx % 32
+        below = (T.uint32(1) << T.cast(lane, u32)) - T.uint32(1)
+        for v in T.unroll(per_thread_scores):
+            idx = v * threads + tx
+            i = idx // block_n
+            key = k0 + idx % block_n
+            bits = T.reinterpret(l_s[idx % block_n, i], u32)
+            sg = T.cast(T.shift_right(T.cast(bits, i32), 31), u32)
+            top = (((bits & T.uint32(0x7FFFFFFF)) ^ sg) - sg + T.uint32(0x80000000)) >> T.uint32(24)
+            dg = T.if_then_else(key >= rs_s[i] and key < re_s[i], i * FIRST_ROUND_BINS + T.cast(top, i32), bins)
+            peers = T.match_any_sync(dg)  # every lane of the warp, every iteration: no guard around it
+            if dg < bins and (peers & below) == T.uint32(0):
+                # a shared-memory atomic as an extern call (TileLang's atomic_add made its barrier planner put two
+                # block barriers into every iteration; counts need none until the store)
+                T.call_extern(i32, "atomicAdd", T.address_of(h_s[dg]), T.cast(T.popcount(peers), i32))
+
+    @T.macro
+    def hist_store(h_s, Hist, r_base, n_rows, tx):
+        T.sync_threads()
+        for v in T.unroll(per_thread_bins):
+            idx = v * threads + tx
+            if r_base + idx // FIRST_ROUND_BINS < n_rows:
+                Hist[r_base + idx // FIRST_ROUND_BINS, idx % FIRST_ROUND_BINS] = h_s[idx]
+
+    return hist_start, hist_tile, hist_store
 
 
 @functools.cache
@@ -175,14 +243,16 @@ def _jit_logits_plain():
         },
     )
     def indexer_logits_plain(heads: int, dim: int, block_n: int = 128, threads: int = 128, min_blocks: int = 2,
-                             block_q: int = 0):
+                             block_q: int = 0, hist: bool = False):
         """The logits kernel's contract (``indexer_logits``, exact products) without warp specialisation: every
         thread loads key tiles with predicated ``cp.async`` (zero-fill past ``T_kv``) into two stages by hand, and
         registers are capped for ``min_blocks`` CTAs per SM, so one CTA's epilogue (ReLU, weights, head sum, store)
         runs while another's GEMM holds the tensor cores; the specialised kernel is one CTA per SM whose epilogue
         does not overlap its next GEMM. The interface's kernel where the shape allows (:func:`logits_kernel`).
         ``block_q``: queries per CTA (0: ``128 // heads``); each key tile is read from L2 once per CTA, so more
-        queries per CTA read fewer key bytes (8 at 32 heads: a ``[block_n, 256]`` accumulator)."""
+        queries per CTA read fewer key bytes (8 at 32 heads: a ``[block_n, 256]`` accumulator). ``hist``: also the
+        select's first radix round, ``Hist [n_rows, 256]`` int32 (:func:`_hist_macros`; experimental), an extra last
+        argument; without it the kernel is the one before this option (same generated source)."""
         block_q = block_q or max(1, 128 // heads)
         n_cols = block_q * heads
         chunks = dim // 8  # 16-byte cp.async pieces per key row
@@ -212,16 +282,10 @@ def _jit_logits_plain():
 
         load_query_rows, score_tile, _ = _logits_macros(T, heads, dim, block_n, block_q, True)
 
-        @T.prim_func
-        def main(
-            Q: T.Tensor([t_len, heads, dim], bf16),
-            K: T.Tensor([t_kv, dim], bf16),
-            W: T.Tensor([t_len, heads], f32),
-            Starts: T.Tensor([t_len], i32),
-            Ends: T.Tensor([t_len], i32),
-            RowOffset: T.Tensor([1], i32),
-            Logits: T.Tensor([n_rows, t_kv], f32),
-        ):
+        hist_start, hist_tile, hist_store = _hist_macros(T, block_n, block_q, threads) if hist else (None,) * 3
+
+        @T.macro
+        def kernel(Q, K, W, Starts, Ends, RowOffset, Logits, Hist):
             with T.Kernel(T.ceildiv(n_rows, block_q), threads=threads) as bx:
                 T.annotate_min_blocks_per_sm(min_blocks)
                 q_s = T.alloc_shared([n_cols, dim], bf16)
@@ -233,6 +297,10 @@ def _jit_logits_plain():
                 l_s = T.alloc_shared([block_n, block_q], f32)
                 lo = T.alloc_var(i32)
                 hi = T.alloc_var(i32)
+                if Hist is not None:
+                    h_s = T.alloc_shared([block_q * FIRST_ROUND_BINS], i32)
+                    rs_s = T.alloc_shared([block_q], i32)
+                    re_s = T.alloc_shared([block_q], i32)
 
                 tx = T.get_thread_binding()
                 r_base = bx * block_q
@@ -250,6 +318,8 @@ def _jit_logits_plain():
                 if n_tiles > 0:
                     load_tile(K, k0_s, lo, t_kv, tx)
                 load_query_rows(Q, W, q_s, w_f, r_base, t_base, n_rows, t_len)
+                if Hist is not None:
+                    hist_start(Starts, Ends, rs_s, re_s, h_s, t_base, r_base, n_rows, t_kv, tx)
 
                 for ip in T.serial(T.ceildiv(n_tiles, 2)):
                     # even tile in stage 0 (the odd one loads meanwhile), then the odd tile in stage 1
@@ -261,6 +331,8 @@ def _jit_logits_plain():
                     T.sync_threads()
                     T.fence_proxy_async()
                     score_tile(k0_s, q_s, s_f, s_r, w_f, l_s, Logits, r_base, lo + 2 * ip * block_n, n_rows, hi)
+                    if Hist is not None:
+                        hist_tile(l_s, h_s, rs_s, re_s, lo + 2 * ip * block_n, tx)
                     T.sync_threads()
                     if 2 * ip + 1 < n_tiles:
                         if 2 * ip + 2 < n_tiles:
@@ -272,7 +344,37 @@ def _jit_logits_plain():
                         T.fence_proxy_async()
                         score_tile(k1_s, q_s, s_f, s_r, w_f, l_s, Logits, r_base, lo + (2 * ip + 1) * block_n,
                                    n_rows, hi)
+                        if Hist is not None:
+                            hist_tile(l_s, h_s, rs_s, re_s, lo + (2 * ip + 1) * block_n, tx)
                         T.sync_threads()
+                if Hist is not None:
+                    hist_store(h_s, Hist, r_base, n_rows, tx)
+
+        if hist:
+            @T.prim_func
+            def main(
+                Q: T.Tensor([t_len, heads, dim], bf16),
+                K: T.Tensor([t_kv, dim], bf16),
+                W: T.Tensor([t_len, heads], f32),
+                Starts: T.Tensor([t_len], i32),
+                Ends: T.Tensor([t_len], i32),
+                RowOffset: T.Tensor([1], i32),
+                Logits: T.Tensor([n_rows, t_kv], f32),
+                Hist: T.Tensor([n_rows, FIRST_ROUND_BINS], i32),
+            ):
+                kernel(Q, K, W, Starts, Ends, RowOffset, Logits, Hist)
+        else:
+            @T.prim_func
+            def main(
+                Q: T.Tensor([t_len, heads, dim], bf16),
+                K: T.Tensor([t_kv, dim], bf16),
+                W: T.Tensor([t_len, heads], f32),
+                Starts: T.Tensor([t_len], i32),
+                Ends: T.Tensor([t_len], i32),
+                RowOffset: T.Tensor([1], i32),
+                Logits: T.Tensor([n_rows, t_kv], f32),
+            ):
+                kernel(Q, K, W, Starts, Ends, RowOffset, Logits, None)
 
         return main
 
@@ -290,7 +392,7 @@ def _jit_logits_overlap():
         },
     )
     def indexer_logits_overlap(heads: int, dim: int, block_n: int = 64, threads: int = 128, min_blocks: int = 2,
-                               stages: int = 3):
+                               stages: int = 3, hist: bool = False):
         """The logits kernel's contract (``indexer_logits``, exact products) with tile ``n + 1``'s GEMM running while
         the warpgroup finishes tile ``n`` (opt-in, not yet measured on a GPU). Why: the plain kernel (the interface's)
         runs each tile's load wait -> GEMM -> ReLU / weights / head sum / store in series on its one warpgroup, and
@@ -306,13 +408,19 @@ def _jit_logits_overlap():
         every step issues its next GEMM and waits ``wait_group 1`` unconditionally (past the CTA's last tile the GEMM
         reads a stale stage and its scores are never stored; only the epilogue is skipped, whose accumulator is no
         longer in flight), so no control-flow merge copies an in-flight accumulator; and no GEMM is in flight across
-        the loop's back edge (``wait_group 0`` at the end of each pass over the unrolled steps), whose phi copies
-        did the same. The steps are unrolled by ``lcm(stages, 2)``, so every stage and accumulator index is static;
-        a CTA runs up to ``lcm - 1`` steps past its last tile (their loads skipped).
+        the loop's back edge (``wait_group 0`` at the end of each pass over the unrolled steps: it leaves a gap
+        between two GEMM issues, the epilogue still overlaps), whose phi copies did the same. The steps are unrolled
+        by ``lcm(stages, 2)``, so every stage and accumulator index is static; a CTA runs up to ``lcm - 1`` steps past
+        its last tile (their loads skipped, the GEMM and the barriers not): about 1 % more GEMMs on a causal 32K
+        sequence, but 1.2x / 1.4x / 1.9x on 2K / 1K / 512-token documents with 3 stages (1.15x / 1.3x / 1.6x with
+        4; the plain kernel 1.03x-1.11x), so packed short documents may favour the plain kernel or 4 stages. Each
+        64-key step has four block barriers, two of them TileLang's and redundant (a build without its storage syncs
+        and two barriers placed by hand is the next thing to try if the kernel pays).
 
         Bitwise equal to the plain kernel by construction: each score is the same 8-step ``k16`` dot product over
         ``dim`` (the key tiling does not change a row's reduction) and the same per-head products and head sum
-        (``finish_tile``, shared with the other kernels)."""
+        (``finish_tile``, shared with the other kernels). ``hist``: also the select's first radix round, as the plain
+        kernel's ``hist`` (experimental)."""
         block_q = max(1, 128 // heads)
         n_cols = block_q * heads
         chunks = dim // 8  # 16-byte cp.async pieces per key row
@@ -367,16 +475,10 @@ def _jit_logits_overlap():
             T.fence_proxy_async()
             T.wgmma_gemm(k_s, q_s, s_f, transpose_B=True, clear_accum=True)
 
-        @T.prim_func
-        def main(
-            Q: T.Tensor([t_len, heads, dim], bf16),
-            K: T.Tensor([t_kv, dim], bf16),
-            W: T.Tensor([t_len, heads], f32),
-            Starts: T.Tensor([t_len], i32),
-            Ends: T.Tensor([t_len], i32),
-            RowOffset: T.Tensor([1], i32),
-            Logits: T.Tensor([n_rows, t_kv], f32),
-        ):
+        hist_start, hist_tile, hist_store = _hist_macros(T, block_n, block_q, threads) if hist else (None,) * 3
+
+        @T.macro
+        def kernel(Q, K, W, Starts, Ends, RowOffset, Logits, Hist):
             with T.Kernel(T.ceildiv(n_rows, block_q), threads=threads) as bx:
                 T.annotate_min_blocks_per_sm(min_blocks)
                 q_s = T.alloc_shared([n_cols, dim], bf16)
@@ -390,6 +492,10 @@ def _jit_logits_overlap():
                 lo = T.alloc_var(i32)
                 hi = T.alloc_var(i32)
                 accs = ((s0_f, s0_r), (s1_f, s1_r))
+                if Hist is not None:
+                    h_s = T.alloc_shared([block_q * FIRST_ROUND_BINS], i32)
+                    rs_s = T.alloc_shared([block_q], i32)
+                    re_s = T.alloc_shared([block_q], i32)
 
                 tx = T.get_thread_binding()
                 r_base = bx * block_q
@@ -407,6 +513,8 @@ def _jit_logits_overlap():
                 for a in first_tiles:  # tiles 0 .. stages - 2
                     load_or_skip(K, k_stages[a], a, n_tiles, lo, t_kv, tx)
                 load_query_rows(Q, W, q_s, w_f, r_base, t_base, n_rows, t_len)
+                if Hist is not None:
+                    hist_start(Starts, Ends, rs_s, re_s, h_s, t_base, r_base, n_rows, t_kv, tx)
                 if n_tiles > 0:
                     issue(k_stages[0], q_s, s0_f)
                     T.wait_wgmma(0)
@@ -422,10 +530,40 @@ def _jit_logits_overlap():
                         T.warpgroup_fence_operand(cur_f, num_regs=acc_regs)  # no read of tile n's scores above it
                         if n < n_tiles:
                             finish_tile(cur_f, cur_r, w_f, l_s, Logits, r_base, lo + n * block_n, n_rows, hi)
+                            if Hist is not None:
+                                hist_tile(l_s, h_s, rs_s, re_s, lo + n * block_n, tx)
                     T.wait_wgmma(0)
+                if Hist is not None:
+                    hist_store(h_s, Hist, r_base, n_rows, tx)
+
+
+        if hist:
+            @T.prim_func
+            def main(
+                Q: T.Tensor([t_len, heads, dim], bf16),
+                K: T.Tensor([t_kv, dim], bf16),
+                W: T.Tensor([t_len, heads], f32),
+                Starts: T.Tensor([t_len], i32),
+                Ends: T.Tensor([t_len], i32),
+                RowOffset: T.Tensor([1], i32),
+                Logits: T.Tensor([n_rows, t_kv], f32),
+                Hist: T.Tensor([n_rows, FIRST_ROUND_BINS], i32),
+            ):
+                kernel(Q, K, W, Starts, Ends, RowOffset, Logits, Hist)
+        else:
+            @T.prim_func
+            def main(
+                Q: T.Tensor([t_len, heads, dim], bf16),
+                K: T.Tensor([t_kv, dim], bf16),
+                W: T.Tensor([t_len, heads], f32),
+                Starts: T.Tensor([t_len], i32),
+                Ends: T.Tensor([t_len], i32),
+                RowOffset: T.Tensor([1], i32),
+                Logits: T.Tensor([n_rows, t_kv], f32),
+            ):
+                kernel(Q, K, W, Starts, Ends, RowOffset, Logits, None)
 
         return main
-
     return indexer_logits_overlap
 
 
@@ -442,10 +580,11 @@ def _jit_select():
                                           tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True})(build)
 
     def topk_select(topk: int, threads: int = 256, min_blocks: int = 0, batch: int = 4, digit_bits: int = 8,
-                    lean: bool = True, shortlist: int | None = None):
+                    lean: bool = True, shortlist: int | None = None, pre_hist: bool = False):
         if shortlist is None:  # the default where it applies (lean, 8-bit digits)
             shortlist = SHORTLIST if lean and digit_bits == 8 and threads >= SHORTLIST else 0
-        return (lean_jit if lean else guarded)(topk, threads, min_blocks, batch, digit_bits, lean, shortlist)
+        extra = (True,) if pre_hist else ()  # without it, the call (and kernel) of the builds before the option
+        return (lean_jit if lean else guarded)(topk, threads, min_blocks, batch, digit_bits, lean, shortlist, *extra)
 
     topk_select.__doc__ = build.__doc__
     return topk_select
@@ -453,7 +592,7 @@ def _jit_select():
 
 def _select_program(T):
     def topk_select(topk: int, threads: int = 256, min_blocks: int = 0, batch: int = 4, digit_bits: int = 8,
-                    lean: bool = True, shortlist: int = 0):
+                    lean: bool = True, shortlist: int = 0, pre_hist: bool = False):
         """Exact top-``topk`` of ``Logits[r, starts[t]:ends[t]]`` per row, sorted, ties to the lower index.
 
         ``min_blocks`` (0: as many as the SM's 2048 threads allow): CTAs per SM the registers must leave room for.
@@ -473,7 +612,14 @@ def _select_program(T):
         and only ``need`` keys inside ``P`` remain to choose (typically a few dozen candidates), so that pass writes
         the keys above ``P`` to the output list and the ones inside ``P`` to a shortlist of this many entries; each
         shortlisted key's rank among the others (a loop over the shortlist) says whether it is selected and where it
-        goes. A row whose bucket overflows the shortlist runs the usual rounds and collect pass instead."""
+        goes. A row whose bucket overflows the shortlist runs the usual rounds and collect pass instead.
+        ``pre_hist`` (lean, 8-bit digits; experimental): the first round's histogram comes in as ``Hist [n_rows,
+        256]`` int32 (an extra second argument), counted by the logits kernel as it stored the row
+        (``_jit_logits_plain(hist=True)``; :func:`first_round_histogram` is its torch oracle), so the first of the
+        usual three passes over the row is not made. Same rows bitwise when ``Hist`` is right."""
+        if pre_hist and (not lean or digit_bits != 8):
+            raise ValueError(f"topk_select's pre_hist needs lean=True and digit_bits=8 (the logits kernel counts the "
+                             f"top byte of the lean score key), got lean={lean}, digit_bits={digit_bits}")
         if shortlist and (not lean or digit_bits != 8 or shortlist > threads):
             raise ValueError(f"topk_select's shortlist needs lean=True, digit_bits=8 and at most {threads} entries, "
                              f"got shortlist={shortlist}, lean={lean}, digit_bits={digit_bits}")
@@ -551,14 +697,8 @@ def _select_program(T):
             for v in T.unroll(batch):
                 raw[v] = T.reinterpret(Logits[bx, load_index(s0 + it * span + v * threads + tx, e0, t_kv, part)], u32)
 
-        @T.prim_func
-        def main(
-            Logits: T.Tensor([n_rows, t_kv], f32),
-            Starts: T.Tensor([t_len], i32),
-            Ends: T.Tensor([t_len], i32),
-            RowOffset: T.Tensor([1], i32),
-            Out: T.Tensor([t_len, topk], i32),
-        ):
+        @T.macro
+        def kernel(Logits, Hist, Starts, Ends, RowOffset, Out):
             with T.Kernel(n_rows, threads=threads) as bx:
                 T.annotate_min_blocks_per_sm(blocks)
                 hist = T.alloc_shared([hist_n], i32)
@@ -665,14 +805,18 @@ def _select_program(T):
                             if tx == 0:
                                 cnt_s[0] = 0
                         T.sync_threads()
+                    counted = r == 0 and Hist is not None  # (trace time) the logits kernel counted this round
                     if st[3] == T.uint32(0):
                         for hz in T.unroll(cdiv(hist_n, threads)):
                             if hz * threads + tx < hist_n:
-                                hist[hz * threads + tx] = 0
+                                if counted:
+                                    hist[hz * threads + tx] = Hist[bx, hz * threads + tx]
+                                else:
+                                    hist[hz * threads + tx] = 0
                         T.sync_threads()
                         ph = st[0]
                         pl = st[1]
-                        for part in parts:
+                        for part in (() if counted else parts):  # no pass over the row for a counted round
                           it0, it1 = part_range(part, n, n_it)
                           for it in T.serial(it0, it1):
                             load_scores(Logits, raw, bx, it, s0, e0, t_kv, tx, part)
@@ -833,6 +977,28 @@ def _select_program(T):
                             p < count, T.cast(T.uint32(0xFFFFFFFF) - key_l[p], i32), -1
                         )
 
+        if pre_hist:
+            @T.prim_func
+            def main(
+                Logits: T.Tensor([n_rows, t_kv], f32),
+                Hist: T.Tensor([n_rows, FIRST_ROUND_BINS], i32),
+                Starts: T.Tensor([t_len], i32),
+                Ends: T.Tensor([t_len], i32),
+                RowOffset: T.Tensor([1], i32),
+                Out: T.Tensor([t_len, topk], i32),
+            ):
+                kernel(Logits, Hist, Starts, Ends, RowOffset, Out)
+        else:
+            @T.prim_func
+            def main(
+                Logits: T.Tensor([n_rows, t_kv], f32),
+                Starts: T.Tensor([t_len], i32),
+                Ends: T.Tensor([t_len], i32),
+                RowOffset: T.Tensor([1], i32),
+                Out: T.Tensor([t_len, topk], i32),
+            ):
+                kernel(Logits, None, Starts, Ends, RowOffset, Out)
+
         return main
 
     return topk_select
@@ -867,17 +1033,63 @@ def logits_overlap_stages() -> int:
     return int(raw)
 
 
-def logits_kernel(heads: int, dim: int):
+def fused_first_round() -> bool:
+    """Whether the interface has the logits kernel count the select's first radix round
+    (``MEGATRON_GLM5_INDEXER_FUSED_HIST`` when set, ``1`` / ``0``; else ``INDEXER_FUSED_HIST``)."""
+    raw = os.environ.get(INDEXER_FUSED_HIST_ENV)
+    if raw is None or not raw.strip():
+        return INDEXER_FUSED_HIST
+    if raw.strip() not in ("0", "1"):
+        raise ValueError(f"{INDEXER_FUSED_HIST_ENV}={raw!r}: expected 1 (on) or 0 (off)")
+    return raw.strip() == "1"
+
+
+def select_score_key(scores: torch.Tensor) -> torch.Tensor:
+    """The lean select's 32-bit score key of fp32 ``scores``, as int64: ``0x80000000 + |bits|`` for ``x >= +0``,
+    ``0x80000000 - |bits|`` for ``x <= -0`` (the kernel's three integer ops); larger score, larger key."""
+    bits = scores.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    mag = bits & 0x7FFFFFFF
+    return torch.where((bits >> 31) == 1, 0x80000000 - mag, 0x80000000 + mag)
+
+
+def first_round_histogram(logits: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
+                          row_offset: int = 0) -> torch.Tensor:
+    """Torch oracle of the logits kernels' ``hist`` output: int32 ``[n_rows, 256]``, for chunk row ``r`` (token
+    ``row_offset + r``) how many keys of its range (clamped as the select clamps it) have each top byte of the
+    select's lean score key (``0x80000000 + |bits|`` for ``x >= +0``, ``0x80000000 - |bits|`` for ``x <= -0``:
+    order-preserving, ``-0.0`` and ``+0.0`` one key)."""
+    n_rows, t_kv = logits.shape
+    key = select_score_key(logits)
+    rows = row_offset + torch.arange(n_rows, device=logits.device)
+    s = starts[rows].long().clamp(0, t_kv)
+    e = torch.maximum(ends[rows].long().clamp(max=t_kv), s)
+    cols = torch.arange(t_kv, device=logits.device)
+    inside = ((cols[None] >= s[:, None]) & (cols[None] < e[:, None])).long()
+    hist = torch.zeros(n_rows, FIRST_ROUND_BINS, dtype=torch.int64, device=logits.device)
+    return hist.scatter_add_(1, key >> 24, inside).int()
+
+
+def logits_kernel(heads: int, dim: int, hist: bool = False):
     """The logits kernel :func:`indexer_topk_interface` runs: the one without warp specialisation (128 threads, two
     CTAs per SM so one's epilogue overlaps the other's GEMM) where the shape fits, else the warp-specialised one. Both
     write bitwise equal logits (H200 sweep: 9.56 against 10.54 ms at 32K tokens, 32 x 128 heads;
     ``scripts/bench/RESULTS_kernels.md``, round 2, second session). With :func:`logits_overlap_stages` the
-    overlapped kernel instead (``_jit_logits_overlap``: experimental, bitwise equal by construction)."""
+    overlapped kernel instead (``_jit_logits_overlap``: experimental, bitwise equal by construction). ``hist``: the
+    build that also counts the select's first radix round (an extra ``Hist`` argument)."""
+    if hist and (heads, dim) not in LOGITS_OPTION_SHAPES:
+        raise ValueError(f"the select's first round is counted only at the screened indexer shapes "
+                         f"{sorted(LOGITS_OPTION_SHAPES)}, got heads={heads}, dim={dim}")
     if plain_logits_fits(heads, dim):
+        extra = (True,) if hist else ()  # without it, the call (and kernel) of the builds before the option
         stages = logits_overlap_stages()
-        if stages and plain_logits_fits(heads, dim, 64, 128):
-            return _jit_logits_overlap()(heads, dim, 64, 128, 2, stages)
+        if stages and (heads, dim) in LOGITS_OPTION_SHAPES:
+            return _jit_logits_overlap()(heads, dim, 64, 128, 2, stages, *extra)
+        if hist:
+            return _jit_logits_plain()(heads, dim, 128, 128, 2, 0, True)
         return _jit_logits_plain()(heads, dim)
+    if hist:
+        raise ValueError(f"the select's first round is counted by the plain or overlapped logits kernel only; "
+                         f"indexer heads={heads}, dim={dim} take the warp-specialised one")
     return _jit_logits()(heads, dim)
 
 
@@ -916,14 +1128,20 @@ def indexer_topk_interface(
     if t_kv == 0:
         return out.fill_(-1)
 
-    logits = logits_kernel(heads, dim)
-    select_kernel = _jit_select()(topk)
+    counted = fused_first_round() and (heads, dim) in LOGITS_OPTION_SHAPES
+    logits = logits_kernel(heads, dim, hist=counted)
+    select_kernel = _jit_select()(topk, pre_hist=True) if counted else _jit_select()(topk)
     rows = chunk_rows or logits_chunk_rows(t_kv, block_q)
     buf = torch.empty(min(rows, t_len), t_kv, dtype=torch.float32, device=q.device)
+    counts = torch.empty(min(rows, t_len), FIRST_ROUND_BINS, dtype=torch.int32, device=q.device) if counted else None
     for c0 in range(0, t_len, rows):
         c1 = min(t_len, c0 + rows)
         row0 = torch.full((1,), c0, dtype=torch.int32, device=q.device)
         chunk = buf[: c1 - c0]
-        logits(q, k, weights, starts, ends, row0, chunk)
-        select_kernel(chunk, starts, ends, row0, out)
+        if counted:  # the select's first radix round counted as the logits are stored: one pass less over them
+            logits(q, k, weights, starts, ends, row0, chunk, counts[: c1 - c0])
+            select_kernel(chunk, counts[: c1 - c0], starts, ends, row0, out)
+        else:
+            logits(q, k, weights, starts, ends, row0, chunk)
+            select_kernel(chunk, starts, ends, row0, out)
     return out

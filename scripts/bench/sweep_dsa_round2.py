@@ -9,6 +9,8 @@ Sections (each prints one markdown table; ``--out`` also writes them):
   warp-specialised kernel, the kernel without warp specialisation (``_jit_logits_plain``, 2-3 CTAs per SM; the
   interface's) and the overlapped one (``_jit_logits_overlap``: tile n + 1's GEMM under tile n's epilogue, 3 or 4
   key stages); outputs compared bitwise with the first's.
+* ``first_round``: the indexer end to end (logits + select) at 8K and 32K with and without the select's first radix
+  round counted by the logits kernel (``hist`` / ``pre_hist``), plain and overlapped logits; top-k compared.
 * ``select``: the top-k select at 8K / 32K / 64K: threads and the CTAs per SM its registers leave room for; every
   variant's output must equal the default's (the selection is exact, so any difference is a bug).
 * ``bwd``: the sparse-MLA backward at 16K, 64 and 16 heads: ``block_s`` / threads / ``dkv_split`` / ``dkv_reduce``
@@ -65,13 +67,18 @@ BWD_VARIANTS = {64: [(32, 0, 4, "atomic"), (32, 0, 4, "bulk"), (32, 0, 2, "atomi
 
 # sections whose kernels are known by factory name (the others build the whole list)
 SECTION_KERNELS = {"select": {"_jit_select", "_jit_logits"},
-                   "logits": {"_jit_logits", "_jit_logits_plain", "_jit_logits_overlap"}}
+                   "logits": {"_jit_logits", "_jit_logits_plain", "_jit_logits_overlap"},
+                   "first_round": {"_jit_logits_plain", "_jit_logits_overlap", "_jit_select"}}
 
 
 def kernels_to_build() -> list[tuple]:
     cases = [(IDX, "_jit_logits", (32, 128, *v)) for v in LOGITS_VARIANTS]
     cases += [(IDX, "_jit_logits_plain", (32, 128, *v)) for v in PLAIN_VARIANTS]
     cases += [(IDX, "_jit_logits_overlap", (32, 128, *v)) for v in OVERLAP_VARIANTS]
+    # the first radix round counted by the logits kernels, and the select that starts after it (section first_round)
+    cases += [(IDX, "_jit_logits_plain", (32, 128, 128, 128, 2, 0, True)),
+              (IDX, "_jit_logits_overlap", (32, 128, 64, 128, 2, 3, True)),
+              (IDX, "_jit_select", (2048,)), (IDX, "_jit_select", (2048, 256, 0, 4, 8, True, None, True))]
     cases += [(IDX, "_jit_select", (2048, *v)) for v in SELECT_VARIANTS]
     cases += [("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_ws", (16, 576, 512, SCALE)),
               ("megatron_glm5.kernels.sparse_mla_fwd", "_jit_fwd_ws", (16, 576, 512, SCALE, 64, 4)),
@@ -141,11 +148,16 @@ def section_logits(seq: int = 32768, check_seq: int = 5000) -> list[str]:
     cq, ck, cw, cs, ce = indexer_inputs(check_seq, seed=3)
     cbuf = torch.empty(check_seq, check_seq, device="cuda")
     causal = torch.ones(check_seq, check_seq, dtype=torch.bool, device="cuda").tril()
+    # the same tokens as 1K-token documents (packed): short rows, where a CTA's steps past its last tile weigh more
+    from megatron_glm5.kernels.bounds import causal_bounds
+
+    p_starts, p_ends = causal_bounds(torch.arange(0, seq + 1, 1024, dtype=torch.int32, device="cuda"))
+    p_pairs = (seq // 1024) * 1024 * 1025 / 2
     lines = [f"| logits (S={seq}): ws (block_n, stages, threads, block_q, exact), plain (block_n, threads, "
              f"min CTAs per SM[, queries per CTA]) or overlap (block_n, threads, min CTAs, stages) | ms "
-             f"| TFLOP/s (causal pairs) "
+             f"| TFLOP/s (causal pairs) | packed 1K documents ms (TFLOP/s) "
              f"| bitwise equal to the first at {check_seq} tokens |",
-             "|---|---|---|---|"]
+             "|---|---|---|---|---|"]
     ref = None
     variants = ([("ws", v) for v in LOGITS_VARIANTS] + [("plain", v) for v in PLAIN_VARIANTS]
                 + [("overlap", v) for v in OVERLAP_VARIANTS])
@@ -153,12 +165,58 @@ def section_logits(seq: int = 32768, check_seq: int = 5000) -> list[str]:
     for family, v in variants:
         kern = factories[family]()(32, 128, *v)
         ms = timed(lambda: run_logits(kern, q, k, w, starts, ends, rows, buf))
+        p_ms = timed(lambda: run_logits(kern, q, k, w, p_starts, p_ends, rows, buf))
         cbuf.fill_(float("nan"))  # an entry the kernel does not write fails the comparison
         run_logits(kern, cq, ck, cw, cs, ce, check_seq, cbuf)
         got = cbuf[causal]
         same = "-" if ref is None else str(bool(torch.equal(got, ref)))
         ref = got.clone() if ref is None else ref
-        lines.append(f"| {family} {v} | {ms:.2f} | {2 * pairs * 32 * 128 / ms / 1e9:.0f} | {same} |")
+        lines.append(f"| {family} {v} | {ms:.2f} | {2 * pairs * 32 * 128 / ms / 1e9:.0f} "
+                     f"| {p_ms:.3f} ({2 * p_pairs * 32 * 128 / p_ms / 1e9:.0f}) | {same} |")
+    return lines
+
+
+def section_first_round(seqs=(8192, 32768), topk: int = 2048) -> list[str]:
+    """The indexer end to end (logits + select, chunked as the interface runs them) with and without the select's
+    first radix round counted by the logits kernel (``hist`` / ``pre_hist``), on the plain and the overlapped logits
+    kernels; every variant's top-k must equal the first's."""
+    im = importlib.import_module(IDX)
+    lines = ["| S | logits kernel | first round | ms (logits + select) | speed-up | top-k equal to the first |",
+             "|---|---|---|---|---|---|"]
+    for seq in seqs:
+        q, k, w, starts, ends = indexer_inputs(seq)
+        rows = im.logits_chunk_rows(seq, 4)
+        buf = torch.empty(rows, seq, device="cuda")
+        counts = torch.empty(rows, im.FIRST_ROUND_BINS, dtype=torch.int32, device="cuda")
+        out = torch.empty(seq, topk, dtype=torch.int32, device="cuda")
+        ref = base = None
+        for name, factory, args in (("plain", im._jit_logits_plain, (32, 128)),
+                                    ("overlap 3", im._jit_logits_overlap, (32, 128, 64, 128, 2, 3))):
+            for counted in (False, True):
+                logits = factory()(*args, *((128, 128, 2, 0, True) if counted and name == "plain" else
+                                            (True,) if counted else ()))
+                select = im._jit_select()(topk, pre_hist=True) if counted else im._jit_select()(topk)
+
+                def run():
+                    for c0 in range(0, seq, rows):
+                        c1 = min(seq, c0 + rows)
+                        off = torch.full((1,), c0, dtype=torch.int32, device="cuda")
+                        if counted:
+                            logits(q, k, w, starts, ends, off, buf[: c1 - c0], counts[: c1 - c0])
+                            select(buf[: c1 - c0], counts[: c1 - c0], starts, ends, off, out)
+                        else:
+                            logits(q, k, w, starts, ends, off, buf[: c1 - c0])
+                            select(buf[: c1 - c0], starts, ends, off, out)
+
+                ms = timed(run)
+                run()
+                same = "-" if ref is None else str(bool(torch.equal(out, ref)))
+                ref = out.clone() if ref is None else ref
+                base = base or ms
+                lines.append(f"| {seq} | {name} | {'counted' if counted else 'select pass'} | {ms:.2f} "
+                             f"| {base / ms:.2f}x | {same} |")
+        del q, k, w, buf, counts, out, ref
+        torch.cuda.empty_cache()
     return lines
 
 

@@ -617,30 +617,79 @@ def test_logits_overlap_equals_plain_bitwise(stages, monkeypatch):
     with partial tiles, packed sequences, a sliding window, empty rows, and chunks that start mid-sequence with a row
     count off the CTA's 4 queries. Then the whole indexer top-k with the switch equals the default's."""
     im = importlib.import_module("megatron_glm5.kernels.indexer_topk")
-    t_len = 3001
-    q, k, w = _indexer_inputs(t_len, seed=11)
-    ar = torch.arange(t_len, dtype=torch.int32, device="cuda")
-    causal = ref.causal_bounds(ref.uniform_cu_seqlens(1, t_len, device="cuda"))
-    cases = {
-        "causal": causal,
-        "packed": ref.causal_bounds(torch.tensor([0, 500, 520, 2100, t_len], dtype=torch.int32, device="cuda")),
-        "window": ((ar - 700).clamp(min=0), ar + 1),
-        "empty rows": (torch.where(ar % 7 == 0, ar + 1, causal[0]), ar + 1),
-    }
+    monkeypatch.delenv(im.LOGITS_OVERLAP_ENV, raising=False)
+    monkeypatch.delenv(im.INDEXER_FUSED_HIST_ENV, raising=False)
     plain = im._jit_logits_plain()(32, 128)
     over = im._jit_logits_overlap()(32, 128, 64, 128, 2, stages)
+    for t_len, t_kv in ((3001, 3001), (3001, 3301), (9000, 9000)):
+        q, k, w = _indexer_inputs(t_len, seed=11, t_kv=t_kv)
+        for name, (starts, ends) in _logits_cases(t_len).items():
+            for row0, rows in ((0, t_len), (1000, 777), (2990, 11)):
+                a = torch.full((rows, t_kv), float("nan"), device="cuda")
+                off = torch.tensor([row0], dtype=torch.int32, device="cuda")
+                plain(q, k, w, starts, ends, off, a)
+                for _ in range(5 if t_len < 5000 else 1):  # a race would rarely show in one run
+                    b = torch.full_like(a, float("nan"))
+                    over(q, k, w, starts, ends, off, b)
+                    assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (t_len, t_kv, name, row0, rows)
+    q, k, w = _indexer_inputs(3001, seed=11)
+    starts, ends = _logits_cases(3001)["causal"]
+    expect = im.indexer_topk_interface(q, k, w, starts, ends, 512)
+    monkeypatch.setenv(im.LOGITS_OVERLAP_ENV, str(stages))
+    assert torch.equal(im.indexer_topk_interface(q, k, w, starts, ends, 512), expect)
+
+
+def _logits_cases(t_len: int) -> dict:
+    """Row bounds for the logits kernels' bitwise tests: causal, packed documents, a window, empty rows every 7th,
+    and padding rows past the last document (whole CTAs with no key tile)."""
+    ar = torch.arange(t_len, dtype=torch.int32, device="cuda")
+    causal = ref.causal_bounds(ref.uniform_cu_seqlens(1, t_len, device="cuda"))
+    cu = [0, 500, 520, 2100, t_len]
+    return {
+        "causal": causal,
+        "packed": ref.causal_bounds(torch.tensor(cu, dtype=torch.int32, device="cuda")),
+        "window": ((ar - 700).clamp(min=0), ar + 1),
+        "empty rows": (torch.where(ar % 7 == 0, ar + 1, causal[0]), ar + 1),
+        "padding": ref.causal_bounds(torch.tensor([0, 500, 520, 2100, 2950], dtype=torch.int32, device="cuda"),
+                                     total=t_len),
+    }
+
+
+@pytest.mark.parametrize("overlap", [0, 3])
+def test_fused_first_round_counts_and_selects_as_the_default(overlap, monkeypatch):
+    """The select's first radix round counted by the logits kernel (``hist=True``, plain or overlapped): the same
+    logits bitwise as without it, counts equal to the torch oracle (``first_round_histogram``) on causal, packed,
+    windowed and empty rows and on mid-sequence chunks; then the whole indexer top-k with
+    ``MEGATRON_GLM5_INDEXER_FUSED_HIST=1`` equals the default's, including identical keys (every score tied) and
+    rows shorter than top-k."""
+    im = importlib.import_module("megatron_glm5.kernels.indexer_topk")
+    monkeypatch.delenv(im.LOGITS_OVERLAP_ENV, raising=False)
+    t_len = 3001
+    q, k, w = _indexer_inputs(t_len, seed=12)
+    cases = _logits_cases(t_len)
+    causal = cases["causal"]
+    plain = im._jit_logits_plain()(32, 128)
+    counting = (im._jit_logits_overlap()(32, 128, 64, 128, 2, overlap, True) if overlap
+                else im._jit_logits_plain()(32, 128, 128, 128, 2, 0, True))
     for name, (starts, ends) in cases.items():
         for row0, rows in ((0, t_len), (1000, 777), (2990, 11)):
             a = torch.full((rows, t_len), float("nan"), device="cuda")
             b = a.clone()
+            counts = torch.full((rows, 256), -1, dtype=torch.int32, device="cuda")
             off = torch.tensor([row0], dtype=torch.int32, device="cuda")
             plain(q, k, w, starts, ends, off, a)
-            over(q, k, w, starts, ends, off, b)
+            counting(q, k, w, starts, ends, off, b, counts)
             assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (name, row0, rows)
+            assert torch.equal(counts, im.first_round_histogram(b, starts, ends, row0)), (name, row0, rows)
+    if overlap:
+        monkeypatch.setenv(im.LOGITS_OVERLAP_ENV, str(overlap))
     starts, ends = causal
-    expect = im.indexer_topk_interface(q, k, w, starts, ends, 512)
-    monkeypatch.setenv(im.LOGITS_OVERLAP_ENV, str(stages))
-    assert torch.equal(im.indexer_topk_interface(q, k, w, starts, ends, 512), expect)
+    tied = torch.randn(1, 128, device="cuda", dtype=torch.bfloat16).expand(t_len, 128).contiguous()
+    for keys, topk in ((k, 512), (k, 2048), (tied, 512), (torch.zeros_like(k), 512)):
+        monkeypatch.setenv(im.INDEXER_FUSED_HIST_ENV, "0")
+        expect = im.indexer_topk_interface(q, keys, w, starts, ends, topk)
+        monkeypatch.setenv(im.INDEXER_FUSED_HIST_ENV, "1")
+        assert torch.equal(im.indexer_topk_interface(q, keys, w, starts, ends, topk), expect), topk
 
 
 @pytest.mark.parametrize("batch,digit_bits,lean,shortlist", [
