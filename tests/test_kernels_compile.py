@@ -84,6 +84,9 @@ COMPILE_CASES = {
     "indexer_logits_overlap_glm": ("megatron_glm5.kernels.indexer_topk", "_jit_logits_overlap", (32, 128)),
     "indexer_logits_overlap4_small": ("megatron_glm5.kernels.indexer_topk", "_jit_logits_overlap",
                                       (8, 64, 64, 128, 2, 4)),
+    # ... with TileLang's thread-storage syncs (four barriers per step instead of the kernel's own two)
+    "indexer_logits_overlap_synced_glm": ("megatron_glm5.kernels.indexer_topk", "_jit_logits_overlap",
+                                          (32, 128, 64, 128, 2, 3, False, True)),
     # opt-in: the select's first radix round counted as the logits are stored, and the select that starts after it
     "indexer_logits_plain_hist_glm": ("megatron_glm5.kernels.indexer_topk", "_jit_logits_plain",
                                       (32, 128, 128, 128, 2, 0, True)),
@@ -200,6 +203,8 @@ def test_overlapped_logits_kernel_keeps_its_wgmma_in_flight(stages, hist):
     loop = src[src.index("for (int ip = 0;"):]
     steps = loop.split("tl::wait_wgmma<1>();")
     assert len(steps) - 1 == (6 if stages == 3 else 4), len(steps)
+    # the kernel's own two barriers per step (TileLang's planner put four), plus the counts' store
+    assert loop.count("__syncthreads()") == 2 * (len(steps) - 1) + hist, loop.count("__syncthreads()")
     for before, after in zip(steps[:-1], steps[1:]):
         assert "wgmma_ss" in before.rsplit("__fmul_rn", 1)[-1]  # the next GEMM issued since the last epilogue
         assert "__fmul_rn" in after  # the epilogue after the wait

@@ -75,10 +75,12 @@ FIRST_ROUND_BINS = 256
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _logits_macros(T, heads: int, dim: int, block_n: int, block_q: int, exact_products: bool):
+def _logits_macros(T, heads: int, dim: int, block_n: int, block_q: int, exact_products: bool,
+                   explicit_sync: bool = False):
     """The logits kernels' shared pieces (TileLang macros): the CTA's query rows and head weights into shared
     memory / registers, one key tile's scores (GEMM, then ``finish_tile``), and ``finish_tile`` alone (ReLU, weights,
-    head sum and store of a tile's GEMM result)."""
+    head sum and store of a tile's GEMM result). ``explicit_sync``: for a kernel built without TileLang's
+    thread-storage syncs, the barrier between the head sum's ``l_s`` and the store."""
     f32 = T.float32
 
     @T.macro
@@ -98,6 +100,8 @@ def _logits_macros(T, heads: int, dim: int, block_n: int, block_q: int, exact_pr
             else:
                 s_r[n, i, h] = T.max(s_r[n, i, h], 0) * w_f[i, h]
         T.reduce_sum(s_r, l_s, dim=-1, clear=True)
+        if explicit_sync:  # (trace time) a kernel built without TileLang's storage syncs: l_s written, then read
+            T.sync_threads()
         for i, n in T.Parallel(block_q, block_n):
             if r_base + i < n_rows and k0 + n < hi:
                 Logits[r_base + i, k0 + n] = l_s[n, i]
@@ -383,16 +387,26 @@ def _jit_logits_plain():
 
 @functools.cache
 def _jit_logits_overlap():
+    """The overlapped logits factory: built by default without TileLang's thread-storage syncs (``storage_sync=False``:
+    the kernel places its two barriers per step itself), or with them (``storage_sync=True``: four per step)."""
     tilelang, T = tilelang_modules()
+    configs = {tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
+               tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
+    build = _logits_overlap_program(T)
+    synced = tilelang.jit(pass_configs=configs)(build)
+    lean = tilelang.jit(pass_configs={**configs, tilelang.PassConfigKey.TL_DISABLE_THREAD_STORAGE_SYNC: True})(build)
 
-    @tilelang.jit(
-        pass_configs={
-            tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
-            tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True,
-        },
-    )
     def indexer_logits_overlap(heads: int, dim: int, block_n: int = 64, threads: int = 128, min_blocks: int = 2,
-                               stages: int = 3, hist: bool = False):
+                               stages: int = 3, hist: bool = False, storage_sync: bool = False):
+        return (synced if storage_sync else lean)(heads, dim, block_n, threads, min_blocks, stages, hist, storage_sync)
+
+    indexer_logits_overlap.__doc__ = build.__doc__
+    return indexer_logits_overlap
+
+
+def _logits_overlap_program(T):
+    def indexer_logits_overlap(heads: int, dim: int, block_n: int = 64, threads: int = 128, min_blocks: int = 2,
+                               stages: int = 3, hist: bool = False, storage_sync: bool = False):
         """The logits kernel's contract (``indexer_logits``, exact products) with tile ``n + 1``'s GEMM running while
         the warpgroup finishes tile ``n`` (opt-in, not yet measured on a GPU). Why: the plain kernel (the interface's)
         runs each tile's load wait -> GEMM -> ReLU / weights / head sum / store in series on its one warpgroup, and
@@ -413,9 +427,14 @@ def _jit_logits_overlap():
         by ``lcm(stages, 2)``, so every stage and accumulator index is static; a CTA runs up to ``lcm - 1`` steps past
         its last tile (their loads skipped, the GEMM and the barriers not): about 1 % more GEMMs on a causal 32K
         sequence, but 1.2x / 1.4x / 1.9x on 2K / 1K / 512-token documents with 3 stages (1.15x / 1.3x / 1.6x with
-        4; the plain kernel 1.03x-1.11x), so packed short documents may favour the plain kernel or 4 stages. Each
-        64-key step has four block barriers, two of them TileLang's and redundant (a build without its storage syncs
-        and two barriers placed by hand is the next thing to try if the kernel pays).
+        4; the plain kernel 1.03x-1.11x), so packed short documents may favour the plain kernel or 4 stages.
+
+        Barriers (``storage_sync=False``, the default): two per step, placed here, where TileLang's planner put four.
+        The one in ``issue`` (after this thread's ``cp.async`` wait, before the GEMM) makes the tile's copies
+        visible, and also orders the previous step's reads of ``l_s`` before this step's writes; the one between the
+        head sum's write of ``l_s`` and the store's reads (``finish_tile``'s ``explicit_sync``). A stage is refilled
+        only in a step after an epilogue (every warp past its ``wait_group 1`` on the GEMM that read it, then that
+        epilogue's barrier), and the counts' zeroing and store have their own barriers.
 
         Bitwise equal to the plain kernel by construction: each score is the same 8-step ``k16`` dot product over
         ``dim`` (the key tiling does not change a row's reduction) and the same per-head products and head sum
@@ -464,7 +483,8 @@ def _jit_logits_overlap():
             else:
                 T.ptx_commit_group()
 
-        load_query_rows, _, finish_tile = _logits_macros(T, heads, dim, block_n, block_q, True)
+        load_query_rows, _, finish_tile = _logits_macros(T, heads, dim, block_n, block_q, True,
+                                                         explicit_sync=not storage_sync)
 
         @T.macro
         def issue(k_s, q_s, s_f):
@@ -564,6 +584,7 @@ def _jit_logits_overlap():
                 kernel(Q, K, W, Starts, Ends, RowOffset, Logits, None)
 
         return main
+
     return indexer_logits_overlap
 
 

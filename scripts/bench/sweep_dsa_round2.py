@@ -53,8 +53,8 @@ LOGITS_VARIANTS = [(128, 2, 256, 4, True)]
 # the interface's default first
 PLAIN_VARIANTS = [(128, 128, 2), (64, 128, 3), (64, 128, 2)]
 # the overlapped logits kernel (_jit_logits_overlap: tile n + 1's GEMM under tile n's epilogue): (block_n, threads,
-# min_blocks, stages)
-OVERLAP_VARIANTS = [(64, 128, 2, 3), (64, 128, 2, 4)]
+# min_blocks, stages[, hist, storage_sync])
+OVERLAP_VARIANTS = [(64, 128, 2, 3), (64, 128, 2, 4), (64, 128, 2, 3, False, True)]  # the last: TileLang's syncs
 # (threads, min_blocks: 0 = 2048 // threads, batch: scores loaded per thread before binning[, digit_bits: the score
 # digits' width, 8 by default[, lean: fewer instructions per score[, shortlist entries]]]); the kernel before the
 # lean one first
