@@ -173,7 +173,7 @@ def test_kernel_compiles_for_sm90(compiled, case):
     assert n > 0 and entry == "__global__"
 
 
-@pytest.mark.parametrize("stages,hist", [(3, False), (4, False), (3, True)])
+@pytest.mark.parametrize("stages,hist", [(3, False), (4, False), (3, True), (4, True)])
 def test_overlapped_logits_kernel_keeps_its_wgmma_in_flight(stages, hist):
     """The overlapped logits kernel exists to run tile n + 1's ``wgmma`` under tile n's epilogue; ``ptxas``
     serialises every ``wgmma`` of a kernel (warnings C7514 / C7515, or injects waits: C7517) when a non-``wgmma``

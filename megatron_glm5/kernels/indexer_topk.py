@@ -637,7 +637,9 @@ def _select_program(T):
         ``pre_hist`` (lean, 8-bit digits; experimental): the first round's histogram comes in as ``Hist [n_rows,
         256]`` int32 (an extra second argument), counted by the logits kernel as it stored the row
         (``_jit_logits_plain(hist=True)``; :func:`first_round_histogram` is its torch oracle), so the first of the
-        usual three passes over the row is not made. Same rows bitwise when ``Hist`` is right."""
+        usual three passes over the row is not made. Same rows bitwise when ``Hist`` is right; it must come from
+        the same ``Logits``, bounds and ``RowOffset`` (counts that total less than a row's top-k leave the select's
+        bucket undefined: the interface always pairs them)."""
         if pre_hist and (not lean or digit_bits != 8):
             raise ValueError(f"topk_select's pre_hist needs lean=True and digit_bits=8 (the logits kernel counts the "
                              f"top byte of the lean score key), got lean={lean}, digit_bits={digit_bits}")

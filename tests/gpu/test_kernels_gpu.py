@@ -647,7 +647,7 @@ def _logits_cases(t_len: int) -> dict:
     and padding rows past the last document (whole CTAs with no key tile)."""
     ar = torch.arange(t_len, dtype=torch.int32, device="cuda")
     causal = ref.causal_bounds(ref.uniform_cu_seqlens(1, t_len, device="cuda"))
-    cu = [0, 500, 520, 2100, t_len]
+    cu = [0, 501, 523, 2102, t_len]  # boundaries inside a CTA's 4 rows: two documents' rows in one CTA
     return {
         "causal": causal,
         "packed": ref.causal_bounds(torch.tensor(cu, dtype=torch.int32, device="cuda")),
@@ -655,10 +655,11 @@ def _logits_cases(t_len: int) -> dict:
         "empty rows": (torch.where(ar % 7 == 0, ar + 1, causal[0]), ar + 1),
         "padding": ref.causal_bounds(torch.tensor([0, 500, 520, 2100, 2950], dtype=torch.int32, device="cuda"),
                                      total=t_len),
+        "clamped": (ar - 1500, ar + 400),  # negative starts, ends past T_kv: the kernels clamp both
     }
 
 
-@pytest.mark.parametrize("overlap", [0, 3])
+@pytest.mark.parametrize("overlap", [0, 3, 4])
 def test_fused_first_round_counts_and_selects_as_the_default(overlap, monkeypatch):
     """The select's first radix round counted by the logits kernel (``hist=True``, plain or overlapped): the same
     logits bitwise as without it, counts equal to the torch oracle (``first_round_histogram``) on causal, packed,
@@ -668,31 +669,35 @@ def test_fused_first_round_counts_and_selects_as_the_default(overlap, monkeypatc
     im = importlib.import_module("megatron_glm5.kernels.indexer_topk")
     monkeypatch.delenv(im.LOGITS_OVERLAP_ENV, raising=False)
     t_len = 3001
-    q, k, w = _indexer_inputs(t_len, seed=12)
-    cases = _logits_cases(t_len)
-    causal = cases["causal"]
     plain = im._jit_logits_plain()(32, 128)
     counting = (im._jit_logits_overlap()(32, 128, 64, 128, 2, overlap, True) if overlap
                 else im._jit_logits_plain()(32, 128, 128, 128, 2, 0, True))
-    for name, (starts, ends) in cases.items():
-        for row0, rows in ((0, t_len), (1000, 777), (2990, 11)):
-            a = torch.full((rows, t_len), float("nan"), device="cuda")
-            b = a.clone()
-            counts = torch.full((rows, 256), -1, dtype=torch.int32, device="cuda")
-            off = torch.tensor([row0], dtype=torch.int32, device="cuda")
-            plain(q, k, w, starts, ends, off, a)
-            counting(q, k, w, starts, ends, off, b, counts)
-            assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (name, row0, rows)
-            assert torch.equal(counts, im.first_round_histogram(b, starts, ends, row0)), (name, row0, rows)
+    for t_kv in (t_len, 3301, 2800):  # keys past the queries, and fewer keys (ends clamped to T_kv)
+        q, k, w = _indexer_inputs(t_len, seed=12, t_kv=t_kv)
+        for name, (starts, ends) in _logits_cases(t_len).items():
+            for row0, rows in ((0, t_len), (1001, 777), (2990, 11)):
+                a = torch.full((rows, t_kv), float("nan"), device="cuda")
+                off = torch.tensor([row0], dtype=torch.int32, device="cuda")
+                plain(q, k, w, starts, ends, off, a)
+                expect = im.first_round_histogram(a, starts, ends, row0)
+                for _ in range(3):  # a race would rarely show in one run
+                    b = torch.full_like(a, float("nan"))
+                    counts = torch.full((rows, 256), -1, dtype=torch.int32, device="cuda")
+                    counting(q, k, w, starts, ends, off, b, counts)
+                    assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (t_kv, name, row0, rows)
+                    assert torch.equal(counts, expect), (t_kv, name, row0, rows)
     if overlap:
         monkeypatch.setenv(im.LOGITS_OVERLAP_ENV, str(overlap))
-    starts, ends = causal
+    q, k, w = _indexer_inputs(t_len, seed=12)
+    starts, ends = _logits_cases(t_len)["causal"]
     tied = torch.randn(1, 128, device="cuda", dtype=torch.bfloat16).expand(t_len, 128).contiguous()
     for keys, topk in ((k, 512), (k, 2048), (tied, 512), (torch.zeros_like(k), 512)):
-        monkeypatch.setenv(im.INDEXER_FUSED_HIST_ENV, "0")
-        expect = im.indexer_topk_interface(q, keys, w, starts, ends, topk)
-        monkeypatch.setenv(im.INDEXER_FUSED_HIST_ENV, "1")
-        assert torch.equal(im.indexer_topk_interface(q, keys, w, starts, ends, topk), expect), topk
+        for chunk_rows in (None, 700):  # 700: chunks from row 700, 1400, ... and a ragged last one
+            monkeypatch.setenv(im.INDEXER_FUSED_HIST_ENV, "0")
+            expect = im.indexer_topk_interface(q, keys, w, starts, ends, topk, chunk_rows=chunk_rows)
+            monkeypatch.setenv(im.INDEXER_FUSED_HIST_ENV, "1")
+            got = im.indexer_topk_interface(q, keys, w, starts, ends, topk, chunk_rows=chunk_rows)
+            assert torch.equal(got, expect), (topk, chunk_rows)
 
 
 @pytest.mark.parametrize("batch,digit_bits,lean,shortlist", [
