@@ -202,7 +202,7 @@ def test_overlapped_logits_kernel_keeps_its_wgmma_in_flight(stages, hist):
     src = src.get_kernel_source()
     loop = src[src.index("for (int ip = 0;"):]
     steps = loop.split("tl::wait_wgmma<1>();")
-    assert len(steps) - 1 == (6 if stages == 3 else 4), len(steps)
+    assert len(steps) - 1 == 2, len(steps)  # the two accumulators' steps; the stage index is dynamic
     # the kernel's own two barriers per step (TileLang's planner put four), plus the counts' store
     assert loop.count("__syncthreads()") == 2 * (len(steps) - 1) + hist, loop.count("__syncthreads()")
     for before, after in zip(steps[:-1], steps[1:]):

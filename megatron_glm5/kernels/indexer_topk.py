@@ -422,12 +422,12 @@ def _logits_overlap_program(T):
         every step issues its next GEMM and waits ``wait_group 1`` unconditionally (past the CTA's last tile the GEMM
         reads a stale stage and its scores are never stored; only the epilogue is skipped, whose accumulator is no
         longer in flight), so no control-flow merge copies an in-flight accumulator; and no GEMM is in flight across
-        the loop's back edge (``wait_group 0`` at the end of each pass over the unrolled steps: it leaves a gap
-        between two GEMM issues, the epilogue still overlaps), whose phi copies did the same. The steps are unrolled
-        by ``lcm(stages, 2)``, so every stage and accumulator index is static; a CTA runs up to ``lcm - 1`` steps past
-        its last tile (their loads skipped, the GEMM and the barriers not): about 1 % more GEMMs on a causal 32K
-        sequence, but 1.2x / 1.4x / 1.9x on 2K / 1K / 512-token documents with 3 stages (1.15x / 1.3x / 1.6x with
-        4; the plain kernel 1.03x-1.11x), so packed short documents may favour the plain kernel or 4 stages.
+        the loop's back edge (``wait_group 0`` at the end of each pass over the two unrolled steps: it leaves a gap
+        between two GEMM issues, the epilogue still overlaps), whose phi copies did the same. The loop body is the
+        two steps of the two accumulators (static); the key stages are one ``[stages, block_n, dim]`` buffer indexed
+        by ``n % stages`` (a descriptor offset), so a CTA runs at most one step past its last tile. (With a static
+        stage per step the body had to be ``lcm(stages, 2)`` steps, up to 5 of them wasted: a review counted 1.9x
+        the GEMMs on 512-token documents.)
 
         Barriers (``storage_sync=False``, the default): two per step, placed here, where TileLang's planner put four.
         The one in ``issue`` (after this thread's ``cp.async`` wait, before the GEMM) makes the tile's copies
@@ -454,20 +454,20 @@ def _logits_overlap_program(T):
         n_rows = T.dynamic("n_rows")
         bf16, f32, i32 = T.bfloat16, T.float32, T.int32
         n_acc = 2
-        unroll = math.lcm(stages, n_acc)
+        unroll = n_acc  # dynamic stage index: one 3-D stage buffer
         steps = list(range(unroll))  # a Python list expands at trace time; range() would become a TIR loop
         ahead = stages - 1  # tiles loaded ahead of the one whose GEMM runs
         first_tiles = list(range(ahead))
         acc_regs = block_n * n_cols // threads  # fp32 accumulator registers per thread
 
         @T.macro
-        def load_tile(K, k_s, k0, t_kv, tx):
+        def load_tile(K, k_all, stage, k0, t_kv, tx):
             for r in T.unroll(block_n // rows_per_pass):
                 row = r * rows_per_pass + tx // chunks
                 col = (tx % chunks) * 8
                 key = k0 + row
                 T.ptx_cp_async(
-                    T.access_ptr(k_s[row, col], "w", 8),
+                    T.access_ptr(k_all[stage, row, col], "w", 8),
                     T.access_ptr(K[T.min(key, t_kv - 1), col], "r", 8),
                     8,
                     predicate=key < t_kv,
@@ -475,11 +475,11 @@ def _logits_overlap_program(T):
             T.ptx_commit_group()
 
         @T.macro
-        def load_or_skip(K, k_s, n, n_tiles, lo, t_kv, tx):
+        def load_or_skip(K, k_all, n, n_tiles, lo, t_kv, tx):
             # one commit group per tile whether or not it exists, so that "all but the newest ``stages - 2``
             # groups done" always means the next tile has landed
             if n < n_tiles:
-                load_tile(K, k_s, lo + n * block_n, t_kv, tx)
+                load_tile(K, k_all, n % stages, lo + n * block_n, t_kv, tx)
             else:
                 T.ptx_commit_group()
 
@@ -487,13 +487,13 @@ def _logits_overlap_program(T):
                                                          explicit_sync=not storage_sync)
 
         @T.macro
-        def issue(k_s, q_s, s_f):
+        def issue(k_all, n, q_s, s_f):
             # this thread's copies of the tile are done; the barrier makes everyone's visible, the fence hands them
             # (generic proxy) to the tensor cores (async proxy); the GEMM is left running
             T.ptx_wait_group(stages - 2)
             T.sync_threads()
             T.fence_proxy_async()
-            T.wgmma_gemm(k_s, q_s, s_f, transpose_B=True, clear_accum=True)
+            T.wgmma_gemm(k_all[n % stages, :, :], q_s, s_f, transpose_B=True, clear_accum=True)
 
         hist_start, hist_tile, hist_store = _hist_macros(T, block_n, block_q, threads) if hist else (None,) * 3
 
@@ -502,7 +502,7 @@ def _logits_overlap_program(T):
             with T.Kernel(T.ceildiv(n_rows, block_q), threads=threads) as bx:
                 T.annotate_min_blocks_per_sm(min_blocks)
                 q_s = T.alloc_shared([n_cols, dim], bf16)
-                k_stages = [T.alloc_shared([block_n, dim], bf16) for _ in range(stages)]
+                k_all = T.alloc_shared([stages, block_n, dim], bf16)
                 s0_f = T.alloc_fragment([block_n, n_cols], f32)
                 s1_f = T.alloc_fragment([block_n, n_cols], f32)
                 s0_r = T.reshape(s0_f, [block_n, block_q, heads])
@@ -531,12 +531,12 @@ def _logits_overlap_program(T):
                             hi = T.max(hi, e)
                 n_tiles = T.ceildiv(T.max(hi - lo, 0), block_n)
                 for a in first_tiles:  # tiles 0 .. stages - 2
-                    load_or_skip(K, k_stages[a], a, n_tiles, lo, t_kv, tx)
+                    load_or_skip(K, k_all, a, n_tiles, lo, t_kv, tx)
                 load_query_rows(Q, W, q_s, w_f, r_base, t_base, n_rows, t_len)
                 if Hist is not None:
                     hist_start(Starts, Ends, rs_s, re_s, h_s, t_base, r_base, n_rows, t_kv, tx)
                 if n_tiles > 0:
-                    issue(k_stages[0], q_s, s0_f)
+                    issue(k_all, 0, q_s, s0_f)
                     T.wait_wgmma(0)
 
                 for ip in T.serial(T.ceildiv(n_tiles, unroll)):
@@ -544,8 +544,8 @@ def _logits_overlap_program(T):
                         n = ip * unroll + j
                         cur_f, cur_r = accs[j % n_acc]
                         nxt_f, _ = accs[(j + 1) % n_acc]
-                        load_or_skip(K, k_stages[(j + ahead) % stages], n + ahead, n_tiles, lo, t_kv, tx)
-                        issue(k_stages[(j + 1) % stages], q_s, nxt_f)
+                        load_or_skip(K, k_all, n + ahead, n_tiles, lo, t_kv, tx)
+                        issue(k_all, n + 1, q_s, nxt_f)
                         T.wait_wgmma(1)  # tile n's GEMM done; tile n + 1's keeps running
                         T.warpgroup_fence_operand(cur_f, num_regs=acc_regs)  # no read of tile n's scores above it
                         if n < n_tiles:
