@@ -159,6 +159,10 @@ VARIANTS = {
         Variant("tilelang-grouped-pp-persistent", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
                 "(a) with grouped-GEMM experts, the `pp` sparse-MLA forward as a persistent grid of one CTA per SM "
                 "(experimental; `MEGATRON_GLM5_PP_OPTIONS=persistent`)", (("MEGATRON_GLM5_PP_OPTIONS", "persistent"),)),
+        Variant("tilelang-grouped-indexer-fused", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
+                "(a) with grouped-GEMM experts, the indexer's overlapped logits kernel counting the select's first "
+                "radix round (experimental; `MEGATRON_GLM5_LOGITS_OVERLAP=3`, `MEGATRON_GLM5_INDEXER_FUSED_HIST=1`)",
+                (("MEGATRON_GLM5_LOGITS_OVERLAP", "3"), ("MEGATRON_GLM5_INDEXER_FUSED_HIST", "1"))),
         Variant("tilelang-grouped-grouped-wgrad", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
                 "(a) with grouped-GEMM experts whose weight gradients are one grouped GEMM (bf16) added into "
                 "`main_grad` in one launch (round 8's default; one GEMM per expert adding into `main_grad` is the "
