@@ -987,16 +987,18 @@ def _probe_device_grad_clip() -> None:
 # --------------------------------------------------------------------------------------------------------------------
 
 _optimizer_pre_hook: Any = None
+# ids of the megatron-core OptimizerCudaGraphWrapper instances made since the route was installed (tests clear it)
+_optimizer_graphs_built: list[int] = []
 
 
 def route_deferred_grad_checks(check_grads: Callable, before_optimizer_step: Callable) -> bool:
     """megatron-core's DDP bucket groups check their gradients through ``check_grads(original, group,
     check_for_nan_or_inf, check_for_large)``, and ``before_optimizer_step(optimizer, args, kwargs)`` runs before every
     torch optimizer's ``step`` (torch's global step pre-hook, registered once per process: it must stay a no-op when
-    nothing is pending). Returns whether the route is installed."""
+    nothing is pending). Also notes each ``OptimizerCudaGraphWrapper`` made (its ``__init__``), for
+    :func:`optimizer_cuda_graph_used`. Returns whether the route is installed."""
     global _optimizer_pre_hook
     from megatron.core.distributed import param_and_grad_buffer as pgb
-
     from megatron.core.optimizer import optimizer_cuda_graph as ocg
 
     owner = pgb._ParamAndGradBucketGroup
@@ -1030,9 +1032,6 @@ def deferred_grad_checks_routed() -> bool:
     return is_patched(pgb._ParamAndGradBucketGroup, "check_grads") and _optimizer_pre_hook is not None
 
 
-_optimizer_graphs_built: list[int] = []  # OptimizerCudaGraphWrapper instances made since the route was installed
-
-
 def optimizer_cuda_graph_used() -> bool:
     """Whether megatron-core's optimizer CUDA graph wrapper (``--optimizer-cuda-graph``) is in use in this process:
     one was made since :func:`route_deferred_grad_checks` (Megatron-LM wraps ``optimizer.step`` before its first
@@ -1051,7 +1050,8 @@ def optimizer_cuda_graph_used() -> bool:
 @_hook("distributed.param_and_grad_buffer: _ParamAndGradBucketGroup.check_grads(check_for_nan_or_inf, "
        "check_for_large) reads only its buckets' grad_data.norm(p=2) and calls the rerun state machine; "
        "start_grad_sync calls it before the collective; rerun_state_machine.RerunMode.DISABLED; "
-       "optimizer.optimizer_cuda_graph.OptimizerCudaGraphWrapper's class counters; torch.optim's "
+       "optimizer.optimizer_cuda_graph.OptimizerCudaGraphWrapper's class counters and __init__(optimizer_step_func, "
+       "...); torch.optim's "
        "register_optimizer_step_pre_hook", "deferred_grad_checks.py", f"{MCORE} / {TORCH}")
 def _probe_deferred_grad_checks() -> None:
     import inspect
@@ -1105,6 +1105,7 @@ def route_deferred_loss_checks(validate_result: Callable) -> bool:
 
 
 def deferred_loss_checks_routed() -> bool:
+    """Whether :func:`route_deferred_loss_checks` is installed (and so the step pre-hook that decides)."""
     from megatron.core.rerun_state_machine import RerunStateMachine
 
     return is_patched(RerunStateMachine, "validate_result") and deferred_grad_checks_routed()

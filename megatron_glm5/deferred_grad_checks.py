@@ -199,7 +199,7 @@ def check_grads_deferred(original: Callable, bucket_group: Any, check_for_nan_or
     backward with no torch optimizer step since: it is decided now, and the route turns itself off. The pending checks
     of the other bucket groups of this backward (DDP's expert-parallel groups, other buffers) are left to the
     optimizer step."""
-    if any(getattr(check, "group", None) == id(bucket_group) for check in _pending):
+    if any(isinstance(check, PendingCheck) and check.group == id(bucket_group) for check in _pending):
         _turn_off("no torch optimizer step between two backwards: a custom loop, a skipped or graphed step")
         resolve_pending()
     if not deferrable(bucket_group):
@@ -250,7 +250,7 @@ def loss_deferrable(machine: Any, result: Any, rejection_func: Callable) -> bool
 
 def validate_result_deferred(original: Callable, machine: Any, result: Any, rejection_func: Callable, message: str,
                              comparison_func: Callable | None = None, tolerance: float = 0.0,
-                             fatal: bool = True) -> None:
+                             fatal: bool = True) -> Any:
     """megatron-core's ``RerunStateMachine.validate_result`` (``original``) decided at the optimizer step where
     :func:`loss_deferrable`, else at once. A loss check of an earlier iteration still pending means no torch
     optimizer stepped since: everything pending is decided now and the route turns off."""
@@ -258,7 +258,7 @@ def validate_result_deferred(original: Callable, machine: Any, result: Any, reje
         resolve_pending()  # anything pending is older: decided first, in order
         return original(machine, result, rejection_func, message, comparison_func, tolerance, fatal)
     iteration = machine.current_iteration
-    if any(getattr(check, "iteration", iteration) != iteration for check in _pending):
+    if any(isinstance(check, PendingLossCheck) and check.iteration != iteration for check in _pending):
         _turn_off("no torch optimizer step between two iterations' loss checks: a custom loop or a skipped step")
         resolve_pending()
         return original(machine, result, rejection_func, message, comparison_func, tolerance, fatal)
@@ -299,6 +299,19 @@ def resolve_pending() -> None:
         _deciding.clear()
 
 
+def reset() -> None:
+    """Forget every pending check, flag and count, and turn the route back on (tests; a restarted run in the same
+    process)."""
+    _pending.clear()
+    _loss_flags.clear()
+    _deciding.clear()
+    _turned_off.clear()
+    _grad_checks.update(deferred=0, at_once=0, unflagged=0)
+    from megatron_glm5 import compat
+
+    compat._optimizer_graphs_built.clear()
+
+
 def pending_checks() -> int:
     """How many checks wait for :func:`resolve_pending` (for tests and logs)."""
     return len(_pending)
@@ -313,4 +326,4 @@ def before_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs:
 
 
 __all__ = ["PendingCheck", "PendingLossCheck", "before_optimizer_step", "check_grads_deferred", "deferrable",
-           "loss_deferrable", "pending_checks", "resolve_pending", "validate_result_deferred"]
+           "loss_deferrable", "pending_checks", "reset", "resolve_pending", "validate_result_deferred"]

@@ -133,6 +133,11 @@ environment variable read when a module or block spec is built (``0`` or ``1``; 
   through :func:`megatron_glm5.compat.route_fused_adam`).
 
 Measured on the GLM-5 slice (issue 23, ``scripts/bench/RESULTS_step.md``).
+
+The DSA kernels' own experimental options are not model fusions and are read at each call instead (through
+:func:`megatron_glm5.kernels._common.env_switch`: unset or empty keeps the module default), so that a benchmark
+variant can set them: ``MEGATRON_GLM5_PP_OPTIONS`` (:func:`megatron_glm5.kernels.sparse_mla_fwd.pp_options`),
+``MEGATRON_GLM5_LOGITS_OVERLAP`` and ``MEGATRON_GLM5_INDEXER_FUSED_HIST`` (:mod:`megatron_glm5.kernels.indexer_topk`).
 """
 
 from __future__ import annotations

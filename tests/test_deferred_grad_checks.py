@@ -24,21 +24,14 @@ def ddp_model(model_parallel, monkeypatch):
     # start_grad_sync asks for the current CUDA stream (CUDA-graph replays); there is none on the CPU
     monkeypatch.setattr(torch.cuda, "current_stream",
                         lambda *a, **k: types.SimpleNamespace(wait_event=lambda event: None))
+    deferred_grad_checks.reset()  # whatever an earlier test left
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
     config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, use_cpu_initialization=True)
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(check_for_nan_in_grad=True), module)
     assert len(ddp.bucket_groups) == 1
     yield ddp
-    _reset()
-
-
-def _reset() -> None:
-    compat._optimizer_graphs_built.clear()
-    deferred_grad_checks._pending.clear()
-    deferred_grad_checks._turned_off.clear()
-    deferred_grad_checks._loss_flags.clear()
-    deferred_grad_checks._grad_checks.update(deferred=0, at_once=0, unflagged=0)
+    deferred_grad_checks.reset()
 
 
 @pytest.fixture
@@ -203,7 +196,7 @@ def test_the_bucket_groups_of_one_backward_wait_for_the_step(model_parallel, mon
                     _step(ddp, opt)
                 decided.clear()
     finally:
-        deferred_grad_checks._pending.clear()
+        deferred_grad_checks.reset()
         _unroute()
 
 
@@ -400,9 +393,9 @@ def test_loss_checks_deferred_only_in_a_training_forward_after_deferred_grad_che
     assert not deferred_grad_checks.loss_deferrable(machine, loss, lambda x: bool(torch.isnan(x)))
     with torch.no_grad():
         assert not deferred_grad_checks.loss_deferrable(machine, loss, torch.isnan)
-    nan_loss = torch.tensor(float("nan"), requires_grad=True) * 1.0
+    leaf = torch.tensor(float("nan"), requires_grad=True)
     with torch.no_grad(), pytest.raises(RuntimeError, match="found NaN in local forward loss"):
-        _loss_checks(nan_loss.detach())  # an evaluation's loss (no graph under no_grad): at once
+        _loss_checks(leaf * 1.0)  # an evaluation's loss: computed under no_grad, it requires no gradient: at once
     assert not deferred_grad_checks.loss_deferrable(machine, loss.as_subclass(_Printed), torch.isnan)
     group = ddp_model.bucket_groups[0]
     group.ddp_config.num_distributed_optimizer_instances = 2  # now a gradient check runs at once
@@ -452,7 +445,6 @@ def test_two_data_parallel_ranks_stop_before_their_step_on_one_ranks_nan_loss(tm
     assert "found NaN in local forward loss calculation" in bad["error"], bad["error"]
     assert "another data-parallel rank found a NaN or Inf in its local forward loss" in good["error"], good["error"]
     assert all(r["pending"] == 0 for r in results)
-
 
 
 def test_no_loss_or_gradient_check_is_deferred_with_an_optimizer_cuda_graph(ddp_model, routed):

@@ -98,3 +98,35 @@ def test_interface_hands_the_counts_from_the_logits_kernel_to_the_select(monkeyp
         assert logits_calls[0][1] == (32, 128) and [c[2] for c in logits_calls] == [[(4, t)], [(4, t)], [(2, t)]]
         # no counts: the select's second argument is the bounds' starts
         assert select_calls[0][1:3] == ((4,), {}) and [c[3] for c in select_calls] == [(t,), (t,), (t,)]
+
+
+@pytest.mark.parametrize("raw, heads, expect", [
+    (None, 32, ("plain", (32, 128))),
+    ("", 32, ("plain", (32, 128))),
+    ("3", 32, ("overlap", (32, 128, 64, 128, 2, 3))),
+    ("4", 32, ("overlap", (32, 128, 64, 128, 2, 4))),
+    ("0", 32, ("plain", (32, 128))),
+    ("3", 16, ("plain", (16, 128))),  # not a screened shape: the plain kernel, the switch logged once
+])
+def test_logits_kernel_honours_the_overlap_switch_at_the_screened_shape(monkeypatch, caplog, raw, heads, expect):
+    monkeypatch.setattr(im, "_jit_logits_plain", lambda: lambda *a: ("plain", a))
+    monkeypatch.setattr(im, "_jit_logits_overlap", lambda: lambda *a: ("overlap", a))
+    if raw is None:
+        monkeypatch.delenv(im.LOGITS_OVERLAP_ENV, raising=False)
+    else:
+        monkeypatch.setenv(im.LOGITS_OVERLAP_ENV, raw)
+    monkeypatch.setattr(im, "_IGNORED", set())
+    with caplog.at_level("WARNING", logger="megatron_glm5"):
+        assert im.logits_kernel(heads, 128) == expect
+    assert (im.LOGITS_OVERLAP_ENV in caplog.text) == (raw == "3" and heads == 16), caplog.text
+
+
+def test_overlap_switch_refuses_other_stage_counts(monkeypatch):
+    monkeypatch.setenv(im.LOGITS_OVERLAP_ENV, "2")
+    with pytest.raises(ValueError, match="MEGATRON_GLM5_LOGITS_OVERLAP='2'"):
+        im.logits_overlap_stages()
+
+
+def test_counted_first_round_is_refused_off_the_screened_shapes():
+    with pytest.raises(ValueError, match="screened indexer shapes"):
+        im.logits_kernel(16, 128, hist=True)

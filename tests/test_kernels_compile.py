@@ -174,7 +174,7 @@ def test_kernel_compiles_for_sm90(compiled, case):
 
 
 @pytest.mark.parametrize("stages,hist", [(3, False), (4, False), (3, True), (4, True)])
-def test_overlapped_logits_kernel_keeps_its_wgmma_in_flight(stages, hist):
+def test_overlapped_logits_kernel_keeps_its_wgmma_in_flight(stages, hist, monkeypatch):
     """The overlapped logits kernel exists to run tile n + 1's ``wgmma`` under tile n's epilogue; ``ptxas``
     serialises every ``wgmma`` of a kernel (warnings C7514 / C7515, or injects waits: C7517) when a non-``wgmma``
     instruction may touch an in-flight accumulator, which an innocent-looking change to the loop (a guard around the
@@ -197,7 +197,7 @@ def test_overlapped_logits_kernel_keeps_its_wgmma_in_flight(stages, hist):
         assert sign not in report, report[-2000:]
     # and the overlap itself, which no warning would report lost: in every step the next GEMM is issued, tile n's
     # is waited for with one group left in flight, and only then does the epilogue run
-    os.environ["TILELANG_DEFAULT_TARGET"] = SM90
+    monkeypatch.setenv("TILELANG_DEFAULT_TARGET", SM90)
     src = indexer_mod._jit_logits_overlap()(32, 128, 64, 128, 2, stages, *((True,) if hist else ()))
     src = src.get_kernel_source()
     loop = src[src.index("for (int ip = 0;"):]

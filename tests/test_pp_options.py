@@ -35,7 +35,7 @@ def test_no_options_call_the_factory_as_before(calls):
     ("named_exchange", {"named_exchange": True}),
     ("persistent", {"ctas": 132}),  # multiprocessor_count's value off the GPU
     (" persistent , named_exchange ", {"named_exchange": True, "ctas": 132}),
-    ("", {}),
+    ("", {}),  # empty: the module default (none today)
     ("none", {}),
 ])
 def test_the_switch_chooses_the_build(calls, monkeypatch, raw, kwargs):
@@ -49,6 +49,14 @@ def test_module_default_applies_without_the_switch(calls, monkeypatch):
     monkeypatch.setattr(sparse_mla_fwd, "PP_OPTIONS", ("persistent",))
     sparse_mla_fwd.pp_kernel(16, 512, 512, 0.0625, 4, torch.device("cpu"))
     assert calls == [((16, 512, 512, 0.0625, 4), {"ctas": 132})]
+
+
+def test_an_empty_switch_keeps_the_module_default_and_none_turns_it_off(calls, monkeypatch):
+    monkeypatch.setattr(sparse_mla_fwd, "PP_OPTIONS", ("named_exchange",))
+    monkeypatch.setenv(sparse_mla_fwd.PP_OPTIONS_ENV, " ")
+    assert sparse_mla_fwd.pp_options() == ("named_exchange",)
+    monkeypatch.setenv(sparse_mla_fwd.PP_OPTIONS_ENV, "none")
+    assert sparse_mla_fwd.pp_options() == ()
 
 
 def test_an_unknown_option_is_refused_by_name(calls, monkeypatch):

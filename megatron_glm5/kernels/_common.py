@@ -142,6 +142,19 @@ def check_index_rows(indices: torch.Tensor, t_kv: int) -> None:
         raise ValueError(f"t_kv must be >= 0, got {t_kv}")
 
 
+def env_switch(name: str, allowed: tuple[str, ...], default: str) -> str:
+    """The value of a kernel option's environment switch: ``default`` when the variable is unset or empty, else its
+    stripped value, which must be one of ``allowed`` (a ``ValueError`` names the variable and the value). The kernels'
+    experimental switches (``MEGATRON_GLM5_PP_OPTIONS``, ``MEGATRON_GLM5_LOGITS_OVERLAP``,
+    ``MEGATRON_GLM5_INDEXER_FUSED_HIST``) are read through it at each call, so a benchmark variant can set them."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if raw not in allowed:
+        raise ValueError(f"{name}={raw!r}: expected one of {', '.join(repr(a) for a in allowed)}")
+    return raw
+
+
 def multiprocessor_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 132

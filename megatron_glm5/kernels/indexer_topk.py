@@ -42,12 +42,12 @@ No ``from __future__ import annotations`` here: TileLang evaluates the nested pr
 """
 
 import functools
-import math
+import logging
 import os
 
 import torch
 
-from megatron_glm5.kernels._common import cdiv, check_tensor, next_power_of_2, tilelang_modules
+from megatron_glm5.kernels._common import cdiv, check_tensor, env_switch, next_power_of_2, tilelang_modules
 
 LOGITS_CHUNK_BYTES = 1 << 30
 # The logits kernel with tile n + 1's GEMM under tile n's epilogue (``_jit_logits_overlap``): its key stages (3 or 4);
@@ -388,7 +388,7 @@ def _jit_logits_plain():
 @functools.cache
 def _jit_logits_overlap():
     """The overlapped logits factory: built by default without TileLang's thread-storage syncs (``storage_sync=False``:
-    the kernel places its two barriers per step itself), or with them (``storage_sync=True``: four per step)."""
+    the kernel places its two barriers per step itself), or with them (``storage_sync=True``, for comparison)."""
     tilelang, T = tilelang_modules()
     configs = {tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
                tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
@@ -410,10 +410,11 @@ def _logits_overlap_program(T):
         """The logits kernel's contract (``indexer_logits``, exact products) with tile ``n + 1``'s GEMM running while
         the warpgroup finishes tile ``n`` (opt-in, not yet measured on a GPU). Why: the plain kernel (the interface's)
         runs each tile's load wait -> GEMM -> ReLU / weights / head sum / store in series on its one warpgroup, and
-        only the second CTA on the SM overlaps it (ncu, H200, 32K: SM 50.7 %, L2 27.6 %, latency-bound; the tensor
-        pipe at about 45 % of its peak). Here two accumulators alternate: tile ``n + 1``'s ``wgmma`` is issued
-        (asynchronously) before tile ``n``'s epilogue, whose register math then runs under it (FA3's intra-warpgroup
-        overlap), and ``stages`` key stages keep the next tiles' ``cp.async`` in flight meanwhile (tile
+        only the second CTA on the SM overlaps it (ncu, H200, 32K: SM 50.7 %, L2 27.6 %, latency-bound; about 45 %
+        of the tensor peak by its 9.6 ms, derived, not an ncu figure). Here two accumulators alternate: tile
+        ``n + 1``'s ``wgmma`` is issued (asynchronously) before tile ``n``'s epilogue, whose register math then runs
+        under it (FA3's intra-warpgroup overlap), and ``stages`` key stages keep the next tiles' ``cp.async`` in
+        flight meanwhile (tile
         ``n + stages - 1`` is loaded in step ``n``, into the stage tile ``n - 1`` used). ``block_n`` 64: two
         ``[64, 128]`` fp32 accumulators are 128 registers per thread, where two 128-key ones would not fit.
 
@@ -425,11 +426,10 @@ def _logits_overlap_program(T):
         the loop's back edge (``wait_group 0`` at the end of each pass over the two unrolled steps: it leaves a gap
         between two GEMM issues, the epilogue still overlaps), whose phi copies did the same. The loop body is the
         two steps of the two accumulators (static); the key stages are one ``[stages, block_n, dim]`` buffer indexed
-        by ``n % stages`` (a descriptor offset), so a CTA runs at most one step past its last tile. (With a static
-        stage per step the body had to be ``lcm(stages, 2)`` steps, up to 5 of them wasted: a review counted 1.9x
-        the GEMMs on 512-token documents.)
+        by ``n % stages`` (a descriptor offset), so a CTA runs at most one step past its last tile.
 
-        Barriers (``storage_sync=False``, the default): two per step, placed here, where TileLang's planner put four.
+        Barriers (``storage_sync=False``, the default): two per step, placed here (``storage_sync=True`` leaves them
+        to TileLang's planner, which puts in more).
         The one in ``issue`` (after this thread's ``cp.async`` wait, before the GEMM) makes the tile's copies
         visible, and also orders the previous step's reads of ``l_s`` before this step's writes; the one between the
         head sum's write of ``l_s`` and the store's reads (``finish_tile``'s ``explicit_sync``). A stage is refilled
@@ -454,8 +454,7 @@ def _logits_overlap_program(T):
         n_rows = T.dynamic("n_rows")
         bf16, f32, i32 = T.bfloat16, T.float32, T.int32
         n_acc = 2
-        unroll = n_acc  # dynamic stage index: one 3-D stage buffer
-        steps = list(range(unroll))  # a Python list expands at trace time; range() would become a TIR loop
+        steps = list(range(n_acc))  # the loop body: one step per accumulator (a Python list expands at trace time)
         ahead = stages - 1  # tiles loaded ahead of the one whose GEMM runs
         first_tiles = list(range(ahead))
         acc_regs = block_n * n_cols // threads  # fp32 accumulator registers per thread
@@ -539,11 +538,11 @@ def _logits_overlap_program(T):
                     issue(k_all, 0, q_s, s0_f)
                     T.wait_wgmma(0)
 
-                for ip in T.serial(T.ceildiv(n_tiles, unroll)):
-                    for j in steps:  # static stage and accumulator of each tile
-                        n = ip * unroll + j
-                        cur_f, cur_r = accs[j % n_acc]
-                        nxt_f, _ = accs[(j + 1) % n_acc]
+                for ip in T.serial(T.ceildiv(n_tiles, n_acc)):
+                    for j in steps:  # a static accumulator per step; the stage index is n % stages
+                        n = ip * n_acc + j
+                        cur_f, cur_r = accs[j]
+                        nxt_f, _ = accs[1 - j]
                         load_or_skip(K, k_all, n + ahead, n_tiles, lo, t_kv, tx)
                         issue(k_all, n + 1, q_s, nxt_f)
                         T.wait_wgmma(1)  # tile n's GEMM done; tile n + 1's keeps running
@@ -555,7 +554,6 @@ def _logits_overlap_program(T):
                     T.wait_wgmma(0)
                 if Hist is not None:
                     hist_store(h_s, Hist, r_base, n_rows, tx)
-
 
         if hist:
             @T.prim_func
@@ -1047,24 +1045,27 @@ def plain_logits_fits(heads: int, dim: int, block_n: int = 128, threads: int = 1
 
 def logits_overlap_stages() -> int:
     """Key stages of the overlapped logits kernel in force (0: the plain kernel): ``MEGATRON_GLM5_LOGITS_OVERLAP``
-    when set (``0``, ``3`` or ``4``), else ``LOGITS_OVERLAP_STAGES``."""
-    raw = os.environ.get(LOGITS_OVERLAP_ENV)
-    if raw is None or not raw.strip():
-        return LOGITS_OVERLAP_STAGES
-    if raw.strip() not in ("0", "3", "4"):
-        raise ValueError(f"{LOGITS_OVERLAP_ENV}={raw!r}: the overlapped logits kernel's key stages are 3 or 4 (0: off)")
-    return int(raw)
+    (``0``, ``3`` or ``4``) when set and not empty, else ``LOGITS_OVERLAP_STAGES``."""
+    return int(env_switch(LOGITS_OVERLAP_ENV, ("0", "3", "4"), str(LOGITS_OVERLAP_STAGES)))
 
 
 def fused_first_round() -> bool:
-    """Whether the interface has the logits kernel count the select's first radix round
-    (``MEGATRON_GLM5_INDEXER_FUSED_HIST`` when set, ``1`` / ``0``; else ``INDEXER_FUSED_HIST``)."""
-    raw = os.environ.get(INDEXER_FUSED_HIST_ENV)
-    if raw is None or not raw.strip():
-        return INDEXER_FUSED_HIST
-    if raw.strip() not in ("0", "1"):
-        raise ValueError(f"{INDEXER_FUSED_HIST_ENV}={raw!r}: expected 1 (on) or 0 (off)")
-    return raw.strip() == "1"
+    """Whether the interface has the logits kernel count the select's first radix round:
+    ``MEGATRON_GLM5_INDEXER_FUSED_HIST`` (``1`` / ``0``) when set and not empty, else ``INDEXER_FUSED_HIST``."""
+    return env_switch(INDEXER_FUSED_HIST_ENV, ("0", "1"), "1" if INDEXER_FUSED_HIST else "0") == "1"
+
+
+def _ignored(switch: str, heads: int, dim: int) -> None:
+    """Log once that a kernel switch is set but does not apply at this indexer shape (a benchmark would otherwise
+    time the default kernels without a word)."""
+    if (switch, heads, dim) not in _IGNORED:
+        _IGNORED.add((switch, heads, dim))
+        logging.getLogger("megatron_glm5").warning(
+            "megatron-glm5: %s is set but applies only at the indexer shapes %s; heads=%d, dim=%d keep the plain "
+            "logits kernel and the usual select", switch, sorted(LOGITS_OPTION_SHAPES), heads, dim)
+
+
+_IGNORED: set = set()
 
 
 def select_score_key(scores: torch.Tensor) -> torch.Tensor:
@@ -1097,22 +1098,23 @@ def logits_kernel(heads: int, dim: int, hist: bool = False):
     CTAs per SM so one's epilogue overlaps the other's GEMM) where the shape fits, else the warp-specialised one. Both
     write bitwise equal logits (H200 sweep: 9.56 against 10.54 ms at 32K tokens, 32 x 128 heads;
     ``scripts/bench/RESULTS_kernels.md``, round 2, second session). With :func:`logits_overlap_stages` the
-    overlapped kernel instead (``_jit_logits_overlap``: experimental, bitwise equal by construction). ``hist``: the
-    build that also counts the select's first radix round (an extra ``Hist`` argument)."""
-    if hist and (heads, dim) not in LOGITS_OPTION_SHAPES:
+    overlapped kernel instead (``_jit_logits_overlap``: experimental, bitwise equal by construction), at the screened
+    shapes :data:`LOGITS_OPTION_SHAPES` only (elsewhere the switch is logged once and ignored). ``hist`` (screened
+    shapes only): the build that also counts the select's first radix round (an extra ``Hist`` argument)."""
+    screened = (heads, dim) in LOGITS_OPTION_SHAPES  # all of them fit the plain kernel
+    if hist and not screened:
         raise ValueError(f"the select's first round is counted only at the screened indexer shapes "
                          f"{sorted(LOGITS_OPTION_SHAPES)}, got heads={heads}, dim={dim}")
+    stages = logits_overlap_stages()
+    if stages and not screened:
+        _ignored(LOGITS_OVERLAP_ENV, heads, dim)
     if plain_logits_fits(heads, dim):
         extra = (True,) if hist else ()  # without it, the call (and kernel) of the builds before the option
-        stages = logits_overlap_stages()
-        if stages and (heads, dim) in LOGITS_OPTION_SHAPES:
+        if stages and screened:
             return _jit_logits_overlap()(heads, dim, 64, 128, 2, stages, *extra)
         if hist:
             return _jit_logits_plain()(heads, dim, 128, 128, 2, 0, True)
         return _jit_logits_plain()(heads, dim)
-    if hist:
-        raise ValueError(f"the select's first round is counted by the plain or overlapped logits kernel only; "
-                         f"indexer heads={heads}, dim={dim} take the warp-specialised one")
     return _jit_logits()(heads, dim)
 
 
@@ -1151,7 +1153,10 @@ def indexer_topk_interface(
     if t_kv == 0:
         return out.fill_(-1)
 
-    counted = fused_first_round() and (heads, dim) in LOGITS_OPTION_SHAPES
+    counted = fused_first_round()
+    if counted and (heads, dim) not in LOGITS_OPTION_SHAPES:
+        _ignored(INDEXER_FUSED_HIST_ENV, heads, dim)
+        counted = False
     logits = logits_kernel(heads, dim, hist=counted)
     select_kernel = _jit_select()(topk, pre_hist=True) if counted else _jit_select()(topk)
     rows = chunk_rows or logits_chunk_rows(t_kv, block_q)

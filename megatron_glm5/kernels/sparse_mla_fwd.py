@@ -44,7 +44,7 @@ import inspect
 import os
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 
@@ -1189,19 +1189,22 @@ def pick_fwd_variant(heads: int, d_qk: int, d_v: int, variant: Variant = "auto")
 
 
 def pp_options() -> tuple[str, ...]:
-    """The ``pp`` options in force: ``MEGATRON_GLM5_PP_OPTIONS`` when set (``""`` or ``none``: none), else
-    ``PP_OPTIONS``."""
-    raw = os.environ.get(PP_OPTIONS_ENV)
-    if raw is None:
+    """The ``pp`` options in force: ``MEGATRON_GLM5_PP_OPTIONS`` (a comma list of :data:`PP_OPTION_NAMES`, or
+    ``none``) when set and not empty, else ``PP_OPTIONS``."""
+    raw = os.environ.get(PP_OPTIONS_ENV, "").strip()
+    if not raw:
         return PP_OPTIONS
-    names = tuple(n.strip() for n in raw.split(",") if n.strip() and n.strip() != "none")
+    if raw == "none":
+        return ()
+    names = tuple(n.strip() for n in raw.split(","))
     unknown = [n for n in names if n not in PP_OPTION_NAMES]
     if unknown:
-        raise ValueError(f"{PP_OPTIONS_ENV}={raw!r}: unknown option(s) {unknown}; known: {', '.join(PP_OPTION_NAMES)}")
+        raise ValueError(f"{PP_OPTIONS_ENV}={raw!r}: unknown option(s) {unknown}; known: {', '.join(PP_OPTION_NAMES)}"
+                         " (or none)")
     return names
 
 
-def pp_kernel(heads: int, d_qk: int, d_v: int, softmax_scale: float, group: int, device: torch.device):
+def pp_kernel(heads: int, d_qk: int, d_v: int, softmax_scale: float, group: int, device: torch.device) -> Callable:
     """The ``pp`` forward with :func:`pp_options` (``persistent``: one CTA per SM of ``device``). Without options
     the call is the one the precompiled kernels were built by (``group`` passed only when grouped), so their cache
     entries still hit."""

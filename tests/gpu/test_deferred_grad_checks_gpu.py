@@ -22,26 +22,18 @@ def _unroute() -> None:
                            (RerunStateMachine, "validate_result", None), (OptimizerCudaGraphWrapper, "__init__", None)))
 
 
-def _reset() -> None:
-    deferred_grad_checks._pending.clear()
-    deferred_grad_checks._turned_off.clear()
-    deferred_grad_checks._loss_flags.clear()
-    deferred_grad_checks._grad_checks.update(deferred=0, at_once=0, unflagged=0)
-    compat._optimizer_graphs_built.clear()
-
-
 @pytest.fixture
 def ddp(parallel):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.transformer import TransformerConfig
 
-    _reset()  # another module of the same process may have used the route
+    deferred_grad_checks.reset()  # another module of the same process may have used the route
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 64)).cuda()
     config = TransformerConfig(num_layers=1, hidden_size=256, num_attention_heads=1)
     model = DistributedDataParallel(config, DistributedDataParallelConfig(check_for_nan_in_grad=True), module)
     yield model
-    _reset()
+    deferred_grad_checks.reset()
     _unroute()
 
 
