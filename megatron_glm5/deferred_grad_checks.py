@@ -214,8 +214,11 @@ def check_grads_deferred(original: Callable, bucket_group: Any, check_for_nan_or
         values = norms.float()
         any_rank = None
         if check_for_nan_or_inf and size > 1:
-            losses = [torch.where(flag.to(values.device), float("inf"), 0.0).to(values.dtype) for flag in _loss_flags]
-            any_rank = _any_rank_flag(torch.cat([values] + losses) if losses else values, process_group)
+            flagged = values
+            if _loss_flags:  # any rejected loss of this iteration travels as one Inf next to the norms
+                rejected = torch.cat(_loss_flags).any().reshape(1).to(values.device)
+                flagged = torch.cat([values, torch.where(rejected, float("inf"), 0.0).to(values.dtype)])
+            any_rank = _any_rank_flag(flagged, process_group)
         elif size > 1:
             _grad_checks["unflagged"] += 1
         _loss_flags.clear()  # carried to every rank by this flag (one rank: nothing to carry)

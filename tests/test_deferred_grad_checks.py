@@ -78,6 +78,17 @@ def _step(ddp, optimizer) -> None:
             p.grad = None  # as megatron-core's optimizers leave them: DDP's hook would add a .grad in again
 
 
+def _restart_without_the_route(ddp, start: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The parameters the routed run ended with; the model back at ``start`` and the routes taken out, for the same
+    run through megatron-core's own checks."""
+    routed_params = [p.detach().clone() for p in ddp.module.parameters()]
+    with torch.no_grad():
+        for p, s in zip(ddp.module.parameters(), start):
+            p.copy_(s)
+    _unroute()
+    return routed_params
+
+
 def _megatron_cores_error(ddp, poison: float) -> str:
     """The error megatron-core's own check raises at ``finish_grad_sync`` for this gradient (the route off)."""
     _backward(ddp, poison)
@@ -113,11 +124,7 @@ def test_good_gradients_step_as_without_the_route(ddp_model, routed):
         assert deferred_grad_checks.pending_checks() == 1
         _step(ddp, opt)
         assert deferred_grad_checks.pending_checks() == 0
-    routed_params = [p.detach().clone() for p in ddp.module.parameters()]
-    with torch.no_grad():
-        for p, s in zip(ddp.module.parameters(), start):
-            p.copy_(s)
-    _unroute()
+    routed_params = _restart_without_the_route(ddp, start)
     opt = _sgd(ddp)
     for _ in range(2):
         _backward(ddp)
@@ -365,11 +372,7 @@ def test_good_losses_are_deferred_and_step_as_without_the_route(ddp_model, route
         _step(ddp, opt)
         assert deferred_grad_checks.pending_checks() == 0
     assert pending == [1, 3, 3] and deferred_grad_checks._grad_checks["deferred"] == 3
-    routed_params = [p.detach().clone() for p in ddp.module.parameters()]
-    with torch.no_grad():
-        for p, s in zip(ddp.module.parameters(), start):
-            p.copy_(s)
-    _unroute()
+    routed_params = _restart_without_the_route(ddp, start)
     opt = _sgd(ddp)
     for _ in range(3):
         _iteration(ddp, opt)

@@ -114,6 +114,39 @@ def _logits_macros(T, heads: int, dim: int, block_n: int, block_q: int, exact_pr
     return load_query_rows, score_tile, finish_tile
 
 
+def _logits_entry(T, kernel, hist: bool, heads: int, dim: int, t_len, t_kv, n_rows):
+    """The prim_func of a logits kernel whose body is the macro ``kernel(Q, K, W, Starts, Ends, RowOffset, Logits,
+    Hist)``: with ``hist`` its ``Hist [n_rows, 256]`` argument, else the signature (and kernel) of the builds before
+    the option, ``kernel`` getting ``Hist=None``."""
+    bf16, f32, i32 = T.bfloat16, T.float32, T.int32
+    if hist:
+        @T.prim_func
+        def main(
+            Q: T.Tensor([t_len, heads, dim], bf16),
+            K: T.Tensor([t_kv, dim], bf16),
+            W: T.Tensor([t_len, heads], f32),
+            Starts: T.Tensor([t_len], i32),
+            Ends: T.Tensor([t_len], i32),
+            RowOffset: T.Tensor([1], i32),
+            Logits: T.Tensor([n_rows, t_kv], f32),
+            Hist: T.Tensor([n_rows, FIRST_ROUND_BINS], i32),
+        ):
+            kernel(Q, K, W, Starts, Ends, RowOffset, Logits, Hist)
+    else:
+        @T.prim_func
+        def main(
+            Q: T.Tensor([t_len, heads, dim], bf16),
+            K: T.Tensor([t_kv, dim], bf16),
+            W: T.Tensor([t_len, heads], f32),
+            Starts: T.Tensor([t_len], i32),
+            Ends: T.Tensor([t_len], i32),
+            RowOffset: T.Tensor([1], i32),
+            Logits: T.Tensor([n_rows, t_kv], f32),
+        ):
+            kernel(Q, K, W, Starts, Ends, RowOffset, Logits, None)
+    return main
+
+
 def _hist_macros(T, block_n: int, block_q: int, threads: int):
     """The logits kernels' optional first radix round of the select (``hist=True``): per chunk row, how many of its
     keys have each top byte of the select's order-preserving score key (:func:`first_round_histogram`). The CTA
@@ -354,33 +387,7 @@ def _jit_logits_plain():
                 if Hist is not None:
                     hist_store(h_s, Hist, r_base, n_rows, tx)
 
-        if hist:
-            @T.prim_func
-            def main(
-                Q: T.Tensor([t_len, heads, dim], bf16),
-                K: T.Tensor([t_kv, dim], bf16),
-                W: T.Tensor([t_len, heads], f32),
-                Starts: T.Tensor([t_len], i32),
-                Ends: T.Tensor([t_len], i32),
-                RowOffset: T.Tensor([1], i32),
-                Logits: T.Tensor([n_rows, t_kv], f32),
-                Hist: T.Tensor([n_rows, FIRST_ROUND_BINS], i32),
-            ):
-                kernel(Q, K, W, Starts, Ends, RowOffset, Logits, Hist)
-        else:
-            @T.prim_func
-            def main(
-                Q: T.Tensor([t_len, heads, dim], bf16),
-                K: T.Tensor([t_kv, dim], bf16),
-                W: T.Tensor([t_len, heads], f32),
-                Starts: T.Tensor([t_len], i32),
-                Ends: T.Tensor([t_len], i32),
-                RowOffset: T.Tensor([1], i32),
-                Logits: T.Tensor([n_rows, t_kv], f32),
-            ):
-                kernel(Q, K, W, Starts, Ends, RowOffset, Logits, None)
-
-        return main
+        return _logits_entry(T, kernel, hist, heads, dim, t_len, t_kv, n_rows)
 
     return indexer_logits_plain
 
@@ -555,33 +562,7 @@ def _logits_overlap_program(T):
                 if Hist is not None:
                     hist_store(h_s, Hist, r_base, n_rows, tx)
 
-        if hist:
-            @T.prim_func
-            def main(
-                Q: T.Tensor([t_len, heads, dim], bf16),
-                K: T.Tensor([t_kv, dim], bf16),
-                W: T.Tensor([t_len, heads], f32),
-                Starts: T.Tensor([t_len], i32),
-                Ends: T.Tensor([t_len], i32),
-                RowOffset: T.Tensor([1], i32),
-                Logits: T.Tensor([n_rows, t_kv], f32),
-                Hist: T.Tensor([n_rows, FIRST_ROUND_BINS], i32),
-            ):
-                kernel(Q, K, W, Starts, Ends, RowOffset, Logits, Hist)
-        else:
-            @T.prim_func
-            def main(
-                Q: T.Tensor([t_len, heads, dim], bf16),
-                K: T.Tensor([t_kv, dim], bf16),
-                W: T.Tensor([t_len, heads], f32),
-                Starts: T.Tensor([t_len], i32),
-                Ends: T.Tensor([t_len], i32),
-                RowOffset: T.Tensor([1], i32),
-                Logits: T.Tensor([n_rows, t_kv], f32),
-            ):
-                kernel(Q, K, W, Starts, Ends, RowOffset, Logits, None)
-
-        return main
+        return _logits_entry(T, kernel, hist, heads, dim, t_len, t_kv, n_rows)
 
     return indexer_logits_overlap
 

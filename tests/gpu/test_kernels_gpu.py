@@ -623,16 +623,11 @@ def test_logits_overlap_equals_plain_bitwise(stages, storage_sync, monkeypatch):
     plain = im._jit_logits_plain()(32, 128)
     over = im._jit_logits_overlap()(32, 128, 64, 128, 2, stages, False, storage_sync)
     for t_len, t_kv in ((3001, 3001), (3001, 3301), (9000, 9000)):
-        q, k, w = _indexer_inputs(t_len, seed=11, t_kv=t_kv)
-        for name, (starts, ends) in _logits_cases(t_len).items():
-            for row0, rows in ((0, t_len), (1000, 777), (2990, 11)):
-                a = torch.full((rows, t_kv), float("nan"), device="cuda")
-                off = torch.tensor([row0], dtype=torch.int32, device="cuda")
-                plain(q, k, w, starts, ends, off, a)
-                for _ in range(5 if t_len < 5000 else 1):  # a race would rarely show in one run
-                    b = torch.full_like(a, float("nan"))
-                    over(q, k, w, starts, ends, off, b)
-                    assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (t_len, t_kv, name, row0, rows)
+        for label, (q, k, w, starts, ends, off), a in _plain_logits_cases(plain, t_len, t_kv, seed=11):
+            for _ in range(5 if t_len < 5000 else 1):  # a race would rarely show in one run
+                b = torch.full_like(a, float("nan"))
+                over(q, k, w, starts, ends, off, b)
+                assert torch.equal(a.view(torch.int32), b.view(torch.int32)), label
     if storage_sync:
         return
     q, k, w = _indexer_inputs(3001, seed=11)
@@ -640,6 +635,20 @@ def test_logits_overlap_equals_plain_bitwise(stages, storage_sync, monkeypatch):
     expect = im.indexer_topk_interface(q, k, w, starts, ends, 512)
     monkeypatch.setenv(im.LOGITS_OVERLAP_ENV, str(stages))
     assert torch.equal(im.indexer_topk_interface(q, k, w, starts, ends, 512), expect)
+
+
+def _plain_logits_cases(plain, t_len: int, t_kv: int, seed: int, row0: int = 1000):
+    """``(label, kernel arguments, logits)`` of the plain logits kernel over every :func:`_logits_cases` bound and
+    three chunks (all rows; ``row0`` with a row count off the CTA's 4 queries; the last 11 rows), each buffer
+    NaN-filled first so that an entry a kernel does not write stays NaN: the reference of the other logits kernels'
+    bitwise tests."""
+    q, k, w = _indexer_inputs(t_len, seed=seed, t_kv=t_kv)
+    for name, (starts, ends) in _logits_cases(t_len).items():
+        for r0, rows in ((0, t_len), (row0, 777), (t_len - 11, 11)):
+            a = torch.full((rows, t_kv), float("nan"), device="cuda")
+            off = torch.tensor([r0], dtype=torch.int32, device="cuda")
+            plain(q, k, w, starts, ends, off, a)
+            yield (t_len, t_kv, name, r0, rows), (q, k, w, starts, ends, off), a
 
 
 def _logits_cases(t_len: int) -> dict:
@@ -673,19 +682,14 @@ def test_fused_first_round_counts_and_selects_as_the_default(overlap, monkeypatc
     counting = (im._jit_logits_overlap()(32, 128, 64, 128, 2, overlap, True) if overlap
                 else im._jit_logits_plain()(32, 128, 128, 128, 2, 0, True))
     for t_kv in (t_len, 3301, 2800):  # keys past the queries, and fewer keys (ends clamped to T_kv)
-        q, k, w = _indexer_inputs(t_len, seed=12, t_kv=t_kv)
-        for name, (starts, ends) in _logits_cases(t_len).items():
-            for row0, rows in ((0, t_len), (1001, 777), (2990, 11)):
-                a = torch.full((rows, t_kv), float("nan"), device="cuda")
-                off = torch.tensor([row0], dtype=torch.int32, device="cuda")
-                plain(q, k, w, starts, ends, off, a)
-                expect = im.first_round_histogram(a, starts, ends, row0)
-                for _ in range(3):  # a race would rarely show in one run
-                    b = torch.full_like(a, float("nan"))
-                    counts = torch.full((rows, 256), -1, dtype=torch.int32, device="cuda")
-                    counting(q, k, w, starts, ends, off, b, counts)
-                    assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (t_kv, name, row0, rows)
-                    assert torch.equal(counts, expect), (t_kv, name, row0, rows)
+        for label, (q, k, w, starts, ends, off), a in _plain_logits_cases(plain, t_len, t_kv, seed=12, row0=1001):
+            expect = im.first_round_histogram(a, starts, ends, int(off))
+            for _ in range(3):  # a race would rarely show in one run
+                b = torch.full_like(a, float("nan"))
+                counts = torch.full((a.shape[0], 256), -1, dtype=torch.int32, device="cuda")
+                counting(q, k, w, starts, ends, off, b, counts)
+                assert torch.equal(a.view(torch.int32), b.view(torch.int32)), label
+                assert torch.equal(counts, expect), label
     if overlap:
         monkeypatch.setenv(im.LOGITS_OVERLAP_ENV, str(overlap))
     q, k, w = _indexer_inputs(t_len, seed=12)
