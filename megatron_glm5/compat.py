@@ -1132,6 +1132,70 @@ def _probe_deferred_loss_checks() -> None:
     assert "self.current_iteration += 1" in run and "RerunMode.DISABLED" in run
 
 
+# --------------------------------------------------------------------------------------------------------------------
+# 21. megatron-core's mixed-precision optimizer step (optimizer.Float16OptimizerWithFloat16Params.step_with_ready_grads)
+#     and torch's optimizer step hooks (Optimizer.profile_hook_step) around a step of our own (adam_model_copy.py)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def route_adam_model_copy(step_with_ready_grads: Callable) -> bool:
+    """``Float16OptimizerWithFloat16Params.step_with_ready_grads(self)`` goes through
+    ``step_with_ready_grads(original, self)``. Returns whether the route is installed."""
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params as owner
+
+    if not is_patched(owner, "step_with_ready_grads"):
+        original = owner.step_with_ready_grads
+
+        def routed(self):
+            return step_with_ready_grads(original, self)
+
+        install_patches(((owner, "step_with_ready_grads", routed),))
+    return adam_model_copy_routed()
+
+
+def adam_model_copy_routed() -> bool:
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params as owner
+
+    return is_patched(owner, "step_with_ready_grads")
+
+
+def run_optimizer_step(optimizer: torch.optim.Optimizer, step: Callable[[torch.optim.Optimizer], None]) -> None:
+    """``step(optimizer)`` in place of ``optimizer.step()``, inside torch's own step wrapper: the global and the
+    optimizer's step pre-hooks before it, its post-hooks after, the profiler's record, as for ``step()``."""
+    torch.optim.Optimizer.profile_hook_step(step)(optimizer)
+
+
+def fused_adamw_arithmetic_known() -> bool:
+    """Whether this torch's fused CUDA AdamW computes the moments as ``fma`` (torch >= 2.8, the form
+    ``kernels/fused_adamw.py`` reproduces; checked in torch 2.14's headers and sm_90 code)."""
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    return (major, minor) >= (2, 8)
+
+
+@_hook("optimizer.optimizer: Float16OptimizerWithFloat16Params.step_with_ready_grads(self) steps self.optimizer "
+       "then _copy_main_params_to_model_params (float16_groups / fp32_from_float16_groups, pairwise), timers "
+       "optimizer-inner-step and optimizer-copy-main-to-model-params; torch.optim.Optimizer.profile_hook_step(func) "
+       "runs the global and per-optimizer step pre- and post-hooks around func(self)", "adam_model_copy.py",
+       f"{MCORE} / {TORCH}")
+def _probe_adam_model_copy() -> None:
+    import inspect
+
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params as owner
+    from torch.optim import optimizer as torch_optimizer
+
+    source = inspect.getsource(unpatched(owner, "step_with_ready_grads"))
+    for piece in ("self.optimizer.step()", "self._copy_main_params_to_model_params()", "is_stub_optimizer",
+                  "'optimizer-inner-step'", "'optimizer-copy-main-to-model-params'",
+                  "reuse_grad_buf_for_mxfp8_param_ag"):
+        assert piece in source, piece
+    pairs = inspect.getsource(owner._get_model_and_main_params_data_float16)
+    assert "self.float16_groups" in pairs and "self.fp32_from_float16_groups" in pairs
+    wrapper = inspect.getsource(torch_optimizer.Optimizer.profile_hook_step)
+    for piece in ("_global_optimizer_pre_hooks", "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+                  "_global_optimizer_post_hooks"):
+        assert piece in wrapper, piece
+
+
 def check_all() -> list[str]:
     """Run every probe; the names of those that fail (an empty list: every internal is where it was)."""
     failed = []

@@ -131,6 +131,12 @@ environment variable read when a module or block spec is built (``0`` or ``1``; 
 * ``MEGATRON_GLM5_FUSED_ADAM`` - megatron-core's torch-fallback Adam
   (no TE / apex ``FusedAdam``) with torch's ``fused=True`` (:func:`megatron_glm5.optim_fusions.use_fused_adam`,
   through :func:`megatron_glm5.compat.route_fused_adam`).
+* ``MEGATRON_GLM5_ADAM_MODEL_COPY`` (experimental, off: not yet measured on a GPU) - with the fused Adam above,
+  megatron-core's mixed-precision optimizer (``Float16OptimizerWithFloat16Params``) steps AdamW with one Triton
+  kernel per parameter group that also writes the bf16 model parameters, instead of torch's fused AdamW followed by
+  one ``copy_`` per parameter (:mod:`megatron_glm5.adam_model_copy`, :mod:`megatron_glm5.kernels.fused_adamw`:
+  torch's fused AdamW arithmetic, operation for operation). Routed through
+  :func:`megatron_glm5.compat.route_adam_model_copy`.
 
 Measured on the GLM-5 slice (issue 23, ``scripts/bench/RESULTS_step.md``).
 
@@ -147,7 +153,7 @@ import os
 
 import torch
 
-from megatron_glm5 import compat, deferred_grad_checks, finalize_walks
+from megatron_glm5 import adam_model_copy, compat, deferred_grad_checks, finalize_walks
 from megatron_glm5.kernels.moe_permute import (
     expert_rows,
     moe_permute_supported,
@@ -174,6 +180,7 @@ CACHED_ROUTER_WALKS_ENV = "MEGATRON_GLM5_CACHED_ROUTER_WALKS"
 DEFERRED_GRAD_CHECKS_ENV = "MEGATRON_GLM5_DEFERRED_GRAD_CHECKS"
 FUSED_WGRAD_ENV = "MEGATRON_GLM5_FUSED_WGRAD_ACCUMULATION"
 FUSED_ADAM_ENV = "MEGATRON_GLM5_FUSED_ADAM"
+ADAM_MODEL_COPY_ENV = "MEGATRON_GLM5_ADAM_MODEL_COPY"
 MOE_DEVICE_COUNTS_ENV = "MEGATRON_GLM5_MOE_DEVICE_COUNTS"
 ZERO_GROUPS_KERNEL_ENV = "MEGATRON_GLM5_ZERO_GROUPS_KERNEL"
 GROUPED_SPARSE_MLA_ENV = "MEGATRON_GLM5_GROUPED_SPARSE_MLA"
@@ -189,7 +196,7 @@ _DEFAULTS = {FUSED_RMSNORM_ENV: "1", FUSED_SWIGLU_ENV: "1", FUSED_MOE_PERMUTE_EN
              ZERO_GROUPS_KERNEL_ENV: "1", GROUPED_SPARSE_MLA_ENV: "1", GROUPED_WGRAD_ACCUMULATION_ENV: "1",
              SPLIT_RECOMPUTE_ENV: "1", MLP_CHUNKS_BY_LENGTH_ENV: "1", FUSED_MULTI_TENSOR_SCALE_ENV: "1",
              MASK_RANGES_KERNEL_ENV: "1", DEVICE_GRAD_CLIP_ENV: "0", CACHED_ROUTER_WALKS_ENV: "1",
-             DEFERRED_GRAD_CHECKS_ENV: "0",
+             DEFERRED_GRAD_CHECKS_ENV: "0", ADAM_MODEL_COPY_ENV: "0",
              EXPERT_WGRAD_GEMMS_ENV: "1", KEY_BLOCK_DKV_ENV: "1"}
 
 
@@ -339,6 +346,8 @@ def install_fusions() -> dict[str, bool]:
         compat.route_wgrad_accumulation(WGRAD_ACCUMULATION)
     if enabled(FUSED_ADAM_ENV):
         compat.route_fused_adam(use_fused_adam)
+        if enabled(ADAM_MODEL_COPY_ENV):
+            compat.route_adam_model_copy(adam_model_copy.step_with_model_copies)
     if enabled(DEVICE_GRAD_CLIP_ENV) and enabled(FUSED_GRAD_NORM_ENV):
         compat.route_device_grad_clip(grad_norm_on_device, clip_scale_tensor)
     if enabled(DEFERRED_GRAD_CHECKS_ENV):
@@ -351,7 +360,8 @@ def install_fusions() -> dict[str, bool]:
     routed = {"swiglu": compat.mlp_swiglu_routed(), "moe_permute": compat.moe_permute_routed(),
               "grad_norm": compat.grad_norm_routed(), "multi_tensor_scale": compat.multi_tensor_scale_routed(),
               "wgrad_accumulation": compat.wgrad_accumulation_routed(),
-              "adam": compat.fused_adam_routed(), "device_grad_clip": compat.device_grad_clip_routed(),
+              "adam": compat.fused_adam_routed(), "adam_model_copy": compat.adam_model_copy_routed(),
+              "device_grad_clip": compat.device_grad_clip_routed(),
               "deferred_grad_checks": compat.deferred_grad_checks_routed(),
               "deferred_loss_checks": compat.deferred_loss_checks_routed(),
               "router_walks": compat.finalize_walks_routed(),

@@ -16,7 +16,9 @@
 # the gather-sum MoE permutation vs its oracle and megatron-core's, and its speed), rope_cat
 # (tests/gpu/test_rope_cat_gpu.py: the fused RoPE + concatenation vs its oracle, and its speed), optim_fusions
 # (tests/gpu/test_optim_fusions_gpu.py, test_optimizer_phase_gpu.py: weight-gradient accumulation, fused Adam and the
-# device gradient clip vs their oracles, and speed; the deferred gradient checks without a host sync), expert_wgrad (bench_expert_wgrad.py: the routed experts'
+# device gradient clip vs their oracles, and speed; the deferred gradient checks without a host sync), fused_adamw
+# (tests/gpu/test_fused_adamw_gpu.py: the AdamW kernel that writes the bf16 model copies vs torch's fused AdamW and
+# copy_, bit for bit, through megatron-core's Float16OptimizerWithFloat16Params too, and its time), expert_wgrad (bench_expert_wgrad.py: the routed experts'
 # weight gradients into main_grad, one GEMM per expert vs the grouped GEMM plus the one-launch add),
 # zero_groups (tests/gpu/test_zero_groups_gpu.py: the zero-groups kernel vs masked_fill, and speed), mask_ranges
 # (tests/gpu/test_mask_ranges_gpu.py: the dense mask's key ranges in one Triton pass vs the torch passes, and speed),
@@ -73,6 +75,7 @@ for step in "$@"; do
     zero_groups) run zero_groups 120 python3 -m pytest tests/gpu/test_zero_groups_gpu.py -q -s -p no:cacheprovider ;;
     grouped_wgrad_accum) run grouped_wgrad_accum 120 python3 -m pytest tests/gpu/test_grouped_wgrad_accum_gpu.py -q -s -p no:cacheprovider ;;
     optim_fusions) run optim_fusions 120 python3 -m pytest tests/gpu/test_optim_fusions_gpu.py tests/gpu/test_optimizer_phase_gpu.py tests/gpu/test_deferred_grad_checks_gpu.py -q -s -p no:cacheprovider ;;
+    fused_adamw) run fused_adamw 150 python3 -m pytest tests/gpu/test_fused_adamw_gpu.py -q -s -p no:cacheprovider ;;
     expert_wgrad) run expert_wgrad 120 python3 scripts/bench/bench_expert_wgrad.py ;;
     rope_cat) run rope_cat 120 python3 -m pytest tests/gpu/test_rope_cat_gpu.py -q -s -p no:cacheprovider ;;
     pp_options) run pp_options 300 python3 -m pytest tests/gpu/test_kernels_gpu.py -q -s -p no:cacheprovider \

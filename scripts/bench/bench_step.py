@@ -152,6 +152,16 @@ VARIANTS = {
                 "(a) with grouped-GEMM experts, DDP's gradient checks deferred to the optimizer step, megatron-core's "
                 "host clip (its norm read on the host stays a sync; `MEGATRON_GLM5_DEFERRED_GRAD_CHECKS=1`)",
                 (("MEGATRON_GLM5_DEFERRED_GRAD_CHECKS", "1"),)),
+        Variant("tilelang-grouped-adam-copy", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
+                "(a) with grouped-GEMM experts and AdamW as one Triton kernel per parameter group that also writes "
+                "the bf16 model parameters (no separate main -> model copy; experimental, "
+                "`MEGATRON_GLM5_ADAM_MODEL_COPY=1`)", (("MEGATRON_GLM5_ADAM_MODEL_COPY", "1"),)),
+        Variant("tilelang-grouped-optimizer-phase", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
+                "(a) with grouped-GEMM experts and the three experimental optimizer-phase switches together: "
+                "deferred checks, device clip, AdamW writing the model copies (`MEGATRON_GLM5_DEFERRED_GRAD_CHECKS=1`, "
+                "`MEGATRON_GLM5_DEVICE_GRAD_CLIP=1`, `MEGATRON_GLM5_ADAM_MODEL_COPY=1`)",
+                (("MEGATRON_GLM5_DEFERRED_GRAD_CHECKS", "1"), ("MEGATRON_GLM5_DEVICE_GRAD_CLIP", "1"),
+                 ("MEGATRON_GLM5_ADAM_MODEL_COPY", "1"))),
         Variant("tilelang-grouped-pp-named", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
                 "(a) with grouped-GEMM experts, the `pp` sparse-MLA forward with named barriers for the math "
                 "warpgroups' exchanges (experimental; `MEGATRON_GLM5_PP_OPTIONS=named_exchange`)",
