@@ -11,12 +11,19 @@ contract; ``tests/gpu/test_fused_adamw_gpu.py`` compares them bit for bit), with
 Taken for a step only where that is what megatron-core would have run (:func:`plan`, else megatron-core's own
 ``step_with_ready_grads`` runs): the inner optimizer is torch's ``AdamW`` (or ``Adam`` with decoupled weight decay)
 in its fused mode (:func:`megatron_glm5.optim_fusions.use_fused_adam`), without AMSGrad, ``maximize``,
-``capturable`` or ``differentiable``, with Python-float hyper-parameters; every parameter with a gradient already
-has its state (the first step is torch's, which creates it); the kernel takes every group's tensors; not a stub
-optimizer, not the MXFP8 parameter-buffer path, not under CUDA graph capture. torch's optimizer step hooks run around
-it as around ``step()`` (``Optimizer.profile_hook_step``: the global pre-hook of
-:mod:`megatron_glm5.deferred_grad_checks` decides its checks there). Model parameters whose main parameter had no
-gradient are copied as megatron-core copies them. megatron-core's two timers keep their names.
+``capturable``, ``differentiable`` or a grad scaler's ``grad_scale`` / ``found_inf``, with Python-float
+hyper-parameters, on CUDA (not ROCm) with torch >= 2.8; every parameter with a gradient already has its state (the
+first step is torch's, which creates it); the kernel takes every group's tensors; not a stub optimizer, not the MXFP8
+parameter-buffer path, not under CUDA graph capture. And the kernel must have matched torch's ``_fused_adamw_`` bit
+for bit on probe tensors for the group's betas, eps and weight decay on this device
+(:func:`~megatron_glm5.kernels.fused_adamw.matches_torch`, once per configuration and process: one host sync;
+a mismatch is logged and the route steps aside). torch's optimizer step hooks run around the step as around
+``step()`` (``Optimizer.profile_hook_step``: the global pre-hook of :mod:`megatron_glm5.deferred_grad_checks` decides
+its checks there), and the plan is made again inside them, since a pre-hook may change the learning rate or the
+gradients; refused there, torch's own ``step`` runs (without its hooks a second time) and every pair is copied.
+Model parameters whose main parameter had no gradient are copied as megatron-core copies them. megatron-core's two
+timers keep their names. A wrapper set on the instance's ``step`` (torch's ``LRScheduler`` puts one there) is not
+called: megatron-core's own scheduler sets ``lr`` in the groups.
 
 Not covered: megatron-core's ``DistributedOptimizer`` (it copies into its parameter buffer; a second route), apex's /
 TE's ``FusedAdam`` (their own kernels). Switch: ``MEGATRON_GLM5_ADAM_MODEL_COPY`` (:mod:`megatron_glm5.fusions`),
@@ -25,6 +32,7 @@ routed by :func:`megatron_glm5.compat.route_adam_model_copy`. Tests: ``tests/tes
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -67,6 +75,29 @@ def _plain_group(group: dict) -> bool:
     return all(isinstance(s, (float, int)) and not isinstance(s, bool) for s in scalars)
 
 
+_VERIFIED: dict[tuple, bool] = {}  # (device, fp32 betas and eps, weight decay != 0, model dtype) -> matched torch
+_log = logging.getLogger("megatron_glm5")
+
+
+def _verified(step: GroupStep) -> bool:
+    """Whether the kernel matched torch's fused AdamW bit for bit on probe tensors for this group's configuration
+    (:func:`~megatron_glm5.kernels.fused_adamw.matches_torch`, once per configuration and process, on CUDA: one host
+    sync the first time). A mismatch (another torch, another GPU) is logged once and the route steps aside for it."""
+    device = step.params[0].device
+    if device.type != "cuda":
+        return True  # Triton's interpreter (the CPU tests): torch's fused kernel is not the one reproduced there
+    h = step.hyper.fp32()
+    model_dtype = next((m.dtype for m in step.models if m is not None), torch.bfloat16)
+    key = (str(device), h["beta1"], h["beta2"], h["eps"], h["wd"] != 0.0, model_dtype)
+    if key not in _VERIFIED:
+        _VERIFIED[key] = fused_adamw.matches_torch(device, step.hyper, model_dtype)
+        if not _VERIFIED[key]:
+            _log.warning("megatron-glm5: the AdamW kernel that writes the model copies does not match torch %s's "
+                         "fused AdamW bit for bit here (betas %s, %s, eps %s); megatron-core's step runs instead",
+                         torch.__version__, h["beta1"], h["beta2"], h["eps"])
+    return _VERIFIED[key]
+
+
 def plan(optimizer: Any) -> Plan | None:
     """What :func:`step_with_model_copies` would run for this megatron-core optimizer's step, or None where
     megatron-core's own step must run (module docstring)."""
@@ -81,6 +112,8 @@ def plan(optimizer: Any) -> Plan | None:
         return None
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return None
+    if getattr(inner, "grad_scale", None) is not None or getattr(inner, "found_inf", None) is not None:
+        return None  # set by torch's GradScaler: torch's kernel unscales and skips; this one does not
     model_of = {id(main): model for models, mains in zip(optimizer.float16_groups, optimizer.fp32_from_float16_groups)
                 for model, main in zip(models, mains)}
     stepped: set[int] = set()
@@ -108,40 +141,49 @@ def plan(optimizer: Any) -> Plan | None:
         if step.params and not fused_adamw.adamw_step_supported(step.params, step.grads, step.exp_avgs,
                                                                 step.exp_avg_sqs, step.steps, step.models):
             return None
+        if step.params and not _verified(step):
+            return None
         groups.append(step)
     copies = [(model, main) for models, mains in zip(optimizer.float16_groups, optimizer.fp32_from_float16_groups)
               for model, main in zip(models, mains) if id(main) not in stepped]
     return Plan(groups, copies)
 
 
-def _run(plan_: Plan) -> Callable[[torch.optim.Optimizer], None]:
-    def step(inner: torch.optim.Optimizer) -> None:  # what torch's step hooks wrap
-        for g in plan_.groups:
-            if g.params:
-                fused_adamw.adamw_step(g.params, g.grads, g.exp_avgs, g.exp_avg_sqs, g.steps, g.models, g.hyper,
-                                       checked=True)
-
-    return step
-
-
 def step_with_model_copies(original: Callable[[Any], bool], optimizer: Any) -> bool:
     """megatron-core's ``step_with_ready_grads`` (``original``) with the model copies written by the Adam kernel where
-    :func:`plan` allows, else ``original``."""
-    chosen = plan(optimizer)
-    if chosen is None:
+    :func:`plan` allows, else ``original``. The plan is made again inside torch's step hooks (a pre-hook may change
+    the learning rate or the gradients); where it is refused there, torch's own step runs and every model parameter
+    is copied, as megatron-core does."""
+    if plan(optimizer) is None:
         return original(optimizer)
     timers = optimizer.config.timers
     if timers is not None:
         timers("optimizer-inner-step", log_level=1).start(barrier=optimizer.config.barrier_with_L1_time)
-    from megatron_glm5.compat import run_optimizer_step
+    from megatron_glm5.compat import run_optimizer_step, unhooked_step
+
+    taken: list[Plan] = []
+
+    def step(inner: torch.optim.Optimizer) -> None:  # what torch's step hooks wrap
+        chosen = plan(optimizer)
+        if chosen is None:
+            unhooked_step(inner)
+            return
+        taken.append(chosen)
+        for g in chosen.groups:
+            if g.params:
+                fused_adamw.adamw_step(g.params, g.grads, g.exp_avgs, g.exp_avg_sqs, g.steps, g.models, g.hyper,
+                                       checked=True)
 
     with torch.no_grad():
-        run_optimizer_step(optimizer.optimizer, _run(chosen))
+        run_optimizer_step(optimizer.optimizer, step)
     if timers is not None:
         timers("optimizer-inner-step").stop()
         timers("optimizer-copy-main-to-model-params", log_level=1).start(barrier=optimizer.config.barrier_with_L1_time)
+    copies = taken[0].copies if taken else [
+        pair for models, mains in zip(optimizer.float16_groups, optimizer.fp32_from_float16_groups)
+        for pair in zip(models, mains)]
     with torch.no_grad():
-        for model, main in chosen.copies:
+        for model, main in copies:
             model.data.copy_(main.data)
     if timers is not None:
         timers("optimizer-copy-main-to-model-params").stop()

@@ -1165,9 +1165,21 @@ def run_optimizer_step(optimizer: torch.optim.Optimizer, step: Callable[[torch.o
     torch.optim.Optimizer.profile_hook_step(step)(optimizer)
 
 
+def unhooked_step(optimizer: torch.optim.Optimizer) -> Any:
+    """The optimizer class's own ``step`` without torch's hook wrapper (``_patch_step_function`` marks the wrapped
+    one ``hooked``), for a step already inside the hooks."""
+    step = type(optimizer).step
+    if getattr(step, "hooked", False):
+        step = step.__wrapped__
+    return step(optimizer)
+
+
 def fused_adamw_arithmetic_known() -> bool:
     """Whether this torch's fused CUDA AdamW computes the moments as ``fma`` (torch >= 2.8, the form
-    ``kernels/fused_adamw.py`` reproduces; checked in torch 2.14's headers and sm_90 code)."""
+    ``kernels/fused_adamw.py`` reproduces; read in torch 2.14's header and sm_90 code), on CUDA rather than ROCm (the
+    route also checks each configuration against torch's kernel on the device before its first step)."""
+    if torch.version.hip:
+        return False
     major, minor = (int(x) for x in torch.__version__.split(".")[:2])
     return (major, minor) >= (2, 8)
 
@@ -1192,8 +1204,9 @@ def _probe_adam_model_copy() -> None:
     assert "self.float16_groups" in pairs and "self.fp32_from_float16_groups" in pairs
     wrapper = inspect.getsource(torch_optimizer.Optimizer.profile_hook_step)
     for piece in ("_global_optimizer_pre_hooks", "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
-                  "_global_optimizer_post_hooks"):
+                  "_global_optimizer_post_hooks", "functools.wraps(func)"):
         assert piece in wrapper, piece
+    assert "step.hooked = True" in inspect.getsource(torch_optimizer.Optimizer._patch_step_function)
 
 
 def check_all() -> list[str]:

@@ -81,6 +81,50 @@ def test_route_steps_copies_and_runs_the_hooks_in_the_interpreter():
     assert passed(run_in_interpreter(ROUTE))
 
 
+IN_HOOKS = HELPERS + r"""
+# The plan is made again inside torch's step hooks: a pre-hook's change of the learning rate is seen, and a change
+# that the kernel cannot take sends the step to torch's own AdamW (and megatron-core's copy of every pair).
+ours, models, mains = megatron_like()
+twin, twin_models, twin_mains = megatron_like()
+for opt, ms in ((ours, mains), (twin, twin_mains)):
+    grads(ms, 0)
+    original(opt)
+grads(mains, 1)
+before = [m.detach().clone() for m in mains]
+exp_avg_before = ours.optimizer.state[mains[0]]["exp_avg"].clone()
+def zero_lr(optimizer, args, kwargs):
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+h = ours.optimizer.register_step_pre_hook(zero_lr)
+assert adam_model_copy.step_with_model_copies(original, ours)
+h.remove()
+assert all(torch.equal(m, b) for m, b in zip(mains, before))  # lr 0 (and so lr * wd 0): no parameter moved
+assert not torch.equal(ours.optimizer.state[mains[0]]["exp_avg"], exp_avg_before)  # the moments did
+def tensor_lr(optimizer, args, kwargs):
+    for group in optimizer.param_groups:
+        group["lr"] = torch.tensor(1e-3)
+for opt, ms in ((ours, mains), (twin, twin_mains)):
+    grads(ms, 2)
+    for group in opt.optimizer.param_groups:
+        group["lr"] = 1e-3
+ours.optimizer.register_step_pre_hook(tensor_lr)
+twin.optimizer.register_step_pre_hook(tensor_lr)
+for m, t in zip(mains, twin_mains):  # the same starting point for both
+    t.data.copy_(m.data)
+    for key in ("exp_avg", "exp_avg_sq", "step"):
+        twin.optimizer.state[t][key].copy_(ours.optimizer.state[m][key])
+assert adam_model_copy.step_with_model_copies(original, ours)
+original(twin)
+for model, main, tm, tmain in zip(models, mains, twin_models, twin_mains):
+    assert torch.equal(main, tmain) and torch.equal(model, tm)  # torch's own step ran, and every copy
+print("OK")
+"""
+
+
+def test_plan_is_made_inside_the_step_hooks():
+    assert passed(run_in_interpreter(IN_HOOKS))
+
+
 REFUSED = HELPERS + r"""
 def stepped(**changes):
     opt, models, mains = megatron_like(**{k: v for k, v in changes.items() if k in ("fused", "amsgrad", "maximize")})
@@ -100,12 +144,14 @@ def stepped(**changes):
             opt.optimizer.param_groups[1]["params"].append(p)
         elif k == "strided_grad":
             mains[0].grad = torch.zeros(2 * mains[0].numel())[::2]
+        elif k == "grad_scale":
+            opt.optimizer.grad_scale = torch.ones(())
     return adam_model_copy.plan(opt)
 
 assert stepped() is not None
 for change in ({"fused": False}, {"amsgrad": True}, {"maximize": True}, {"lr": torch.tensor(1e-3)},
                {"betas": (torch.tensor(0.9), 0.95)}, {"stub": True}, {"mxfp8": True}, {"new_param": True},
-               {"strided_grad": True}):
+               {"strided_grad": True}, {"grad_scale": True}):
     assert stepped(**change) is None, change
 print("OK")
 """

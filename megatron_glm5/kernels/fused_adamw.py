@@ -8,8 +8,8 @@ parameters again (4 bytes each, about 10 GB on the slice) right after Adam wrote
 
 The arithmetic is torch's fused CUDA AdamW (``FusedAdamMathFunctor`` with ``ADAM_MODE::ADAMW`` in
 ``ATen/native/cuda/fused_adam_utils.cuh``, torch >= 2.8: the moment updates as ``fma``), in fp32, operation for
-operation, as its sm_90 code does it (checked in torch 2.14's ``libtorch_cuda.so`` with ``cuobjdump``: the weight
-decay ``param * -(lr * wd) + param`` is one ``FFMA``, the divisions and the square root are IEEE-rounded):
+operation, as its sm_90 code does it (read in torch 2.14's ``libtorch_cuda.so`` with ``cuobjdump``: the weight
+decay ``param * -(lr * wd) + param`` is one ``FFMA``, the divisions and the square roots are IEEE-rounded):
 
     bc1 = 1 - powf(beta1, step);  bc2_sqrt = sqrtf(1 - powf(beta2, step));  step_size = lr / bc1
     param = fma(param, -(lr * wd), param)            (where wd, rounded to fp32, is not 0)
@@ -18,19 +18,23 @@ decay ``param * -(lr * wd) + param`` is one ``FFMA``, the divisions and the squa
 
 with ``lr``, ``beta1``, ``beta2``, ``wd``, ``eps`` rounded to fp32 first and ``step`` the parameter's fp32 step
 count after torch's increment (:func:`adamw_step` increments it as torch does, ``_foreach_add_(steps, 1)``). Each
-``fma``, division and square root is rounded once (``tl.fma``, ``tl.div_rn``, ``tl.sqrt_rn``); ``powf`` is
-libdevice's, which nvcc links for CUDA's ``powf`` too. The 16-bit copy is the updated parameter rounded to nearest
-even (``cvt.rn``, as torch's ``copy_``).
+``fma``, division and square root is rounded once (``tl.fma``, ``tl.div_rn``, ``tl.sqrt_rn``). ``powf`` is not
+libdevice's (Triton's ``pow``: another algorithm, through ``ex2.approx.ftz``, which disagrees with CUDA's ``powf``
+in the last bit at some step counts): the two powers per tensor come from torch's own ``pow`` kernel
+(:func:`bias_powers`, ``std::pow(float, float)`` as in the fused kernel: one small launch per group). The 16-bit
+copy is the updated parameter rounded to nearest even (``cvt.rn``, as torch's ``copy_``).
 
 Contract (:func:`adamw_step`): per parameter, ``param``, ``grad``, ``exp_avg``, ``exp_avg_sq``: fp32, contiguous,
 one shape, on one device; ``step``: a one-element fp32 tensor there; ``model`` (optional): a contiguous bf16 / fp16
 tensor of the same shape, or None. Updates ``param``, ``exp_avg``, ``exp_avg_sq`` and ``step`` in place and writes
 ``model`` where given; leaves ``grad`` alone (no grad scaler: bf16 / fp32 training). Oracle:
 :func:`adamw_step_reference` (the same operations in torch, each rounded to fp32 once: an ``fma`` through float64,
-whose product of two fp32 values is exact). The bitwise check against torch's own ``_fused_adamw_`` followed by
-``copy_`` is ``tests/gpu/test_fused_adamw_gpu.py``; the CPU tests run the kernel in Triton's interpreter (whose
-``fma`` rounds twice, whose bf16 cast truncates and which has no libdevice ``pow``: the kernel takes other paths
-there, within a few ulps) and check the compiled sm_90 code's rounding (``tests/test_fused_adamw.py``).
+whose product of two fp32 values is exact). :func:`matches_torch` runs both the kernel and torch's
+``_fused_adamw_`` on probe tensors and compares them bit for bit (the route checks each new configuration with it
+before it takes a step); ``tests/gpu/test_fused_adamw_gpu.py`` does the same over steps, step counts and real
+optimizers. The CPU tests run the kernel in Triton's interpreter (whose ``fma`` rounds twice and whose bf16 cast
+truncates: the kernel rounds by hand there; within a few ulps of the oracle) and check the compiled sm_90 code's
+rounding (``tests/test_fused_adamw.py``).
 """
 
 from __future__ import annotations
@@ -45,8 +49,10 @@ from megatron_glm5.kernels._common import triton_kernels, triton_runs_on
 
 BLOCK = 2048  # elements per program
 _MODEL_DTYPES = (torch.bfloat16, torch.float16)
-_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (device, pointers and sizes) -> (tensors, chunks)
-_MAX_TABLES = 32
+_CHUNKS: dict[tuple, torch.Tensor] = {}  # (device, sizes) -> int32 [chunks] tensor index of each program
+_ADDRESSES: dict[tuple, torch.Tensor] = {}  # (device, addresses, sizes) -> int64 [T, 8] per-tensor table
+_BETAS: dict[tuple, torch.Tensor] = {}  # (device, beta1, beta2) -> fp32 [1, 2] on the device
+_MAX_CACHED = 8
 
 
 @dataclass(frozen=True)
@@ -84,11 +90,12 @@ def adamw_step_reference(params: Sequence[torch.Tensor], grads: Sequence[torch.T
     """The oracle: the module docstring's operations in torch, in place, each rounded to fp32 once."""
     h = hyper.fp32()
     f32 = lambda x: torch.tensor(x, dtype=torch.float32)  # noqa: E731
-    for p, g, m, v, step, model in zip(params, grads, exp_avgs, exp_avg_sqs, steps, models):
+    for step in steps:
         step.add_(1)
-        s = step.reshape(()).float().item()
-        bc1 = f32(1.0) - f32(float(np.power(np.float32(h["beta1"]), np.float32(s))))
-        bc2_sqrt = torch.sqrt(f32(1.0) - f32(float(np.power(np.float32(h["beta2"]), np.float32(s)))))
+    powers = bias_powers(steps, hyper).cpu() if steps else None
+    for i, (p, g, m, v, model) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, models)):
+        bc1 = f32(1.0) - powers[i, 0]
+        bc2_sqrt = torch.sqrt(f32(1.0) - powers[i, 1])
         step_size = f32(h["lr"]) / bc1
         x = p.float()
         if h["wd"] != 0.0:
@@ -126,31 +133,53 @@ def adamw_step_supported(params: Sequence[torch.Tensor], grads: Sequence[torch.T
     return len(dtypes) <= 1
 
 
-def _tables(params, grads, exp_avgs, exp_avg_sqs, steps, models) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[T, 6]`` int64 addresses per tensor (param, grad, exp_avg, exp_avg_sq, step, model or 0) and ``[C, 3]``
-    int64 chunks (tensor, first element, element count), on the parameters' device. Cached per list of addresses
-    and sizes: the main parameters, their state and DDP's gradient buffers do not move."""
+def bias_powers(steps: Sequence[torch.Tensor], hyper: AdamWHyper) -> torch.Tensor:
+    """``[T, 2]`` fp32 on the steps' device: ``beta1 ** step`` and ``beta2 ** step`` per tensor (betas rounded to
+    fp32), by torch's elementwise ``pow`` of two tensors, whose CUDA kernel is ``std::pow(float, float)``, the
+    function torch's fused AdamW calls for its bias corrections. Two launches (the steps gathered, the power)."""
+    device = steps[0].device
+    h = hyper.fp32()
+    key = (str(device), h["beta1"], h["beta2"])
+    betas = _BETAS.get(key)
+    if betas is None:
+        if len(_BETAS) >= _MAX_CACHED:
+            _BETAS.clear()
+        betas = torch.tensor([[h["beta1"], h["beta2"]]], dtype=torch.float32)
+        if device.type == "cuda":
+            betas = betas.pin_memory()
+        betas = _BETAS[key] = betas.to(device, non_blocking=True)
+    counts = torch.cat([s.reshape(1) for s in steps]).reshape(-1, 1)
+    return torch.pow(betas, counts)
+
+
+def _tables(params, grads, exp_avgs, exp_avg_sqs, steps, models) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """``[T, 8]`` int64 per tensor (addresses of param, grad, exp_avg, exp_avg_sq, model or 0, then the element
+    count, the first chunk, 0) and ``[C]`` int32 chunks (the tensor of each program), on the parameters' device, and
+    whether every address is 16-byte aligned. The chunk table depends on the sizes only (it is the large one: a
+    program per 2048 elements); the per-tensor table on the addresses too (DDP's buffers and the optimizer state do
+    not move, so both are built once)."""
     device = params[0].device
-    addresses = tuple((p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), s.data_ptr(),
-                       0 if model is None else model.data_ptr())
-                      for p, g, m, v, s, model in zip(params, grads, exp_avgs, exp_avg_sqs, steps, models))
-    key = (str(device), addresses, tuple(p.numel() for p in params))
-    cached = _TABLES.get(key)
-    if cached is not None:
-        return cached
-    if len(_TABLES) >= _MAX_TABLES:
-        _TABLES.clear()
-    sizes = torch.tensor(key[2], dtype=torch.int64)
-    per = (sizes + BLOCK - 1) // BLOCK
-    which = torch.repeat_interleave(torch.arange(len(params)), per)
-    first = torch.repeat_interleave(per.cumsum(0) - per, per)
-    start = (torch.arange(int(per.sum())) - first) * BLOCK
-    chunks = torch.stack((which, start, torch.clamp(sizes[which] - start, max=BLOCK)), dim=1)
-    tensors = torch.tensor(addresses, dtype=torch.int64).reshape(len(params), 6)
-    if device.type == "cuda":  # from pinned memory: no host sync, even on the first call
-        chunks, tensors = chunks.pin_memory(), tensors.pin_memory()
-    cached = _TABLES[key] = (tensors.to(device, non_blocking=True), chunks.to(device, non_blocking=True))
-    return cached
+    sizes = tuple(p.numel() for p in params)
+    addresses = tuple((p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), 0 if model is None else model.data_ptr())
+                      for p, g, m, v, model in zip(params, grads, exp_avgs, exp_avg_sqs, models))
+    pinned = device.type == "cuda"  # from pinned memory: no host sync, even on the first call
+    per = [(n + BLOCK - 1) // BLOCK for n in sizes]
+    chunks = _CHUNKS.get((str(device), sizes))
+    if chunks is None:
+        if len(_CHUNKS) >= _MAX_CACHED:
+            _CHUNKS.clear()
+        rows = torch.repeat_interleave(torch.arange(len(sizes), dtype=torch.int32), torch.tensor(per))
+        chunks = _CHUNKS[(str(device), sizes)] = (rows.pin_memory() if pinned else rows).to(device, non_blocking=True)
+    key = (str(device), addresses, sizes)
+    table = _ADDRESSES.get(key)
+    if table is None:
+        if len(_ADDRESSES) >= _MAX_CACHED:
+            _ADDRESSES.clear()
+        first = np.concatenate(([0], np.cumsum(per)[:-1])).tolist()
+        rows = torch.tensor([(*a, n, f, 0) for a, n, f in zip(addresses, sizes, first)], dtype=torch.int64)
+        table = _ADDRESSES[key] = (rows.pin_memory() if pinned else rows).to(device, non_blocking=True)
+    aligned = all(a % 16 == 0 for row in addresses for a in row)
+    return table, chunks, aligned
 
 
 def adamw_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
@@ -170,13 +199,48 @@ def adamw_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], ex
         [seq[i] for i in keep] for seq in (params, grads, exp_avgs, exp_avg_sqs, steps, models))
     if not params:
         return
-    tensors, chunks = _tables(params, grads, exp_avgs, exp_avg_sqs, steps, models)
+    tensors, chunks, aligned = _tables(params, grads, exp_avgs, exp_avg_sqs, steps, models)
+    powers = bias_powers(steps, hyper)
     h = hyper.fp32()
     model_dtype = next((m.dtype for m in models if m is not None), torch.bfloat16)
     _triton()[(chunks.shape[0],)](
-        tensors, chunks, h["lr"], h["beta1"], h["beta2"], h["eps"], h["lr_wd"],
+        tensors, chunks, powers, h["lr"], h["beta1"], h["beta2"], h["eps"], h["lr_wd"],
         WEIGHT_DECAY=h["wd"] != 0.0, HALF=model_dtype == torch.float16, INTERPRETED=not params[0].is_cuda,
-        BLOCK=BLOCK, num_warps=4)
+        ALIGNED=aligned, BLOCK=BLOCK, num_warps=4)
+
+
+def matches_torch(device: torch.device, hyper: AdamWHyper, model_dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether :func:`adamw_step` gives torch's ``_fused_adamw_`` followed by ``copy_`` bit for bit on this device and
+    torch, for ``hyper`` (and its weight decay at 0): probe tensors across chunk boundaries with gradients from 1e-6
+    to 1, at step counts 1..1969. One host sync."""
+    g = torch.Generator(device=device).manual_seed(0)
+    sizes = [257] * 48 + [2 * BLOCK + 3]
+    for wd in {hyper.weight_decay, 0.0}:
+        h = AdamWHyper(hyper.lr, hyper.beta1, hyper.beta2, hyper.eps, wd)
+        lists = []
+        for k, n in enumerate(sizes):
+            lists.append((torch.randn(n, device=device, generator=g) * 0.05,
+                          torch.randn(n, device=device, generator=g) * 10.0 ** (k % 7 - 6),
+                          torch.randn(n, device=device, generator=g) * 1e-3,
+                          torch.rand(n, device=device, generator=g) * 1e-6,
+                          torch.tensor(float(41 * k), device=device)))
+        ours = [[t.clone() for t in row] for row in lists]
+        theirs = [[t.clone() for t in row] for row in lists]
+        models = [torch.empty(n, device=device, dtype=model_dtype) for n in sizes]
+        adamw_step(*[[row[i] for row in ours] for i in range(5)], models, h)
+        steps = [row[4] for row in theirs]
+        torch._foreach_add_(steps, 1)
+        torch._fused_adamw_([row[0] for row in theirs], [row[1] for row in theirs], [row[2] for row in theirs],
+                            [row[3] for row in theirs], [], steps, lr=h.lr, beta1=h.beta1, beta2=h.beta2,
+                            weight_decay=h.weight_decay, eps=h.eps, amsgrad=False, maximize=False)
+        for a, b, model in zip(ours, theirs, models):
+            for x, y in zip(a, b):
+                if not torch.equal(x.view(torch.int32) if x.dtype == torch.float32 else x, y.view(torch.int32)
+                                   if y.dtype == torch.float32 else y):
+                    return False
+            if not torch.equal(model, b[0].to(model_dtype)):
+                return False
+    return True
 
 
 @triton_kernels
@@ -185,35 +249,14 @@ def _triton():
     import triton.language as tl
 
     @triton.jit
-    def adamw_kernel(TENSORS, CHUNKS, lr, beta1, beta2, eps, lr_wd, WEIGHT_DECAY: tl.constexpr,
-                     HALF: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        t = tl.load(CHUNKS + 3 * row)
-        start = tl.load(CHUNKS + 3 * row + 1)
-        n = tl.load(CHUNKS + 3 * row + 2)
-        param = tl.load(TENSORS + 6 * t).to(tl.pointer_type(tl.float32)) + start
-        grad = tl.load(TENSORS + 6 * t + 1).to(tl.pointer_type(tl.float32)) + start
-        exp_avg = tl.load(TENSORS + 6 * t + 2).to(tl.pointer_type(tl.float32)) + start
-        exp_avg_sq = tl.load(TENSORS + 6 * t + 3).to(tl.pointer_type(tl.float32)) + start
-        step = tl.load(tl.load(TENSORS + 6 * t + 4).to(tl.pointer_type(tl.float32)))
-        model_address = tl.load(TENSORS + 6 * t + 5)
-
-        if INTERPRETED:  # the interpreter has no libdevice: an approximation (the CPU tests allow a few ulps)
-            pow1 = tl.exp2(step * tl.log2(beta1 + tl.zeros([1], tl.float32)))
-            pow2 = tl.exp2(step * tl.log2(beta2 + tl.zeros([1], tl.float32)))
-        else:
-            pow1 = tl.extra.libdevice.pow(beta1, step)
-            pow2 = tl.extra.libdevice.pow(beta2, step)
-        bc1 = 1.0 - pow1
-        bc2_sqrt = tl.sqrt_rn(1.0 - pow2)
-        step_size = tl.div_rn(lr, bc1)
-
-        offs = tl.arange(0, BLOCK)
-        mask = offs < n
-        p = tl.load(param + offs, mask=mask, other=0.0)
-        g = tl.load(grad + offs, mask=mask, other=0.0)
-        m = tl.load(exp_avg + offs, mask=mask, other=0.0)
-        v = tl.load(exp_avg_sq + offs, mask=mask, other=0.0)
+    def _update(param, grad, exp_avg, exp_avg_sq, model, offs, n, step_size, bc2_sqrt, beta1, beta2, eps, lr_wd,
+               WEIGHT_DECAY: tl.constexpr, MASKED: tl.constexpr, HAS_MODEL: tl.constexpr, HALF: tl.constexpr,
+               INTERPRETED: tl.constexpr):
+        mask = offs < n if MASKED else None
+        p = tl.load(param + offs, mask=mask)
+        g = tl.load(grad + offs, mask=mask)
+        m = tl.load(exp_avg + offs, mask=mask)
+        v = tl.load(exp_avg_sq + offs, mask=mask)
         if WEIGHT_DECAY:
             p = tl.fma(p, -lr_wd, p)
         m = tl.fma(m, beta1, tl.fma(g, -beta1, g))
@@ -224,18 +267,67 @@ def _triton():
         tl.store(param + offs, p, mask=mask)
         tl.store(exp_avg + offs, m, mask=mask)
         tl.store(exp_avg_sq + offs, v, mask=mask)
-        if model_address != 0:
+        if HAS_MODEL:
             if HALF:
-                tl.store(model_address.to(tl.pointer_type(tl.float16)) + start + offs, p.to(tl.float16), mask=mask)
+                tl.store(model + offs, p.to(tl.float16), mask=mask)
+            elif INTERPRETED:  # the interpreter truncates fp32 -> bf16: round to nearest even by hand
+                u = p.to(tl.uint32, bitcast=True)
+                tl.store(model + offs, ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16,
+                                                                                                bitcast=True),
+                         mask=mask)
+            else:  # cvt.rn.bf16.f32
+                tl.store(model + offs, p.to(tl.bfloat16), mask=mask)
+
+    globals()["update"] = _update  # a module global: neither Triton's compiler nor its interpreter sees closures
+
+    @triton.jit
+    def adamw_kernel(TENSORS, CHUNKS, POWERS, lr, beta1, beta2, eps, lr_wd, WEIGHT_DECAY: tl.constexpr,
+                     HALF: tl.constexpr, INTERPRETED: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        t = tl.load(CHUNKS + row).to(tl.int64)
+        start = (row - tl.load(TENSORS + 8 * t + 6)).to(tl.int64) * BLOCK
+        n = tl.load(TENSORS + 8 * t + 5) - start  # elements of this program's chunk (BLOCK but in the last)
+        param = tl.load(TENSORS + 8 * t).to(tl.pointer_type(tl.float32))
+        grad = tl.load(TENSORS + 8 * t + 1).to(tl.pointer_type(tl.float32))
+        exp_avg = tl.load(TENSORS + 8 * t + 2).to(tl.pointer_type(tl.float32))
+        exp_avg_sq = tl.load(TENSORS + 8 * t + 3).to(tl.pointer_type(tl.float32))
+        model_address = tl.load(TENSORS + 8 * t + 4)
+        model = model_address.to(tl.pointer_type(tl.float16 if HALF else tl.bfloat16))
+        if ALIGNED:  # 16-byte aligned bases (checked on the host), chunks of BLOCK elements: vector accesses
+            param = tl.multiple_of(param, 16)
+            grad = tl.multiple_of(grad, 16)
+            exp_avg = tl.multiple_of(exp_avg, 16)
+            exp_avg_sq = tl.multiple_of(exp_avg_sq, 16)
+            model = tl.multiple_of(model, 16)
+
+        bc1 = 1.0 - tl.load(POWERS + 2 * t)
+        bc2_sqrt = tl.sqrt_rn(1.0 - tl.load(POWERS + 2 * t + 1))
+        step_size = tl.div_rn(lr, bc1)
+
+        offs = tl.arange(0, BLOCK)
+        param += start
+        grad += start
+        exp_avg += start
+        exp_avg_sq += start
+        model += start
+        # a full chunk without a mask (a mask of unknown alignment would keep the accesses scalar)
+        if n >= BLOCK:
+            if model_address != 0:
+                update(param, grad, exp_avg, exp_avg_sq, model, offs, n, step_size, bc2_sqrt, beta1, beta2, eps,
+                       lr_wd, WEIGHT_DECAY, False, True, HALF, INTERPRETED)
             else:
-                if INTERPRETED:  # the interpreter truncates fp32 -> bf16: round to nearest even by hand
-                    u = p.to(tl.uint32, bitcast=True)
-                    copy = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-                else:  # cvt.rn.bf16.f32
-                    copy = p.to(tl.bfloat16)
-                tl.store(model_address.to(tl.pointer_type(tl.bfloat16)) + start + offs, copy, mask=mask)
+                update(param, grad, exp_avg, exp_avg_sq, model, offs, n, step_size, bc2_sqrt, beta1, beta2, eps,
+                       lr_wd, WEIGHT_DECAY, False, False, HALF, INTERPRETED)
+        else:
+            if model_address != 0:
+                update(param, grad, exp_avg, exp_avg_sq, model, offs, n, step_size, bc2_sqrt, beta1, beta2, eps,
+                       lr_wd, WEIGHT_DECAY, True, True, HALF, INTERPRETED)
+            else:
+                update(param, grad, exp_avg, exp_avg_sq, model, offs, n, step_size, bc2_sqrt, beta1, beta2, eps,
+                       lr_wd, WEIGHT_DECAY, True, False, HALF, INTERPRETED)
 
     return adamw_kernel
 
 
-__all__ = ["AdamWHyper", "BLOCK", "adamw_step", "adamw_step_reference", "adamw_step_supported"]
+__all__ = ["AdamWHyper", "BLOCK", "adamw_step", "adamw_step_reference", "adamw_step_supported", "bias_powers",
+           "matches_torch"]

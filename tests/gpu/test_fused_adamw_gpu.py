@@ -78,24 +78,62 @@ def test_kernel_is_torchs_fused_adamw_and_copy_bit_for_bit(weight_decay, model_d
                 assert _bits_equal(models[i], refs[i]), (step, i)
 
 
-def test_bias_corrections_at_every_step_count_up_to_4096():
-    """4096 one-element parameters whose states stand at steps 0..4095: one step each, bit for bit torch's."""
+@pytest.mark.parametrize("betas,stride", [((0.9, 0.95), 1), ((0.9, 0.999), 4), ((0.8, 0.98), 1)])
+def test_bias_corrections_at_every_step_count(betas, stride):
+    """4096 one-element parameters whose states stand at steps 0, stride, 2 stride, ... (up to 16380 at 0.999, where
+    the second power has not underflowed): one step each, bit for bit torch's. The powers come from torch's ``pow``
+    kernel (``fused_adamw.bias_powers``): a libdevice ``powf`` differed from CUDA's at some step counts."""
     n = 4096
     ours, theirs = _twins(sizes=(1,) * n)
-    kw = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01, fused=True)
+    kw = dict(lr=1e-3, betas=betas, eps=1e-8, weight_decay=0.01, fused=True)
     opt_ours, opt_theirs = torch.optim.AdamW(ours, **kw), torch.optim.AdamW(theirs, **kw)
     _grads((ours, theirs), 0)
     opt_ours.step(), opt_theirs.step()
     for k, (a, b) in enumerate(zip(ours, theirs)):
-        opt_ours.state[a]["step"].fill_(k)
-        opt_theirs.state[b]["step"].fill_(k)
+        opt_ours.state[a]["step"].fill_(k * stride)
+        opt_theirs.state[b]["step"].fill_(k * stride)
     _grads((ours, theirs), 1)
     opt_theirs.step()
     grads, m, v, s = _state_lists(opt_ours, ours)
     fused_adamw.adamw_step([p.data for p in ours], grads, m, v, s, [None] * n,
-                           fused_adamw.AdamWHyper(1e-3, 0.9, 0.95, 1e-8, 0.01))
-    bad = [k for k, (a, b) in enumerate(zip(ours, theirs)) if not _bits_equal(a.data, b.data)]
-    assert not bad, f"steps {bad[:20]} differ"
+                           fused_adamw.AdamWHyper(1e-3, *betas, 1e-8, 0.01))
+    bad = [k * stride for k, (a, b) in enumerate(zip(ours, theirs)) if not _bits_equal(a.data, b.data)]
+    assert not bad, f"step counts {bad[:20]} differ"
+
+
+def test_tiny_zero_and_large_gradients_and_a_parameter_without_one():
+    sizes = (70_000, 4096, 33)
+    ours, theirs = _twins(sizes=sizes)
+    kw = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+    opt_ours, opt_theirs = torch.optim.AdamW(ours, **kw), torch.optim.AdamW(theirs, **kw)
+    _grads((ours, theirs), 0)
+    opt_ours.step(), opt_theirs.step()
+    g = torch.randn(sizes[0], device="cuda")
+    g[::3] = 0.0
+    g[1::3] *= 1e-38  # subnormal squares and products
+    g[2::3] *= 1e4
+    ours[0].grad, theirs[0].grad = g.clone(), g.clone()
+    ours[1].grad, theirs[1].grad = torch.zeros(sizes[1], device="cuda"), torch.zeros(sizes[1], device="cuda")
+    ours[2].grad = theirs[2].grad = None  # torch skips it: no step, no state change
+    opt_theirs.step()
+    stepped = [p for p in ours if p.grad is not None]
+    grads, m, v, s = _state_lists(opt_ours, stepped)
+    fused_adamw.adamw_step([p.data for p in stepped], grads, m, v, s, [None] * len(stepped),
+                           fused_adamw.AdamWHyper(3e-4, 0.9, 0.95, 1e-8, 0.1))
+    for a, b in zip(ours, theirs):
+        assert _bits_equal(a.data, b.data)
+        sa, sb = opt_ours.state[a], opt_theirs.state[b]
+        assert _bits_equal(sa["exp_avg"], sb["exp_avg"]) and _bits_equal(sa["exp_avg_sq"], sb["exp_avg_sq"])
+        assert torch.equal(sa["step"], sb["step"])
+
+
+def test_self_check_matches_torch_here():
+    """The route's check of a configuration (``fused_adamw.matches_torch``): true on this GPU and torch for the
+    slice's betas and Megatron-LM's defaults."""
+    for hyper in (fused_adamw.AdamWHyper(3e-4, 0.9, 0.95, 1e-8, 0.1), fused_adamw.AdamWHyper(1e-4, 0.9, 0.999, 1e-8,
+                                                                                            0.01)):
+        assert fused_adamw.matches_torch(torch.device("cuda"), hyper)
+        assert fused_adamw.matches_torch(torch.device("cuda"), hyper, torch.float16)
 
 
 def _megatron_optimizer(params_bf16):
@@ -139,6 +177,8 @@ def test_megatron_cores_step_through_the_route_is_bit_for_bit(parallel):
             assert torch.equal(pa.data.view(torch.int16), pb.data.view(torch.int16)), step
         for ma, mb in zip(sum(a.fp32_from_float16_groups, []), sum(b.fp32_from_float16_groups, [])):
             assert torch.equal(ma.view(torch.int32), mb.view(torch.int32)), step
+            sa, sb = a.optimizer.state[ma], b.optimizer.state[mb]
+            assert torch.equal(sa["exp_avg"], sb["exp_avg"]) and torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"])
     assert calls == [False, True, True, True, True]  # the first step is torch's: it creates the state
 
 
