@@ -39,6 +39,7 @@ from typing import Any, Callable
 import torch
 
 from megatron_glm5.kernels import fused_adamw
+from megatron_glm5.kernels._common import triton_runs_on
 
 
 @dataclass
@@ -98,29 +99,39 @@ def _verified(step: GroupStep) -> bool:
     return _VERIFIED[key]
 
 
-def plan(optimizer: Any) -> Plan | None:
-    """What :func:`step_with_model_copies` would run for this megatron-core optimizer's step, or None where
-    megatron-core's own step must run (module docstring)."""
+def eligible(optimizer: Any) -> bool:
+    """The optimizer-wide half of :func:`plan` (no walk over the parameters): what decides, before torch's step hooks,
+    whether to enter them with the kernel's step."""
     inner = getattr(optimizer, "optimizer", None)
     if getattr(optimizer, "is_stub_optimizer", False) or not isinstance(inner, torch.optim.Optimizer):
-        return None
+        return False
     if getattr(optimizer.config, "reuse_grad_buf_for_mxfp8_param_ag", False) or not _adamw(inner):
-        return None
+        return False
     from megatron_glm5.compat import fused_adamw_arithmetic_known
 
     if not fused_adamw_arithmetic_known():
-        return None
+        return False
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        return None
+        return False
     if getattr(inner, "grad_scale", None) is not None or getattr(inner, "found_inf", None) is not None:
-        return None  # set by torch's GradScaler: torch's kernel unscales and skips; this one does not
+        return False  # set by torch's GradScaler: torch's kernel unscales and skips; this one does not
+    first = next((p for g in inner.param_groups for p in g["params"]), None)
+    if first is None or not triton_runs_on(first):
+        return False
+    return all(_plain_group(group) for group in inner.param_groups)
+
+
+def plan(optimizer: Any) -> Plan | None:
+    """What :func:`step_with_model_copies` would run for this megatron-core optimizer's step, or None where
+    megatron-core's own step must run (module docstring)."""
+    if not eligible(optimizer):
+        return None
+    inner = optimizer.optimizer
     model_of = {id(main): model for models, mains in zip(optimizer.float16_groups, optimizer.fp32_from_float16_groups)
                 for model, main in zip(models, mains)}
     stepped: set[int] = set()
     groups = []
     for group in inner.param_groups:
-        if not _plain_group(group):
-            return None
         step = GroupStep([], [], [], [], [], [], fused_adamw.AdamWHyper(
             lr=float(group["lr"]), beta1=float(group["betas"][0]), beta2=float(group["betas"][1]),
             eps=float(group["eps"]), weight_decay=float(group["weight_decay"])))
@@ -154,7 +165,7 @@ def step_with_model_copies(original: Callable[[Any], bool], optimizer: Any) -> b
     :func:`plan` allows, else ``original``. The plan is made again inside torch's step hooks (a pre-hook may change
     the learning rate or the gradients); where it is refused there, torch's own step runs and every model parameter
     is copied, as megatron-core does."""
-    if plan(optimizer) is None:
+    if not eligible(optimizer):
         return original(optimizer)
     timers = optimizer.config.timers
     if timers is not None:
@@ -190,4 +201,4 @@ def step_with_model_copies(original: Callable[[Any], bool], optimizer: Any) -> b
     return True
 
 
-__all__ = ["GroupStep", "Plan", "plan", "step_with_model_copies"]
+__all__ = ["GroupStep", "Plan", "eligible", "plan", "step_with_model_copies"]
