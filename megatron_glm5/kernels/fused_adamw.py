@@ -152,10 +152,10 @@ def bias_powers(steps: Sequence[torch.Tensor], hyper: AdamWHyper) -> torch.Tenso
     return torch.pow(betas, counts)
 
 
-def _tables(params, grads, exp_avgs, exp_avg_sqs, steps, models) -> tuple[torch.Tensor, torch.Tensor, bool]:
+def _tables(params, grads, exp_avgs, exp_avg_sqs, steps, models) -> tuple[torch.Tensor, torch.Tensor]:
     """``[T, 8]`` int64 per tensor (addresses of param, grad, exp_avg, exp_avg_sq, model or 0, then the element
-    count, the first chunk, 0) and ``[C]`` int32 chunks (the tensor of each program), on the parameters' device, and
-    whether every address is 16-byte aligned. The chunk table depends on the sizes only (it is the large one: a
+    count, the first chunk, whether all five addresses are 16-byte aligned) and ``[C]`` int32 chunks (the tensor of
+    each program), on the parameters' device. The chunk table depends on the sizes only (it is the large one: a
     program per 2048 elements); the per-tensor table on the addresses too (DDP's buffers and the optimizer state do
     not move, so both are built once)."""
     device = params[0].device
@@ -176,10 +176,11 @@ def _tables(params, grads, exp_avgs, exp_avg_sqs, steps, models) -> tuple[torch.
         if len(_ADDRESSES) >= _MAX_CACHED:
             _ADDRESSES.clear()
         first = np.concatenate(([0], np.cumsum(per)[:-1])).tolist()
-        rows = torch.tensor([(*a, n, f, 0) for a, n, f in zip(addresses, sizes, first)], dtype=torch.int64)
+        aligned = [int(all(x % 16 == 0 for x in a)) for a in addresses]
+        rows = torch.tensor([(*a, n, f, al) for a, n, f, al in zip(addresses, sizes, first, aligned)],
+                            dtype=torch.int64)
         table = _ADDRESSES[key] = (rows.pin_memory() if pinned else rows).to(device, non_blocking=True)
-    aligned = all(a % 16 == 0 for row in addresses for a in row)
-    return table, chunks, aligned
+    return table, chunks
 
 
 def adamw_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], exp_avgs: Sequence[torch.Tensor],
@@ -199,14 +200,14 @@ def adamw_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], ex
         [seq[i] for i in keep] for seq in (params, grads, exp_avgs, exp_avg_sqs, steps, models))
     if not params:
         return
-    tensors, chunks, aligned = _tables(params, grads, exp_avgs, exp_avg_sqs, steps, models)
+    tensors, chunks = _tables(params, grads, exp_avgs, exp_avg_sqs, steps, models)
     powers = bias_powers(steps, hyper)
     h = hyper.fp32()
     model_dtype = next((m.dtype for m in models if m is not None), torch.bfloat16)
     _triton()[(chunks.shape[0],)](
         tensors, chunks, powers, h["lr"], h["beta1"], h["beta2"], h["eps"], h["lr_wd"],
         WEIGHT_DECAY=h["wd"] != 0.0, HALF=model_dtype == torch.float16, INTERPRETED=not params[0].is_cuda,
-        ALIGNED=aligned, BLOCK=BLOCK, num_warps=4)
+        BLOCK=BLOCK, num_warps=4)
 
 
 def matches_torch(device: torch.device, hyper: AdamWHyper, model_dtype: torch.dtype = torch.bfloat16) -> bool:
@@ -249,9 +250,9 @@ def _triton():
     import triton.language as tl
 
     @triton.jit
-    def _update(param, grad, exp_avg, exp_avg_sq, model, offs, n, step_size, bc2_sqrt, beta1, beta2, eps, lr_wd,
-               WEIGHT_DECAY: tl.constexpr, MASKED: tl.constexpr, HAS_MODEL: tl.constexpr, HALF: tl.constexpr,
-               INTERPRETED: tl.constexpr):
+    def _update(param, grad, exp_avg, exp_avg_sq, model, offs, n, has_model, step_size, bc2_sqrt, beta1, beta2, eps,
+                lr_wd, WEIGHT_DECAY: tl.constexpr, MASKED: tl.constexpr, HALF: tl.constexpr,
+                INTERPRETED: tl.constexpr):
         mask = offs < n if MASKED else None
         p = tl.load(param + offs, mask=mask)
         g = tl.load(grad + offs, mask=mask)
@@ -267,7 +268,7 @@ def _triton():
         tl.store(param + offs, p, mask=mask)
         tl.store(exp_avg + offs, m, mask=mask)
         tl.store(exp_avg_sq + offs, v, mask=mask)
-        if HAS_MODEL:
+        if has_model:
             if HALF:
                 tl.store(model + offs, p.to(tl.float16), mask=mask)
             elif INTERPRETED:  # the interpreter truncates fp32 -> bf16: round to nearest even by hand
@@ -282,49 +283,32 @@ def _triton():
 
     @triton.jit
     def adamw_kernel(TENSORS, CHUNKS, POWERS, lr, beta1, beta2, eps, lr_wd, WEIGHT_DECAY: tl.constexpr,
-                     HALF: tl.constexpr, INTERPRETED: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+                     HALF: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         t = tl.load(CHUNKS + row).to(tl.int64)
         start = (row - tl.load(TENSORS + 8 * t + 6)).to(tl.int64) * BLOCK
         n = tl.load(TENSORS + 8 * t + 5) - start  # elements of this program's chunk (BLOCK but in the last)
-        param = tl.load(TENSORS + 8 * t).to(tl.pointer_type(tl.float32))
-        grad = tl.load(TENSORS + 8 * t + 1).to(tl.pointer_type(tl.float32))
-        exp_avg = tl.load(TENSORS + 8 * t + 2).to(tl.pointer_type(tl.float32))
-        exp_avg_sq = tl.load(TENSORS + 8 * t + 3).to(tl.pointer_type(tl.float32))
+        param = tl.load(TENSORS + 8 * t).to(tl.pointer_type(tl.float32)) + start
+        grad = tl.load(TENSORS + 8 * t + 1).to(tl.pointer_type(tl.float32)) + start
+        exp_avg = tl.load(TENSORS + 8 * t + 2).to(tl.pointer_type(tl.float32)) + start
+        exp_avg_sq = tl.load(TENSORS + 8 * t + 3).to(tl.pointer_type(tl.float32)) + start
         model_address = tl.load(TENSORS + 8 * t + 4)
-        model = model_address.to(tl.pointer_type(tl.float16 if HALF else tl.bfloat16))
-        if ALIGNED:  # 16-byte aligned bases (checked on the host), chunks of BLOCK elements: vector accesses
-            param = tl.multiple_of(param, 16)
-            grad = tl.multiple_of(grad, 16)
-            exp_avg = tl.multiple_of(exp_avg, 16)
-            exp_avg_sq = tl.multiple_of(exp_avg_sq, 16)
-            model = tl.multiple_of(model, 16)
+        model = model_address.to(tl.pointer_type(tl.float16 if HALF else tl.bfloat16)) + start
+        has_model = model_address != 0
 
         bc1 = 1.0 - tl.load(POWERS + 2 * t)
         bc2_sqrt = tl.sqrt_rn(1.0 - tl.load(POWERS + 2 * t + 1))
         step_size = tl.div_rn(lr, bc1)
-
         offs = tl.arange(0, BLOCK)
-        param += start
-        grad += start
-        exp_avg += start
-        exp_avg_sq += start
-        model += start
-        # a full chunk without a mask (a mask of unknown alignment would keep the accesses scalar)
-        if n >= BLOCK:
-            if model_address != 0:
-                update(param, grad, exp_avg, exp_avg_sq, model, offs, n, step_size, bc2_sqrt, beta1, beta2, eps,
-                       lr_wd, WEIGHT_DECAY, False, True, HALF, INTERPRETED)
-            else:
-                update(param, grad, exp_avg, exp_avg_sq, model, offs, n, step_size, bc2_sqrt, beta1, beta2, eps,
-                       lr_wd, WEIGHT_DECAY, False, False, HALF, INTERPRETED)
+        # A full chunk of a tensor whose addresses are 16-byte aligned (the host's flag): no mask, alignment hints,
+        # 16-byte accesses. Otherwise masked scalar accesses (a mask of unknown alignment keeps them scalar anyway).
+        if (n >= BLOCK) & (tl.load(TENSORS + 8 * t + 7) != 0):
+            update(tl.multiple_of(param, 16), tl.multiple_of(grad, 16), tl.multiple_of(exp_avg, 16),
+                   tl.multiple_of(exp_avg_sq, 16), tl.multiple_of(model, 16), offs, n, has_model, step_size,
+                   bc2_sqrt, beta1, beta2, eps, lr_wd, WEIGHT_DECAY, False, HALF, INTERPRETED)
         else:
-            if model_address != 0:
-                update(param, grad, exp_avg, exp_avg_sq, model, offs, n, step_size, bc2_sqrt, beta1, beta2, eps,
-                       lr_wd, WEIGHT_DECAY, True, True, HALF, INTERPRETED)
-            else:
-                update(param, grad, exp_avg, exp_avg_sq, model, offs, n, step_size, bc2_sqrt, beta1, beta2, eps,
-                       lr_wd, WEIGHT_DECAY, True, False, HALF, INTERPRETED)
+            update(param, grad, exp_avg, exp_avg_sq, model, offs, n, has_model, step_size, bc2_sqrt, beta1, beta2,
+                   eps, lr_wd, WEIGHT_DECAY, True, HALF, INTERPRETED)
 
     return adamw_kernel
 
