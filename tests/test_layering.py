@@ -1,7 +1,8 @@
 """Package dependencies are one-way.
 
 * The layers, lowest first (:data:`RANKS`): kernels and the floor (``compat``, ``device_check``, ``version``, the
-  fusions and routes into megatron-core: ``fusions``, ``optim_fusions``, ``moe_dispatch``, ``finalize_walks``) <-
+  fusions and routes into megatron-core: ``fusions``, ``optim_fusions``, ``moe_dispatch``, ``finalize_walks``,
+  ``deferred_grad_checks``, ``adam_model_copy``) <-
   ``dsa`` (and ``moe``) <- ``core`` (with the mechanisms its layer base carries: ``offload``, ``cpu``, ``providers``)
   <- the families (``families.py``, ``glm5/``, ``glm5_next/``) <- model / pretrain / rl / LoRA (and the public
   re-export modules) <- ``bridge`` <- the command line (``bridge/cli.py``, ``bridge/demo.py``). A file imports only
@@ -36,7 +37,8 @@ RANKS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("floor", ("megatron_glm5/kernels/", "megatron_glm5/compat.py", "megatron_glm5/device_check.py",
                "megatron_glm5/version.py", "megatron_glm5/fusions.py", "megatron_glm5/optim_fusions.py",
                "megatron_glm5/moe_dispatch.py", "megatron_glm5/finalize_walks.py",
-               "megatron_glm5/deferred_grad_checks.py", "megatron_glm5/__init__.py")),
+               "megatron_glm5/deferred_grad_checks.py", "megatron_glm5/adam_model_copy.py",
+               "megatron_glm5/__init__.py")),
     ("dsa", ("megatron_glm5/dsa/", "megatron_glm5/moe/")),
     ("core", ("megatron_glm5/core/", "megatron_glm5/offload.py", "megatron_glm5/cpu.py", "megatron_glm5/providers.py",
               "megatron_glm5/parallel.py")),
