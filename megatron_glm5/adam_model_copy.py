@@ -26,7 +26,7 @@ timers keep their names. A wrapper set on the instance's ``step`` (torch's ``LRS
 called: megatron-core's own scheduler sets ``lr`` in the groups.
 
 Not covered: megatron-core's ``DistributedOptimizer`` (it copies into its parameter buffer; a second route), apex's /
-TE's ``FusedAdam`` (their own kernels). Switch: ``MEGATRON_GLM5_ADAM_MODEL_COPY`` (:mod:`megatron_glm5.fusions`),
+TE's ``FusedAdam`` (their own kernels). Switch: ``MEGATRON_GLM5_ADAM_MODEL_COPY`` (on; :mod:`megatron_glm5.fusions`),
 routed by :func:`megatron_glm5.compat.route_adam_model_copy`. Tests: ``tests/test_adam_model_copy.py``.
 """
 

@@ -31,8 +31,9 @@ Taken only where that reaches every rank the NaN can reach before an update: a g
 job (one process, or pure data parallelism; with tensor, pipeline or expert parallelism a NaN also travels by the
 other groups' collectives, e.g. the sequence-parallel norm gradients and the gradient norm's all-reduce, to ranks
 outside the flag's group, so megatron-core's check runs there as it is), megatron-core's rerun mode ``disabled``
-(Megatron-LM's default; the other modes decide re-runs from the result at once), one distributed-optimizer
-instance, and no CUDA graph of the optimizer step (``--optimizer-cuda-graph``: a replayed step runs no pre-hook).
+(``--rerun-mode disabled``; Megatron-LM's default is ``validate_results``, whose re-run of a rejected iteration is
+decided in ``should_run_forward_backward`` right after the backward, so the checks run at once there: issue 23
+round 15 found the route idle in the step bench for that reason), one distributed-optimizer instance, and no CUDA graph of the optimizer step (``--optimizer-cuda-graph``: a replayed step runs no pre-hook).
 A backward whose bucket group finds its previous check still pending (no torch optimizer stepped in between: a
 custom loop, a skipped step) decides it and turns the route off for the process (logged once). Not under CUDA graph
 capture.

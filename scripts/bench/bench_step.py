@@ -154,8 +154,12 @@ VARIANTS = {
                 (("MEGATRON_GLM5_DEFERRED_GRAD_CHECKS", "1"),)),
         Variant("tilelang-grouped-adam-copy", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
                 "(a) with grouped-GEMM experts and AdamW as one Triton kernel per parameter group that also writes "
-                "the bf16 model parameters (no separate main -> model copy; experimental, "
-                "`MEGATRON_GLM5_ADAM_MODEL_COPY=1`)", (("MEGATRON_GLM5_ADAM_MODEL_COPY", "1"),)),
+                "the bf16 model parameters (no separate main -> model copy; `MEGATRON_GLM5_ADAM_MODEL_COPY=1`, the "
+                "default since round 15)", (("MEGATRON_GLM5_ADAM_MODEL_COPY", "1"),)),
+        Variant("tilelang-grouped-torch-adam", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
+                "(a) with grouped-GEMM experts, torch's fused AdamW and megatron-core's per-tensor main -> model "
+                "copies (round 14's default; `MEGATRON_GLM5_ADAM_MODEL_COPY=0`)",
+                (("MEGATRON_GLM5_ADAM_MODEL_COPY", "0"),)),
         Variant("tilelang-grouped-optimizer-phase", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
                 "(a) with grouped-GEMM experts and the three experimental optimizer-phase switches together: "
                 "deferred checks, device clip, AdamW writing the model copies (`MEGATRON_GLM5_DEFERRED_GRAD_CHECKS=1`, "
