@@ -1128,7 +1128,7 @@ def _probe_deferred_loss_checks() -> None:
     for piece in ("rejection_func(result)", "self.current_iteration + 1", "raise RuntimeError(full_message)",
                   "self._log_validation_error_to_file("):
         assert piece in disabled, piece
-    run = inspect.getsource(RerunStateMachine.should_run_forward_backward)
+    run = inspect.getsource(unpatched(RerunStateMachine, "should_run_forward_backward"))
     assert "self.current_iteration += 1" in run and "RerunMode.DISABLED" in run
 
 
@@ -1207,6 +1207,60 @@ def _probe_adam_model_copy() -> None:
                   "_global_optimizer_post_hooks", "functools.wraps(func)"):
         assert piece in wrapper, piece
     assert "step.hooked = True" in inspect.getsource(torch_optimizer.Optimizer._patch_step_function)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# 22. megatron-core's rerun state machine: the re-run decision after the forward-backward
+#     (rerun_state_machine.RerunStateMachine.should_run_forward_backward; deferred_grad_checks.py)
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def route_rerun_decision(should_run: Callable) -> bool:
+    """``RerunStateMachine.should_run_forward_backward(data_iterator)`` goes through ``should_run(original, machine,
+    data_iterator)``. Installed only with :func:`route_deferred_loss_checks` (whose routed ``validate_result`` queues
+    what this decides); returns whether it is installed."""
+    if not deferred_loss_checks_routed():
+        return False
+    from megatron.core.rerun_state_machine import RerunStateMachine
+
+    if not is_patched(RerunStateMachine, "should_run_forward_backward"):
+        original = RerunStateMachine.should_run_forward_backward
+
+        def routed(self, data_iterator):
+            return should_run(original, self, data_iterator)
+
+        install_patches(((RerunStateMachine, "should_run_forward_backward", routed),))
+    return rerun_decision_routed()
+
+
+def rerun_decision_routed() -> bool:
+    from megatron.core.rerun_state_machine import RerunStateMachine
+
+    return is_patched(RerunStateMachine, "should_run_forward_backward") and deferred_loss_checks_routed()
+
+
+@_hook("rerun_state_machine: should_run_forward_backward(data_iterator) resets validation_counts first and, in an "
+       "initial run under validate_results, reduces rerun_requested over the ranks; validate_result's call identity "
+       "is (message, rank, per-message sequence) from _get_validation_call_info, not the caller's stack; "
+       "RerunMode.VALIDATE_RESULTS, RerunState.INITIAL_RUN, first_iteration_complete", "deferred_grad_checks.py",
+       MCORE)
+def _probe_rerun_decision() -> None:
+    import inspect
+
+    from megatron.core.rerun_state_machine import RerunMode, RerunState, RerunStateMachine
+
+    run = inspect.getsource(unpatched(RerunStateMachine, "should_run_forward_backward"))
+    body = run[run.index('"""', run.index('"""') + 3) + 3:]
+    first = next(line.strip() for line in body.splitlines() if line.strip() and not line.strip().startswith("#"))
+    assert first == "self.validation_counts = defaultdict(int)", first
+    assert "self._reduce_any(self.rerun_requested)" in run
+    call = inspect.getsource(RerunStateMachine._get_validation_call_info)
+    assert "Caller(message=message, rank=rank)" in call and "inspect" not in call and "stack" not in call
+    check = inspect.getsource(unpatched(RerunStateMachine, "validate_result"))
+    for piece in ("self._get_validation_call_info(message)", "self.state == RerunState.INITIAL_RUN and not "
+                  "self.rerun_requested", "if not self.first_iteration_complete:", "self.initial_result = result"):
+        assert piece in check, piece
+    assert RerunMode.VALIDATE_RESULTS.value == "validate_results" and RerunState.INITIAL_RUN is not None
 
 
 def check_all() -> list[str]:

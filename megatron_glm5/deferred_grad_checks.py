@@ -52,6 +52,17 @@ whose gradients stay finite (a NaN under the loss mask) stops every rank before 
 earlier iteration still pending (no torch optimizer stepped since) is decided at the next one, and the route turns
 off.
 
+Under Megatron-LM's default rerun mode, ``validate_results``, megatron-core does not raise at a rejected check: in
+the initial run of an iteration it records the failure and asks for a re-run, which ``should_run_forward_backward``
+decides right after the forward-backward (an all-reduce of ``rerun_requested``). There the NaN / Inf checks of the
+initial run (Megatron-LM's loss checks and DDP's bucket checks, 0-dim plain tensors) are queued instead, each with a
+copy of its result (:func:`validation_deferrable`), and replayed through megatron-core's own ``validate_result``, in
+their order, when ``should_run_forward_backward`` starts (:func:`before_rerun_decision`, through
+:func:`megatron_glm5.compat.route_rerun_decision`), before it reads or resets anything: the same failed call (its
+message and sequence number), initial result, log file entry and re-run. One host wait per step there, after the
+host has queued the whole backward, instead of one per check; any other check, a check of another iteration, the
+optimizer's pre-hook or a re-run state decides the queue first.
+
 Tests: ``tests/test_deferred_grad_checks.py`` (megatron-core's DDP on the CPU: the raise before the parameters
 change, the messages, the fallbacks); ``tests/gpu/test_deferred_grad_checks_gpu.py`` (no host sync under torch's
 sync debug mode).
@@ -107,7 +118,18 @@ class PendingLossCheck:
             self.replay()
 
 
-_pending: list[PendingCheck] = []
+@dataclass
+class PendingValidation:
+    """One NaN / Inf ``validate_result`` of an initial run under ``validate_results``, replayed as it was called."""
+
+    replay: Callable[[], None]
+    iteration: int
+
+    def decide(self) -> None:
+        self.replay()
+
+
+_pending: list[PendingCheck | PendingLossCheck | PendingValidation] = []
 _side_streams: dict[Any, Any] = {}
 _log = logging.getLogger("megatron_glm5")
 _turned_off: list[str] = []  # why the route stopped deferring in this process (empty: it defers)
@@ -205,7 +227,9 @@ def check_grads_deferred(original: Callable, bucket_group: Any, check_for_nan_or
         resolve_pending()
     if not deferrable(bucket_group):
         _grad_checks["at_once"] += 1
-        resolve_pending()  # loss checks deferred before the layout stopped deferring: decided first, in order
+        if not all(isinstance(check, PendingValidation) for check in _pending):
+            resolve_pending()  # loss checks deferred before the layout stopped deferring: decided first, in order
+        # (queued validations stay queued: this check's own validate_result calls queue behind them, in order)
         _loss_flags.clear()
         return original(bucket_group, check_for_nan_or_inf, check_for_large)
     _grad_checks["deferred"] += 1
@@ -252,12 +276,45 @@ def loss_deferrable(machine: Any, result: Any, rejection_func: Callable) -> bool
     return _grad_checks["deferred"] > 0 and not _grad_checks["at_once"] and not _grad_checks["unflagged"]
 
 
+def validation_deferrable(machine: Any, result: Any, rejection_func: Callable) -> bool:
+    """Whether this ``validate_result`` may wait for ``should_run_forward_backward`` (module docstring): rerun mode
+    ``validate_results`` in an initial run past the first iteration with no re-run requested yet, megatron-core's NaN /
+    Inf rejection of a 0-dim plain tensor, the decision route installed, not under CUDA graph capture."""
+    from megatron.core.rerun_state_machine import RerunMode, RerunState
+
+    if _turned_off or rejection_func not in (torch.isnan, torch.isinf) or machine.mode != RerunMode.VALIDATE_RESULTS:
+        return False
+    if machine.state != RerunState.INITIAL_RUN or machine.rerun_requested or not machine.first_iteration_complete:
+        return False
+    if type(result) is not torch.Tensor or result.dim() != 0:
+        return False
+    if result.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    from megatron_glm5.compat import rerun_decision_routed
+
+    return rerun_decision_routed()
+
+
 def validate_result_deferred(original: Callable, machine: Any, result: Any, rejection_func: Callable, message: str,
                              comparison_func: Callable | None = None, tolerance: float = 0.0,
                              fatal: bool = True) -> Any:
     """megatron-core's ``RerunStateMachine.validate_result`` (``original``) decided at the optimizer step where
     :func:`loss_deferrable`, else at once. A loss check of an earlier iteration still pending means no torch
-    optimizer stepped since: everything pending is decided now and the route turns off."""
+    optimizer stepped since: everything pending is decided now and the route turns off. Under ``validate_results``
+    the NaN / Inf checks of an initial run are queued for ``should_run_forward_backward`` instead
+    (:func:`validation_deferrable`)."""
+    if validation_deferrable(machine, result, rejection_func):
+        iteration = machine.current_iteration
+        if any(getattr(check, "iteration", iteration) != iteration for check in _pending):
+            resolve_pending()  # an earlier iteration's (a loop without should_run_forward_backward): first, in order
+        with torch.no_grad():
+            value = result.detach().clone()  # Megatron-LM divides the loss in place after its checks
+
+        def replay_validation() -> None:
+            original(machine, value, rejection_func, message, comparison_func, tolerance, fatal)
+
+        _pending.append(PendingValidation(replay_validation, iteration))
+        return None
     if not loss_deferrable(machine, result, rejection_func):
         resolve_pending()  # anything pending is older: decided first, in order
         return original(machine, result, rejection_func, message, comparison_func, tolerance, fatal)
@@ -303,6 +360,16 @@ def resolve_pending() -> None:
         _deciding.clear()
 
 
+def before_rerun_decision(original: Callable, machine: Any, data_iterator: Any) -> bool:
+    """megatron-core's ``RerunStateMachine.should_run_forward_backward`` (``original``) after the queued checks are
+    replayed, in order, while the machine is still in the state they were made in (it resets the call counts and
+    reduces ``rerun_requested`` first thing). Under ``disabled`` nothing is queued here: its deferred checks wait for
+    the optimizer step, as before."""
+    if any(isinstance(check, PendingValidation) for check in _pending):
+        resolve_pending()
+    return original(machine, data_iterator)
+
+
 def reset() -> None:
     """Forget every pending check, flag and count, and turn the route back on (tests; a restarted run in the same
     process)."""
@@ -329,5 +396,6 @@ def before_optimizer_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs:
         resolve_pending()
 
 
-__all__ = ["PendingCheck", "PendingLossCheck", "before_optimizer_step", "check_grads_deferred", "deferrable",
-           "loss_deferrable", "pending_checks", "reset", "resolve_pending", "validate_result_deferred"]
+__all__ = ["PendingCheck", "PendingLossCheck", "PendingValidation", "before_optimizer_step", "before_rerun_decision",
+           "check_grads_deferred", "deferrable", "loss_deferrable", "pending_checks", "reset", "resolve_pending",
+           "validate_result_deferred", "validation_deferrable"]

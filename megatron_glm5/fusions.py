@@ -356,6 +356,7 @@ def install_fusions() -> dict[str, bool]:
         compat.route_deferred_grad_checks(deferred_grad_checks.check_grads_deferred,
                                           deferred_grad_checks.before_optimizer_step)
         compat.route_deferred_loss_checks(deferred_grad_checks.validate_result_deferred)
+        compat.route_rerun_decision(deferred_grad_checks.before_rerun_decision)
     if enabled(CACHED_ROUTER_WALKS_ENV):
         compat.route_finalize_walks(finalize_walks.update_router_expert_bias,
                                     finalize_walks.reset_model_temporary_tensors, finalize_walks.model_changed)
@@ -366,6 +367,7 @@ def install_fusions() -> dict[str, bool]:
               "device_grad_clip": compat.device_grad_clip_routed(),
               "deferred_grad_checks": compat.deferred_grad_checks_routed(),
               "deferred_loss_checks": compat.deferred_loss_checks_routed(),
+              "rerun_decision": compat.rerun_decision_routed(),
               "router_walks": compat.finalize_walks_routed(),
               "moe_device_counts": compat.dispatch_postprocess_routed()}
     own = {"RMSNorm": enabled(FUSED_RMSNORM_ENV), "RoPE": enabled(FUSED_ROPE_ENV)}

@@ -52,7 +52,8 @@ def _unroute() -> None:
     from megatron.core.rerun_state_machine import RerunStateMachine
 
     compat.remove_patches(((pgb._ParamAndGradBucketGroup, "check_grads", None),
-                           (RerunStateMachine, "validate_result", None), (OptimizerCudaGraphWrapper, "__init__", None)))
+                           (RerunStateMachine, "validate_result", None), (OptimizerCudaGraphWrapper, "__init__", None),
+                           (RerunStateMachine, "should_run_forward_backward", None)))
 
 
 def _backward(ddp, poison: float | None = None) -> None:
@@ -272,7 +273,7 @@ def test_route_off_by_default_and_installed_by_its_switch(monkeypatch):
     monkeypatch.setenv(fusions.DEFERRED_GRAD_CHECKS_ENV, "1")
     try:
         routed = fusions.install_fusions()
-        assert routed["deferred_grad_checks"] and routed["deferred_loss_checks"]
+        assert routed["deferred_grad_checks"] and routed["deferred_loss_checks"] and routed["rerun_decision"]
     finally:
         _unroute()
 
