@@ -21,7 +21,7 @@ environment variable read when a module or block spec is built (``0`` or ``1``; 
   bitwise equal). Routed through :func:`megatron_glm5.compat.route_multi_tensor_scale`. bf16 training's main -> model
   copies do not use it: megatron-core copies them one ``copy_`` per tensor, and one foreach copy instead was measured
   no faster (issue 23, round 8).
-* ``MEGATRON_GLM5_DEVICE_GRAD_CLIP`` (experimental, off) - with the gradient norm above, megatron-core's gradient
+* ``MEGATRON_GLM5_DEVICE_GRAD_CLIP`` - with the gradient norm above, megatron-core's gradient
   norm stays on the device (:func:`megatron_glm5.optim_fusions.grad_norm_on_device`: without apex / TE it ends in a
   host read) and the clip scales the gradients with a kernel that reads the coefficient on the device and writes
   nothing when it is not below one (:mod:`megatron_glm5.kernels.grad_clip`): the host queues the clip and the
@@ -29,11 +29,12 @@ environment variable read when a module or block spec is built (``0`` or ``1``; 
   squared norm, its square root in double (Python's ``pow`` there, which is within one ulp of the correctly rounded
   root), the coefficient rounded to fp32 as its Python float is (equal for all of 200000 sampled norms, and the norm
   too once rounded to fp32 as Megatron-LM's log does). The norm is returned as a one-element fp64 tensor, as
-  megatron-core's tensor branch does with TE. Off because the step did not measurably gain (H200, GLM-5 slice,
-  issue 23 round 9: -1.9 ms by the median in one call, within the noise in two others): the host's own work after
-  the norm is queued (the clip's parameter loop, Adam's launch) outlasts the norm on the GPU, so the GPU still waits.
+  megatron-core's tensor branch does with TE. Alone it did not measurably gain (issue 23 round 9: the host's own
+  work after the norm outlasted the norm on the GPU); on by default since round 15 with the deferred checks below,
+  which keep the host ahead there.
   Routed through :func:`megatron_glm5.compat.route_device_grad_clip`.
-* ``MEGATRON_GLM5_DEFERRED_GRAD_CHECKS`` (experimental, off: not yet measured on a GPU) - megatron-core's DDP
+* ``MEGATRON_GLM5_DEFERRED_GRAD_CHECKS`` (on since issue 23 round 15; with the device clip: GLM-5 slice step 419.9
+  -> 414.0 ms on one H200, losses identical) - megatron-core's DDP
   gradient checks (Megatron-LM's default ``--check-for-nan-in-loss-and-grad``: each bucket's local gradient norm
   tested on the host, so the host waits for the whole backward at its end) decided on host copies of the same norms
   just before the optimizer's step, by megatron-core's own check (:mod:`megatron_glm5.deferred_grad_checks`): a NaN
@@ -42,15 +43,17 @@ environment variable read when a module or block spec is built (``0`` or ``1``; 
   (on a side stream) tells every rank whether any rank's norms were NaN / Inf, and all of them stop before their
   step (megatron-core's check leaves the other ranks waiting in the gradient collective). Only where the gradient
   collective spans the whole job (one process, or pure data parallelism: with tensor, pipeline or expert
-  parallelism a NaN also travels outside that group), in rerun mode ``disabled`` (``--rerun-mode disabled``: not
-  Megatron-LM's default, ``validate_results``, under which nothing is deferred), with one distributed-optimizer
-  instance and no optimizer CUDA graph; elsewhere megatron-core's check runs as it is. With
+  parallelism a NaN also travels outside that group), in rerun mode ``disabled`` (``--rerun-mode disabled``), with
+  one distributed-optimizer instance and no optimizer CUDA graph; elsewhere megatron-core's check runs as it is.
+  Under Megatron-LM's default rerun mode, ``validate_results`` (where megatron-core decides a re-run rather than
+  raising), the NaN / Inf checks of an initial run (the loss checks, the bucket checks) are instead replayed in order
+  when ``should_run_forward_backward`` starts, megatron-core's decision point: one host wait per step. With
   ``MEGATRON_GLM5_DEVICE_GRAD_CLIP`` the optimizer phase then has no host sync left (issue 23, round 9: the host's
   work there is GPU idle time). The forward loss checks of Megatron-LM's ``loss_func`` (NaN and Inf, one host sync
   each per micro-batch) are decided at the same point once the gradient checks are deferred, before them and with the
   same error; over several ranks their flags ride on the gradient checks'
-  all-reduced one. Routed through :func:`megatron_glm5.compat.route_deferred_grad_checks` and
-  :func:`megatron_glm5.compat.route_deferred_loss_checks`.
+  all-reduced one. Routed through :func:`megatron_glm5.compat.route_deferred_grad_checks`,
+  :func:`megatron_glm5.compat.route_deferred_loss_checks` and :func:`megatron_glm5.compat.route_rerun_decision`.
 * ``MEGATRON_GLM5_CACHED_ROUTER_WALKS`` - megatron-core's two per-step walks over every module after the backward
   (router expert-bias update, temporary-tensor reset) over the router modules only, found once
   (:mod:`megatron_glm5.finalize_walks`; megatron-core's own functions, same result). H200, GLM-5 slice: 2.95 -> 0.69
@@ -197,8 +200,8 @@ _DEFAULTS = {FUSED_RMSNORM_ENV: "1", FUSED_SWIGLU_ENV: "1", FUSED_MOE_PERMUTE_EN
              FUSED_ROPE_ENV: "1", FUSED_WGRAD_ENV: "1", FUSED_ADAM_ENV: "1", MOE_DEVICE_COUNTS_ENV: "1",
              ZERO_GROUPS_KERNEL_ENV: "1", GROUPED_SPARSE_MLA_ENV: "1", GROUPED_WGRAD_ACCUMULATION_ENV: "1",
              SPLIT_RECOMPUTE_ENV: "1", MLP_CHUNKS_BY_LENGTH_ENV: "1", FUSED_MULTI_TENSOR_SCALE_ENV: "1",
-             MASK_RANGES_KERNEL_ENV: "1", DEVICE_GRAD_CLIP_ENV: "0", CACHED_ROUTER_WALKS_ENV: "1",
-             DEFERRED_GRAD_CHECKS_ENV: "0", ADAM_MODEL_COPY_ENV: "1",
+             MASK_RANGES_KERNEL_ENV: "1", DEVICE_GRAD_CLIP_ENV: "1", CACHED_ROUTER_WALKS_ENV: "1",
+             DEFERRED_GRAD_CHECKS_ENV: "1", ADAM_MODEL_COPY_ENV: "1",
              EXPERT_WGRAD_GEMMS_ENV: "1", KEY_BLOCK_DKV_ENV: "1"}
 
 

@@ -265,10 +265,12 @@ def test_tensor_parallel_ranks_keep_megatron_cores_check(tmp_path):
     assert results[0]["raised_at"] is None
 
 
-def test_route_off_by_default_and_installed_by_its_switch(monkeypatch):
+def test_route_on_by_default_and_installed_by_its_switch(monkeypatch):
     from megatron_glm5 import fusions
 
     monkeypatch.delenv(fusions.DEFERRED_GRAD_CHECKS_ENV, raising=False)
+    assert fusions.enabled(fusions.DEFERRED_GRAD_CHECKS_ENV)
+    monkeypatch.setenv(fusions.DEFERRED_GRAD_CHECKS_ENV, "0")
     assert not fusions.enabled(fusions.DEFERRED_GRAD_CHECKS_ENV)
     monkeypatch.setenv(fusions.DEFERRED_GRAD_CHECKS_ENV, "1")
     try:
