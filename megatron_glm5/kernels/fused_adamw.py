@@ -234,12 +234,10 @@ def matches_torch(device: torch.device, hyper: AdamWHyper, model_dtype: torch.dt
         torch._fused_adamw_([row[0] for row in theirs], [row[1] for row in theirs], [row[2] for row in theirs],
                             [row[3] for row in theirs], [], steps, lr=h.lr, beta1=h.beta1, beta2=h.beta2,
                             weight_decay=h.weight_decay, eps=h.eps, amsgrad=False, maximize=False)
-        for a, b, model in zip(ours, theirs, models):
-            for x, y in zip(a, b):
-                if not torch.equal(x.view(torch.int32) if x.dtype == torch.float32 else x, y.view(torch.int32)
-                                   if y.dtype == torch.float32 else y):
-                    return False
-            if not torch.equal(model, b[0].to(model_dtype)):
+        for a, b, model in zip(ours, theirs, models):  # bits, not values: -0.0 and NaN payloads count too
+            if not all(torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a, b)):
+                return False
+            if not torch.equal(model.view(torch.int16), b[0].to(model_dtype).view(torch.int16)):
                 return False
     return True
 

@@ -138,34 +138,25 @@ VARIANTS = {
         Variant("tilelang-grouped-mask-torch", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
                 "(a) with grouped-GEMM experts, the dense mask's key ranges by the torch passes (the one-pass "
                 "Triton kernel is the default since round 8)", (("MEGATRON_GLM5_MASK_RANGES_KERNEL", "0"),)),
-        Variant("tilelang-grouped-device-clip", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
-                "(a) with grouped-GEMM experts and the experimental device gradient clip (the norm kept on the "
-                "device, the scale kernel writing nothing below the clip; `MEGATRON_GLM5_DEVICE_GRAD_CLIP=1`)",
-                (("MEGATRON_GLM5_DEVICE_GRAD_CLIP", "1"),)),
-        Variant("tilelang-grouped-deferred-checks", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
-                "(a) with grouped-GEMM experts, DDP's gradient NaN / Inf checks and Megatron-LM's loss checks decided "
-                "before the optimizer step instead of at the backward's end and after each loss, and the device "
-                "gradient clip: no host sync left between the backward and Adam, none after the losses "
-                "(`MEGATRON_GLM5_DEFERRED_GRAD_CHECKS=1`, `MEGATRON_GLM5_DEVICE_GRAD_CLIP=1`)",
-                (("MEGATRON_GLM5_DEFERRED_GRAD_CHECKS", "1"), ("MEGATRON_GLM5_DEVICE_GRAD_CLIP", "1"))),
-        Variant("tilelang-grouped-deferred-checks-host-clip", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
-                "(a) with grouped-GEMM experts, DDP's gradient checks deferred to the optimizer step, megatron-core's "
-                "host clip (its norm read on the host stays a sync; `MEGATRON_GLM5_DEFERRED_GRAD_CHECKS=1`)",
-                (("MEGATRON_GLM5_DEFERRED_GRAD_CHECKS", "1"),)),
-        Variant("tilelang-grouped-adam-copy", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
-                "(a) with grouped-GEMM experts and AdamW as one Triton kernel per parameter group that also writes "
-                "the bf16 model parameters (no separate main -> model copy; `MEGATRON_GLM5_ADAM_MODEL_COPY=1`, the "
-                "default since round 15)", (("MEGATRON_GLM5_ADAM_MODEL_COPY", "1"),)),
+        Variant("tilelang-grouped-host-clip", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
+                "(a) with grouped-GEMM experts and megatron-core's host clip (its norm read on the host; the device "
+                "clip is the default since round 15; `MEGATRON_GLM5_DEVICE_GRAD_CLIP=0`)",
+                (("MEGATRON_GLM5_DEVICE_GRAD_CLIP", "0"),)),
+        Variant("tilelang-grouped-host-checks", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
+                "(a) with grouped-GEMM experts, megatron-core's loss and gradient checks at once and its host clip "
+                "(the deferred checks and the device clip are the default since round 15; "
+                "`MEGATRON_GLM5_DEFERRED_GRAD_CHECKS=0`, `MEGATRON_GLM5_DEVICE_GRAD_CLIP=0`)",
+                (("MEGATRON_GLM5_DEFERRED_GRAD_CHECKS", "0"), ("MEGATRON_GLM5_DEVICE_GRAD_CLIP", "0"))),
         Variant("tilelang-grouped-torch-adam", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
                 "(a) with grouped-GEMM experts, torch's fused AdamW and megatron-core's per-tensor main -> model "
-                "copies (round 14's default; `MEGATRON_GLM5_ADAM_MODEL_COPY=0`)",
-                (("MEGATRON_GLM5_ADAM_MODEL_COPY", "0"),)),
-        Variant("tilelang-grouped-optimizer-phase", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
-                "(a) with grouped-GEMM experts and the three experimental optimizer-phase switches together: "
-                "deferred checks, device clip, AdamW writing the model copies (`MEGATRON_GLM5_DEFERRED_GRAD_CHECKS=1`, "
-                "`MEGATRON_GLM5_DEVICE_GRAD_CLIP=1`, `MEGATRON_GLM5_ADAM_MODEL_COPY=1`)",
-                (("MEGATRON_GLM5_DEFERRED_GRAD_CHECKS", "1"), ("MEGATRON_GLM5_DEVICE_GRAD_CLIP", "1"),
-                 ("MEGATRON_GLM5_ADAM_MODEL_COPY", "1"))),
+                "copies (the AdamW kernel writing the copies is the default since round 15; "
+                "`MEGATRON_GLM5_ADAM_MODEL_COPY=0`)", (("MEGATRON_GLM5_ADAM_MODEL_COPY", "0"),)),
+        Variant("tilelang-grouped-round14-optimizer", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
+                "(a) with grouped-GEMM experts and round 14's optimizer phase: checks at once, host clip, torch's "
+                "AdamW and the per-tensor copies (`MEGATRON_GLM5_DEFERRED_GRAD_CHECKS=0`, "
+                "`MEGATRON_GLM5_DEVICE_GRAD_CLIP=0`, `MEGATRON_GLM5_ADAM_MODEL_COPY=0`)",
+                (("MEGATRON_GLM5_DEFERRED_GRAD_CHECKS", "0"), ("MEGATRON_GLM5_DEVICE_GRAD_CLIP", "0"),
+                 ("MEGATRON_GLM5_ADAM_MODEL_COPY", "0"))),
         Variant("tilelang-grouped-pp-named", "get_glm5_tilelang_spec", ("--moe-grouped-gemm",),
                 "(a) with grouped-GEMM experts, the `pp` sparse-MLA forward with named barriers for the math "
                 "warpgroups' exchanges (experimental; `MEGATRON_GLM5_PP_OPTIONS=named_exchange`)",
